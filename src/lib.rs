@@ -1,0 +1,8 @@
+//! kvpush moves the KV cache of a request from a prefill engine (P) to a decode engine (D) by
+//! **push**: D registers where the KV must land while P still computes it, and P writes it there the
+//! moment its blocks are ready.
+//!
+//! The crate is layered (docs/architecture.md): [`proto`] is the sans-IO protocol core every other
+//! layer drives.
+
+pub mod proto;

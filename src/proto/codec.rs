@@ -1,0 +1,457 @@
+//! Versioned binary framing of [`Message`]s with a hard size limit.
+//!
+//! A frame is a fixed 9-byte header followed by a postcard-encoded payload:
+//!
+//! ```text
+//! offset 0  2 bytes  magic "KP"
+//! offset 2  2 bytes  protocol version, little endian (PROTOCOL_VERSION)
+//! offset 4  1 byte   message kind (Kind)
+//! offset 5  4 bytes  payload length, little endian (<= the kind's limit)
+//! offset 9  payload  postcard (serde) encoding of the message's wire form
+//! ```
+//!
+//! [`decode`] never panics and never allocates beyond the frame it is given: the header's length and
+//! the per-kind limit are checked before the payload is parsed, trailing bytes are refused, and the
+//! decoded value is range-checked (a handshake's layout is validated and its compatibility hash
+//! recomputed; a registration is checked against the sender's layout; ranks against its sizes).
+//! Stream readers call [`frame_len`] on the first [`HEADER_LEN`] bytes to learn how much to read.
+
+use super::compat::compat_hash;
+use super::ids::Rank;
+use super::layout::KvLayout;
+use super::msg::{
+    check_len, Abort, Completion, Failure, Handshake, Heartbeat, Message, RangeError, Registration, RegistrationWire,
+    MAX_AGENT_METADATA, MAX_DETAIL, MAX_ENGINE_ID,
+};
+
+/// Version of the wire format; a peer speaking another version is refused.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Bytes of the frame header.
+pub const HEADER_LEN: usize = 9;
+/// Frame magic.
+pub const MAGIC: [u8; 2] = *b"KP";
+/// Largest payload of a handshake frame.
+pub const MAX_HANDSHAKE_PAYLOAD: u32 = 16 << 20;
+/// Largest payload of any other frame.
+pub const MAX_PAYLOAD: u32 = 4 << 20;
+
+/// The message kind byte of a frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    /// [`Handshake`].
+    Handshake = 1,
+    /// [`Registration`].
+    Registration = 2,
+    /// [`Completion`].
+    Completion = 3,
+    /// [`Failure`].
+    Failure = 4,
+    /// [`Abort`].
+    Abort = 5,
+    /// [`Heartbeat`].
+    Heartbeat = 6,
+}
+
+impl Kind {
+    fn from_byte(b: u8) -> Option<Kind> {
+        Some(match b {
+            1 => Kind::Handshake,
+            2 => Kind::Registration,
+            3 => Kind::Completion,
+            4 => Kind::Failure,
+            5 => Kind::Abort,
+            6 => Kind::Heartbeat,
+            _ => return None,
+        })
+    }
+
+    /// Largest payload this kind may carry.
+    pub fn max_payload(self) -> u32 {
+        match self {
+            Kind::Handshake => MAX_HANDSHAKE_PAYLOAD,
+            _ => MAX_PAYLOAD,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Handshake => "handshake",
+            Kind::Registration => "registration",
+            Kind::Completion => "completion",
+            Kind::Failure => "failure",
+            Kind::Abort => "abort",
+            Kind::Heartbeat => "heartbeat",
+        }
+    }
+}
+
+/// Why bytes are not a valid message. Every malformed input maps to one of these, never a panic.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// Fewer bytes than the header or its declared length.
+    #[error("truncated frame: {got} bytes, {needed} needed")]
+    Truncated {
+        /// Bytes needed.
+        needed: usize,
+        /// Bytes present.
+        got: usize,
+    },
+    /// More bytes than the declared length.
+    #[error("{extra} trailing bytes after the {kind} frame")]
+    TrailingBytes {
+        /// Frame kind.
+        kind: &'static str,
+        /// Bytes beyond the frame (or beyond the payload's encoding).
+        extra: usize,
+    },
+    /// The magic is not "KP".
+    #[error("not a kvpush frame (magic {0:02x?})")]
+    BadMagic([u8; 2]),
+    /// The peer speaks another protocol version.
+    #[error("unsupported protocol version {got} (this build speaks {supported})")]
+    UnsupportedVersion {
+        /// Version in the frame.
+        got: u16,
+        /// Version this build speaks.
+        supported: u16,
+    },
+    /// The kind byte names no message.
+    #[error("unknown message kind {0}")]
+    UnknownKind(u8),
+    /// The declared length is above the kind's limit.
+    #[error("{kind} frame of {len} bytes exceeds the limit of {max}")]
+    TooLarge {
+        /// Frame kind.
+        kind: &'static str,
+        /// Declared payload length.
+        len: u64,
+        /// The limit.
+        max: u32,
+    },
+    /// The payload is not a valid encoding of the kind's wire form.
+    #[error("malformed {kind} payload: {reason}")]
+    Malformed {
+        /// Frame kind.
+        kind: &'static str,
+        /// The parser's reason.
+        reason: String,
+    },
+    /// A message that refers to the sender's layout arrived before its handshake.
+    #[error("{kind} received before the peer's handshake")]
+    NoPeerLayout {
+        /// Frame kind.
+        kind: &'static str,
+    },
+    /// A field is out of range for the layout it refers to.
+    #[error("{kind} out of range: {source}")]
+    Range {
+        /// Frame kind.
+        kind: &'static str,
+        /// What is out of range.
+        #[source]
+        source: RangeError,
+    },
+    /// A handshake's compatibility hash does not match its own fields.
+    #[error("handshake compatibility hash {declared:#018x} does not match its fields ({computed:#018x})")]
+    HashMismatch {
+        /// Hash the peer sent.
+        declared: u64,
+        /// Hash of the fields it sent.
+        computed: u64,
+    },
+}
+
+/// Why a message cannot be encoded.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EncodeError {
+    /// The encoded payload exceeds the kind's limit.
+    #[error("{kind} payload of {len} bytes exceeds the limit of {max}")]
+    TooLarge {
+        /// Frame kind.
+        kind: &'static str,
+        /// Encoded length.
+        len: usize,
+        /// The limit.
+        max: u32,
+    },
+    /// A field is out of range (it would be refused by the receiver).
+    #[error("{kind} out of range: {source}")]
+    Range {
+        /// Frame kind.
+        kind: &'static str,
+        /// What is out of range.
+        #[source]
+        source: RangeError,
+    },
+    /// The serializer failed.
+    #[error("cannot encode {kind}: {reason}")]
+    Serialize {
+        /// Frame kind.
+        kind: &'static str,
+        /// The serializer's reason.
+        reason: String,
+    },
+}
+
+fn kind_of(msg: &Message) -> Kind {
+    match msg {
+        Message::Handshake(_) => Kind::Handshake,
+        Message::Registration(_) => Kind::Registration,
+        Message::Completion(_) => Kind::Completion,
+        Message::Failure(_) => Kind::Failure,
+        Message::Abort(_) => Kind::Abort,
+        Message::Heartbeat(_) => Kind::Heartbeat,
+    }
+}
+
+/// Appends `msg` as one frame to `out` (which the caller owns and may reuse). On error `out` is
+/// left as it was.
+pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
+    let kind = kind_of(msg);
+    let name = kind.name();
+    let range = |source| EncodeError::Range { kind: name, source };
+    match msg {
+        Message::Handshake(h) => check_handshake_fields(h).map_err(range)?,
+        Message::Failure(f) => check_len("detail", f.detail.len(), MAX_DETAIL).map_err(range)?,
+        Message::Abort(a) => check_len("reason", a.reason.len(), MAX_DETAIL).map_err(range)?,
+        Message::Registration(_) | Message::Completion(_) | Message::Heartbeat(_) => {}
+    }
+    let payload = match msg {
+        Message::Handshake(h) => postcard::to_allocvec(h.as_ref()),
+        Message::Registration(r) => postcard::to_allocvec(&RegistrationWire::from(r)),
+        Message::Completion(c) => postcard::to_allocvec(c),
+        Message::Failure(f) => postcard::to_allocvec(f),
+        Message::Abort(a) => postcard::to_allocvec(a),
+        Message::Heartbeat(h) => postcard::to_allocvec(h),
+    }
+    .map_err(|e| EncodeError::Serialize { kind: name, reason: e.to_string() })?;
+    let max = kind.max_payload();
+    let len = u32::try_from(payload.len()).ok().filter(|&l| l <= max).ok_or(EncodeError::TooLarge {
+        kind: name,
+        len: payload.len(),
+        max,
+    })?;
+    out.reserve(HEADER_LEN + payload.len());
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    out.push(kind as u8);
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(&payload);
+    Ok(())
+}
+
+/// Encodes `msg` into a new buffer.
+pub fn to_vec(msg: &Message) -> Result<Vec<u8>, EncodeError> {
+    let mut out = Vec::new();
+    encode(msg, &mut out)?;
+    Ok(out)
+}
+
+/// Given at least [`HEADER_LEN`] bytes of a stream, the total length of the frame they start,
+/// after checking magic, version, kind and the size limit. `Ok(None)` if fewer bytes are present.
+pub fn frame_len(header: &[u8]) -> Result<Option<usize>, DecodeError> {
+    if header.len() < HEADER_LEN {
+        return Ok(None);
+    }
+    let (_, len) = parse_header(header)?;
+    Ok(Some(HEADER_LEN + len))
+}
+
+fn parse_header(bytes: &[u8]) -> Result<(Kind, usize), DecodeError> {
+    if bytes.len() < HEADER_LEN {
+        return Err(DecodeError::Truncated { needed: HEADER_LEN, got: bytes.len() });
+    }
+    let magic = [bytes[0], bytes[1]];
+    if magic != MAGIC {
+        return Err(DecodeError::BadMagic(magic));
+    }
+    let version = u16::from_le_bytes([bytes[2], bytes[3]]);
+    if version != PROTOCOL_VERSION {
+        return Err(DecodeError::UnsupportedVersion { got: version, supported: PROTOCOL_VERSION });
+    }
+    let kind = Kind::from_byte(bytes[4]).ok_or(DecodeError::UnknownKind(bytes[4]))?;
+    let len = u32::from_le_bytes([bytes[5], bytes[6], bytes[7], bytes[8]]);
+    if len > kind.max_payload() {
+        return Err(DecodeError::TooLarge { kind: kind.name(), len: len.into(), max: kind.max_payload() });
+    }
+    Ok((kind, len as usize))
+}
+
+fn parse<'a, T: serde::Deserialize<'a>>(kind: Kind, payload: &'a [u8]) -> Result<T, DecodeError> {
+    let (value, rest) = postcard::take_from_bytes::<T>(payload)
+        .map_err(|e| DecodeError::Malformed { kind: kind.name(), reason: e.to_string() })?;
+    if !rest.is_empty() {
+        return Err(DecodeError::TrailingBytes { kind: kind.name(), extra: rest.len() });
+    }
+    Ok(value)
+}
+
+fn check_handshake_fields(h: &Handshake) -> Result<(), RangeError> {
+    check_len("engine_id", h.engine_id.len(), MAX_ENGINE_ID)?;
+    check_len("software", h.software.len(), MAX_ENGINE_ID)?;
+    check_len("agent_metadata", h.agent_metadata.len(), MAX_AGENT_METADATA)?;
+    h.layout.validate()?;
+    Ok(())
+}
+
+fn check_rank(rank: Rank, peer: &KvLayout) -> Result<(), RangeError> {
+    let expected = peer.parallel.rank();
+    if rank != expected {
+        return Err(RangeError::Rank { got: rank, expected });
+    }
+    Ok(())
+}
+
+/// Decodes exactly one frame. `peer` is the sender's layout from its handshake (`None` before it);
+/// every message except a handshake or heartbeat is checked against it.
+pub fn decode(bytes: &[u8], peer: Option<&KvLayout>) -> Result<Message, DecodeError> {
+    let (kind, len) = parse_header(bytes)?;
+    let total = HEADER_LEN + len;
+    if bytes.len() < total {
+        return Err(DecodeError::Truncated { needed: total, got: bytes.len() });
+    }
+    if bytes.len() > total {
+        return Err(DecodeError::TrailingBytes { kind: kind.name(), extra: bytes.len() - total });
+    }
+    let payload = &bytes[HEADER_LEN..];
+    let name = kind.name();
+    let range = |source| DecodeError::Range { kind: name, source };
+    let need_peer = || peer.ok_or(DecodeError::NoPeerLayout { kind: name });
+    Ok(match kind {
+        Kind::Handshake => {
+            let h: Handshake = parse(kind, payload)?;
+            check_handshake_fields(&h).map_err(range)?;
+            let computed = compat_hash(&h.layout.model, h.layout.order, h.mode, h.protocol);
+            if computed != h.compat_hash {
+                return Err(DecodeError::HashMismatch { declared: h.compat_hash, computed });
+            }
+            Message::Handshake(Box::new(h))
+        }
+        Kind::Registration => {
+            let w: RegistrationWire = parse(kind, payload)?;
+            let layout = need_peer()?;
+            let r = Registration::new(w.key, w.engine_id, w.rank, w.num_tokens, w.block_ids, layout).map_err(range)?;
+            Message::Registration(r)
+        }
+        Kind::Completion => {
+            let c: Completion = parse(kind, payload)?;
+            check_rank(c.rank, need_peer()?).map_err(range)?;
+            Message::Completion(c)
+        }
+        Kind::Failure => {
+            let f: Failure = parse(kind, payload)?;
+            check_len("detail", f.detail.len(), MAX_DETAIL).map_err(range)?;
+            check_rank(f.rank, need_peer()?).map_err(range)?;
+            Message::Failure(f)
+        }
+        Kind::Abort => {
+            let a: Abort = parse(kind, payload)?;
+            check_len("reason", a.reason.len(), MAX_DETAIL).map_err(range)?;
+            check_rank(a.rank, need_peer()?).map_err(range)?;
+            Message::Abort(a)
+        }
+        Kind::Heartbeat => Message::Heartbeat(parse::<Heartbeat>(kind, payload)?),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::ids::Key;
+    use crate::proto::msg::{FailureKind, Mode};
+    use crate::proto::testutil::{handshake, small_layout};
+
+    fn all_messages() -> Vec<Message> {
+        let l = small_layout();
+        let rank = l.parallel.rank();
+        let key = Key::new(0xdead_beef, 3);
+        vec![
+            Message::Handshake(Box::new(handshake(l.clone(), Mode::Push))),
+            Message::Registration(
+                Registration::new(key, "decode-0".into(), rank, 33, vec![vec![4, 5, 6], vec![9]], &l).expect("fits"),
+            ),
+            Message::Completion(Completion { key, rank }),
+            Message::Failure(Failure {
+                key,
+                rank,
+                kind: FailureKind::TransferFailed { status: -3 },
+                detail: "post failed".into(),
+            }),
+            Message::Abort(Abort { key, rank, reason: "client went away".into() }),
+            Message::Heartbeat(Heartbeat { seq: 42 }),
+        ]
+    }
+
+    #[test]
+    fn round_trip_every_message() {
+        let l = small_layout();
+        let mut buf = Vec::new();
+        for m in all_messages() {
+            buf.clear();
+            encode(&m, &mut buf).expect("encodes");
+            assert_eq!(frame_len(&buf).expect("header"), Some(buf.len()));
+            let back = decode(&buf, Some(&l)).expect("decodes");
+            assert_eq!(back, m);
+        }
+    }
+
+    #[test]
+    fn every_truncation_is_a_typed_error() {
+        let l = small_layout();
+        for m in all_messages() {
+            let buf = to_vec(&m).expect("encodes");
+            for cut in 0..buf.len() {
+                let e = decode(&buf[..cut], Some(&l)).expect_err("truncated must fail");
+                assert!(matches!(e, DecodeError::Truncated { .. }), "cut {cut} of {} gave {e:?}", buf.len());
+            }
+        }
+    }
+
+    #[test]
+    fn header_faults() {
+        let l = small_layout();
+        let good = to_vec(&Message::Heartbeat(Heartbeat { seq: 1 })).expect("encodes");
+        let mut b = good.clone();
+        b[0] = b'X';
+        assert!(matches!(decode(&b, None), Err(DecodeError::BadMagic(_))));
+        let mut b = good.clone();
+        b[2] = 9;
+        assert!(matches!(decode(&b, None), Err(DecodeError::UnsupportedVersion { got: 9, supported: 1 })));
+        let mut b = good.clone();
+        b[4] = 77;
+        assert_eq!(decode(&b, None), Err(DecodeError::UnknownKind(77)));
+        let mut b = good.clone();
+        b[5..9].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(decode(&b, None), Err(DecodeError::TooLarge { .. })));
+        assert!(matches!(frame_len(&b), Err(DecodeError::TooLarge { .. })));
+        let mut b = good.clone();
+        b.push(0);
+        assert!(matches!(decode(&b, None), Err(DecodeError::TrailingBytes { extra: 1, .. })));
+        // A completion before the handshake has nothing to be checked against.
+        let c = to_vec(&Message::Completion(Completion { key: Key::new(1, 1), rank: l.parallel.rank() })).unwrap();
+        assert!(matches!(decode(&c, None), Err(DecodeError::NoPeerLayout { .. })));
+    }
+
+    #[test]
+    fn forged_handshake_hash_is_refused() {
+        let mut h = handshake(small_layout(), Mode::Pull);
+        h.compat_hash ^= 1;
+        let b = to_vec(&Message::Handshake(Box::new(h))).expect("encodes");
+        assert!(matches!(decode(&b, None), Err(DecodeError::HashMismatch { .. })));
+    }
+
+    #[test]
+    fn oversized_detail_is_refused_both_ways() {
+        let l = small_layout();
+        let f = Failure {
+            key: Key::new(1, 1),
+            rank: l.parallel.rank(),
+            kind: FailureKind::Aborted,
+            detail: "x".repeat(MAX_DETAIL + 1),
+        };
+        assert!(matches!(to_vec(&Message::Failure(f.clone())), Err(EncodeError::Range { .. })));
+    }
+}

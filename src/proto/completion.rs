@@ -1,0 +1,392 @@
+//! Consumer-side completion counting: a request may decode once every producer rank's part landed.
+//!
+//! [`Completions`] is a deterministic state machine like [`super::rendezvous::Rendezvous`]. The
+//! consumer calls [`Completions::handle_registered`] when it sends a registration (with the expected
+//! notification count from [`super::layout::expected_notifications`]), then feeds it the producers'
+//! [`Completion`] and [`Failure`] messages, local aborts and the clock. Each registered attempt ends
+//! with exactly one [`Event`], drained with [`Completions::poll_event`]:
+//!
+//! * [`Event::Received`] once `expected` distinct producer ranks reported completion;
+//! * [`Event::Failed`] on a failure message or the timeout — its blocks are to be reported invalid so
+//!   the engine's failure policy (fail or recompute) applies at once;
+//! * [`Event::Aborted`] after a local abort, [`Event::Superseded`] when a newer attempt registers.
+//!
+//! Duplicate notifications (same producer rank twice) and notifications for older attempts or
+//! unknown keys are ignored and counted, never acted on.
+
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+
+use super::ids::{Instant, Key, Rank, TransferId};
+use super::msg::{Completion, Failure, FailureKind, Registration};
+
+/// Limits and durations of completion counting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CompletionConfig {
+    /// How long a registered request waits for all its parts (µs).
+    pub timeout_us: u64,
+    /// Most requests waiting at once (over it, `handle_registered` refuses).
+    pub max_pending: usize,
+}
+
+impl Default for CompletionConfig {
+    fn default() -> Self {
+        Self { timeout_us: 120_000_000, max_pending: 65_536 }
+    }
+}
+
+/// Why a request failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FailReason {
+    /// A producer rank reported a failure.
+    Producer {
+        /// The rank.
+        rank: Rank,
+        /// What went wrong.
+        kind: FailureKind,
+        /// The producer's detail text.
+        detail: String,
+    },
+    /// Not every part arrived in time.
+    Timeout {
+        /// Parts received.
+        received: u32,
+        /// Parts expected.
+        expected: u32,
+    },
+}
+
+/// How a registered attempt ended; exactly one per `handle_registered` that returned `Ok`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// Every part landed; the request may decode.
+    Received {
+        /// Which transfer and attempt.
+        key: Key,
+        /// Time from registration to the last part (µs).
+        waited_us: u64,
+    },
+    /// The KV will not arrive; `invalid_blocks` (per KV group) must be reported invalid.
+    Failed {
+        /// Which transfer and attempt.
+        key: Key,
+        /// Why.
+        reason: FailReason,
+        /// The blocks that were registered.
+        invalid_blocks: Vec<Vec<u32>>,
+    },
+    /// Aborted locally; the engine frees the blocks itself.
+    Aborted {
+        /// Which transfer and attempt.
+        key: Key,
+    },
+    /// A newer attempt registered; this one's blocks are no longer written.
+    Superseded {
+        /// The older attempt.
+        key: Key,
+        /// Its blocks.
+        invalid_blocks: Vec<Vec<u32>>,
+    },
+}
+
+/// Refusal of [`Completions::handle_registered`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegisterError {
+    /// Too many requests are waiting.
+    #[error("{pending} requests already wait for their KV (limit {max})")]
+    Full {
+        /// Requests waiting.
+        pending: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The key's attempt is older than (or equal to) one already registered.
+    #[error("attempt {attempt} is not newer than the registered attempt {live}")]
+    Stale {
+        /// Attempt given.
+        attempt: u32,
+        /// Attempt already registered.
+        live: u32,
+    },
+    /// Zero expected notifications cannot complete.
+    #[error("expected notification count must be at least 1")]
+    ZeroExpected,
+}
+
+/// Counters of completion counting (monotonic).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CompletionStats {
+    /// Registrations accepted.
+    pub registered: u64,
+    /// Completion notifications counted.
+    pub notifications: u64,
+    /// Repeated notifications from the same producer rank.
+    pub duplicates: u64,
+    /// Notifications or failures for an older attempt.
+    pub stale: u64,
+    /// Notifications or failures for no known request.
+    pub unknown: u64,
+    /// Requests received.
+    pub received: u64,
+    /// Requests failed by a producer.
+    pub failed: u64,
+    /// Requests failed by the timeout.
+    pub timed_out: u64,
+}
+
+#[derive(Debug)]
+struct Waiting {
+    attempt: u32,
+    expected: u32,
+    from: Vec<Rank>,
+    registered_at: Instant,
+    deadline: Instant,
+    blocks: Vec<Vec<u32>>,
+}
+
+/// The consumer's completion counter. See the module docs.
+#[derive(Debug)]
+pub struct Completions {
+    config: CompletionConfig,
+    waiting: HashMap<TransferId, Waiting>,
+    deadlines: BinaryHeap<core::cmp::Reverse<(Instant, TransferId, u32)>>,
+    events: VecDeque<Event>,
+    stats: CompletionStats,
+}
+
+impl Completions {
+    /// An empty counter.
+    pub fn new(config: CompletionConfig) -> Self {
+        Self {
+            config,
+            waiting: HashMap::new(),
+            deadlines: BinaryHeap::new(),
+            events: VecDeque::new(),
+            stats: CompletionStats::default(),
+        }
+    }
+
+    // ---- getters ----
+
+    /// Requests waiting for parts.
+    pub fn pending(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> CompletionStats {
+        self.stats
+    }
+
+    /// `(received, expected)` parts of the live attempt of `key`, if it is registered.
+    pub fn progress(&self, key: Key) -> Option<(u32, u32)> {
+        self.waiting
+            .get(&key.transfer_id)
+            .filter(|w| w.attempt == key.attempt.0)
+            .map(|w| (w.from.len() as u32, w.expected))
+    }
+
+    // ---- outputs ----
+
+    /// The next event, in order.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// The earliest time [`Completions::handle_timeout`] has something to do.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.deadlines.peek().map(|r| r.0 .0)
+    }
+
+    // ---- inputs ----
+
+    /// The consumer sent `registration` and now waits for `expected` completion notifications.
+    pub fn handle_registered(
+        &mut self,
+        now: Instant,
+        registration: &Registration,
+        expected: u32,
+    ) -> Result<(), RegisterError> {
+        if expected == 0 {
+            return Err(RegisterError::ZeroExpected);
+        }
+        let key = registration.key();
+        let id = key.transfer_id;
+        if let Some(w) = self.waiting.get(&id) {
+            if w.attempt >= key.attempt.0 {
+                return Err(RegisterError::Stale { attempt: key.attempt.0, live: w.attempt });
+            }
+            if let Some(old) = self.waiting.remove(&id) {
+                let old_key = Key { transfer_id: id, attempt: super::ids::Attempt(old.attempt) };
+                self.events.push_back(Event::Superseded { key: old_key, invalid_blocks: old.blocks });
+            }
+        } else if self.waiting.len() >= self.config.max_pending {
+            return Err(RegisterError::Full { pending: self.waiting.len(), max: self.config.max_pending });
+        }
+        let deadline = now.plus_micros(self.config.timeout_us);
+        self.deadlines.push(core::cmp::Reverse((deadline, id, key.attempt.0)));
+        self.waiting.insert(
+            id,
+            Waiting {
+                attempt: key.attempt.0,
+                expected,
+                from: Vec::with_capacity(expected.min(64) as usize),
+                registered_at: now,
+                deadline,
+                blocks: registration.block_ids().to_vec(),
+            },
+        );
+        self.stats.registered += 1;
+        Ok(())
+    }
+
+    /// A producer rank's completion notification arrived.
+    pub fn handle_completion(&mut self, now: Instant, c: &Completion) {
+        let Some(w) = self.live(c.key) else { return };
+        if w.from.contains(&c.rank) {
+            self.stats.duplicates += 1;
+            return;
+        }
+        w.from.push(c.rank);
+        let done = w.from.len() as u32 >= w.expected;
+        let waited_us = now.micros_since(w.registered_at);
+        self.stats.notifications += 1;
+        if done {
+            self.waiting.remove(&c.key.transfer_id);
+            self.stats.received += 1;
+            self.events.push_back(Event::Received { key: c.key, waited_us });
+        }
+    }
+
+    /// A producer rank reported that its part will not arrive.
+    pub fn handle_failure(&mut self, _now: Instant, f: &Failure) {
+        if self.live(f.key).is_none() {
+            return;
+        }
+        if let Some(w) = self.waiting.remove(&f.key.transfer_id) {
+            self.stats.failed += 1;
+            let reason = FailReason::Producer { rank: f.rank, kind: f.kind, detail: f.detail.clone() };
+            self.events.push_back(Event::Failed { key: f.key, reason, invalid_blocks: w.blocks });
+        }
+    }
+
+    /// The consumer engine aborted `key` (e.g. the client went away).
+    pub fn handle_abort(&mut self, _now: Instant, key: Key) {
+        if self.waiting.get(&key.transfer_id).is_some_and(|w| w.attempt == key.attempt.0) {
+            self.waiting.remove(&key.transfer_id);
+            self.events.push_back(Event::Aborted { key });
+        }
+    }
+
+    /// Fails every request whose deadline is at or before `now`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        while let Some(core::cmp::Reverse((at, id, attempt))) = self.deadlines.peek().copied() {
+            if at > now {
+                break;
+            }
+            self.deadlines.pop();
+            let due = self.waiting.get(&id).is_some_and(|w| w.attempt == attempt && w.deadline == at);
+            if !due {
+                continue;
+            }
+            if let Some(w) = self.waiting.remove(&id) {
+                self.stats.timed_out += 1;
+                let key = Key { transfer_id: id, attempt: super::ids::Attempt(attempt) };
+                let reason = FailReason::Timeout { received: w.from.len() as u32, expected: w.expected };
+                self.events.push_back(Event::Failed { key, reason, invalid_blocks: w.blocks });
+            }
+        }
+    }
+
+    /// The live waiting attempt matching `key`, counting stale and unknown keys.
+    fn live(&mut self, key: Key) -> Option<&mut Waiting> {
+        match self.waiting.get_mut(&key.transfer_id) {
+            Some(w) if w.attempt == key.attempt.0 => Some(w),
+            Some(_) => {
+                self.stats.stale += 1;
+                None
+            }
+            None => {
+                self.stats.unknown += 1;
+                None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::testutil::small_layout;
+
+    fn reg(id: u128, attempt: u32) -> Registration {
+        let l = small_layout();
+        Registration::new(Key::new(id, attempt), "d".into(), l.parallel.rank(), 32, vec![vec![1, 2], vec![3]], &l)
+            .expect("fits")
+    }
+
+    fn done(id: u128, attempt: u32, tp: u16) -> Completion {
+        Completion { key: Key::new(id, attempt), rank: Rank::new(tp, 0) }
+    }
+
+    #[test]
+    fn counts_distinct_producers_and_ignores_duplicates_and_stale() {
+        let mut c = Completions::new(CompletionConfig::default());
+        c.handle_registered(Instant(0), &reg(1, 2), 2).expect("registers");
+        c.handle_completion(Instant(5), &done(1, 2, 0));
+        c.handle_completion(Instant(6), &done(1, 2, 0));
+        c.handle_completion(Instant(7), &done(1, 1, 1));
+        c.handle_completion(Instant(7), &done(9, 1, 1));
+        assert_eq!(c.poll_event(), None);
+        assert_eq!(c.progress(Key::new(1, 2)), Some((1, 2)));
+        c.handle_completion(Instant(10), &done(1, 2, 1));
+        assert_eq!(c.poll_event(), Some(Event::Received { key: Key::new(1, 2), waited_us: 10 }));
+        let s = c.stats();
+        assert_eq!((s.duplicates, s.stale, s.unknown, s.received), (1, 1, 1, 1));
+        // A late duplicate after completion is unknown, not a second event.
+        c.handle_completion(Instant(11), &done(1, 2, 1));
+        assert_eq!(c.poll_event(), None);
+    }
+
+    #[test]
+    fn failure_and_timeout_report_blocks_invalid() {
+        let mut c = Completions::new(CompletionConfig { timeout_us: 100, max_pending: 8 });
+        c.handle_registered(Instant(0), &reg(1, 1), 1).expect("registers");
+        c.handle_registered(Instant(0), &reg(2, 1), 2).expect("registers");
+        let f =
+            Failure { key: Key::new(1, 1), rank: Rank::new(0, 0), kind: FailureKind::LeaseExpired, detail: "x".into() };
+        c.handle_failure(Instant(3), &f);
+        match c.poll_event() {
+            Some(Event::Failed { key, invalid_blocks, .. }) => {
+                assert_eq!(key, Key::new(1, 1));
+                assert_eq!(invalid_blocks, vec![vec![1, 2], vec![3]]);
+            }
+            other => panic!("expected failure, got {other:?}"),
+        }
+        c.handle_completion(Instant(4), &done(2, 1, 0));
+        assert_eq!(c.poll_timeout(), Some(Instant(100)));
+        c.handle_timeout(Instant(99));
+        assert_eq!(c.poll_event(), None);
+        c.handle_timeout(Instant(100));
+        assert!(matches!(
+            c.poll_event(),
+            Some(Event::Failed { reason: FailReason::Timeout { received: 1, expected: 2 }, .. })
+        ));
+        assert_eq!(c.pending(), 0);
+    }
+
+    #[test]
+    fn newer_attempt_supersedes_and_bounds_hold() {
+        let mut c = Completions::new(CompletionConfig { timeout_us: 100, max_pending: 1 });
+        c.handle_registered(Instant(0), &reg(1, 1), 1).expect("registers");
+        assert_eq!(c.handle_registered(Instant(0), &reg(2, 1), 1), Err(RegisterError::Full { pending: 1, max: 1 }));
+        assert!(matches!(c.handle_registered(Instant(0), &reg(1, 1), 1), Err(RegisterError::Stale { .. })));
+        c.handle_registered(Instant(1), &reg(1, 2), 1).expect("newer attempt");
+        assert!(matches!(c.poll_event(), Some(Event::Superseded { key, .. }) if key == Key::new(1, 1)));
+        c.handle_abort(Instant(2), Key::new(1, 2));
+        assert_eq!(c.poll_event(), Some(Event::Aborted { key: Key::new(1, 2) }));
+        // The old deadline fires into nothing.
+        c.handle_timeout(Instant(1000));
+        assert_eq!(c.poll_event(), None);
+    }
+}

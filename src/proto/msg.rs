@@ -1,0 +1,367 @@
+//! The messages of the protocol (see docs/protocol.md for the table).
+//!
+//! Every message that refers to blocks or ranks is range-checked when it is built or decoded:
+//! a [`Registration`] can only exist if its block ids, group count and token count fit the layout of
+//! the worker that sent it (parse, don't validate). Wire forms are private; the codec
+//! ([`super::codec`]) turns bytes into these types or into a typed [`DecodeError`](super::codec::DecodeError).
+
+use serde::{Deserialize, Serialize};
+
+use super::ids::{EngineId, Key, Rank};
+use super::layout::{KvLayout, LayoutError};
+
+/// Largest engine id, in bytes.
+pub const MAX_ENGINE_ID: usize = 256;
+/// Largest free-text detail in a failure or abort, in bytes.
+pub const MAX_DETAIL: usize = 1024;
+/// Largest token count of one request.
+pub const MAX_TOKENS: u64 = 1 << 26;
+/// Largest opaque agent metadata (NIXL) in a handshake, in bytes.
+pub const MAX_AGENT_METADATA: usize = 8 << 20;
+
+/// Transfer mode an engine runs in; both sides of a pair must agree.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Mode {
+    /// The producer writes into blocks the consumer registered.
+    Push,
+    /// The consumer reads from the producer's blocks.
+    Pull,
+}
+
+impl core::fmt::Display for Mode {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(match self {
+            Mode::Push => "push",
+            Mode::Pull => "pull",
+        })
+    }
+}
+
+/// First message on a side channel, in both directions.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Handshake {
+    /// Wire protocol version of the sender ([`super::codec::PROTOCOL_VERSION`]).
+    pub protocol: u16,
+    /// kvpush release of the sender (informational, e.g. `"0.1.0"`).
+    pub software: String,
+    /// The sender's engine id.
+    pub engine_id: EngineId,
+    /// Transfer mode.
+    pub mode: Mode,
+    /// Opaque transport metadata (a NIXL agent's metadata blob).
+    pub agent_metadata: Vec<u8>,
+    /// The sender's KV layout (validated on decode).
+    pub layout: KvLayout,
+    /// [`super::compat::compat_hash`] of the fields that must match (checked on decode).
+    pub compat_hash: u64,
+}
+
+/// D → P: "write request `key` into these blocks of mine".
+///
+/// Fields are private: a value exists only if it fits the layout named at construction.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Registration {
+    key: Key,
+    engine_id: EngineId,
+    rank: Rank,
+    num_tokens: u64,
+    block_ids: Vec<Vec<u32>>,
+}
+
+/// Why a [`Registration`] does not fit the layout it refers to.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RangeError {
+    /// A number is outside its allowed range.
+    #[error("`{field}` = {value} is out of range (limit {limit})")]
+    OutOfRange {
+        /// Field name.
+        field: &'static str,
+        /// The value.
+        value: u64,
+        /// The bound it breaks.
+        limit: u64,
+    },
+    /// The group count differs from the layout's.
+    #[error("{got} block lists for a layout with {expected} KV groups")]
+    GroupCount {
+        /// Lists given.
+        got: usize,
+        /// Groups in the layout.
+        expected: usize,
+    },
+    /// A block id is not below the region's block count.
+    #[error("group {group}: block id {block} is not below the {num_blocks} blocks of the layout")]
+    BlockId {
+        /// Group index.
+        group: usize,
+        /// Offending block id.
+        block: u32,
+        /// Blocks in the layout.
+        num_blocks: u32,
+    },
+    /// More blocks than the token count needs.
+    #[error("group {group}: {blocks} blocks for {tokens} tokens of {block_tokens} per block")]
+    TooManyBlocks {
+        /// Group index.
+        group: usize,
+        /// Blocks given.
+        blocks: usize,
+        /// Request tokens.
+        tokens: u64,
+        /// Block size.
+        block_tokens: u32,
+    },
+    /// The rank does not match the layout's.
+    #[error("message from rank {got} on a connection to rank {expected}")]
+    Rank {
+        /// Rank in the message.
+        got: Rank,
+        /// Rank of the layout.
+        expected: Rank,
+    },
+    /// A string is longer than allowed.
+    #[error("`{field}` is {len} bytes, more than {max}")]
+    TooLong {
+        /// Field name.
+        field: &'static str,
+        /// Its length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The layout itself is invalid.
+    #[error("invalid layout: {0}")]
+    Layout(#[from] LayoutError),
+}
+
+pub(crate) fn check_len(field: &'static str, len: usize, max: usize) -> Result<(), RangeError> {
+    if len > max {
+        Err(RangeError::TooLong { field, len, max })
+    } else {
+        Ok(())
+    }
+}
+
+/// Blocks a request of `tokens` tokens needs at `block_tokens` per block.
+pub fn blocks_for(tokens: u64, block_tokens: u32) -> u64 {
+    tokens.div_ceil(u64::from(block_tokens.max(1)))
+}
+
+impl Registration {
+    /// Builds a registration, checking it against `layout` (the registering worker's layout).
+    ///
+    /// `block_ids[g]` lists group `g`'s blocks for the *last* tokens of the request: a list shorter
+    /// than the request needs means its first blocks are already present (a prefix-cache hit) or, for
+    /// a sliding-window group, outside the window.
+    pub fn new(
+        key: Key,
+        engine_id: EngineId,
+        rank: Rank,
+        num_tokens: u64,
+        block_ids: Vec<Vec<u32>>,
+        layout: &KvLayout,
+    ) -> Result<Self, RangeError> {
+        check_len("engine_id", engine_id.len(), MAX_ENGINE_ID)?;
+        if num_tokens == 0 || num_tokens > MAX_TOKENS {
+            return Err(RangeError::OutOfRange { field: "num_tokens", value: num_tokens, limit: MAX_TOKENS });
+        }
+        let expected = layout.parallel.rank();
+        if rank != expected {
+            return Err(RangeError::Rank { got: rank, expected });
+        }
+        check_block_lists(&block_ids, num_tokens, layout)?;
+        Ok(Self { key, engine_id, rank, num_tokens, block_ids })
+    }
+
+    /// Which transfer and attempt.
+    pub fn key(&self) -> Key {
+        self.key
+    }
+    /// The consumer engine that registered.
+    pub fn engine_id(&self) -> &str {
+        &self.engine_id
+    }
+    /// The consumer rank that registered.
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+    /// Tokens of the request (the prompt that prefill computes).
+    pub fn num_tokens(&self) -> u64 {
+        self.num_tokens
+    }
+    /// Block ids per KV group (tails; see [`Registration::new`]).
+    pub fn block_ids(&self) -> &[Vec<u32>] {
+        &self.block_ids
+    }
+    /// Gives the block lists back.
+    pub fn into_block_ids(self) -> Vec<Vec<u32>> {
+        self.block_ids
+    }
+}
+
+/// Checks per-group block lists of a request against a layout: group count, ids, list lengths.
+pub fn check_block_lists(block_ids: &[Vec<u32>], num_tokens: u64, layout: &KvLayout) -> Result<(), RangeError> {
+    let groups = layout.model.groups.len();
+    if block_ids.len() != groups {
+        return Err(RangeError::GroupCount { got: block_ids.len(), expected: groups });
+    }
+    let max_blocks = blocks_for(num_tokens, layout.block_tokens);
+    for (group, ids) in block_ids.iter().enumerate() {
+        if ids.len() as u64 > max_blocks {
+            return Err(RangeError::TooManyBlocks {
+                group,
+                blocks: ids.len(),
+                tokens: num_tokens,
+                block_tokens: layout.block_tokens,
+            });
+        }
+        if let Some(&block) = ids.iter().find(|&&b| b >= layout.num_blocks) {
+            return Err(RangeError::BlockId { group, block, num_blocks: layout.num_blocks });
+        }
+    }
+    Ok(())
+}
+
+/// P → D (as the NIXL notification of a WRITE): "my part of `key` has landed in your blocks".
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Completion {
+    /// Which transfer and attempt.
+    pub key: Key,
+    /// The producer rank whose part this is.
+    pub rank: Rank,
+}
+
+/// Why a transfer failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum FailureKind {
+    /// The producer's lease on its blocks ran out before the registration came.
+    LeaseExpired,
+    /// Posting or completing the transfer failed; `status` is the transport's code.
+    TransferFailed {
+        /// Transport status code.
+        status: i32,
+    },
+    /// The transfer could not be planned (layouts or block lists do not fit).
+    PlanFailed,
+    /// The producer refused the registration (too many pending, or a stale attempt).
+    Refused,
+    /// The request was aborted on the producer.
+    Aborted,
+    /// The peer went away.
+    PeerLost,
+}
+
+impl core::fmt::Display for FailureKind {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            FailureKind::LeaseExpired => write!(f, "lease expired"),
+            FailureKind::TransferFailed { status } => write!(f, "transfer failed (status {status})"),
+            FailureKind::PlanFailed => write!(f, "planning failed"),
+            FailureKind::Refused => write!(f, "refused"),
+            FailureKind::Aborted => write!(f, "aborted"),
+            FailureKind::PeerLost => write!(f, "peer lost"),
+        }
+    }
+}
+
+/// P → D: "`key` will not arrive from me" (explicit, so D fails at once instead of timing out).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Failure {
+    /// Which transfer and attempt.
+    pub key: Key,
+    /// The producer rank reporting.
+    pub rank: Rank,
+    /// What went wrong.
+    pub kind: FailureKind,
+    /// Human-readable context (bounded by [`MAX_DETAIL`]).
+    pub detail: String,
+}
+
+/// Either direction: "forget `key`; release what you hold for it".
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Abort {
+    /// Which transfer and attempt.
+    pub key: Key,
+    /// The sender's rank.
+    pub rank: Rank,
+    /// Human-readable reason (bounded by [`MAX_DETAIL`]).
+    pub reason: String,
+}
+
+/// Either direction, periodically: proves the peer is alive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    /// Sender's sequence number.
+    pub seq: u64,
+}
+
+/// Any protocol message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Message {
+    /// See [`Handshake`].
+    Handshake(Box<Handshake>),
+    /// See [`Registration`].
+    Registration(Registration),
+    /// See [`Completion`].
+    Completion(Completion),
+    /// See [`Failure`].
+    Failure(Failure),
+    /// See [`Abort`].
+    Abort(Abort),
+    /// See [`Heartbeat`].
+    Heartbeat(Heartbeat),
+}
+
+/// Wire form of [`Registration`]; only the codec turns it into a checked value.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct RegistrationWire {
+    pub key: Key,
+    pub engine_id: EngineId,
+    pub rank: Rank,
+    pub num_tokens: u64,
+    pub block_ids: Vec<Vec<u32>>,
+}
+
+impl From<&Registration> for RegistrationWire {
+    fn from(r: &Registration) -> Self {
+        RegistrationWire {
+            key: r.key,
+            engine_id: r.engine_id.clone(),
+            rank: r.rank,
+            num_tokens: r.num_tokens,
+            block_ids: r.block_ids.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::testutil::small_layout;
+
+    #[test]
+    fn registration_is_range_checked() {
+        let l = small_layout(); // 64 blocks of 16 tokens, 2 groups
+        let key = Key::new(7, 1);
+        let rank = l.parallel.rank();
+        let ok = Registration::new(key, "d0".into(), rank, 40, vec![vec![1, 2, 3], vec![5]], &l);
+        let r = ok.expect("fits");
+        assert_eq!(r.num_tokens(), 40);
+        assert_eq!(r.block_ids()[0], vec![1, 2, 3]);
+
+        let e = Registration::new(key, "d0".into(), rank, 40, vec![vec![1, 2, 3]], &l).unwrap_err();
+        assert_eq!(e, RangeError::GroupCount { got: 1, expected: 2 });
+        let e = Registration::new(key, "d0".into(), rank, 40, vec![vec![1, 2, 64], vec![]], &l).unwrap_err();
+        assert!(matches!(e, RangeError::BlockId { group: 0, block: 64, .. }));
+        let e = Registration::new(key, "d0".into(), rank, 40, vec![vec![1, 2, 3, 4], vec![]], &l).unwrap_err();
+        assert!(matches!(e, RangeError::TooManyBlocks { group: 0, blocks: 4, .. }));
+        let e = Registration::new(key, "d0".into(), rank, 0, vec![vec![], vec![]], &l).unwrap_err();
+        assert!(matches!(e, RangeError::OutOfRange { field: "num_tokens", .. }));
+        let e = Registration::new(key, "x".repeat(300), rank, 4, vec![vec![], vec![]], &l).unwrap_err();
+        assert!(matches!(e, RangeError::TooLong { field: "engine_id", .. }));
+        let e = Registration::new(key, "d".into(), Rank::new(1, 0), 4, vec![vec![], vec![]], &l).unwrap_err();
+        assert!(matches!(e, RangeError::Rank { .. }));
+    }
+}

@@ -1,0 +1,509 @@
+//! Transfer planning: block ids on both sides → merged `(src, dst, len)` copies for one rank pair.
+//!
+//! Read [`Planner::plan`]. The input is one producer rank's layout and blocks, one consumer rank's
+//! layout and blocks, and the token count. The planner
+//!
+//! 1. finds the KV heads this producer supplies to this consumer ([`tp_sources`]; heterogeneous TP,
+//!    replicated heads and latent KV) and the layers both hold (PP);
+//! 2. per KV group, finds the tokens to move — the tail the consumer listed (a prefix hit on D
+//!    shortens its list), cut to the window for sliding-window groups — and splits them into
+//!    *pieces*, each inside one block on both sides (block sizes may differ);
+//! 3. turns pieces into copies *relative to a layer's region bases*, merging on the fly. Every layer of
+//!    a group has the same geometry, so this relative plan is built once per group and instantiated
+//!    per layer by adding region bases: planning cost grows with blocks, not blocks × layers.
+//!
+//! Copies never cross a region (one region per layer and part; see [`super::merge`]). Output goes into
+//! a `Vec` the caller owns and reuses; the planner keeps its scratch buffers between calls.
+
+use core::ops::Range;
+
+use super::layout::{tp_sources, BlockOrder, GroupKind, KvLayout, KvPlacement};
+use super::merge::{push_merged, Copy};
+use super::msg::{blocks_for, check_block_lists, RangeError};
+
+/// Everything needed to plan one producer rank → consumer rank transfer.
+#[derive(Clone, Copy, Debug)]
+pub struct PlanInput<'a> {
+    /// Layout of the side data is copied from.
+    pub src: &'a KvLayout,
+    /// Layout of the side data is copied to.
+    pub dst: &'a KvLayout,
+    /// Source block ids per KV group (tails, as in a registration).
+    pub src_blocks: &'a [Vec<u32>],
+    /// Destination block ids per KV group (tails).
+    pub dst_blocks: &'a [Vec<u32>],
+    /// Tokens of the request.
+    pub num_tokens: u64,
+}
+
+/// Counts describing a plan.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PlanStats {
+    /// Copies before merging (one per piece, layer, part and head run).
+    pub unmerged: u64,
+    /// Copies after merging (the descriptors to post).
+    pub merged: u64,
+    /// Bytes moved.
+    pub bytes: u64,
+}
+
+/// Why a transfer cannot be planned.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlanError {
+    /// The two layouts describe different models.
+    #[error("source and destination layouts describe different models")]
+    ModelMismatch,
+    /// The source rank supplies nothing to the destination rank (TP heads or PP layers).
+    #[error("source rank {src} writes nothing into destination rank {dst}")]
+    NotATarget {
+        /// Source rank.
+        src: super::ids::Rank,
+        /// Destination rank.
+        dst: super::ids::Rank,
+    },
+    /// Source block lists do not fit the source layout.
+    #[error("source blocks: {0}")]
+    SourceBlocks(#[source] RangeError),
+    /// Destination block lists do not fit the destination layout.
+    #[error("destination blocks: {0}")]
+    DestinationBlocks(#[source] RangeError),
+    /// The destination wants tokens the source's list does not cover.
+    #[error("group {group}: destination needs tokens from {needed} but source blocks start at token {held}")]
+    MissingSource {
+        /// Group index.
+        group: usize,
+        /// First token the destination needs.
+        needed: u64,
+        /// First token the source lists.
+        held: u64,
+    },
+}
+
+/// A token run that lies inside one block on each side.
+#[derive(Clone, Copy, Debug)]
+struct Piece {
+    src_block: u32,
+    src_tok: u32,
+    dst_block: u32,
+    dst_tok: u32,
+    tokens: u32,
+}
+
+/// Byte geometry of one side, precomputed.
+#[derive(Clone, Copy, Debug)]
+struct Geo {
+    order: BlockOrder,
+    block_tokens: u64,
+    heads: u64,
+    elem: u64,
+    stride: u64,
+    part_bytes: u64,
+    placement: KvPlacement,
+}
+
+impl Geo {
+    fn of(l: &KvLayout) -> Geo {
+        Geo {
+            order: l.order,
+            block_tokens: l.block_tokens.into(),
+            heads: l.local_heads().into(),
+            elem: u64::from(l.model.head_dim) * l.model.dtype.size(),
+            stride: l.block_stride,
+            part_bytes: l.part_bytes(),
+            placement: l.placement,
+        }
+    }
+
+    /// (region part index, byte offset from the region base) of an element run's start.
+    #[inline]
+    fn at(&self, block: u32, part: u32, tok: u64, head: u64) -> (u32, u64) {
+        let (rp, part_off) = match self.placement {
+            KvPlacement::Separate => (part, 0),
+            KvPlacement::Joint => (0, u64::from(part) * self.part_bytes),
+            KvPlacement::Single => (0, 0),
+        };
+        let within = match self.order {
+            BlockOrder::Hnd => (head * self.block_tokens + tok) * self.elem,
+            BlockOrder::Nhd => (tok * self.heads + head) * self.elem,
+        };
+        (rp, u64::from(block) * self.stride + part_off + within)
+    }
+}
+
+/// Plans transfers; keeps scratch buffers so repeated calls do not allocate.
+#[derive(Debug, Default)]
+pub struct Planner {
+    pieces: Vec<Piece>,
+    rel: Vec<Copy>,
+}
+
+impl Planner {
+    /// A planner with empty scratch buffers.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Plans the copies of `input` into `out` (cleared first), merged.
+    pub fn plan(&mut self, input: &PlanInput<'_>, out: &mut Vec<Copy>) -> Result<PlanStats, PlanError> {
+        out.clear();
+        let (src, dst) = (input.src, input.dst);
+        if src.model != dst.model {
+            return Err(PlanError::ModelMismatch);
+        }
+        check_block_lists(input.src_blocks, input.num_tokens, src).map_err(PlanError::SourceBlocks)?;
+        check_block_lists(input.dst_blocks, input.num_tokens, dst).map_err(PlanError::DestinationBlocks)?;
+        let not_target = PlanError::NotATarget { src: src.parallel.rank(), dst: dst.parallel.rank() };
+        let heads = tp_sources(&src.model, src.parallel.tp_size, dst.parallel.tp_size, dst.parallel.tp_rank)
+            .into_iter()
+            .find(|s| s.tp_rank == src.parallel.tp_rank)
+            .map(|s| s.heads)
+            .ok_or(not_target.clone())?;
+        let (sl, dl) = (src.layer_range(), dst.layer_range());
+        let layers = sl.start.max(dl.start)..sl.end.min(dl.end);
+        if layers.is_empty() {
+            return Err(not_target);
+        }
+        let (gs, gd) = (Geo::of(src), Geo::of(dst));
+        let (src_heads, dst_heads) = (src.head_range(), dst.head_range());
+        let slice = Heads {
+            src_first: u64::from(heads.start - src_heads.start),
+            dst_first: u64::from(heads.start - dst_heads.start),
+            count: u64::from(heads.end - heads.start),
+        };
+        let (per_s, per_d) = (src.placement.regions_per_layer(), dst.placement.regions_per_layer());
+        let mut stats = PlanStats::default();
+        for (g, group) in src.model.groups.iter().enumerate() {
+            let group_layers = group.layers.iter().copied().filter(|l| layers.contains(l));
+            let n_layers = group_layers.clone().count() as u64;
+            if n_layers == 0 {
+                continue;
+            }
+            let tokens = match self.tokens(g, group.kind, input)? {
+                Some(t) => t,
+                None => continue,
+            };
+            self.pieces_for(g, tokens, input);
+            let unmerged = self.relative_copies(&gs, &gd, &slice, src.parts());
+            stats.unmerged += unmerged * n_layers;
+            out.reserve(self.rel.len() * n_layers as usize);
+            for layer in group_layers {
+                let (ls, ld) = (layer - sl.start, layer - dl.start);
+                for rc in &self.rel {
+                    let src_region = ls * per_s + rc.src_region;
+                    let dst_region = ld * per_d + rc.dst_region;
+                    out.push(Copy {
+                        src_region,
+                        dst_region,
+                        src_addr: src.region_bases[src_region as usize] + rc.src_addr,
+                        dst_addr: dst.region_bases[dst_region as usize] + rc.dst_addr,
+                        len: rc.len,
+                    });
+                }
+            }
+            let group_bytes: u64 = self.rel.iter().map(|c| c.len).sum();
+            stats.bytes += group_bytes * n_layers;
+        }
+        stats.merged = out.len() as u64;
+        Ok(stats)
+    }
+
+    /// The token range of group `g` to move, or `None` if the destination needs nothing.
+    fn tokens(&self, g: usize, kind: GroupKind, input: &PlanInput<'_>) -> Result<Option<Range<u64>>, PlanError> {
+        let n = input.num_tokens;
+        let first_listed = |blocks: &[u32], block_tokens: u32| {
+            (blocks_for(n, block_tokens) - blocks.len() as u64) * u64::from(block_tokens)
+        };
+        let mut start = first_listed(&input.dst_blocks[g], input.dst.block_tokens);
+        if let GroupKind::SlidingWindow { window_tokens } = kind {
+            start = start.max(n.saturating_sub(window_tokens.into()));
+        }
+        if start >= n {
+            return Ok(None);
+        }
+        let held = first_listed(&input.src_blocks[g], input.src.block_tokens);
+        if held > start {
+            return Err(PlanError::MissingSource { group: g, needed: start, held });
+        }
+        Ok(Some(start..n))
+    }
+
+    /// Splits `tokens` into pieces inside one block on each side (no division in the loop).
+    fn pieces_for(&mut self, g: usize, tokens: Range<u64>, input: &PlanInput<'_>) {
+        self.pieces.clear();
+        let (bts, btd) = (u64::from(input.src.block_tokens), u64::from(input.dst.block_tokens));
+        let (ls, ld) = (&input.src_blocks[g], &input.dst_blocks[g]);
+        let n = input.num_tokens;
+        let skip_s = blocks_for(n, input.src.block_tokens) - ls.len() as u64;
+        let skip_d = blocks_for(n, input.dst.block_tokens) - ld.len() as u64;
+        let mut t = tokens.start;
+        // Indices into the lists; `tokens()` guaranteed both cover `tokens`.
+        let mut is = (t / bts - skip_s) as usize;
+        let mut id = (t / btd - skip_d) as usize;
+        let mut os = t % bts;
+        let mut od = t % btd;
+        while t < tokens.end {
+            let take = (bts - os).min(btd - od).min(tokens.end - t);
+            self.pieces.push(Piece {
+                src_block: ls[is],
+                src_tok: os as u32,
+                dst_block: ld[id],
+                dst_tok: od as u32,
+                tokens: take as u32,
+            });
+            t += take;
+            os += take;
+            od += take;
+            if os == bts {
+                os = 0;
+                is += 1;
+            }
+            if od == btd {
+                od = 0;
+                id += 1;
+            }
+        }
+    }
+
+    /// Builds the merged relative plan of the current pieces into `self.rel`; returns the number of
+    /// copies before merging.
+    fn relative_copies(&mut self, gs: &Geo, gd: &Geo, slice: &Heads, parts: u32) -> u64 {
+        self.rel.clear();
+        let mut emitted = 0u64;
+        let rel = &mut self.rel;
+        let pieces = &self.pieces;
+        // Emit in address order: when both sides keep a block's parts together, piece by piece;
+        // otherwise part by part (each part is its own region on at least one side).
+        let piece_major = gs.placement == KvPlacement::Joint && gd.placement == KvPlacement::Joint;
+        if piece_major {
+            for p in pieces {
+                for part in 0..parts {
+                    emitted += emit(rel, gs, gd, slice, p, part);
+                }
+            }
+        } else {
+            for part in 0..parts {
+                for p in pieces {
+                    emitted += emit(rel, gs, gd, slice, p, part);
+                }
+            }
+        }
+        emitted
+    }
+}
+
+/// The heads moved, as local indices on each side.
+#[derive(Clone, Copy, Debug)]
+struct Heads {
+    src_first: u64,
+    dst_first: u64,
+    count: u64,
+}
+
+/// Emits the copies of one piece and part at the coarsest granularity contiguous on both sides.
+#[inline]
+fn emit(rel: &mut Vec<Copy>, gs: &Geo, gd: &Geo, h: &Heads, p: &Piece, part: u32) -> u64 {
+    let n = u64::from(p.tokens);
+    let (st, dt) = (u64::from(p.src_tok), u64::from(p.dst_tok));
+    let mut one = |s: (u32, u64), d: (u32, u64), len: u64| {
+        push_merged(rel, Copy { src_region: s.0, dst_region: d.0, src_addr: s.1, dst_addr: d.1, len });
+    };
+    let elem = gs.elem;
+    match (gs.order, gd.order) {
+        (BlockOrder::Hnd, BlockOrder::Hnd) => {
+            for i in 0..h.count {
+                one(
+                    gs.at(p.src_block, part, st, h.src_first + i),
+                    gd.at(p.dst_block, part, dt, h.dst_first + i),
+                    n * elem,
+                );
+            }
+            h.count
+        }
+        (BlockOrder::Nhd, BlockOrder::Nhd) if h.count == gs.heads && h.count == gd.heads => {
+            one(gs.at(p.src_block, part, st, 0), gd.at(p.dst_block, part, dt, 0), n * h.count * elem);
+            1
+        }
+        (BlockOrder::Nhd, BlockOrder::Nhd) => {
+            for t in 0..n {
+                one(
+                    gs.at(p.src_block, part, st + t, h.src_first),
+                    gd.at(p.dst_block, part, dt + t, h.dst_first),
+                    h.count * elem,
+                );
+            }
+            n
+        }
+        _ => {
+            for i in 0..h.count {
+                for t in 0..n {
+                    one(
+                        gs.at(p.src_block, part, st + t, h.src_first + i),
+                        gd.at(p.dst_block, part, dt + t, h.dst_first + i),
+                        elem,
+                    );
+                }
+            }
+            n * h.count
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::layout::{DType, KvGroup, KvKind, ModelShape, Parallel};
+
+    fn model(layers: u32, heads: u32, groups: Vec<KvGroup>) -> ModelShape {
+        ModelShape {
+            total_layers: layers,
+            kv_heads: heads,
+            head_dim: 4,
+            dtype: DType::F16,
+            kind: KvKind::KeyValue,
+            groups,
+        }
+    }
+
+    fn full(layers: u32) -> Vec<KvGroup> {
+        vec![KvGroup { kind: GroupKind::Full, layers: (0..layers).collect() }]
+    }
+
+    fn layout(
+        m: &ModelShape,
+        bt: u32,
+        order: BlockOrder,
+        placement: KvPlacement,
+        par: Parallel,
+        base: u64,
+    ) -> KvLayout {
+        let mut l = KvLayout {
+            model: m.clone(),
+            block_tokens: bt,
+            order,
+            placement,
+            block_stride: 0,
+            num_blocks: 64,
+            parallel: par,
+            region_bases: Vec::new(),
+        };
+        l.block_stride = l.part_bytes() * if placement == KvPlacement::Joint { 2 } else { 1 };
+        let n = l.layer_range().len() as u64 * u64::from(placement.regions_per_layer());
+        l.region_bases = (0..n).map(|i| base + i * (1 << 20)).collect();
+        l.validate().expect("test layout is valid");
+        l
+    }
+
+    #[test]
+    fn contiguous_blocks_merge_to_one_copy_per_layer_and_part() {
+        let m = model(3, 2, full(3));
+        let s = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 30);
+        let d = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 34);
+        let ids: Vec<u32> = (10..20).collect();
+        let input =
+            PlanInput { src: &s, dst: &d, src_blocks: std::slice::from_ref(&ids), dst_blocks: &[ids], num_tokens: 160 };
+        let mut out = Vec::new();
+        let st = Planner::new().plan(&input, &mut out).expect("plans");
+        assert_eq!(out.len(), 3 * 2);
+        assert_eq!(st.merged, 6);
+        // 10 blocks x 2 heads per layer and part before merging.
+        assert_eq!(st.unmerged, 3 * 2 * 10 * 2);
+        assert_eq!(st.bytes, 3 * 2 * 10 * s.part_bytes());
+        assert_eq!(out[0].src_addr, (1 << 30) + 10 * s.block_stride);
+        assert_eq!(out[0].len, 10 * s.part_bytes());
+    }
+
+    #[test]
+    fn joint_placement_merges_k_and_v_of_consecutive_blocks() {
+        let m = model(1, 2, full(1));
+        let s = layout(&m, 16, BlockOrder::Nhd, KvPlacement::Joint, Parallel::SINGLE, 1 << 30);
+        let d = layout(&m, 16, BlockOrder::Nhd, KvPlacement::Joint, Parallel::SINGLE, 1 << 34);
+        let input =
+            PlanInput { src: &s, dst: &d, src_blocks: &[vec![3, 4, 5]], dst_blocks: &[vec![7, 8, 9]], num_tokens: 48 };
+        let mut out = Vec::new();
+        Planner::new().plan(&input, &mut out).expect("plans");
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].len, 3 * s.block_stride);
+    }
+
+    #[test]
+    fn prefix_hit_on_destination_writes_only_the_tail() {
+        let m = model(1, 1, full(1));
+        let s = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 30);
+        let d = layout(&m, 32, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 34);
+        // 100 tokens: P has 7 blocks of 16, D lists only its last 2 of 4 blocks of 32 (tokens 64..100).
+        let src_ids: Vec<u32> = (0..7).collect();
+        let input =
+            PlanInput { src: &s, dst: &d, src_blocks: &[src_ids], dst_blocks: &[vec![40, 41]], num_tokens: 100 };
+        let mut out = Vec::new();
+        let st = Planner::new().plan(&input, &mut out).expect("plans");
+        let elem = 4 * 2;
+        assert_eq!(st.bytes, 2 * 36 * elem);
+        // Source blocks 4.. hold tokens 64..; they are contiguous, as are D's 40, 41.
+        assert_eq!(out.len(), 2);
+        assert_eq!(out[0].src_addr, (1 << 30) + 4 * s.block_stride);
+        assert_eq!(out[0].dst_addr, (1 << 34) + 40 * d.block_stride);
+    }
+
+    #[test]
+    fn sliding_window_moves_only_the_window() {
+        let groups = vec![
+            KvGroup { kind: GroupKind::Full, layers: vec![0] },
+            KvGroup { kind: GroupKind::SlidingWindow { window_tokens: 20 }, layers: vec![1] },
+        ];
+        let m = model(2, 1, groups);
+        let s = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 30);
+        let d = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 34);
+        let ids: Vec<u32> = (0..4).collect();
+        let input = PlanInput {
+            src: &s,
+            dst: &d,
+            src_blocks: &[ids.clone(), ids.clone()],
+            dst_blocks: &[ids.clone(), ids],
+            num_tokens: 64,
+        };
+        let mut out = Vec::new();
+        let st = Planner::new().plan(&input, &mut out).expect("plans");
+        let elem = 8;
+        // Full group: 64 tokens x K,V; window group: last 20 tokens x K,V.
+        assert_eq!(st.bytes, (64 + 20) * 2 * elem);
+    }
+
+    #[test]
+    fn tp_four_to_two_writes_a_head_slice() {
+        let m = model(1, 8, full(1));
+        let par = |r, n| Parallel { tp_rank: r, tp_size: n, pp_rank: 0, pp_size: 1 };
+        let s = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, par(1, 4), 1 << 30);
+        let d = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, par(0, 2), 1 << 34);
+        let input = PlanInput { src: &s, dst: &d, src_blocks: &[vec![0]], dst_blocks: &[vec![5]], num_tokens: 16 };
+        let mut out = Vec::new();
+        Planner::new().plan(&input, &mut out).expect("plans");
+        // P rank 1 holds heads 2,3 = D rank 0's local heads 2,3: one run per part.
+        assert_eq!(out.len(), 2);
+        assert_eq!(out[0].src_addr, 1 << 30);
+        assert_eq!(out[0].dst_addr, (1 << 34) + 5 * d.block_stride + 2 * 16 * 8);
+        // P rank 1 does not write into D rank 1.
+        let d1 = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, par(1, 2), 1 << 34);
+        let input = PlanInput { dst: &d1, ..input };
+        assert!(matches!(Planner::new().plan(&input, &mut out), Err(PlanError::NotATarget { .. })));
+    }
+
+    #[test]
+    fn bad_inputs_are_errors() {
+        let m = model(1, 1, full(1));
+        let s = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 30);
+        let d = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 34);
+        let mut out = Vec::new();
+        let mut p = Planner::new();
+        let bad_id = PlanInput { src: &s, dst: &d, src_blocks: &[vec![64]], dst_blocks: &[vec![0]], num_tokens: 16 };
+        assert!(matches!(p.plan(&bad_id, &mut out), Err(PlanError::SourceBlocks(RangeError::BlockId { .. }))));
+        let short_src =
+            PlanInput { src: &s, dst: &d, src_blocks: &[vec![1]], dst_blocks: &[vec![0, 1]], num_tokens: 32 };
+        assert!(matches!(p.plan(&short_src, &mut out), Err(PlanError::MissingSource { needed: 0, held: 16, .. })));
+        let mut other = d.clone();
+        other.model.head_dim = 8;
+        let mismatch =
+            PlanInput { src: &s, dst: &other, src_blocks: &[vec![1]], dst_blocks: &[vec![0]], num_tokens: 16 };
+        assert_eq!(p.plan(&mismatch, &mut out), Err(PlanError::ModelMismatch));
+    }
+}
