@@ -400,8 +400,13 @@ mod tests {
         let s = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 30);
         let d = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 34);
         let ids: Vec<u32> = (10..20).collect();
-        let input =
-            PlanInput { src: &s, dst: &d, src_blocks: std::slice::from_ref(&ids), dst_blocks: &[ids], num_tokens: 160 };
+        let input = PlanInput {
+            src: &s,
+            dst: &d,
+            src_blocks: std::slice::from_ref(&ids),
+            dst_blocks: std::slice::from_ref(&ids),
+            num_tokens: 160,
+        };
         let mut out = Vec::new();
         let st = Planner::new().plan(&input, &mut out).expect("plans");
         assert_eq!(out.len(), 3 * 2);
