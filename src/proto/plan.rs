@@ -88,6 +88,9 @@ struct Piece {
     dst_block: u32,
     dst_tok: u32,
     tokens: u32,
+    /// 0 for a partial block; n ≥ 1 for n whole blocks with consecutive ids on both sides
+    /// (`src_block..src_block + n`, `dst_block..dst_block + n`).
+    run: u32,
 }
 
 /// Byte geometry of one side, precomputed.
@@ -244,13 +247,23 @@ impl Planner {
         let mut od = t % btd;
         while t < tokens.end {
             let take = (bts - os).min(btd - od).min(tokens.end - t);
-            self.pieces.push(Piece {
-                src_block: ls[is],
-                src_tok: os as u32,
-                dst_block: ld[id],
-                dst_tok: od as u32,
-                tokens: take as u32,
-            });
+            let (sb, db) = (ls[is], ld[id]);
+            let whole = take == bts && take == btd;
+            let extends = whole
+                && self.pieces.last().is_some_and(|l| {
+                    l.run > 0 && l.src_block.wrapping_add(l.run) == sb && l.dst_block.wrapping_add(l.run) == db
+                });
+            match self.pieces.last_mut() {
+                Some(last) if extends => last.run += 1,
+                _ => self.pieces.push(Piece {
+                    src_block: sb,
+                    src_tok: os as u32,
+                    dst_block: db,
+                    dst_tok: od as u32,
+                    tokens: take as u32,
+                    run: u32::from(whole),
+                }),
+            }
             t += take;
             os += take;
             od += take;
@@ -275,16 +288,29 @@ impl Planner {
         // Emit in address order: when both sides keep a block's parts together, piece by piece;
         // otherwise part by part (each part is its own region on at least one side).
         let piece_major = gs.placement == KvPlacement::Joint && gd.placement == KvPlacement::Joint;
+        // Whole blocks with consecutive ids are one contiguous range per part on both sides when
+        // a block's part is contiguous for the heads moved and parts are not interleaved.
+        let dense = slice.count == gs.heads
+            && slice.count == gd.heads
+            && gs.order == gd.order
+            && gs.stride == gs.part_bytes
+            && gd.stride == gd.part_bytes
+            && gs.placement != KvPlacement::Joint
+            && gd.placement != KvPlacement::Joint;
         if piece_major {
+            // Block by block, K then V of each (runs are expanded: parts interleave in memory).
             for p in pieces {
-                for part in 0..parts {
-                    emitted += emit(rel, gs, gd, slice, p, part);
+                for i in 0..p.run.max(1) {
+                    let one = Piece { src_block: p.src_block + i, dst_block: p.dst_block + i, run: p.run.min(1), ..*p };
+                    for part in 0..parts {
+                        emitted += emit_piece(rel, gs, gd, slice, &one, part);
+                    }
                 }
             }
         } else {
             for part in 0..parts {
                 for p in pieces {
-                    emitted += emit(rel, gs, gd, slice, p, part);
+                    emitted += emit(rel, gs, gd, slice, p, part, dense);
                 }
             }
         }
@@ -300,9 +326,30 @@ struct Heads {
     count: u64,
 }
 
+/// Emits the copies of one piece (or run of whole blocks) and part; returns the copies before merging.
+#[inline]
+fn emit(rel: &mut Vec<Copy>, gs: &Geo, gd: &Geo, h: &Heads, p: &Piece, part: u32, dense: bool) -> u64 {
+    if p.run <= 1 {
+        return emit_piece(rel, gs, gd, h, p, part);
+    }
+    if dense {
+        let (s, d) = (gs.at(p.src_block, part, 0, 0), gd.at(p.dst_block, part, 0, 0));
+        let len = u64::from(p.run) * gs.part_bytes;
+        push_merged(rel, Copy { src_region: s.0, dst_region: d.0, src_addr: s.1, dst_addr: d.1, len });
+        let per_block = if gs.order == BlockOrder::Hnd { h.count } else { 1 };
+        return u64::from(p.run) * per_block;
+    }
+    let mut n = 0;
+    for i in 0..p.run {
+        let one = Piece { src_block: p.src_block + i, dst_block: p.dst_block + i, run: 1, ..*p };
+        n += emit_piece(rel, gs, gd, h, &one, part);
+    }
+    n
+}
+
 /// Emits the copies of one piece and part at the coarsest granularity contiguous on both sides.
 #[inline]
-fn emit(rel: &mut Vec<Copy>, gs: &Geo, gd: &Geo, h: &Heads, p: &Piece, part: u32) -> u64 {
+fn emit_piece(rel: &mut Vec<Copy>, gs: &Geo, gd: &Geo, h: &Heads, p: &Piece, part: u32) -> u64 {
     let n = u64::from(p.tokens);
     let (st, dt) = (u64::from(p.src_tok), u64::from(p.dst_tok));
     let mut one = |s: (u32, u64), d: (u32, u64), len: u64| {
