@@ -5,4 +5,9 @@
 //! The crate is layered (docs/architecture.md): [`proto`] is the sans-IO protocol core every other
 //! layer drives.
 
+pub mod demo;
+pub mod device;
+pub mod engine;
+pub mod pool;
 pub mod proto;
+pub mod transport;

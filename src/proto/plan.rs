@@ -147,8 +147,20 @@ impl Planner {
         Self::default()
     }
 
-    /// Plans the copies of `input` into `out` (cleared first), merged.
+    /// Plans the copies of `input` into `out` (cleared first), merged. On error `out` is left empty.
+    ///
+    /// Merging is streaming, in token order: runs contiguous on both sides merge whenever their
+    /// blocks ascend together (what allocators hand out); a run listed in descending order on both
+    /// sides stays one copy per block.
     pub fn plan(&mut self, input: &PlanInput<'_>, out: &mut Vec<Copy>) -> Result<PlanStats, PlanError> {
+        let result = self.plan_inner(input, out);
+        if result.is_err() {
+            out.clear();
+        }
+        result
+    }
+
+    fn plan_inner(&mut self, input: &PlanInput<'_>, out: &mut Vec<Copy>) -> Result<PlanStats, PlanError> {
         out.clear();
         let (src, dst) = (input.src, input.dst);
         if src.model != dst.model {

@@ -1,0 +1,694 @@
+//! `kvpush demo`: a producer and a consumer engine in one process, pushing (and pulling) a workload
+//! over the loopback transport, every byte verified.
+//!
+//! Read [`run`]. It builds a P engine and a D engine (each with `tp` workers) on the device
+//! `KVPUSH_DEVICE` selects (host by default) and an in-process [`Fabric`], then plays one workload per
+//! mode. A *driver* thread plays both engines' loops: it admits requests, allocates blocks from each
+//! engine's block pool, calls the engine API and polls results, timing every call it makes on a
+//! request's behalf (the engine-thread time). A *prefill* thread writes each request's KV into P's
+//! blocks (standing in for the accelerator), and a *verifier* thread checks every byte that arrived
+//! on D against the expected contents ([`pattern`]) before D's blocks are freed.
+
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{unbounded, Receiver, Sender};
+use serde::Serialize;
+
+use crate::device::{self, Buffer, Device};
+use crate::engine::{Config, Engine, EngineError, Finished, LocalHub};
+use crate::proto::layout::{
+    BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, ModelShape, Parallel,
+};
+use crate::proto::msg::{blocks_for, Mode};
+use crate::proto::Key;
+use crate::transport::loopback::Fabric;
+
+pub mod pattern;
+
+/// The model and parallel layout of the demo.
+#[derive(Clone, Debug, Serialize)]
+pub struct Topology {
+    /// Layers of the model.
+    pub layers: u32,
+    /// KV heads of the model.
+    pub kv_heads: u32,
+    /// Head dimension.
+    pub head_dim: u32,
+    /// Producer TP size.
+    pub p_tp: u16,
+    /// Consumer TP size.
+    pub d_tp: u16,
+    /// Producer block size (tokens).
+    pub p_block: u32,
+    /// Consumer block size (tokens).
+    pub d_block: u32,
+    /// Blocks per worker on each side.
+    pub num_blocks: u32,
+    /// Every n-th layer is a sliding-window layer (0: none).
+    pub window_every: u32,
+    /// Sliding window length in tokens.
+    pub window_tokens: u32,
+    /// Block order.
+    pub order: BlockOrder,
+    /// Writer threads per worker.
+    pub writers: usize,
+}
+
+impl Default for Topology {
+    /// One TP-8 rank of Qwen3-32B (1 KV head of 8, head dim 128, bf16, 16-token blocks) over 16 of its
+    /// 64 layers: 8 KiB of KV per token.
+    fn default() -> Self {
+        Self {
+            layers: 16,
+            kv_heads: 1,
+            head_dim: 128,
+            p_tp: 1,
+            d_tp: 1,
+            p_block: 16,
+            d_block: 16,
+            num_blocks: 4096,
+            window_every: 0,
+            window_tokens: 1024,
+            order: BlockOrder::Hnd,
+            writers: 1,
+        }
+    }
+}
+
+/// The requests of the demo.
+#[derive(Clone, Debug, Serialize)]
+pub struct Workload {
+    /// Number of requests.
+    pub requests: usize,
+    /// Shortest prompt (tokens).
+    pub min_tokens: u64,
+    /// Longest prompt (tokens); lengths are log-uniform in between.
+    pub max_tokens: u64,
+    /// Requests in flight at once at most.
+    pub concurrency: usize,
+    /// Simulated prefill time per token (ns).
+    pub prefill_ns_per_token: u64,
+    /// Router delay between the two legs (µs): pull relays P's block ids to D after it; in push, a
+    /// blocks-first request's registration comes this late.
+    pub relay_us: u64,
+    /// Seed of lengths, orders and contents.
+    pub seed: u64,
+}
+
+impl Default for Workload {
+    fn default() -> Self {
+        Self {
+            requests: 200,
+            min_tokens: 32,
+            max_tokens: 4096,
+            concurrency: 32,
+            prefill_ns_per_token: 250,
+            relay_us: 200,
+            seed: 0x6b76_7075_7368,
+        }
+    }
+}
+
+/// Results of one mode, as printed and written to JSON.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ModeReport {
+    /// Requests played.
+    pub requests: u64,
+    /// Bytes moved (as planned).
+    pub bytes: u64,
+    /// Bytes checked on D.
+    pub verified_bytes: u64,
+    /// Requests that failed or arrived wrong.
+    pub failed: u64,
+    /// Copies before merging.
+    pub descriptors_unmerged: u64,
+    /// Descriptors posted.
+    pub descriptors_posted: u64,
+    /// Median time from blocks-ready on P to received on D (µs).
+    pub latency_us_p50: u64,
+    /// 99th percentile of the same (µs).
+    pub latency_us_p99: u64,
+    /// Median engine-thread time per request (µs, all API calls made for it on both sides).
+    pub engine_us_p50: f64,
+    /// 99th percentile of the same (µs).
+    pub engine_us_p99: f64,
+    /// Wall time of the mode (s).
+    pub wall_s: f64,
+    /// Bytes moved over wall time (GB/s).
+    pub gbps: f64,
+}
+
+/// Results of the demo: one report per mode played.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Report {
+    /// Push mode.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub push: Option<ModeReport>,
+    /// Pull mode.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pull: Option<ModeReport>,
+}
+
+/// What can stop the demo.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DemoError {
+    /// The device could not be selected or allocated.
+    #[error("device: {0}")]
+    Device(#[from] device::DeviceError),
+    /// An engine call failed.
+    #[error("engine: {0}")]
+    Engine(#[from] EngineError),
+    /// The transport could not be set up.
+    #[error("transport: {0}")]
+    Transport(#[from] crate::transport::TransportError),
+    /// The configuration cannot work.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// Requests did not finish in time.
+    #[error("{0}")]
+    Stuck(String),
+}
+
+/// One worker of the demo: its engine and memory.
+struct Worker {
+    engine: Engine,
+    buffers: Vec<Box<dyn Buffer>>,
+}
+
+fn model(t: &Topology) -> ModelShape {
+    let (mut full, mut window) = (Vec::new(), Vec::new());
+    for l in 0..t.layers {
+        if t.window_every > 0 && l % t.window_every == t.window_every - 1 {
+            window.push(l);
+        } else {
+            full.push(l);
+        }
+    }
+    let mut groups = vec![KvGroup { kind: GroupKind::Full, layers: full }];
+    if !window.is_empty() {
+        groups.push(KvGroup { kind: GroupKind::SlidingWindow { window_tokens: t.window_tokens }, layers: window });
+    }
+    ModelShape {
+        total_layers: t.layers,
+        kv_heads: t.kv_heads,
+        head_dim: t.head_dim,
+        dtype: DType::Bf16,
+        kind: KvKind::KeyValue,
+        groups,
+    }
+}
+
+/// Allocates one worker's KV memory and describes it.
+fn worker_layout(
+    t: &Topology,
+    dev: &dyn Device,
+    tp_rank: u16,
+    tp: u16,
+    block: u32,
+) -> Result<(KvLayout, Vec<Box<dyn Buffer>>), DemoError> {
+    let mut l = KvLayout {
+        model: model(t),
+        block_tokens: block,
+        order: t.order,
+        placement: KvPlacement::Separate,
+        block_stride: 0,
+        num_blocks: t.num_blocks,
+        parallel: Parallel { tp_rank, tp_size: tp, pp_rank: 0, pp_size: 1 },
+        region_bases: Vec::new(),
+    };
+    l.block_stride = l.part_bytes();
+    let mut buffers = Vec::new();
+    for _ in 0..pattern::region_count(&l) {
+        let b = dev.alloc(l.region_len())?;
+        l.region_bases.push(b.region().addr);
+        buffers.push(b);
+    }
+    l.validate().map_err(|e| DemoError::Config(e.to_string()))?;
+    Ok((l, buffers))
+}
+
+/// A block pool shared by the workers of one engine (they share the block table, as in vLLM).
+struct Pool {
+    free: VecDeque<u32>,
+}
+
+impl Pool {
+    fn new(n: u32) -> Self {
+        Self { free: (0..n).collect() }
+    }
+    fn take(&mut self, n: usize) -> Option<Vec<u32>> {
+        (self.free.len() >= n).then(|| self.free.drain(..n).collect())
+    }
+    fn give(&mut self, ids: impl IntoIterator<Item = u32>) {
+        self.free.extend(ids);
+    }
+}
+
+/// A verification result: request index and outcome.
+type Checked = (usize, Result<pattern::Verified, String>);
+
+/// A row of the table: label and how to render it from a mode's report.
+type Row = (&'static str, fn(&ModeReport) -> String);
+
+/// A request as the driver tracks it.
+struct Req {
+    key: Key,
+    tokens: u64,
+    seed: u64,
+    registration_first: bool,
+    p_blocks: Vec<Vec<u32>>,
+    d_blocks: Option<Vec<Vec<u32>>>,
+    ready_at: Option<Instant>,
+    engine_ns: u64,
+    p_released: usize,
+    /// D workers that reported an outcome (received, failed or ended).
+    d_reported: usize,
+    d_received: usize,
+    verified: bool,
+    failed: bool,
+    done: bool,
+}
+
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
+enum Due {
+    /// P's prefill finished: call request_finished.
+    PrefillDone(usize),
+    /// The consumer leg arrives: allocate and register (push) or start the read (pull).
+    Consumer(usize),
+}
+
+/// Splitmix-based generator for the workload.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Prompt lengths and orders of the workload (log-uniform lengths).
+pub fn requests(w: &Workload) -> Vec<(u64, bool)> {
+    let mut rng = Rng(w.seed);
+    let (lo, hi) = ((w.min_tokens.max(1)) as f64, (w.max_tokens.max(w.min_tokens.max(1))) as f64);
+    (0..w.requests)
+        .map(|_| {
+            let tokens = (lo.ln() + rng.unit() * (hi.ln() - lo.ln())).exp().round() as u64;
+            (tokens.clamp(lo as u64, hi as u64), rng.next() & 1 == 0)
+        })
+        .collect()
+}
+
+/// Percentile of a sorted slice.
+fn pct<T: Copy + Default>(sorted: &[T], q: f64) -> T {
+    if sorted.is_empty() {
+        return T::default();
+    }
+    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// Runs the demo: each mode in `modes` on the same workload. `tick` is called once per finished
+/// request (for a progress bar).
+pub fn run(t: &Topology, w: &Workload, modes: &[Mode], tick: &dyn Fn()) -> Result<Report, DemoError> {
+    let dev = device::from_env()?;
+    let mut report = Report::default();
+    for &mode in modes {
+        let r = run_mode(t, w, mode, dev.clone(), tick)?;
+        match mode {
+            Mode::Push => report.push = Some(r),
+            Mode::Pull => report.pull = Some(r),
+        }
+    }
+    Ok(report)
+}
+
+/// What the workers of one engine share.
+struct Medium<'a> {
+    dev: &'a Arc<dyn Device>,
+    fabric: &'a Fabric,
+    hub: &'a Arc<LocalHub>,
+}
+
+fn build(
+    t: &Topology,
+    mode: Mode,
+    m: &Medium<'_>,
+    engine_id: &str,
+    tp: u16,
+    block: u32,
+) -> Result<Vec<Worker>, DemoError> {
+    let Medium { dev, fabric, hub } = *m;
+    let mut workers = Vec::new();
+    for r in 0..tp {
+        let (layout, buffers) = worker_layout(t, dev.as_ref(), r, tp, block)?;
+        let transport = Arc::new(fabric.endpoint(&format!("{engine_id}/{r}"))?);
+        let mut config = Config::new(engine_id, mode);
+        config.writers = t.writers;
+        let engine = Engine::new(config, layout, dev.clone(), transport, hub.clone())?;
+        hub.attach(engine.addr().clone(), engine.sink());
+        workers.push(Worker { engine, buffers });
+    }
+    Ok(workers)
+}
+
+fn run_mode(
+    t: &Topology,
+    w: &Workload,
+    mode: Mode,
+    dev: Arc<dyn Device>,
+    tick: &dyn Fn(),
+) -> Result<ModeReport, DemoError> {
+    let fabric = Fabric::new();
+    let hub = LocalHub::new();
+    let medium = Medium { dev: &dev, fabric: &fabric, hub: &hub };
+    let p = Arc::new(build(t, mode, &medium, "prefill", t.p_tp, t.p_block)?);
+    let d = Arc::new(build(t, mode, &medium, "decode", t.d_tp, t.d_block)?);
+    for a in p.iter() {
+        for b in d.iter() {
+            b.engine.add_peer(&a.engine.handshake()?)?;
+            a.engine.add_peer(&b.engine.handshake()?)?;
+        }
+    }
+    let groups = p[0].engine.layout().model.groups.len();
+    let mut p_pool = Pool::new(t.num_blocks);
+    let mut d_pool = Pool::new(t.num_blocks);
+    let specs = requests(w);
+    let mut reqs: Vec<Req> = Vec::with_capacity(specs.len());
+    let mut rng = Rng(w.seed ^ 0x5eed);
+
+    // Prefill thread: writes each request's KV into P's blocks (the accelerator's work).
+    let (fill_tx, fill_rx) = unbounded::<(usize, Vec<Vec<u32>>, u64, u64)>();
+    let (filled_tx, filled_rx) = unbounded::<(usize, Result<(), String>)>();
+    let pf = Arc::clone(&p);
+    let prefill = std::thread::spawn(move || {
+        for (i, blocks, n, seed) in fill_rx {
+            let mut r = Ok(());
+            for wk in pf.iter() {
+                if let Err(e) = pattern::fill(wk.engine.layout(), &wk.buffers, &blocks, n, seed) {
+                    r = Err(e.to_string());
+                }
+            }
+            if filled_tx.send((i, r)).is_err() {
+                return;
+            }
+        }
+    });
+    // Verifier thread: checks what arrived on D.
+    let (check_tx, check_rx) = unbounded::<(usize, Vec<Vec<u32>>, u64, u64)>();
+    let (checked_tx, checked_rx): (Sender<Checked>, Receiver<Checked>) = unbounded();
+    let df = Arc::clone(&d);
+    let verifier = std::thread::spawn(move || {
+        for (i, blocks, n, seed) in check_rx {
+            let mut total = pattern::Verified::default();
+            let mut res = Ok(());
+            for wk in df.iter() {
+                match pattern::verify(wk.engine.layout(), &wk.buffers, &blocks, n, seed) {
+                    Ok(v) => {
+                        total.bytes += v.bytes;
+                        total.mismatched_elements += v.mismatched_elements;
+                        total.found = total.found.wrapping_add(v.found);
+                        total.expected = total.expected.wrapping_add(v.expected);
+                    }
+                    Err(e) => res = Err(e.to_string()),
+                }
+            }
+            if checked_tx.send((i, res.map(|()| total))).is_err() {
+                return;
+            }
+        }
+    });
+
+    let started = Instant::now();
+    let mut due: BinaryHeap<std::cmp::Reverse<(Instant, Due)>> = BinaryHeap::new();
+    let mut next = 0usize;
+    let mut in_flight = 0usize;
+    let mut finished = 0usize;
+    let mut by_key: HashMap<Key, usize> = HashMap::new();
+    let mut latencies = Vec::with_capacity(specs.len());
+    let mut verified_bytes = 0u64;
+    let mut failed = 0u64;
+    let mut out = Vec::new();
+    let mut last_progress = Instant::now();
+    let limit = Duration::from_secs(120);
+
+    while finished < specs.len() {
+        let mut busy = false;
+        let now = Instant::now();
+        // Admit.
+        while next < specs.len() && in_flight < w.concurrency {
+            let (tokens, registration_first) = specs[next];
+            let pn = blocks_for(tokens, t.p_block) as usize;
+            let dn = blocks_for(tokens, t.d_block) as usize;
+            let d_now = mode == Mode::Push && registration_first;
+            if p_pool.free.len() < pn * groups || (d_now && d_pool.free.len() < dn * groups) {
+                break;
+            }
+            let p_blocks: Vec<Vec<u32>> = (0..groups).filter_map(|_| p_pool.take(pn)).collect();
+            let key = Key::new(u128::from(rng.next()) << 64 | next as u128, 1);
+            let seed = rng.next();
+            reqs.push(Req {
+                key,
+                tokens,
+                seed,
+                registration_first,
+                p_blocks: p_blocks.clone(),
+                d_blocks: None,
+                ready_at: None,
+                engine_ns: 0,
+                p_released: 0,
+                d_reported: 0,
+                d_received: 0,
+                verified: false,
+                failed: false,
+                done: false,
+            });
+            by_key.insert(key, next);
+            let _ = fill_tx.send((next, p_blocks, tokens, seed));
+            if d_now {
+                due.push(std::cmp::Reverse((now, Due::Consumer(next))));
+            }
+            next += 1;
+            in_flight += 1;
+            busy = true;
+        }
+        // Prefill finished writing: request_finished after the simulated prefill time.
+        while let Ok((i, r)) = filled_rx.try_recv() {
+            if let Err(e) = r {
+                return Err(DemoError::Config(format!("prefill of request {i} failed: {e}")));
+            }
+            let at = now + Duration::from_nanos(reqs[i].tokens * w.prefill_ns_per_token);
+            due.push(std::cmp::Reverse((at, Due::PrefillDone(i))));
+        }
+        // Timed events.
+        while let Some(std::cmp::Reverse((at, _))) = due.peek() {
+            if *at > Instant::now() {
+                break;
+            }
+            let Some(std::cmp::Reverse((_, ev))) = due.pop() else { break };
+            busy = true;
+            match ev {
+                Due::PrefillDone(i) => {
+                    let r = &mut reqs[i];
+                    let t0 = Instant::now();
+                    for wk in p.iter() {
+                        wk.engine.request_finished(r.key, r.p_blocks.clone(), r.tokens)?;
+                    }
+                    r.engine_ns += t0.elapsed().as_nanos() as u64;
+                    r.ready_at = Some(t0);
+                    let consumer_now = mode == Mode::Push && r.registration_first;
+                    if !consumer_now {
+                        due.push(std::cmp::Reverse((t0 + Duration::from_micros(w.relay_us), Due::Consumer(i))));
+                    }
+                }
+                Due::Consumer(i) => {
+                    let r = &mut reqs[i];
+                    let dn = blocks_for(r.tokens, t.d_block) as usize;
+                    if d_pool.free.len() < dn * groups {
+                        // Retry shortly: D has no room yet.
+                        due.push(std::cmp::Reverse((Instant::now() + Duration::from_micros(100), Due::Consumer(i))));
+                        continue;
+                    }
+                    let d_blocks: Vec<Vec<u32>> = (0..groups).filter_map(|_| d_pool.take(dn)).collect();
+                    let t0 = Instant::now();
+                    for wk in d.iter() {
+                        match mode {
+                            Mode::Push => wk.engine.blocks_allocated(r.key, "prefill", d_blocks.clone(), r.tokens)?,
+                            Mode::Pull => wk.engine.start_pull(
+                                r.key,
+                                "prefill",
+                                r.p_blocks.clone(),
+                                d_blocks.clone(),
+                                r.tokens,
+                            )?,
+                        }
+                    }
+                    r.engine_ns += t0.elapsed().as_nanos() as u64;
+                    r.d_blocks = Some(d_blocks);
+                }
+            }
+        }
+        // Poll both engines.
+        for (side, workers) in [(0, &p), (1, &d)] {
+            for wk in workers.iter() {
+                out.clear();
+                let t0 = Instant::now();
+                let n = wk.engine.poll(&mut out);
+                if n == 0 {
+                    continue;
+                }
+                busy = true;
+                let share = t0.elapsed().as_nanos() as u64 / n as u64;
+                for f in out.drain(..) {
+                    let key = match &f {
+                        Finished::Sent { key, .. }
+                        | Finished::Received { key }
+                        | Finished::Failed { key, .. }
+                        | Finished::Ended { key } => *key,
+                    };
+                    let Some(&i) = by_key.get(&key) else { continue };
+                    let r = &mut reqs[i];
+                    r.engine_ns += share;
+                    match f {
+                        Finished::Sent { .. } if side == 0 => {
+                            r.p_released += 1;
+                            if r.p_released == p.len() {
+                                p_pool.give(r.p_blocks.iter().flatten().copied());
+                            }
+                        }
+                        Finished::Received { .. } => {
+                            r.d_reported += 1;
+                            r.d_received += 1;
+                            if r.d_received == d.len() {
+                                if let Some(at) = r.ready_at {
+                                    latencies.push(at.elapsed().as_micros() as u64);
+                                }
+                                let blocks = r.d_blocks.clone().unwrap_or_default();
+                                let _ = check_tx.send((i, blocks, r.tokens, r.seed));
+                            }
+                        }
+                        Finished::Failed { reason, .. } => {
+                            tracing::warn!(%reason, "request failed");
+                            r.failed = true;
+                            r.d_reported += 1;
+                        }
+                        Finished::Ended { .. } => {
+                            r.failed = true;
+                            r.d_reported += 1;
+                        }
+                        Finished::Sent { .. } => {}
+                    }
+                }
+            }
+        }
+        // Verification results.
+        while let Ok((i, res)) = checked_rx.try_recv() {
+            let r = &mut reqs[i];
+            match res {
+                Ok(v) if v.ok() => verified_bytes += v.bytes,
+                Ok(v) => {
+                    tracing::error!(key = %r.key, mismatched = v.mismatched_elements, "KV arrived wrong");
+                    r.failed = true;
+                }
+                Err(e) => {
+                    tracing::error!(key = %r.key, error = %e, "cannot verify");
+                    r.failed = true;
+                }
+            }
+            r.verified = true;
+        }
+        // Retire requests whose both legs ended.
+        for r in reqs.iter_mut().filter(|r| !r.done) {
+            let d_over = r.verified || (r.failed && r.d_reported >= d.len());
+            if d_over && r.p_released >= p.len() {
+                r.done = true;
+                if let Some(b) = r.d_blocks.take() {
+                    d_pool.give(b.into_iter().flatten());
+                }
+                failed += u64::from(r.failed);
+                finished += 1;
+                in_flight -= 1;
+                busy = true;
+                tick();
+            }
+        }
+        if busy {
+            last_progress = Instant::now();
+        } else {
+            if last_progress.elapsed() > limit {
+                let stuck: Vec<String> = reqs.iter().filter(|r| !r.done).take(5).map(|r| r.key.to_string()).collect();
+                return Err(DemoError::Stuck(format!(
+                    "{mode}: no progress for {limit:?}; {} requests unfinished, e.g. {stuck:?}",
+                    specs.len() - finished
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+    let wall = started.elapsed().as_secs_f64();
+    drop(fill_tx);
+    drop(check_tx);
+    let _ = prefill.join();
+    let _ = verifier.join();
+
+    let mut report =
+        ModeReport { requests: specs.len() as u64, verified_bytes, failed, wall_s: wall, ..Default::default() };
+    for wk in p.iter().chain(d.iter()) {
+        let s = wk.engine.stats();
+        report.bytes += s.counters.bytes;
+        report.descriptors_unmerged += s.counters.descriptors_unmerged;
+        report.descriptors_posted += s.counters.descriptors_posted;
+    }
+    latencies.sort_unstable();
+    report.latency_us_p50 = pct(&latencies, 0.5);
+    report.latency_us_p99 = pct(&latencies, 0.99);
+    let mut engine_us: Vec<f64> = reqs.iter().map(|r| r.engine_ns as f64 / 1000.0).collect();
+    engine_us.sort_unstable_by(f64::total_cmp);
+    report.engine_us_p50 = pct(&engine_us, 0.5);
+    report.engine_us_p99 = pct(&engine_us, 0.99);
+    report.gbps = report.bytes as f64 / wall / 1e9;
+    Ok(report)
+}
+
+/// Renders the report as a table.
+pub fn table(r: &Report) -> String {
+    let modes: Vec<(&str, &ModeReport)> = [("push", r.push.as_ref()), ("pull", r.pull.as_ref())]
+        .into_iter()
+        .filter_map(|(n, m)| m.map(|m| (n, m)))
+        .collect();
+    let mut s = format!("{:<34}", "");
+    for (n, _) in &modes {
+        s += &format!("{n:>16}");
+    }
+    s.push('\n');
+    let rows: [Row; 12] = [
+        ("requests", |m| m.requests.to_string()),
+        ("failed", |m| m.failed.to_string()),
+        ("bytes moved", |m| format!("{:.1} MiB", m.bytes as f64 / 1048576.0)),
+        ("bytes verified", |m| format!("{:.1} MiB", m.verified_bytes as f64 / 1048576.0)),
+        ("descriptors before merging", |m| m.descriptors_unmerged.to_string()),
+        ("descriptors posted", |m| m.descriptors_posted.to_string()),
+        ("blocks-ready -> received p50", |m| format!("{} us", m.latency_us_p50)),
+        ("blocks-ready -> received p99", |m| format!("{} us", m.latency_us_p99)),
+        ("engine-thread time/request p50", |m| format!("{:.1} us", m.engine_us_p50)),
+        ("engine-thread time/request p99", |m| format!("{:.1} us", m.engine_us_p99)),
+        ("wall time", |m| format!("{:.2} s", m.wall_s)),
+        ("throughput", |m| format!("{:.2} GB/s", m.gbps)),
+    ];
+    for (name, f) in rows {
+        s += &format!("{name:<34}");
+        for (_, m) in &modes {
+            s += &format!("{:>16}", f(m));
+        }
+        s.push('\n');
+    }
+    s
+}

@@ -1,0 +1,524 @@
+//! Producer and consumer engines: the thin layer that drives `proto` with writer threads, a
+//! transport, a device and a control link.
+//!
+//! Read [`Engine`] first. One `Engine` is one worker (one rank) of a serving engine. Its methods are
+//! what the engine loop calls — the vLLM connector and the C ABI call exactly these — and each of
+//! them only validates its input and enqueues a command for a writer thread, or drains finished
+//! results ([`Engine::poll`]): none waits on the network, on planning or on the transport.
+//!
+//! Writer threads (`writer`, [`Config::writers`] of them) own the protocol state: transfers are
+//! sharded by transfer id, each shard has its own rendezvous ([`crate::proto::rendezvous`]),
+//! completion counter ([`crate::proto::completion`]) and planner. They post transfers, poll the
+//! transport (or sleep until its waker rings), expire leases and hand results back through an
+//! [`Outbox`]. An idle engine's writers sleep on their queue: no thread spins.
+//!
+//! A worker can produce (P: [`Engine::request_finished`]), consume (D: [`Engine::blocks_allocated`]
+//! in push mode, [`Engine::start_pull`] in pull mode), or both. Peers are added with
+//! [`Engine::add_peer`] from their [`Handshake`]; frames from peers arrive through
+//! [`Engine::handle_frame`] (called by the control link) and notifications through the transport.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{unbounded, Sender};
+
+use crate::device::{Device, DeviceError, MemRegion};
+use crate::pool::handoff::{Outbox, WakeFlag};
+use crate::proto::codec::{self, DecodeError, PROTOCOL_VERSION};
+use crate::proto::compat::{self, compat_hash, Incompatible};
+use crate::proto::completion::CompletionConfig;
+use crate::proto::layout::{KvLayout, LayoutError};
+use crate::proto::msg::{check_block_lists, Handshake, Message, Mode, RangeError};
+use crate::proto::rendezvous::{ReleaseReason, RendezvousConfig, SourceBlocks};
+use crate::proto::{Key, Rank};
+use crate::transport::{Transport, TransportError};
+
+pub mod link;
+pub mod stats;
+mod writer;
+
+pub use link::{ControlLink, FrameSink, LinkError, LocalHub, PeerAddr};
+pub use stats::{Stats, StatsSnapshot};
+
+/// Engine configuration.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// This engine's id (shared by all its workers).
+    pub engine_id: String,
+    /// Push or pull.
+    pub mode: Mode,
+    /// Writer threads of this worker (transfers are sharded over them by transfer id).
+    pub writers: usize,
+    /// Producer lease, registration wait, pending bound.
+    pub rendezvous: RendezvousConfig,
+    /// Consumer timeout and pending bound.
+    pub completion: CompletionConfig,
+    /// Pull mode, producer side: how long a granted read may take before the blocks are released (µs).
+    pub pull_read_timeout_us: u64,
+}
+
+impl Config {
+    /// Defaults for an engine with id `engine_id` in `mode`.
+    pub fn new(engine_id: impl Into<String>, mode: Mode) -> Self {
+        Self {
+            engine_id: engine_id.into(),
+            mode,
+            writers: 1,
+            rendezvous: RendezvousConfig::default(),
+            completion: CompletionConfig::default(),
+            pull_read_timeout_us: 60_000_000,
+        }
+    }
+}
+
+/// What went wrong in an engine call. Each variant names the peer, request or call concerned.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineError {
+    /// The KV layout is invalid.
+    #[error("invalid KV layout: {0}")]
+    Layout(#[from] LayoutError),
+    /// A KV region is not memory of the selected device.
+    #[error("KV region {index} cannot be registered: {source}")]
+    Device {
+        /// Region index in the layout.
+        index: usize,
+        /// The device's error.
+        #[source]
+        source: DeviceError,
+    },
+    /// A transport call failed.
+    #[error("transport: {0}")]
+    Transport(#[from] TransportError),
+    /// The peer's handshake is incompatible.
+    #[error(transparent)]
+    Incompatible(#[from] Incompatible),
+    /// A block list does not fit this worker's layout.
+    #[error("request {key}: {source}")]
+    Blocks {
+        /// The request.
+        key: Key,
+        /// What does not fit.
+        #[source]
+        source: RangeError,
+    },
+    /// A frame from a peer could not be decoded.
+    #[error("frame from {peer}: {source}")]
+    Decode {
+        /// The sender.
+        peer: PeerAddr,
+        /// Why.
+        #[source]
+        source: DecodeError,
+    },
+    /// The call does not fit this engine's mode.
+    #[error("{call} is not available in {mode} mode")]
+    WrongMode {
+        /// The call.
+        call: &'static str,
+        /// The engine's mode.
+        mode: Mode,
+    },
+    /// The engine has shut down.
+    #[error("engine {0} has shut down")]
+    Closed(String),
+}
+
+/// A result handed back to the engine loop by [`Engine::poll`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Finished {
+    /// Producer: the blocks of `key` are no longer needed and may be freed.
+    Sent {
+        /// The request.
+        key: Key,
+        /// Why they were released.
+        reason: ReleaseReason,
+    },
+    /// Consumer: every part of `key` landed; the request may decode.
+    Received {
+        /// The request.
+        key: Key,
+    },
+    /// Consumer: the KV of `key` will not arrive; `invalid_blocks` (per KV group) must be reported
+    /// invalid so the failure policy (fail or recompute) applies.
+    Failed {
+        /// The request.
+        key: Key,
+        /// What went wrong, for logs and the user.
+        reason: String,
+        /// The blocks that were registered for it.
+        invalid_blocks: Vec<Vec<u32>>,
+    },
+    /// Consumer: `key` ended without data because it was aborted locally or superseded by a newer
+    /// attempt; its blocks are no longer written.
+    Ended {
+        /// The request.
+        key: Key,
+    },
+}
+
+/// A peer worker known from its handshake.
+#[derive(Debug)]
+pub(crate) struct Peer {
+    pub(crate) addr: PeerAddr,
+    pub(crate) layout: Arc<KvLayout>,
+    pub(crate) agent: String,
+}
+
+/// Peers by address and by transport agent name.
+#[derive(Debug, Default)]
+pub(crate) struct Peers {
+    pub(crate) by_addr: HashMap<PeerAddr, Arc<Peer>>,
+    pub(crate) by_agent: HashMap<String, Arc<Peer>>,
+}
+
+/// Commands from the engine loop, the control link and other shards to a writer.
+#[derive(Debug)]
+pub(crate) enum Cmd {
+    BlocksReady { key: Key, blocks: SourceBlocks },
+    Register { key: Key, producer: String, block_ids: Vec<Vec<u32>>, num_tokens: u64 },
+    Pull { key: Key, producer: String, remote_blocks: Vec<Vec<u32>>, local_blocks: Vec<Vec<u32>>, num_tokens: u64 },
+    Abort { key: Key },
+    Msg { from: PeerAddr, msg: Message },
+    Wake,
+    Stop,
+}
+
+/// A writer shard as the rest of the engine sees it.
+#[derive(Debug)]
+pub(crate) struct ShardHandle {
+    pub(crate) tx: Sender<Cmd>,
+    pub(crate) wake: Arc<WakeFlag>,
+    pub(crate) stats: Arc<Mutex<Stats>>,
+}
+
+impl ShardHandle {
+    fn ring(&self) {
+        if self.wake.ring() {
+            let _ = self.tx.send(Cmd::Wake);
+        }
+    }
+}
+
+/// State shared by the engine handle, its writers and the control link.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) config: Config,
+    pub(crate) me: PeerAddr,
+    pub(crate) layout: Arc<KvLayout>,
+    pub(crate) peers: RwLock<Peers>,
+    pub(crate) shards: Vec<ShardHandle>,
+    pub(crate) outbox: Outbox<Finished>,
+    pub(crate) transport: Arc<dyn Transport>,
+    pub(crate) link: Arc<dyn ControlLink>,
+    pub(crate) regions: Vec<MemRegion>,
+}
+
+impl Shared {
+    pub(crate) fn shard_of(&self, key: Key) -> usize {
+        let id = key.transfer_id.0;
+        ((id ^ (id >> 64)) as u64 % self.shards.len() as u64) as usize
+    }
+
+    pub(crate) fn send(&self, key: Key, cmd: Cmd) -> Result<(), EngineError> {
+        self.shards[self.shard_of(key)].tx.send(cmd).map_err(|_| EngineError::Closed(self.config.engine_id.clone()))
+    }
+
+    pub(crate) fn peer_by_addr(&self, addr: &PeerAddr) -> Option<Arc<Peer>> {
+        self.peers.read().unwrap_or_else(|p| p.into_inner()).by_addr.get(addr).cloned()
+    }
+
+    pub(crate) fn peer_by_agent(&self, agent: &str) -> Option<Arc<Peer>> {
+        self.peers.read().unwrap_or_else(|p| p.into_inner()).by_agent.get(agent).cloned()
+    }
+
+    /// Any known worker of engine `engine` (for its TP/PP sizes).
+    pub(crate) fn any_peer_of(&self, engine: &str) -> Option<Arc<Peer>> {
+        self.peers.read().unwrap_or_else(|p| p.into_inner()).by_addr.values().find(|p| p.addr.engine == engine).cloned()
+    }
+
+    /// Routes a decoded message to the shard owning its transfer.
+    pub(crate) fn route(&self, from: PeerAddr, msg: Message) -> Result<(), EngineError> {
+        let key = match &msg {
+            Message::Registration(r) => r.key(),
+            Message::Completion(c) => c.key,
+            Message::Failure(f) => f.key,
+            Message::Abort(a) => a.key,
+            Message::Handshake(_) | Message::Heartbeat(_) => return Ok(()),
+        };
+        self.send(key, Cmd::Msg { from, msg })
+    }
+}
+
+impl Shared {
+    /// Decodes a control frame from `from` against its handshake layout and routes it.
+    pub(crate) fn handle_frame(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), EngineError> {
+        let peer = self
+            .peer_by_addr(from)
+            .ok_or_else(|| EngineError::Transport(TransportError::UnknownPeer(from.to_string())))?;
+        let msg = codec::decode(frame, Some(&peer.layout)).map_err(|source| {
+            if let Ok(mut s) = self.shards[0].stats.lock() {
+                s.failures.malformed += 1;
+            }
+            EngineError::Decode { peer: from.clone(), source }
+        })?;
+        self.route(from.clone(), msg)
+    }
+}
+
+impl FrameSink for Shared {
+    fn deliver(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), String> {
+        self.handle_frame(from, frame).map_err(|e| format!("{}: {e}", self.me))
+    }
+}
+
+/// One worker of a producer and/or consumer engine. See the module docs.
+#[derive(Debug)]
+pub struct Engine {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Engine {
+    /// Starts a worker: validates `layout`, checks every KV region with `device` and registers it
+    /// with `transport`, then starts the writer threads.
+    pub fn new(
+        config: Config,
+        layout: KvLayout,
+        device: Arc<dyn Device>,
+        transport: Arc<dyn Transport>,
+        link: Arc<dyn ControlLink>,
+    ) -> Result<Engine, EngineError> {
+        layout.validate()?;
+        let mut regions = Vec::with_capacity(layout.region_bases.len());
+        for (index, &base) in layout.region_bases.iter().enumerate() {
+            let region =
+                device.describe(base, layout.region_len()).map_err(|source| EngineError::Device { index, source })?;
+            transport.register(&region)?;
+            regions.push(region);
+        }
+        let me = PeerAddr { engine: config.engine_id.clone(), rank: layout.parallel.rank() };
+        let writers = config.writers.max(1);
+        let mut receivers = Vec::with_capacity(writers);
+        let mut shards = Vec::with_capacity(writers);
+        for _ in 0..writers {
+            let (tx, rx) = unbounded();
+            receivers.push(rx);
+            shards.push(ShardHandle {
+                tx,
+                wake: Arc::new(WakeFlag::new()),
+                stats: Arc::new(Mutex::new(Stats::default())),
+            });
+        }
+        let shared = Arc::new(Shared {
+            config,
+            me,
+            layout: Arc::new(layout),
+            peers: RwLock::new(Peers::default()),
+            shards,
+            outbox: Outbox::new(),
+            transport,
+            link,
+            regions,
+        });
+        let weak = Arc::downgrade(&shared);
+        shared.transport.set_waker(Arc::new(move || {
+            if let Some(s) = weak.upgrade() {
+                s.shards.iter().for_each(ShardHandle::ring);
+            }
+        }));
+        let mut threads = Vec::with_capacity(writers);
+        for (index, rx) in receivers.into_iter().enumerate() {
+            let w = writer::Writer::new(index, Arc::clone(&shared), rx);
+            let name = format!("kvpush-writer-{}-{index}", shared.me);
+            let handle = std::thread::Builder::new()
+                .name(name)
+                .spawn(move || w.run())
+                .map_err(|e| EngineError::Closed(format!("cannot start writer thread: {e}")))?;
+            threads.push(handle);
+        }
+        tracing::info!(worker = %shared.me, mode = %shared.config.mode, writers, "kvpush engine started");
+        Ok(Engine { shared, threads })
+    }
+
+    /// This worker's address.
+    pub fn addr(&self) -> &PeerAddr {
+        &self.shared.me
+    }
+
+    /// This worker's KV layout.
+    pub fn layout(&self) -> &KvLayout {
+        &self.shared.layout
+    }
+
+    /// The frame sink the control link delivers this worker's frames to (for [`LocalHub::attach`]).
+    pub fn sink(&self) -> std::sync::Weak<dyn FrameSink> {
+        let s: Arc<dyn FrameSink> = self.shared.clone();
+        Arc::downgrade(&s)
+    }
+
+    /// This worker's handshake, to send to peers.
+    pub fn handshake(&self) -> Result<Handshake, EngineError> {
+        let layout = (*self.shared.layout).clone();
+        let mode = self.shared.config.mode;
+        Ok(Handshake {
+            protocol: PROTOCOL_VERSION,
+            software: env!("CARGO_PKG_VERSION").to_owned(),
+            engine_id: self.shared.config.engine_id.clone(),
+            mode,
+            agent_metadata: self.shared.transport.local_metadata()?,
+            compat_hash: compat_hash(&layout.model, layout.order, mode, PROTOCOL_VERSION),
+            layout,
+        })
+    }
+
+    /// Accepts a peer worker from its handshake: checks compatibility (refusing with every differing
+    /// field) and loads its transport metadata. A peer that was known already is replaced (restart).
+    pub fn add_peer(&self, peer: &Handshake) -> Result<PeerAddr, EngineError> {
+        let mine = self.handshake()?;
+        compat::check(&mine, peer)?;
+        peer.layout.validate()?;
+        let agent = self.shared.transport.load_remote(&peer.agent_metadata)?;
+        let addr = PeerAddr { engine: peer.engine_id.clone(), rank: peer.layout.parallel.rank() };
+        let p = Arc::new(Peer { addr: addr.clone(), layout: Arc::new(peer.layout.clone()), agent: agent.clone() });
+        let mut peers = self.shared.peers.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(old) = peers.by_addr.insert(addr.clone(), Arc::clone(&p)) {
+            peers.by_agent.remove(&old.agent);
+        }
+        peers.by_agent.insert(agent, p);
+        tracing::debug!(worker = %self.shared.me, peer = %addr, "peer added");
+        Ok(addr)
+    }
+
+    /// Takes one frame a peer sent over the control link.
+    pub fn handle_frame(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), EngineError> {
+        self.shared.handle_frame(from, frame)
+    }
+
+    /// Producer: prefill of `key` finished; its KV is in `block_ids` (per KV group) and stays there
+    /// until [`Finished::Sent`] for `key` comes out of [`Engine::poll`].
+    pub fn request_finished(&self, key: Key, block_ids: Vec<Vec<u32>>, num_tokens: u64) -> Result<(), EngineError> {
+        check_block_lists(&block_ids, num_tokens, &self.shared.layout)
+            .map_err(|source| EngineError::Blocks { key, source })?;
+        self.shared.send(key, Cmd::BlocksReady { key, blocks: SourceBlocks { block_ids, num_tokens } })
+    }
+
+    /// Consumer, push mode: blocks for `key` are allocated; registers them with every worker of
+    /// engine `producer` that writes into this worker. [`Finished::Received`] or
+    /// [`Finished::Failed`] follows.
+    pub fn blocks_allocated(
+        &self,
+        key: Key,
+        producer: &str,
+        block_ids: Vec<Vec<u32>>,
+        num_tokens: u64,
+    ) -> Result<(), EngineError> {
+        if self.shared.config.mode != Mode::Push {
+            return Err(EngineError::WrongMode { call: "blocks_allocated", mode: self.shared.config.mode });
+        }
+        check_block_lists(&block_ids, num_tokens, &self.shared.layout)
+            .map_err(|source| EngineError::Blocks { key, source })?;
+        self.shared.send(key, Cmd::Register { key, producer: producer.to_owned(), block_ids, num_tokens })
+    }
+
+    /// Consumer, pull mode: read `key` from engine `producer`, whose blocks (per KV group, as the
+    /// router relayed them) are `remote_blocks`, into `local_blocks`.
+    pub fn start_pull(
+        &self,
+        key: Key,
+        producer: &str,
+        remote_blocks: Vec<Vec<u32>>,
+        local_blocks: Vec<Vec<u32>>,
+        num_tokens: u64,
+    ) -> Result<(), EngineError> {
+        if self.shared.config.mode != Mode::Pull {
+            return Err(EngineError::WrongMode { call: "start_pull", mode: self.shared.config.mode });
+        }
+        check_block_lists(&local_blocks, num_tokens, &self.shared.layout)
+            .map_err(|source| EngineError::Blocks { key, source })?;
+        let cmd = Cmd::Pull { key, producer: producer.to_owned(), remote_blocks, local_blocks, num_tokens };
+        self.shared.send(key, cmd)
+    }
+
+    /// Aborts `key` on this worker, in whatever state it is; peers are told.
+    pub fn abort(&self, key: Key) -> Result<(), EngineError> {
+        self.shared.send(key, Cmd::Abort { key })
+    }
+
+    /// Moves finished results into `out`; returns how many. Costs one atomic load when there are none.
+    pub fn poll(&self, out: &mut Vec<Finished>) -> usize {
+        self.shared.outbox.drain_into(out)
+    }
+
+    /// Counters and latency histograms of all writer shards.
+    pub fn stats(&self) -> StatsSnapshot {
+        let mut total = Stats::default();
+        for s in &self.shared.shards {
+            if let Ok(s) = s.stats.lock() {
+                total.add(&s);
+            }
+        }
+        total.snapshot()
+    }
+
+    /// Stops the writer threads and waits for them. In-flight transfers are abandoned; call it once
+    /// [`Engine::poll`] has reported everything you waited for.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        for s in &self.shared.shards {
+            let _ = s.tx.send(Cmd::Stop);
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        for r in &self.shared.regions {
+            let _ = self.shared.transport.deregister(r);
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The rank of `addr` as a rendezvous target.
+pub(crate) fn target_of(addr: &PeerAddr) -> crate::proto::rendezvous::Target {
+    crate::proto::rendezvous::Target { engine: addr.engine.clone(), rank: addr.rank }
+}
+
+/// The address of a rendezvous target.
+pub(crate) fn addr_of(t: &crate::proto::rendezvous::Target) -> PeerAddr {
+    PeerAddr { engine: t.engine.clone(), rank: t.rank }
+}
+
+/// Producer ranks of a peer engine that write into `me` (TP sources × overlapping PP stages).
+pub(crate) fn producer_ranks(model_src: &KvLayout, me: &KvLayout) -> Vec<Rank> {
+    use crate::proto::layout::{pp_sources, tp_sources};
+    let sp = model_src.parallel;
+    let dp = me.parallel;
+    let tps = tp_sources(&me.model, sp.tp_size, dp.tp_size, dp.tp_rank);
+    let pps = pp_sources(me.model.total_layers, sp.pp_size, dp.pp_size, dp.pp_rank);
+    let mut out = Vec::with_capacity(tps.len() * pps.len());
+    for t in &tps {
+        for &p in &pps {
+            out.push(Rank::new(t.tp_rank, p));
+        }
+    }
+    out
+}
+
+/// Consumer ranks a producer worker writes into, for a consumer engine whose sizes `dst` has.
+pub(crate) fn fan_out(me: &KvLayout, dst: &KvLayout) -> u16 {
+    use crate::proto::layout::{pp_sources, tp_targets};
+    let sp = me.parallel;
+    let dp = dst.parallel;
+    let tps = tp_targets(&me.model, sp.tp_size, sp.tp_rank, dp.tp_size).len();
+    let pps = pp_sources(me.model.total_layers, dp.pp_size, sp.pp_size, sp.pp_rank).len();
+    u16::try_from(tps * pps).unwrap_or(u16::MAX)
+}

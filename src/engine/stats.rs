@@ -1,0 +1,203 @@
+//! Engine statistics: counters and latency histograms, read with [`super::Engine::stats`].
+//!
+//! The writer threads record into a [`Stats`] behind a mutex (uncontended: one writer per shard,
+//! read rarely); [`StatsSnapshot`] is the serializable view with percentiles.
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+/// A latency histogram in microseconds (1 µs to 1 hour, 3 significant digits).
+#[derive(Clone, Debug)]
+pub struct Latency(Histogram<u64>);
+
+impl Default for Latency {
+    fn default() -> Self {
+        // Invariant: low 1 >= 1, high >= 2 * low, 3 significant figures <= 5: always valid bounds.
+        Self(Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("valid histogram bounds"))
+    }
+}
+
+impl Latency {
+    /// Records one value (clamped into range).
+    pub fn record(&mut self, micros: u64) {
+        self.0.saturating_record(micros.max(1));
+    }
+
+    /// Merges another histogram into this one.
+    pub fn add(&mut self, other: &Latency) {
+        let _ = self.0.add(&other.0);
+    }
+
+    /// Summary with percentiles.
+    pub fn summary(&self) -> LatencySummary {
+        let h = &self.0;
+        if h.is_empty() {
+            return LatencySummary::default();
+        }
+        LatencySummary {
+            count: h.len(),
+            p50_us: h.value_at_quantile(0.50),
+            p90_us: h.value_at_quantile(0.90),
+            p99_us: h.value_at_quantile(0.99),
+            max_us: h.max(),
+            mean_us: h.mean(),
+        }
+    }
+}
+
+/// Percentiles of a [`Latency`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct LatencySummary {
+    /// Values recorded.
+    pub count: u64,
+    /// Median (µs).
+    pub p50_us: u64,
+    /// 90th percentile (µs).
+    pub p90_us: u64,
+    /// 99th percentile (µs).
+    pub p99_us: u64,
+    /// Largest (µs).
+    pub max_us: u64,
+    /// Mean (µs).
+    pub mean_us: f64,
+}
+
+/// Failures by kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Failures {
+    /// Posting a transfer failed.
+    pub post: u64,
+    /// A posted transfer failed.
+    pub transfer: u64,
+    /// Planning failed.
+    pub plan: u64,
+    /// Leases or registration waits that ran out (producer).
+    pub lease_expired: u64,
+    /// Requests that timed out waiting for their parts (consumer).
+    pub timeout: u64,
+    /// Failure notifications received from a peer (consumer).
+    pub remote: u64,
+    /// Frames that could not be decoded or were out of range.
+    pub malformed: u64,
+    /// Frames or transfers concerning unknown peers.
+    pub unknown_peer: u64,
+    /// Control-link sends that failed.
+    pub link: u64,
+}
+
+/// Everything the writers record.
+#[derive(Clone, Debug, Default)]
+pub struct Stats {
+    /// Counters.
+    pub counters: Counters,
+    /// Failures by kind.
+    pub failures: Failures,
+    /// Producer: how long a registration waited for prefill.
+    pub wait_registration_first: Latency,
+    /// Producer: how long finished blocks waited for the registration.
+    pub wait_blocks_first: Latency,
+    /// Time to post one transfer (plan + merge + post call).
+    pub post: Latency,
+    /// Time from post to transfer done.
+    pub transfer: Latency,
+    /// Consumer: time from registration to every part received.
+    pub receive: Latency,
+}
+
+/// Monotonic counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Counters {
+    /// Registrations sent (consumer) or received (producer).
+    pub registrations: u64,
+    /// Transfers matched by the rendezvous.
+    pub matches: u64,
+    /// Transfers posted.
+    pub posts: u64,
+    /// Copies before merging.
+    pub descriptors_unmerged: u64,
+    /// Descriptors posted.
+    pub descriptors_posted: u64,
+    /// Bytes posted.
+    pub bytes: u64,
+    /// Producer: requests whose blocks were released.
+    pub released: u64,
+    /// Consumer: requests received.
+    pub received: u64,
+    /// Consumer: requests failed (blocks reported invalid).
+    pub failed: u64,
+    /// Aborts handled.
+    pub aborted: u64,
+}
+
+/// Serializable view of [`Stats`].
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct StatsSnapshot {
+    /// Counters.
+    pub counters: Counters,
+    /// Failures by kind.
+    pub failures: Failures,
+    /// See [`Stats::wait_registration_first`].
+    pub wait_registration_first: LatencySummary,
+    /// See [`Stats::wait_blocks_first`].
+    pub wait_blocks_first: LatencySummary,
+    /// See [`Stats::post`].
+    pub post: LatencySummary,
+    /// See [`Stats::transfer`].
+    pub transfer: LatencySummary,
+    /// See [`Stats::receive`].
+    pub receive: LatencySummary,
+}
+
+impl Stats {
+    /// Adds `other` into `self` (to combine shards).
+    pub fn add(&mut self, other: &Stats) {
+        macro_rules! sum {
+            ($a:expr, $b:expr, $($f:ident),*) => { $( $a.$f += $b.$f; )* };
+        }
+        sum!(
+            self.counters,
+            other.counters,
+            registrations,
+            matches,
+            posts,
+            descriptors_unmerged,
+            descriptors_posted,
+            bytes,
+            released,
+            received,
+            failed,
+            aborted
+        );
+        sum!(
+            self.failures,
+            other.failures,
+            post,
+            transfer,
+            plan,
+            lease_expired,
+            timeout,
+            remote,
+            malformed,
+            unknown_peer,
+            link
+        );
+        self.wait_registration_first.add(&other.wait_registration_first);
+        self.wait_blocks_first.add(&other.wait_blocks_first);
+        self.post.add(&other.post);
+        self.transfer.add(&other.transfer);
+        self.receive.add(&other.receive);
+    }
+
+    /// The serializable view.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        StatsSnapshot {
+            counters: self.counters,
+            failures: self.failures,
+            wait_registration_first: self.wait_registration_first.summary(),
+            wait_blocks_first: self.wait_blocks_first.summary(),
+            post: self.post.summary(),
+            transfer: self.transfer.summary(),
+            receive: self.receive.summary(),
+        }
+    }
+}

@@ -1,0 +1,599 @@
+//! A writer thread: owns one shard of the protocol state and drives it.
+//!
+//! Loop: wait for a command (or the next deadline, or — only while transfers are in flight on a
+//! transport that needs polling — a backoff interval), handle every queued command, make transport
+//! progress (poll in-flight transfers, take notifications), expire deadlines, then turn the state
+//! machines' actions and events into posts, control frames and [`Finished`] results. It never spins:
+//! with nothing in flight it sleeps on its queue until the next deadline.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant as StdInstant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError};
+
+use super::{addr_of, fan_out, producer_ranks, target_of, Cmd, Finished, PeerAddr, Shared, Stats};
+use crate::proto::codec;
+use crate::proto::completion::{Completions, Event, FailReason};
+use crate::proto::ids::Instant;
+use crate::proto::msg::{Abort, Completion, Failure, FailureKind, Message, Mode, Registration};
+use crate::proto::plan::{PlanInput, Planner};
+use crate::proto::rendezvous::{Action, Order, Rendezvous, SourceBlocks};
+use crate::proto::{Copy, Key};
+use crate::transport::{Desc, Notification, Op, XferId, XferState};
+
+/// Longest sleep when idle (bounds the reaction to a missed wake to this).
+const IDLE_WAIT: Duration = Duration::from_millis(100);
+/// First and last polling interval while transfers are in flight on a polled transport.
+const POLL_MIN: Duration = Duration::from_micros(10);
+const POLL_MAX: Duration = Duration::from_millis(2);
+
+/// What a posted transfer is for.
+#[derive(Debug)]
+struct InFlight {
+    key: Key,
+    peer: PeerAddr,
+    op: Op,
+    posted_at: Instant,
+}
+
+/// Consumer, pull mode: a read waiting for grants from its producer ranks.
+#[derive(Debug)]
+struct PullReq {
+    remote_blocks: Vec<Vec<u32>>,
+    local_blocks: Vec<Vec<u32>>,
+    num_tokens: u64,
+}
+
+pub(super) struct Writer {
+    index: usize,
+    shared: Arc<Shared>,
+    rx: Receiver<Cmd>,
+    stats: Arc<Mutex<Stats>>,
+    start: StdInstant,
+    rdv: Rendezvous,
+    comp: Completions,
+    planner: Planner,
+    copies: Vec<Copy>,
+    descs: Vec<Desc>,
+    frame: Vec<u8>,
+    notifs: Vec<Notification>,
+    inflight: HashMap<XferId, InFlight>,
+    /// Producer, pull mode: granted reads and when they time out.
+    grants: HashMap<(Key, PeerAddr), Instant>,
+    /// Consumer, pull mode.
+    pulls: HashMap<Key, PullReq>,
+    /// Consumer: which producer engine each waiting request reads from (for aborts).
+    producers: HashMap<Key, String>,
+    poll_interval: Duration,
+}
+
+impl Writer {
+    pub(super) fn new(index: usize, shared: Arc<Shared>, rx: Receiver<Cmd>) -> Self {
+        let stats = Arc::clone(&shared.shards[index].stats);
+        let rdv = Rendezvous::new(shared.config.rendezvous);
+        let comp = Completions::new(shared.config.completion);
+        Self {
+            index,
+            shared,
+            rx,
+            stats,
+            start: StdInstant::now(),
+            rdv,
+            comp,
+            planner: Planner::new(),
+            copies: Vec::new(),
+            descs: Vec::new(),
+            frame: Vec::new(),
+            notifs: Vec::new(),
+            inflight: HashMap::new(),
+            grants: HashMap::new(),
+            pulls: HashMap::new(),
+            producers: HashMap::new(),
+            poll_interval: POLL_MIN,
+        }
+    }
+
+    fn now(&self) -> Instant {
+        Instant(self.start.elapsed().as_micros() as u64)
+    }
+
+    fn stats(&self) -> std::sync::MutexGuard<'_, Stats> {
+        self.stats.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn run(mut self) {
+        loop {
+            let wait = self.next_wait();
+            let first = match self.rx.recv_timeout(wait) {
+                Ok(cmd) => Some(cmd),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return,
+            };
+            // Clear before looking for work: a completion after this point rings again.
+            self.shared.shards[self.index].wake.clear();
+            let mut progressed = false;
+            let mut next = first;
+            let mut budget = 4096;
+            while let Some(cmd) = next {
+                if matches!(cmd, Cmd::Stop) {
+                    return;
+                }
+                progressed |= !matches!(cmd, Cmd::Wake);
+                self.handle(cmd);
+                budget -= 1;
+                next = if budget > 0 { self.rx.try_recv().ok() } else { None };
+            }
+            progressed |= self.progress();
+            let now = self.now();
+            self.rdv.handle_timeout(now);
+            self.comp.handle_timeout(now);
+            self.expire_grants(now);
+            self.drain_outputs();
+            self.poll_interval = if progressed { POLL_MIN } else { (self.poll_interval * 2).min(POLL_MAX) };
+        }
+    }
+
+    /// How long to sleep: until the next deadline, capped; short while polled transfers are in flight.
+    fn next_wait(&self) -> Duration {
+        let now = self.now();
+        let mut wait = IDLE_WAIT;
+        let deadlines = [self.rdv.poll_timeout(), self.comp.poll_timeout(), self.grants.values().min().copied()];
+        for d in deadlines.into_iter().flatten() {
+            wait = wait.min(Duration::from_micros(d.micros_since(now)));
+        }
+        if !self.inflight.is_empty() && self.shared.transport.needs_polling() {
+            wait = wait.min(self.poll_interval);
+        }
+        wait
+    }
+
+    fn handle(&mut self, cmd: Cmd) {
+        let now = self.now();
+        match cmd {
+            Cmd::BlocksReady { key, blocks } => self.rdv.handle_blocks_ready(now, key, blocks),
+            Cmd::Register { key, producer, block_ids, num_tokens } => {
+                self.register(now, key, producer, block_ids, num_tokens)
+            }
+            Cmd::Pull { key, producer, remote_blocks, local_blocks, num_tokens } => {
+                let ids = local_blocks.clone();
+                self.pulls.insert(key, PullReq { remote_blocks, local_blocks, num_tokens });
+                self.register(now, key, producer, ids, num_tokens);
+            }
+            Cmd::Abort { key } => self.abort(now, key),
+            Cmd::Msg { from, msg } => self.message(now, from, msg),
+            Cmd::Wake | Cmd::Stop => {}
+        }
+        self.drain_outputs();
+    }
+
+    /// Consumer: registers `key` with every producer rank that writes into this worker.
+    fn register(&mut self, now: Instant, key: Key, producer: String, block_ids: Vec<Vec<u32>>, num_tokens: u64) {
+        let me = &self.shared.me;
+        let fail = |this: &mut Self, reason: String, blocks: Vec<Vec<u32>>| {
+            this.pulls.remove(&key);
+            this.stats().counters.failed += 1;
+            this.shared.outbox.push(Finished::Failed { key, reason, invalid_blocks: blocks });
+        };
+        let Some(any) = self.shared.any_peer_of(&producer) else {
+            let reason = format!("{me}: request {key}: no handshake with producer engine {producer}");
+            self.stats().failures.unknown_peer += 1;
+            return fail(self, reason, block_ids);
+        };
+        let ranks = producer_ranks(&any.layout, &self.shared.layout);
+        let mut peers = Vec::with_capacity(ranks.len());
+        for rank in &ranks {
+            let addr = PeerAddr { engine: producer.clone(), rank: *rank };
+            match self.shared.peer_by_addr(&addr) {
+                Some(p) => peers.push(p),
+                None => {
+                    let reason = format!("{me}: request {key}: no handshake with producer worker {addr}");
+                    self.stats().failures.unknown_peer += 1;
+                    return fail(self, reason, block_ids);
+                }
+            }
+        }
+        let reg = match Registration::new(
+            key,
+            me.engine.clone(),
+            me.rank,
+            num_tokens,
+            block_ids.clone(),
+            &self.shared.layout,
+        ) {
+            Ok(r) => r,
+            Err(e) => return fail(self, format!("{me}: request {key}: {e}"), block_ids),
+        };
+        if let Err(e) = self.comp.handle_registered(now, &reg, peers.len() as u32) {
+            return fail(self, format!("{me}: request {key}: {e}"), block_ids);
+        }
+        self.producers.insert(key, producer);
+        self.stats().counters.registrations += 1;
+        let frame = match codec::to_vec(&Message::Registration(reg)) {
+            Ok(f) => f,
+            Err(e) => {
+                let f = Failure { key, rank: me.rank, kind: FailureKind::PlanFailed, detail: e.to_string() };
+                self.comp.handle_failure(now, &f);
+                return;
+            }
+        };
+        for p in peers {
+            if let Err(e) = self.shared.link.send(&self.shared.me, &p.addr, frame.clone()) {
+                self.stats().failures.link += 1;
+                let detail = format!("registration to {}: {e}", p.addr);
+                let f = Failure { key, rank: p.addr.rank, kind: FailureKind::PeerLost, detail };
+                self.comp.handle_failure(now, &f);
+            }
+        }
+    }
+
+    fn abort(&mut self, now: Instant, key: Key) {
+        self.stats().counters.aborted += 1;
+        self.rdv.handle_abort(now, key);
+        if self.comp.progress(key).is_some() {
+            self.comp.handle_abort(now, key);
+            self.pulls.remove(&key);
+            if let Some(producer) = self.producers.remove(&key) {
+                if let Some(any) = self.shared.any_peer_of(&producer) {
+                    let msg =
+                        Message::Abort(Abort { key, rank: self.shared.me.rank, reason: "aborted by consumer".into() });
+                    for rank in producer_ranks(&any.layout, &self.shared.layout) {
+                        self.send_frame(&PeerAddr { engine: producer.clone(), rank }, &msg);
+                    }
+                }
+            }
+        }
+    }
+
+    fn message(&mut self, now: Instant, from: PeerAddr, msg: Message) {
+        let mode = self.shared.config.mode;
+        match msg {
+            Message::Registration(reg) => {
+                self.stats().counters.registrations += 1;
+                let Some(peer) = self.shared.peer_by_addr(&from) else {
+                    self.stats().failures.unknown_peer += 1;
+                    return;
+                };
+                let n = fan_out(&self.shared.layout, &peer.layout);
+                self.rdv.handle_registration(now, reg, n);
+            }
+            Message::Completion(c) => {
+                if self.grants.contains_key(&(c.key, from.clone())) {
+                    // Producer side of a pull: the consumer finished reading our blocks.
+                    self.read_done(now, c.key, from, Ok(()));
+                } else if mode == Mode::Pull && self.pulls.contains_key(&c.key) {
+                    // Consumer side of a pull: a producer rank pinned its blocks for us.
+                    self.post_read(now, c.key, from);
+                } else {
+                    self.comp.handle_completion(now, &c);
+                }
+            }
+            Message::Failure(f) => {
+                if self.grants.contains_key(&(f.key, from.clone())) {
+                    self.read_done(now, f.key, from, Err(f.kind));
+                } else {
+                    self.stats().failures.remote += 1;
+                    self.comp.handle_failure(now, &f);
+                }
+            }
+            Message::Abort(a) => {
+                self.rdv.handle_abort(now, a.key);
+                if self.comp.progress(a.key).is_some() {
+                    let f = Failure { key: a.key, rank: a.rank, kind: FailureKind::Aborted, detail: a.reason };
+                    self.comp.handle_failure(now, &f);
+                }
+            }
+            Message::Handshake(_) | Message::Heartbeat(_) => {}
+        }
+    }
+
+    /// Producer, pull mode: a granted read ended.
+    fn read_done(&mut self, now: Instant, key: Key, from: PeerAddr, result: Result<(), FailureKind>) {
+        if self.grants.remove(&(key, from.clone())).is_some() {
+            self.rdv.handle_transfer_done(now, key, &target_of(&from), result);
+        }
+    }
+
+    fn expire_grants(&mut self, now: Instant) {
+        let expired: Vec<(Key, PeerAddr)> =
+            self.grants.iter().filter(|(_, &at)| at <= now).map(|(k, _)| k.clone()).collect();
+        for (key, peer) in expired {
+            self.stats().failures.timeout += 1;
+            self.read_done(now, key, peer, Err(FailureKind::PeerLost));
+        }
+    }
+
+    /// Polls in-flight transfers and takes notifications. Returns whether anything happened.
+    fn progress(&mut self) -> bool {
+        let mut any = false;
+        if !self.inflight.is_empty() {
+            let ids: Vec<XferId> = self.inflight.keys().copied().collect();
+            for id in ids {
+                let state = self.shared.transport.poll(id);
+                if matches!(state, Ok(XferState::Pending)) {
+                    continue;
+                }
+                any = true;
+                let Some(f) = self.inflight.remove(&id) else { continue };
+                let now = self.now();
+                self.stats().transfer.record(now.micros_since(f.posted_at));
+                let result = match state {
+                    Ok(_) => Ok(()),
+                    Err(e) => {
+                        self.stats().failures.transfer += 1;
+                        tracing::warn!(worker = %self.shared.me, key = %f.key, peer = %f.peer, error = %e, "transfer failed");
+                        Err(FailureKind::TransferFailed { status: e.status() })
+                    }
+                };
+                match f.op {
+                    Op::Write => self.rdv.handle_transfer_done(now, f.key, &target_of(&f.peer), result),
+                    Op::Read => self.read_finished(now, f.key, f.peer, result),
+                }
+            }
+        }
+        self.notifs.clear();
+        if let Ok(n) = self.shared.transport.take_notifications(&mut self.notifs) {
+            any |= n > 0;
+        }
+        let notifs = std::mem::take(&mut self.notifs);
+        for n in &notifs {
+            let Some(peer) = self.shared.peer_by_agent(&n.from) else {
+                self.stats().failures.unknown_peer += 1;
+                continue;
+            };
+            match codec::decode(&n.msg, Some(&peer.layout)) {
+                Ok(msg) => {
+                    let key = match &msg {
+                        Message::Completion(c) => Some(c.key),
+                        Message::Failure(f) => Some(f.key),
+                        Message::Abort(a) => Some(a.key),
+                        Message::Registration(r) => Some(r.key()),
+                        _ => None,
+                    };
+                    if let Some(key) = key {
+                        if self.shared.shard_of(key) == self.index {
+                            let now = self.now();
+                            self.message(now, peer.addr.clone(), msg);
+                        } else {
+                            let _ = self.shared.route(peer.addr.clone(), msg);
+                        }
+                    }
+                }
+                Err(e) => {
+                    self.stats().failures.malformed += 1;
+                    tracing::warn!(worker = %self.shared.me, peer = %peer.addr, error = %e, "malformed notification");
+                }
+            }
+        }
+        self.notifs = notifs;
+        any
+    }
+
+    /// Consumer, pull mode: our read of `key` from producer worker `peer` ended.
+    fn read_finished(&mut self, now: Instant, key: Key, peer: PeerAddr, result: Result<(), FailureKind>) {
+        match result {
+            Ok(()) => self.comp.handle_completion(now, &Completion { key, rank: peer.rank }),
+            Err(kind) => {
+                // Tell the producer, so it releases its blocks now.
+                let f = Failure { key, rank: self.shared.me.rank, kind, detail: "read failed".into() };
+                self.send_frame(&peer, &Message::Failure(f));
+                let f = Failure { key, rank: peer.rank, kind, detail: format!("read from {peer} failed") };
+                self.comp.handle_failure(now, &f);
+            }
+        }
+    }
+
+    /// Consumer, pull mode: producer worker `from` granted the read of `key`.
+    fn post_read(&mut self, now: Instant, key: Key, from: PeerAddr) {
+        let Some(peer) = self.shared.peer_by_addr(&from) else { return };
+        let Some(req) = self.pulls.get(&key) else { return };
+        let input = PlanInput {
+            src: &peer.layout,
+            dst: &self.shared.layout,
+            src_blocks: &req.remote_blocks,
+            dst_blocks: &req.local_blocks,
+            num_tokens: req.num_tokens,
+        };
+        let started = StdInstant::now();
+        let planned = self.planner.plan(&input, &mut self.copies);
+        let stats = match planned {
+            Ok(s) => s,
+            Err(e) => {
+                self.stats().failures.plan += 1;
+                let f = Failure { key, rank: from.rank, kind: FailureKind::PlanFailed, detail: e.to_string() };
+                self.send_frame(&from, &Message::Failure(Failure { rank: self.shared.me.rank, ..f.clone() }));
+                self.comp.handle_failure(now, &f);
+                return;
+            }
+        };
+        self.descs.clear();
+        self.descs.extend(self.copies.iter().map(|c| Desc { local: c.dst_addr, remote: c.src_addr, len: c.len }));
+        let notif = Message::Completion(Completion { key, rank: self.shared.me.rank });
+        self.post(now, key, &peer.agent, from, Op::Read, &notif, stats.unmerged, stats.bytes, started);
+    }
+
+    /// Plans and posts a push WRITE for a matched transfer.
+    fn push(&mut self, now: Instant, key: Key, reg: &Registration, blocks: &SourceBlocks) {
+        let to = PeerAddr { engine: reg.engine_id().to_owned(), rank: reg.rank() };
+        let Some(peer) = self.shared.peer_by_addr(&to) else {
+            self.stats().failures.unknown_peer += 1;
+            self.rdv.handle_transfer_done(now, key, &target_of(&to), Err(FailureKind::PeerLost));
+            return;
+        };
+        if reg.num_tokens() != blocks.num_tokens {
+            self.stats().failures.plan += 1;
+            self.rdv.handle_transfer_done(now, key, &target_of(&to), Err(FailureKind::PlanFailed));
+            return;
+        }
+        let input = PlanInput {
+            src: &self.shared.layout,
+            dst: &peer.layout,
+            src_blocks: &blocks.block_ids,
+            dst_blocks: reg.block_ids(),
+            num_tokens: reg.num_tokens(),
+        };
+        let started = StdInstant::now();
+        let stats = match self.planner.plan(&input, &mut self.copies) {
+            Ok(s) => s,
+            Err(e) => {
+                self.stats().failures.plan += 1;
+                tracing::warn!(worker = %self.shared.me, %key, peer = %to, error = %e, "cannot plan transfer");
+                self.rdv.handle_transfer_done(now, key, &target_of(&to), Err(FailureKind::PlanFailed));
+                return;
+            }
+        };
+        self.descs.clear();
+        self.descs.extend(self.copies.iter().map(|c| Desc { local: c.src_addr, remote: c.dst_addr, len: c.len }));
+        let notif = Message::Completion(Completion { key, rank: self.shared.me.rank });
+        self.post(now, key, &peer.agent, to, Op::Write, &notif, stats.unmerged, stats.bytes, started);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn post(
+        &mut self,
+        now: Instant,
+        key: Key,
+        agent: &str,
+        peer: PeerAddr,
+        op: Op,
+        notif: &Message,
+        unmerged: u64,
+        bytes: u64,
+        started: StdInstant,
+    ) {
+        self.frame.clear();
+        if let Err(e) = codec::encode(notif, &mut self.frame) {
+            tracing::error!(%key, error = %e, "cannot encode notification");
+        }
+        let result = if self.descs.is_empty() {
+            // Nothing to move (everything cached on the consumer): just notify.
+            self.shared.transport.send_notification(agent, &self.frame).map(|()| None)
+        } else {
+            self.shared.transport.post(op, agent, &self.descs, Some(&self.frame)).map(Some)
+        };
+        let mut st = self.stats();
+        st.post.record(started.elapsed().as_micros() as u64);
+        match result {
+            Ok(id) => {
+                st.counters.posts += 1;
+                st.counters.descriptors_unmerged += unmerged;
+                st.counters.descriptors_posted += self.descs.len() as u64;
+                st.counters.bytes += bytes;
+                drop(st);
+                match id {
+                    Some(id) => {
+                        self.inflight.insert(id, InFlight { key, peer, op, posted_at: now });
+                    }
+                    None if op == Op::Write => self.rdv.handle_transfer_done(now, key, &target_of(&peer), Ok(())),
+                    None => self.read_finished(now, key, peer, Ok(())),
+                }
+            }
+            Err(e) => {
+                st.failures.post += 1;
+                drop(st);
+                tracing::warn!(worker = %self.shared.me, %key, %peer, error = %e, "post failed");
+                let kind = FailureKind::TransferFailed { status: e.status() };
+                match op {
+                    Op::Write => self.rdv.handle_transfer_done(now, key, &target_of(&peer), Err(kind)),
+                    Op::Read => self.read_finished(now, key, peer, Err(kind)),
+                }
+            }
+        }
+    }
+
+    fn send_frame(&mut self, to: &PeerAddr, msg: &Message) {
+        match codec::to_vec(msg) {
+            Ok(frame) => {
+                if let Err(e) = self.shared.link.send(&self.shared.me, to, frame) {
+                    self.stats().failures.link += 1;
+                    tracing::warn!(worker = %self.shared.me, peer = %to, error = %e, "control frame not delivered");
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "cannot encode control frame"),
+        }
+    }
+
+    /// Turns rendezvous actions and completion events into work and results.
+    fn drain_outputs(&mut self) {
+        loop {
+            let mut did = false;
+            while let Some(action) = self.rdv.poll_action() {
+                did = true;
+                let now = self.now();
+                match action {
+                    Action::Transfer { key, registration, blocks, order, waited_us } => {
+                        {
+                            let mut st = self.stats();
+                            st.counters.matches += 1;
+                            match order {
+                                Order::RegistrationFirst => st.wait_registration_first.record(waited_us),
+                                Order::BlocksFirst => st.wait_blocks_first.record(waited_us),
+                            }
+                        }
+                        if self.shared.config.mode == Mode::Push {
+                            self.push(now, key, &registration, &blocks);
+                        } else {
+                            // Pull: pin the blocks for this consumer and let it read.
+                            let to =
+                                PeerAddr { engine: registration.engine_id().to_owned(), rank: registration.rank() };
+                            let deadline = now.plus_micros(self.shared.config.pull_read_timeout_us);
+                            self.grants.insert((key, to.clone()), deadline);
+                            let grant = Message::Completion(Completion { key, rank: self.shared.me.rank });
+                            self.send_frame(&to, &grant);
+                        }
+                    }
+                    Action::Release { key, reason, .. } => {
+                        self.stats().counters.released += 1;
+                        self.shared.outbox.push(Finished::Sent { key, reason });
+                    }
+                    Action::Fail { key, target, kind } => {
+                        if kind == FailureKind::LeaseExpired {
+                            self.stats().failures.lease_expired += 1;
+                        }
+                        let detail = format!("{} reports: {kind}", self.shared.me);
+                        let msg = Message::Failure(Failure { key, rank: self.shared.me.rank, kind, detail });
+                        self.send_frame(&addr_of(&target), &msg);
+                    }
+                }
+            }
+            while let Some(event) = self.comp.poll_event() {
+                did = true;
+                match event {
+                    Event::Received { key, waited_us } => {
+                        self.producers.remove(&key);
+                        self.pulls.remove(&key);
+                        let mut st = self.stats();
+                        st.counters.received += 1;
+                        st.receive.record(waited_us);
+                        drop(st);
+                        self.shared.outbox.push(Finished::Received { key });
+                    }
+                    Event::Failed { key, reason, invalid_blocks } => {
+                        self.producers.remove(&key);
+                        self.pulls.remove(&key);
+                        let text = match &reason {
+                            FailReason::Producer { rank, kind, detail } => {
+                                format!("producer rank {rank} reported {kind}: {detail}")
+                            }
+                            FailReason::Timeout { received, expected } => {
+                                self.stats().failures.timeout += 1;
+                                format!("timed out with {received} of {expected} parts received")
+                            }
+                        };
+                        self.stats().counters.failed += 1;
+                        let reason = format!("{}: request {key}: {text}", self.shared.me);
+                        self.shared.outbox.push(Finished::Failed { key, reason, invalid_blocks });
+                    }
+                    Event::Aborted { key } | Event::Superseded { key, .. } => {
+                        self.producers.remove(&key);
+                        self.pulls.remove(&key);
+                        self.shared.outbox.push(Finished::Ended { key });
+                    }
+                }
+            }
+            if !did {
+                break;
+            }
+        }
+    }
+}

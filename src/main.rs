@@ -1,0 +1,183 @@
+//! The `kvpush` command: `kvpush demo` runs the main job (see `kvpush --help`).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use kvpush::demo::{self, Topology, Workload};
+use kvpush::proto::layout::BlockOrder;
+use kvpush::proto::Mode;
+
+#[derive(Parser, Debug)]
+#[command(name = "kvpush", version, about = "Push-mode KV-cache transfer for disaggregated LLM serving")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run a P engine and a D engine in this process, push (and pull) a workload over the loopback
+    /// transport, verify every byte, and print a table per mode.
+    Demo(DemoArgs),
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+enum ModeArg {
+    Push,
+    Pull,
+    Both,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+enum OrderArg {
+    Hnd,
+    Nhd,
+}
+
+#[derive(clap::Args, Debug)]
+struct DemoArgs {
+    /// Which modes to run on the same workload.
+    #[arg(long, value_enum, default_value = "both")]
+    mode: ModeArg,
+    /// Number of requests.
+    #[arg(long, default_value_t = 200)]
+    requests: usize,
+    /// Shortest prompt in tokens (lengths are log-uniform between min and max).
+    #[arg(long, default_value_t = 32)]
+    min_tokens: u64,
+    /// Longest prompt in tokens.
+    #[arg(long, default_value_t = 4096)]
+    max_tokens: u64,
+    /// Requests in flight at once at most.
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    /// Simulated prefill time per token, in nanoseconds.
+    #[arg(long, default_value_t = 250)]
+    prefill_ns_per_token: u64,
+    /// Router delay between the legs, in microseconds.
+    #[arg(long, default_value_t = 200)]
+    relay_us: u64,
+    /// Seed of the workload and the KV contents.
+    #[arg(long, default_value_t = 0x6b76_7075_7368)]
+    seed: u64,
+    /// Model layers (default: 16 of Qwen3-32B's 64).
+    #[arg(long, default_value_t = 16)]
+    layers: u32,
+    /// KV heads of the model (default: the 1 head a TP-8 rank of Qwen3-32B holds).
+    #[arg(long, default_value_t = 1)]
+    kv_heads: u32,
+    /// Head dimension.
+    #[arg(long, default_value_t = 128)]
+    head_dim: u32,
+    /// Producer tensor-parallel size.
+    #[arg(long, default_value_t = 1)]
+    p_tp: u16,
+    /// Consumer tensor-parallel size.
+    #[arg(long, default_value_t = 1)]
+    d_tp: u16,
+    /// Producer block size in tokens.
+    #[arg(long, default_value_t = 16)]
+    p_block: u32,
+    /// Consumer block size in tokens.
+    #[arg(long, default_value_t = 16)]
+    d_block: u32,
+    /// Blocks per worker on each side.
+    #[arg(long, default_value_t = 4096)]
+    num_blocks: u32,
+    /// Make every n-th layer a sliding-window layer (0: none).
+    #[arg(long, default_value_t = 0)]
+    window_every: u32,
+    /// Sliding window in tokens.
+    #[arg(long, default_value_t = 1024)]
+    window_tokens: u32,
+    /// Element order inside a block.
+    #[arg(long, value_enum, default_value = "hnd")]
+    order: OrderArg,
+    /// Writer threads per worker.
+    #[arg(long, default_value_t = 1)]
+    writers: usize,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Hide the progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVPUSH_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Demo(args) => match demo_cmd(args) {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("kvpush demo: {e}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}
+
+fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let topo = Topology {
+        layers: a.layers,
+        kv_heads: a.kv_heads,
+        head_dim: a.head_dim,
+        p_tp: a.p_tp,
+        d_tp: a.d_tp,
+        p_block: a.p_block,
+        d_block: a.d_block,
+        num_blocks: a.num_blocks,
+        window_every: a.window_every,
+        window_tokens: a.window_tokens,
+        order: if a.order == OrderArg::Nhd { BlockOrder::Nhd } else { BlockOrder::Hnd },
+        writers: a.writers,
+    };
+    let work = Workload {
+        requests: a.requests,
+        min_tokens: a.min_tokens,
+        max_tokens: a.max_tokens,
+        concurrency: a.concurrency,
+        prefill_ns_per_token: a.prefill_ns_per_token,
+        relay_us: a.relay_us,
+        seed: a.seed,
+    };
+    let modes = match a.mode {
+        ModeArg::Push => vec![Mode::Push],
+        ModeArg::Pull => vec![Mode::Pull],
+        ModeArg::Both => vec![Mode::Push, Mode::Pull],
+    };
+    let bar = if a.quiet { ProgressBar::hidden() } else { ProgressBar::new((a.requests * modes.len()) as u64) };
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg} [{bar:40}] {pos}/{len} requests ({elapsed})")
+            .map_err(|e| e.to_string())?
+            .progress_chars("=> "),
+    );
+    bar.set_message("push/pull demo");
+    let report = demo::run(&topo, &work, &modes, &|| bar.inc(1))?;
+    bar.finish_and_clear();
+    println!(
+        "kvpush demo: {} requests of {}..{} tokens, {} layers x {} KV heads x {} dims (bf16), P TP {} / D TP {}, blocks {}/{}",
+        a.requests, a.min_tokens, a.max_tokens, a.layers, a.kv_heads, a.head_dim, a.p_tp, a.d_tp, a.p_block, a.d_block
+    );
+    print!("{}", demo::table(&report));
+    if let Some(path) = a.json {
+        std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        println!("results written to {}", path.display());
+    }
+    let failed = report.push.iter().chain(report.pull.iter()).map(|m| m.failed).sum::<u64>();
+    if failed > 0 {
+        eprintln!("kvpush demo: {failed} requests failed or arrived wrong");
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}
