@@ -247,6 +247,9 @@ impl Pool {
     }
 }
 
+/// Block ids per KV group.
+type BlockLists = Vec<Vec<u32>>;
+
 /// A verification result: request index and outcome.
 type Checked = (usize, Result<pattern::Verified, String>);
 
@@ -353,7 +356,11 @@ fn build(
         let transport = Arc::new(fabric.endpoint(&format!("{engine_id}/{r}"))?);
         let mut config = Config::new(engine_id, mode);
         config.writers = t.writers;
-        let engine = Engine::new(config, layout, dev.clone(), transport, hub.clone())?;
+        // SAFETY: the regions are `buffers`, allocated just above and owned by the same `Worker`
+        // as the engine; `Worker` drops its engine before its buffers. The driver follows the block
+        // ownership rules: P's blocks return to the pool only after `Finished::Sent` from every
+        // worker, D's only after every worker reported the request's outcome.
+        let engine = unsafe { Engine::new(config, layout, dev.clone(), transport, hub.clone()) }?;
         hub.attach(engine.addr().clone(), engine.sink());
         workers.push(Worker { engine, buffers });
     }
@@ -498,9 +505,11 @@ fn run_mode(
             match ev {
                 Due::PrefillDone(i) => {
                     let r = &mut reqs[i];
+                    // The lists are built before the clock starts: an engine hands over lists it owns.
+                    let lists: Vec<Vec<Vec<u32>>> = p.iter().map(|_| r.p_blocks.clone()).collect();
                     let t0 = Instant::now();
-                    for wk in p.iter() {
-                        wk.engine.request_finished(r.key, r.p_blocks.clone(), r.tokens)?;
+                    for (wk, ids) in p.iter().zip(lists) {
+                        wk.engine.request_finished(r.key, ids, r.tokens)?;
                     }
                     r.engine_ns += t0.elapsed().as_nanos() as u64;
                     r.ready_at = Some(t0);
@@ -518,17 +527,13 @@ fn run_mode(
                         continue;
                     }
                     let d_blocks: Vec<Vec<u32>> = (0..groups).filter_map(|_| d_pool.take(dn)).collect();
+                    let lists: Vec<(BlockLists, BlockLists)> =
+                        d.iter().map(|_| (d_blocks.clone(), r.p_blocks.clone())).collect();
                     let t0 = Instant::now();
-                    for wk in d.iter() {
+                    for (wk, (local, remote)) in d.iter().zip(lists) {
                         match mode {
-                            Mode::Push => wk.engine.blocks_allocated(r.key, "prefill", d_blocks.clone(), r.tokens)?,
-                            Mode::Pull => wk.engine.start_pull(
-                                r.key,
-                                "prefill",
-                                r.p_blocks.clone(),
-                                d_blocks.clone(),
-                                r.tokens,
-                            )?,
+                            Mode::Push => wk.engine.blocks_allocated(r.key, "prefill", local, r.tokens)?,
+                            Mode::Pull => wk.engine.start_pull(r.key, "prefill", remote, local, r.tokens)?,
                         }
                     }
                     r.engine_ns += t0.elapsed().as_nanos() as u64;

@@ -283,7 +283,19 @@ pub struct Engine {
 impl Engine {
     /// Starts a worker: validates `layout`, checks every KV region with `device` and registers it
     /// with `transport`, then starts the writer threads.
-    pub fn new(
+    ///
+    /// # Safety
+    ///
+    /// The engine and its peers write into and read from the layout's regions (`region_bases`, each
+    /// `layout.region_len()` bytes) behind Rust's back. The caller guarantees that
+    ///
+    /// 1. every region is memory of `device`, valid for reads and writes, until the engine is
+    ///    dropped or [`Engine::shutdown`] returns;
+    /// 2. the blocks of a request are not written while the engine reads them (producer: from
+    ///    [`Engine::request_finished`] until [`Finished::Sent`]) nor read or reused while peers
+    ///    write them (consumer: from [`Engine::blocks_allocated`] or [`Engine::start_pull`] until
+    ///    the request's [`Finished`] outcome).
+    pub unsafe fn new(
         config: Config,
         layout: KvLayout,
         device: Arc<dyn Device>,
@@ -295,7 +307,9 @@ impl Engine {
         for (index, &base) in layout.region_bases.iter().enumerate() {
             let region =
                 device.describe(base, layout.region_len()).map_err(|source| EngineError::Device { index, source })?;
-            transport.register(&region)?;
+            // SAFETY: the caller's contract (1) and (2) above is exactly `register`'s contract for
+            // this region, which `describe` also checked is memory of `device`.
+            unsafe { transport.register(&region) }?;
             regions.push(region);
         }
         let me = PeerAddr { engine: config.engine_id.clone(), rank: layout.parallel.rank() };

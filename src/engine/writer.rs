@@ -151,7 +151,14 @@ impl Writer {
     fn handle(&mut self, cmd: Cmd) {
         let now = self.now();
         match cmd {
-            Cmd::BlocksReady { key, blocks } => self.rdv.handle_blocks_ready(now, key, blocks),
+            Cmd::BlocksReady { key, blocks } => {
+                self.rdv.handle_blocks_ready(now, key, blocks);
+                if self.feeds_no_consumer() {
+                    // With more TP ranks than KV heads some ranks write nothing into any known
+                    // consumer: release at once instead of holding the blocks for the lease.
+                    self.rdv.handle_abort(now, key);
+                }
+            }
             Cmd::Register { key, producer, block_ids, num_tokens } => {
                 self.register(now, key, producer, block_ids, num_tokens)
             }
@@ -165,6 +172,13 @@ impl Writer {
             Cmd::Wake | Cmd::Stop => {}
         }
         self.drain_outputs();
+    }
+
+    /// Whether this worker is known to write into no consumer worker at all (every known peer
+    /// engine gets its heads from other producer ranks). False while no peer is known.
+    fn feeds_no_consumer(&self) -> bool {
+        let peers = self.shared.peers.read().unwrap_or_else(|p| p.into_inner());
+        !peers.by_addr.is_empty() && peers.by_addr.values().all(|p| fan_out(&self.shared.layout, &p.layout) == 0)
     }
 
     /// Consumer: registers `key` with every producer rank that writes into this worker.
@@ -254,6 +268,12 @@ impl Writer {
                     self.stats().failures.unknown_peer += 1;
                     return;
                 };
+                if reg.engine_id() != from.engine {
+                    // A worker may only register blocks of its own engine.
+                    self.stats().failures.malformed += 1;
+                    tracing::warn!(worker = %self.shared.me, peer = %from, claimed = reg.engine_id(), "registration for another engine refused");
+                    return;
+                }
                 let n = fan_out(&self.shared.layout, &peer.layout);
                 self.rdv.handle_registration(now, reg, n);
             }

@@ -1,6 +1,6 @@
 //! Descriptor merging: copies contiguous on both sides become one, never across a region.
 //!
-//! A [`Copy`] moves `len` bytes from `src_addr` in source region `src_region` to `dst_addr` in
+//! A [`Copy`](struct@Copy) moves `len` bytes from `src_addr` in source region `src_region` to `dst_addr` in
 //! destination region `dst_region`. Two copies merge when they are in the same pair of regions and the
 //! second starts exactly where the first ends on *both* sides. Region ids come from the layouts (one
 //! per layer and part), so a merge can never cross a region boundary even when two regions happen to

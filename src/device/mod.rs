@@ -1,0 +1,192 @@
+//! Devices: the memory KV caches live in, and how kvpush describes it to a transport.
+//!
+//! Read [`Device`] first. A device validates and attributes memory the framework allocated
+//! ([`Device::describe`]: which kind of memory, which device ordinal), allocates memory kvpush owns
+//! (benches and the demo: [`Device::alloc`] returns an RAII [`Buffer`]), and copies bytes in and out of
+//! its memory for verification. Backends: [`host`] (DRAM through memmap2: anonymous or file-backed
+//! mappings) and [`mock`] (host memory presented as device memory, with fault injection, for tests).
+//! Neuron and CUDA backends live in `neuron/` and `cuda/` when built in.
+//!
+//! [`select`] picks a backend from `KVPUSH_DEVICE=auto|neuron|cuda|host|mock`; an unknown value or a
+//! backend that is not available is an error naming everything that was tried and why it failed.
+//! Vendor types never leave a backend module.
+
+use std::fmt;
+use std::sync::Arc;
+
+pub mod host;
+pub mod mock;
+
+/// Kind of memory, as a transport registers it (NIXL's DRAM_SEG / VRAM_SEG).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemKind {
+    /// Host memory.
+    Dram,
+    /// Accelerator memory (GPU HBM, Neuron HBM).
+    Vram,
+}
+
+/// A validated, attributed memory range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MemRegion {
+    /// Start address.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Kind of memory.
+    pub kind: MemKind,
+    /// Device ordinal (0 for host memory).
+    pub dev_id: u32,
+}
+
+impl MemRegion {
+    /// Whether `[addr, addr + len)` lies inside this region.
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        addr >= self.addr && addr.checked_add(len).is_some_and(|end| end <= self.addr + self.len)
+    }
+}
+
+/// Which backend a device is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DeviceKind {
+    /// AWS Neuron (Trainium, Inferentia).
+    Neuron,
+    /// NVIDIA CUDA.
+    Cuda,
+    /// Host DRAM.
+    Host,
+    /// Host memory posing as a device, with fault injection.
+    Mock,
+}
+
+impl fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DeviceKind::Neuron => "neuron",
+            DeviceKind::Cuda => "cuda",
+            DeviceKind::Host => "host",
+            DeviceKind::Mock => "mock",
+        })
+    }
+}
+
+/// What went wrong with a device.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DeviceError {
+    /// `KVPUSH_DEVICE` names no backend.
+    #[error("unknown device {value:?} in KVPUSH_DEVICE (expected one of auto, neuron, cuda, host, mock)")]
+    Unknown {
+        /// The value given.
+        value: String,
+    },
+    /// The requested backend (or, for `auto`, every backend) is not available.
+    #[error("device {requested} is not available: {}", tried.iter().map(|(n, why)| format!("{n}: {why}")).collect::<Vec<_>>().join("; "))]
+    Unavailable {
+        /// What was asked for.
+        requested: String,
+        /// Every backend tried, with the reason it failed.
+        tried: Vec<(String, String)>,
+    },
+    /// An allocation failed.
+    #[error("{device}: cannot allocate {len} bytes: {reason}")]
+    Alloc {
+        /// Backend.
+        device: DeviceKind,
+        /// Bytes asked for.
+        len: u64,
+        /// Why.
+        reason: String,
+    },
+    /// A pointer is not memory of this device (or not of the ordinal claimed).
+    #[error("{device}: address range {addr:#x}+{len} is not memory of this device: {reason}")]
+    NotDeviceMemory {
+        /// Backend.
+        device: DeviceKind,
+        /// Start address.
+        addr: u64,
+        /// Length.
+        len: u64,
+        /// Why.
+        reason: String,
+    },
+    /// A copy in or out of device memory failed or was out of bounds.
+    #[error("{device}: copy of {len} bytes at offset {offset} failed: {reason}")]
+    Copy {
+        /// Backend.
+        device: DeviceKind,
+        /// Offset in the buffer.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+        /// Why.
+        reason: String,
+    },
+    /// A fault injected by the mock backend.
+    #[error("{device}: injected fault: {what}")]
+    Injected {
+        /// Backend.
+        device: DeviceKind,
+        /// Which operation.
+        what: &'static str,
+    },
+}
+
+/// Memory owned by kvpush on some device; freed on drop.
+pub trait Buffer: Send + Sync + fmt::Debug {
+    /// The memory, as a transport registers it.
+    fn region(&self) -> MemRegion;
+    /// Copies `out.len()` bytes from `offset` into `out`.
+    fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), DeviceError>;
+    /// Copies `data` to `offset`.
+    fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), DeviceError>;
+}
+
+/// A memory backend. Implementations are internally synchronized.
+pub trait Device: Send + Sync + fmt::Debug {
+    /// Which backend this is.
+    fn kind(&self) -> DeviceKind;
+    /// Allocates `len` bytes (zeroed) that kvpush owns.
+    fn alloc(&self, len: u64) -> Result<Box<dyn Buffer>, DeviceError>;
+    /// Validates that `[addr, addr + len)` is memory of this device and attributes it.
+    fn describe(&self, addr: u64, len: u64) -> Result<MemRegion, DeviceError>;
+}
+
+/// Picks the backend named by `spec` (`auto|neuron|cuda|host|mock`, case-insensitive).
+///
+/// `auto` tries Neuron, then CUDA, then host. An explicit backend that is not available is an error,
+/// never a silent fallback.
+pub fn select(spec: &str) -> Result<Arc<dyn Device>, DeviceError> {
+    let spec = spec.trim().to_ascii_lowercase();
+    let mut tried = Vec::new();
+    let candidates: &[&str] = match spec.as_str() {
+        "auto" | "" => &["neuron", "cuda", "host"],
+        "neuron" => &["neuron"],
+        "cuda" => &["cuda"],
+        "host" => &["host"],
+        "mock" => &["mock"],
+        _ => return Err(DeviceError::Unknown { value: spec }),
+    };
+    for &name in candidates {
+        match open(name) {
+            Ok(d) => return Ok(d),
+            Err(why) => tried.push((name.to_owned(), why)),
+        }
+    }
+    Err(DeviceError::Unavailable { requested: if spec.is_empty() { "auto".into() } else { spec }, tried })
+}
+
+/// Picks the backend named by the `KVPUSH_DEVICE` environment variable (default `auto`).
+pub fn from_env() -> Result<Arc<dyn Device>, DeviceError> {
+    select(&std::env::var("KVPUSH_DEVICE").unwrap_or_else(|_| "auto".into()))
+}
+
+fn open(name: &str) -> Result<Arc<dyn Device>, String> {
+    match name {
+        "host" => Ok(Arc::new(host::HostDevice::new())),
+        "mock" => Ok(Arc::new(mock::MockDevice::new())),
+        "neuron" => Err("the Neuron backend is not part of this build (neuron/ is not built in yet)".into()),
+        "cuda" => Err("the CUDA backend is not part of this build (cuda/ is not built in yet)".into()),
+        other => Err(format!("no backend named {other}")),
+    }
+}

@@ -1,0 +1,179 @@
+//! Transports: what moves bytes between a producer's and a consumer's memory.
+//!
+//! Read [`Transport`] first. It is shaped after NIXL's agent API: register memory once, exchange
+//! opaque metadata, post a WRITE or READ of many descriptors with a notification for the remote side,
+//! poll its status, fetch notifications, send a notification on its own. Completion is asynchronous:
+//! [`Transport::post`] returns at once and the bytes land later.
+//!
+//! Implementations: [`loopback`] (in-process, behaves like NIXL including asynchronous completion and
+//! injectable faults) and, when built in, NIXL. A transport is owned by the writer thread of its
+//! worker; implementations must still be `Send + Sync` because handshakes run on another thread.
+//! Vendor types and status codes stay inside each implementation; errors carry the call, the peer and
+//! the transport's status.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::device::MemRegion;
+
+pub mod loopback;
+
+/// Direction of a transfer, seen from the side that posts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Local memory → remote memory (push).
+    Write,
+    /// Remote memory → local memory (pull).
+    Read,
+}
+
+/// One descriptor pair of a transfer: `len` bytes at `local` and at `remote`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Desc {
+    /// Address in this side's registered memory.
+    pub local: u64,
+    /// Address in the peer's registered memory.
+    pub remote: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// Handle of a posted transfer, valid until [`Transport::poll`] reports it finished.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct XferId(pub u64);
+
+/// State of a posted transfer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum XferState {
+    /// Still moving bytes.
+    Pending,
+    /// Every byte landed and the notification (if any) was delivered; the handle is released.
+    Done,
+}
+
+/// A notification received from a peer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Notification {
+    /// The sending peer's name.
+    pub from: String,
+    /// The message bytes (a `proto` frame).
+    pub msg: Vec<u8>,
+}
+
+/// Called by a transport when a completion or notification is ready, so a waiting writer thread
+/// wakes without polling. Transports that cannot signal return `true` from
+/// [`Transport::needs_polling`] instead.
+pub type Waker = Arc<dyn Fn() + Send + Sync>;
+
+/// What went wrong in a transport call.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// The transport library is missing or cannot start.
+    #[error("{transport} is not available: {reason}")]
+    Unavailable {
+        /// Transport name.
+        transport: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// A call failed with the transport's own status.
+    #[error("{call} failed{} with status {status} ({status_text}): {detail}", peer.as_ref().map(|p| format!(" for peer {p}")).unwrap_or_default())]
+    Call {
+        /// The transport call, e.g. `"postXferReq"`.
+        call: &'static str,
+        /// The peer, when the call concerns one.
+        peer: Option<String>,
+        /// The transport's status code.
+        status: i32,
+        /// The status as text.
+        status_text: String,
+        /// More context (which transfer, which descriptor).
+        detail: String,
+    },
+    /// The peer is not known (no metadata loaded, or dropped).
+    #[error("unknown peer {0}")]
+    UnknownPeer(String),
+    /// A descriptor lies outside registered memory.
+    #[error("descriptor {index} ({addr:#x}+{len}) is outside the {side} registered memory")]
+    NotRegistered {
+        /// Index of the descriptor.
+        index: usize,
+        /// Its address.
+        addr: u64,
+        /// Its length.
+        len: u64,
+        /// `"local"` or `"remote"`.
+        side: &'static str,
+    },
+    /// The transfer handle is not (or no longer) known.
+    #[error("unknown transfer {0:?}")]
+    UnknownXfer(XferId),
+    /// The transfer failed after it was posted; some bytes may have landed.
+    #[error("transfer {id:?} to {peer} failed with status {status}: {detail}")]
+    Failed {
+        /// The transfer.
+        id: XferId,
+        /// The peer.
+        peer: String,
+        /// The transport's status code.
+        status: i32,
+        /// More context.
+        detail: String,
+    },
+    /// Metadata could not be parsed.
+    #[error("bad metadata: {0}")]
+    BadMetadata(String),
+}
+
+impl TransportError {
+    /// The transport's status code where there is one (for failure notifications).
+    pub fn status(&self) -> i32 {
+        match self {
+            TransportError::Call { status, .. } | TransportError::Failed { status, .. } => *status,
+            _ => -1,
+        }
+    }
+}
+
+/// A NIXL-like transport endpoint (one agent). See the module docs.
+pub trait Transport: Send + Sync + fmt::Debug {
+    /// This endpoint's name (what peers see as `Notification::from`).
+    fn name(&self) -> &str;
+    /// Registers memory for transfers. Called once per region, before any transfer uses it.
+    ///
+    /// # Safety
+    ///
+    /// From this call until [`Transport::deregister`] returns (or the transport is dropped), peers may
+    /// write into and read from the region at any time, without Rust's knowledge. The caller
+    /// guarantees that
+    ///
+    /// 1. `region` describes memory of its kind (host memory mapped in this process, or memory of
+    ///    the named accelerator) valid for reads and writes over its whole length for that time;
+    /// 2. nothing else accesses the bytes a transfer touches while that transfer is in flight (the
+    ///    protocol's block ownership: a producer's blocks are held until released, a consumer's
+    ///    registered blocks are not read until received).
+    unsafe fn register(&self, region: &MemRegion) -> Result<(), TransportError>;
+    /// Removes a registration (before the memory is freed).
+    fn deregister(&self, region: &MemRegion) -> Result<(), TransportError>;
+    /// Opaque metadata a peer needs to reach this endpoint (sent in the handshake).
+    fn local_metadata(&self) -> Result<Vec<u8>, TransportError>;
+    /// Loads a peer's metadata; returns the peer's name.
+    fn load_remote(&self, metadata: &[u8]) -> Result<String, TransportError>;
+    /// Forgets a peer (it went away or restarted).
+    fn drop_peer(&self, peer: &str);
+    /// Posts a transfer of `descs` with `peer`; `notif`, if any, is delivered to the peer after every
+    /// byte landed. Returns at once.
+    fn post(&self, op: Op, peer: &str, descs: &[Desc], notif: Option<&[u8]>) -> Result<XferId, TransportError>;
+    /// The state of a posted transfer. `Done` and errors release the handle.
+    fn poll(&self, id: XferId) -> Result<XferState, TransportError>;
+    /// Moves received notifications into `out`; returns how many.
+    fn take_notifications(&self, out: &mut Vec<Notification>) -> Result<usize, TransportError>;
+    /// Sends a notification to `peer` without a transfer.
+    fn send_notification(&self, peer: &str, msg: &[u8]) -> Result<(), TransportError>;
+    /// Installs the function called when a completion or notification is ready.
+    fn set_waker(&self, waker: Waker);
+    /// Whether progress needs [`Transport::poll`] calls (no waker support, or progress is driven
+    /// by polling). The writer then polls with backoff while transfers are in flight.
+    fn needs_polling(&self) -> bool;
+}
