@@ -21,14 +21,15 @@ fn outbox_delivers_every_item_exactly_once() {
             })
             .collect();
         let mut got = Vec::new();
-        o.drain_into(&mut got);
+        let n1 = o.drain_into(&mut got);
         for p in producers {
             p.join().expect("producer");
         }
         // After every producer finished, one more drain sees the rest.
-        o.drain_into(&mut got);
+        let ready = o.maybe_ready();
+        let n2 = o.drain_into(&mut got);
         got.sort_unstable();
-        assert_eq!(got, vec![0, 1]);
+        assert_eq!(got, vec![0, 1], "first drain {n1}, second {n2}, ready before second {ready}");
         let mut again = Vec::new();
         assert_eq!(o.drain_into(&mut again), 0);
     });

@@ -40,8 +40,10 @@ impl<T> Outbox<T> {
     /// Hands `item` to the drainer.
     pub fn push(&self, item: T) {
         lock(&self.items).push(item);
-        // Release: the item is in the queue before `ready` can be seen set.
-        self.ready.store(true, Ordering::Release);
+        // Release: the item is in the queue before `ready` can be seen set. Every access to the
+        // bits is a read-modify-write (never a plain store): RMWs on one atomic form a single chain,
+        // which is what the hand-off relies on, and exactly what loom models (tokio-rs/loom#254).
+        self.ready.swap(true, Ordering::AcqRel);
     }
 
     /// Moves every item pushed so far into `out` (in push order); returns how many.
@@ -77,14 +79,16 @@ impl WakeFlag {
 
     /// Rings; returns `true` if the caller must send the wake message (the flag was clear).
     pub fn ring(&self) -> bool {
+        // Always a write, even when already set: the writer's `clear` must acquire *this* ring's
+        // release to see the work published before it (a failed compare-exchange would not release).
         !self.rung.swap(true, Ordering::AcqRel)
     }
 
     /// Clears the flag; the writer calls it before looking for work, so any later ring sends a new
     /// wake message.
     pub fn clear(&self) {
-        // A swap, not a store: its Acquire half synchronizes with the Release half of the ring it
-        // clears, so the writer sees every piece of work published before that ring.
+        // A read-modify-write, not a store: its Acquire half synchronizes with the Release half of
+        // the ring it clears, so the writer sees every piece of work published before that ring.
         self.rung.swap(false, Ordering::AcqRel);
     }
 }

@@ -216,12 +216,18 @@ struct Draining {
     blocks: Arc<SourceBlocks>,
     in_flight: u16,
     reason: ReleaseReason,
+    /// How late events for the key are answered while it drains (see [`Rendezvous::ended`]).
+    kind: FailureKind,
+    served: Vec<Target>,
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Tomb {
     attempt: u32,
     kind: FailureKind,
+    /// Consumer ranks whose transfer was started: that transfer's outcome answers them, so a
+    /// repeated registration from one of them is a duplicate, not a registration to fail.
+    served: Vec<Target>,
 }
 
 /// The producer's rendezvous of registrations and finished prefills. See the module docs.
@@ -297,9 +303,9 @@ impl Rendezvous {
             self.release(key, blocks, ReleaseReason::Stale);
             return;
         }
-        if let Some(t) = self.tombs.get(&id).copied().filter(|t| t.attempt == attempt) {
+        if let Some((kind, _)) = self.ended(key, None) {
             // This attempt already ended (aborted, or refused); nothing can be sent any more.
-            let reason = match t.kind {
+            let reason = match kind {
                 FailureKind::Refused => ReleaseReason::Refused,
                 FailureKind::LeaseExpired => ReleaseReason::LeaseExpired,
                 _ => ReleaseReason::Aborted,
@@ -362,14 +368,21 @@ impl Rendezvous {
             self.actions.push_back(Action::Fail { key, target, kind: FailureKind::Refused });
             return;
         }
-        if let Some(t) = self.tombs.get(&id).copied().filter(|t| t.attempt == attempt) {
-            self.actions.push_back(Action::Fail { key, target, kind: t.kind });
+        if let Some((kind, served)) = self.ended(key, Some(&target)) {
+            if served {
+                self.stats.duplicates += 1;
+            } else {
+                self.actions.push_back(Action::Fail { key, target, kind });
+            }
             return;
         }
         let fan_out = fan_out.max(1);
         let Some(entry) = self.entries.remove(&id) else {
             if self.pending() >= self.config.max_pending {
                 self.stats.refused += 1;
+                // Remembered, so the blocks of this attempt are handed back at once when prefill
+                // finishes instead of being held for the lease of a request the consumer failed.
+                self.bury(now, key, FailureKind::Refused);
                 self.actions.push_back(Action::Fail { key, target, kind: FailureKind::Refused });
                 return;
             }
@@ -454,7 +467,8 @@ impl Rendezvous {
         if self.entries.get(&key.transfer_id).is_some_and(|e| e.attempt == key.attempt.0) {
             self.stats.aborted += 1;
             self.end(now, key, ReleaseReason::Aborted, FailureKind::Aborted);
-        } else {
+        } else if self.ended(key, None).is_none() {
+            // Unknown: remembered. (An attempt that already ended keeps the answer it has.)
             self.bury(now, key, FailureKind::Aborted);
         }
     }
@@ -517,10 +531,23 @@ impl Rendezvous {
         }
     }
 
+    /// How an attempt that already ended answers a late event: the failure kind to report, and
+    /// whether `target` was served (its transfer started, so its outcome is the answer). Its
+    /// tombstone says, or — while its transfers still run, however old it is — its draining
+    /// blocks, so a key is never live and draining at once.
+    fn ended(&self, key: Key, target: Option<&Target>) -> Option<(FailureKind, bool)> {
+        let served = |s: &[Target]| target.is_some_and(|t| s.contains(t));
+        if let Some(t) = self.tombs.get(&key.transfer_id).filter(|t| t.attempt == key.attempt.0) {
+            return Some((t.kind, served(&t.served)));
+        }
+        self.draining.get(&key).map(|d| (d.kind, served(&d.served)))
+    }
+
     /// Ends the live attempt `key`: fails registrations still waiting, releases blocks (or hands
     /// them to `draining` while transfers read them), and remembers the outcome.
     fn end(&mut self, now: Instant, key: Key, reason: ReleaseReason, kind: FailureKind) {
         let Some(entry) = self.entries.remove(&key.transfer_id) else { return };
+        let mut served = Vec::new();
         match entry.slot {
             Slot::AwaitingRegistration(w) => self.release(key, w.blocks, reason),
             Slot::AwaitingBlocks(w) => {
@@ -533,11 +560,14 @@ impl Rendezvous {
                 if a.in_flight == 0 {
                     self.release(key, a.blocks, reason);
                 } else {
-                    self.draining.insert(key, Draining { blocks: a.blocks, in_flight: a.in_flight, reason });
+                    let served = a.started.clone();
+                    let d = Draining { blocks: a.blocks, in_flight: a.in_flight, reason, kind, served };
+                    self.draining.insert(key, d);
                 }
+                served = a.started;
             }
         }
-        self.bury(now, key, kind);
+        self.bury_served(now, key, kind, served);
     }
 
     /// Finishes an active attempt whose consumer ranks are all served.
@@ -551,8 +581,9 @@ impl Rendezvous {
             if let Some(Entry { slot: Slot::Active(a), .. }) = self.entries.remove(&key.transfer_id) {
                 let reason = if a.failed { ReleaseReason::Failed } else { ReleaseReason::Sent };
                 self.release(key, a.blocks, reason);
-                // A late duplicate registration for a finished key is answered, not left waiting.
-                self.bury(now, key, FailureKind::Refused);
+                // A late registration for a finished key is answered, not left waiting (a repeat
+                // from a served rank is a duplicate, as while the key was live).
+                self.bury_served(now, key, FailureKind::Refused, a.started);
             }
         }
     }
@@ -573,7 +604,11 @@ impl Rendezvous {
     }
 
     fn bury(&mut self, now: Instant, key: Key, kind: FailureKind) {
-        self.tombs.insert(key.transfer_id, Tomb { attempt: key.attempt.0, kind });
+        self.bury_served(now, key, kind, Vec::new());
+    }
+
+    fn bury_served(&mut self, now: Instant, key: Key, kind: FailureKind, served: Vec<Target>) {
+        self.tombs.insert(key.transfer_id, Tomb { attempt: key.attempt.0, kind, served });
         self.tomb_order.push_back((now.plus_micros(self.config.tombstone_us), key.transfer_id, key.attempt.0));
         while self.tomb_order.len() > self.config.max_tombstones {
             if let Some((_, id, attempt)) = self.tomb_order.pop_front() {
@@ -582,5 +617,593 @@ impl Rendezvous {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::layout::{KvLayout, Parallel};
+    use crate::proto::testutil::small_layout;
+
+    const LEASE: u64 = 100;
+    const REG_TIMEOUT: u64 = 200;
+    const TOMB: u64 = 1_000;
+
+    fn config(max_pending: usize) -> RendezvousConfig {
+        RendezvousConfig {
+            lease_us: LEASE,
+            registration_timeout_us: REG_TIMEOUT,
+            max_pending,
+            tombstone_us: TOMB,
+            max_tombstones: 16,
+        }
+    }
+
+    fn rdv() -> Rendezvous {
+        Rendezvous::new(config(8))
+    }
+
+    fn t(us: u64) -> Instant {
+        Instant(us)
+    }
+
+    /// The layout of consumer TP rank `tp_rank` of `tp_size` (PP 1).
+    fn layout(tp_rank: u16, tp_size: u16) -> KvLayout {
+        let mut l = small_layout();
+        l.parallel = Parallel { tp_rank, tp_size, pp_rank: 0, pp_size: 1 };
+        l.validate().expect("test layout is valid");
+        l
+    }
+
+    /// A registration of consumer TP rank `tp_rank` of `tp_size`.
+    fn reg_of(id: u128, attempt: u32, tp_rank: u16, tp_size: u16) -> Registration {
+        let l = layout(tp_rank, tp_size);
+        let blocks = vec![vec![1, 2, 3], vec![4 + u32::from(tp_rank)]];
+        Registration::new(Key::new(id, attempt), "d".into(), l.parallel.rank(), 40, blocks, &l).expect("fits")
+    }
+
+    /// A registration of the single consumer rank (TP 1).
+    fn reg(id: u128, attempt: u32) -> Registration {
+        reg_of(id, attempt, 0, 1)
+    }
+
+    fn target(tp_rank: u16) -> Target {
+        Target { engine: "d".into(), rank: Rank::new(tp_rank, 0) }
+    }
+
+    /// Producer blocks marked with `token`, so each set can be told apart.
+    fn blocks(token: u32) -> SourceBlocks {
+        SourceBlocks { block_ids: vec![vec![token, token + 1], vec![token + 2]], num_tokens: 40 }
+    }
+
+    fn drain(r: &mut Rendezvous) -> Vec<Action> {
+        std::iter::from_fn(|| r.poll_action()).collect()
+    }
+
+    /// The single action of `r`, which must be a transfer to `to`; returns its blocks.
+    fn expect_transfer(r: &mut Rendezvous, key: Key, to: &Target, order: Order, waited: u64) -> Arc<SourceBlocks> {
+        match drain(r).as_slice() {
+            [Action::Transfer { key: k, registration, blocks, order: o, waited_us }] => {
+                assert_eq!((*k, *o, *waited_us), (key, order, waited));
+                assert_eq!((registration.engine_id(), registration.rank()), (to.engine.as_str(), to.rank));
+                blocks.clone()
+            }
+            other => panic!("expected one transfer of {key} to {to:?}, got {other:?}"),
+        }
+    }
+
+    /// The single action of `r`, which must be a release of `key` for `reason`; returns its blocks.
+    fn expect_release(r: &mut Rendezvous, key: Key, reason: ReleaseReason) -> Arc<SourceBlocks> {
+        match drain(r).as_slice() {
+            [Action::Release { key: k, blocks, reason: why }] => {
+                assert_eq!((*k, *why), (key, reason));
+                blocks.clone()
+            }
+            other => panic!("expected one release of {key} ({reason:?}), got {other:?}"),
+        }
+    }
+
+    /// The single action of `r`, which must be a failure of `key` sent to `to` with `kind`.
+    fn expect_fail(r: &mut Rendezvous, key: Key, to: &Target, kind: FailureKind) {
+        let want = Action::Fail { key, target: to.clone(), kind };
+        assert_eq!(drain(r), vec![want]);
+    }
+
+    #[test]
+    fn registration_first_transfers_once_then_releases_sent() {
+        let mut r = rdv();
+        let key = Key::new(1, 1);
+        r.handle_registration(t(10), reg(1, 1), 1);
+        assert!(drain(&mut r).is_empty());
+        assert!(matches!(r.slot(key.transfer_id), Some((1, Slot::AwaitingBlocks(_)))));
+        assert_eq!(r.poll_timeout(), Some(t(10 + REG_TIMEOUT)));
+
+        r.handle_blocks_ready(t(50), key, blocks(100));
+        let sent = expect_transfer(&mut r, key, &target(0), Order::RegistrationFirst, 40);
+        assert_eq!(*sent, blocks(100));
+        assert!(matches!(r.slot(key.transfer_id), Some((1, Slot::Active(_)))));
+
+        r.handle_transfer_done(t(70), key, &target(0), Ok(()));
+        let released = expect_release(&mut r, key, ReleaseReason::Sent);
+        assert!(Arc::ptr_eq(&sent, &released), "the released blocks are the transferred ones");
+        assert_eq!(r.pending(), 0);
+        // Nothing left to expire but the tombstone; it answers nothing on its own.
+        r.handle_timeout(t(10_000));
+        assert!(drain(&mut r).is_empty());
+        assert_eq!(r.poll_timeout(), None);
+        let s = r.stats();
+        assert_eq!((s.registrations, s.blocks_ready, s.matches, s.expired), (1, 1, 1, 0));
+    }
+
+    #[test]
+    fn blocks_first_transfers_once_then_releases_sent() {
+        let mut r = rdv();
+        let key = Key::new(2, 1);
+        r.handle_blocks_ready(t(5), key, blocks(100));
+        assert!(drain(&mut r).is_empty());
+        assert!(matches!(r.slot(key.transfer_id), Some((1, Slot::AwaitingRegistration(_)))));
+        assert_eq!(r.poll_timeout(), Some(t(5 + LEASE)));
+
+        r.handle_registration(t(30), reg(2, 1), 1);
+        let sent = expect_transfer(&mut r, key, &target(0), Order::BlocksFirst, 25);
+        // The lease does not run out under an in-flight transfer.
+        r.handle_timeout(t(5 + LEASE));
+        assert!(drain(&mut r).is_empty());
+
+        r.handle_transfer_done(t(200), key, &target(0), Ok(()));
+        let released = expect_release(&mut r, key, ReleaseReason::Sent);
+        assert!(Arc::ptr_eq(&sent, &released));
+        assert_eq!(r.pending(), 0);
+        assert_eq!(r.stats().expired, 0);
+    }
+
+    #[test]
+    fn fan_out_two_waits_for_both_ranks_blocks_first() {
+        let mut r = rdv();
+        let key = Key::new(3, 1);
+        r.handle_blocks_ready(t(0), key, blocks(100));
+        r.handle_registration(t(10), reg_of(3, 1, 0, 2), 2);
+        expect_transfer(&mut r, key, &target(0), Order::BlocksFirst, 10);
+        r.handle_transfer_done(t(20), key, &target(0), Ok(()));
+        assert!(drain(&mut r).is_empty(), "rank 1 has not been served yet");
+        assert_eq!(r.pending(), 1);
+
+        r.handle_registration(t(30), reg_of(3, 1, 1, 2), 2);
+        expect_transfer(&mut r, key, &target(1), Order::BlocksFirst, 30);
+        r.handle_transfer_done(t(40), key, &target(1), Ok(()));
+        expect_release(&mut r, key, ReleaseReason::Sent);
+        assert_eq!(r.pending(), 0);
+        assert_eq!(r.stats().matches, 2);
+    }
+
+    #[test]
+    fn fan_out_two_waits_for_both_ranks_registration_first() {
+        let mut r = rdv();
+        let key = Key::new(4, 1);
+        r.handle_registration(t(0), reg_of(4, 1, 1, 2), 2);
+        r.handle_registration(t(5), reg_of(4, 1, 0, 2), 2);
+        assert!(drain(&mut r).is_empty());
+        r.handle_blocks_ready(t(50), key, blocks(100));
+        let actions = drain(&mut r);
+        let mut targets: Vec<_> = actions
+            .iter()
+            .map(|a| match a {
+                Action::Transfer { key: k, registration, order: Order::RegistrationFirst, .. } if *k == key => {
+                    registration.rank().tp
+                }
+                other => panic!("expected transfers, got {other:?}"),
+            })
+            .collect();
+        targets.sort_unstable();
+        assert_eq!(targets, vec![0, 1]);
+        // Both ranks are served, so no lease runs any more.
+        r.handle_timeout(t(50 + LEASE));
+        assert!(drain(&mut r).is_empty());
+        r.handle_transfer_done(t(300), key, &target(1), Ok(()));
+        assert!(drain(&mut r).is_empty(), "rank 0's transfer still reads the blocks");
+        r.handle_transfer_done(t(310), key, &target(0), Ok(()));
+        expect_release(&mut r, key, ReleaseReason::Sent);
+        assert_eq!(r.pending(), 0);
+    }
+
+    #[test]
+    fn lease_expiry_releases_blocks_and_fails_a_late_registration() {
+        let mut r = rdv();
+        let key = Key::new(5, 1);
+        r.handle_blocks_ready(t(0), key, blocks(100));
+        r.handle_timeout(t(LEASE - 1));
+        assert!(drain(&mut r).is_empty());
+        r.handle_timeout(t(LEASE));
+        expect_release(&mut r, key, ReleaseReason::LeaseExpired);
+        assert_eq!(r.pending(), 0);
+        assert_eq!(r.stats().expired, 1);
+
+        r.handle_registration(t(LEASE + 50), reg(5, 1), 1);
+        expect_fail(&mut r, key, &target(0), FailureKind::LeaseExpired);
+        assert_eq!(r.pending(), 0);
+    }
+
+    #[test]
+    fn lease_expiry_with_a_rank_missing_waits_for_the_transfer_in_flight() {
+        let mut r = rdv();
+        let key = Key::new(6, 1);
+        r.handle_blocks_ready(t(0), key, blocks(100));
+        r.handle_registration(t(10), reg_of(6, 1, 0, 2), 2);
+        expect_transfer(&mut r, key, &target(0), Order::BlocksFirst, 10);
+        r.handle_timeout(t(LEASE));
+        assert!(drain(&mut r).is_empty(), "rank 0's transfer still reads the blocks");
+        assert_eq!(r.pending(), 1);
+        // Rank 1 comes too late: told at once.
+        r.handle_registration(t(LEASE + 1), reg_of(6, 1, 1, 2), 2);
+        expect_fail(&mut r, key, &target(1), FailureKind::LeaseExpired);
+        r.handle_transfer_done(t(LEASE + 5), key, &target(0), Ok(()));
+        expect_release(&mut r, key, ReleaseReason::LeaseExpired);
+        assert_eq!(r.pending(), 0);
+    }
+
+    #[test]
+    fn registration_timeout_fails_the_waiting_registration() {
+        let mut r = rdv();
+        let key = Key::new(7, 1);
+        r.handle_registration(t(0), reg(7, 1), 1);
+        r.handle_timeout(t(REG_TIMEOUT - 1));
+        assert!(drain(&mut r).is_empty());
+        r.handle_timeout(t(REG_TIMEOUT));
+        expect_fail(&mut r, key, &target(0), FailureKind::LeaseExpired);
+        assert_eq!(r.pending(), 0);
+        // Prefill finishing late hands its blocks straight back.
+        r.handle_blocks_ready(t(REG_TIMEOUT + 10), key, blocks(100));
+        expect_release(&mut r, key, ReleaseReason::LeaseExpired);
+        assert_eq!(r.pending(), 0);
+    }
+
+    #[test]
+    fn abort_while_awaiting_registration() {
+        let mut r = rdv();
+        let key = Key::new(8, 1);
+        r.handle_blocks_ready(t(0), key, blocks(100));
+        r.handle_abort(t(10), key);
+        expect_release(&mut r, key, ReleaseReason::Aborted);
+        assert_eq!(r.pending(), 0);
+        r.handle_registration(t(20), reg(8, 1), 1);
+        expect_fail(&mut r, key, &target(0), FailureKind::Aborted);
+        // The old lease deadline fires into nothing.
+        r.handle_timeout(t(LEASE));
+        assert!(drain(&mut r).is_empty());
+        assert_eq!(r.stats().aborted, 1);
+    }
+
+    #[test]
+    fn abort_while_awaiting_blocks() {
+        let mut r = rdv();
+        let key = Key::new(9, 1);
+        r.handle_registration(t(0), reg(9, 1), 1);
+        r.handle_abort(t(10), key);
+        expect_fail(&mut r, key, &target(0), FailureKind::Aborted);
+        assert_eq!(r.pending(), 0);
+        r.handle_blocks_ready(t(20), key, blocks(100));
+        expect_release(&mut r, key, ReleaseReason::Aborted);
+        r.handle_timeout(t(REG_TIMEOUT));
+        assert!(drain(&mut r).is_empty());
+        assert_eq!(r.pending(), 0);
+    }
+
+    #[test]
+    fn abort_while_a_transfer_is_in_flight_releases_only_after_it_is_done() {
+        let mut r = rdv();
+        let key = Key::new(10, 1);
+        r.handle_blocks_ready(t(0), key, blocks(100));
+        r.handle_registration(t(10), reg(10, 1), 1);
+        let sent = expect_transfer(&mut r, key, &target(0), Order::BlocksFirst, 10);
+        r.handle_abort(t(20), key);
+        assert!(drain(&mut r).is_empty(), "blocks released under a transfer that still reads them");
+        assert_eq!(r.pending(), 1);
+        // Aborting again, or expiring, changes nothing.
+        r.handle_abort(t(21), key);
+        r.handle_timeout(t(LEASE + REG_TIMEOUT));
+        assert!(drain(&mut r).is_empty());
+        assert_eq!(r.pending(), 1);
+
+        r.handle_transfer_done(t(500), key, &target(0), Ok(()));
+        let released = expect_release(&mut r, key, ReleaseReason::Aborted);
+        assert!(Arc::ptr_eq(&sent, &released));
+        assert_eq!(r.pending(), 0);
+        // A late duplicate report releases nothing a second time.
+        r.handle_transfer_done(t(501), key, &target(0), Ok(()));
+        assert!(drain(&mut r).is_empty());
+    }
+
+    #[test]
+    fn abort_of_an_unknown_key_answers_its_late_events() {
+        let mut r = rdv();
+        let key = Key::new(11, 1);
+        r.handle_abort(t(0), key);
+        assert!(drain(&mut r).is_empty());
+        assert_eq!(r.pending(), 0);
+        r.handle_registration(t(1), reg(11, 1), 1);
+        expect_fail(&mut r, key, &target(0), FailureKind::Aborted);
+        r.handle_blocks_ready(t(2), key, blocks(100));
+        expect_release(&mut r, key, ReleaseReason::Aborted);
+        assert_eq!(r.pending(), 0);
+    }
+
+    #[test]
+    fn newer_attempt_releases_older_blocks_as_superseded() {
+        let mut r = rdv();
+        r.handle_blocks_ready(t(0), Key::new(12, 1), blocks(100));
+        r.handle_registration(t(10), reg(12, 2), 1);
+        let old = expect_release(&mut r, Key::new(12, 1), ReleaseReason::Superseded);
+        assert_eq!(*old, blocks(100));
+        assert!(matches!(r.slot(TransferId(12)), Some((2, Slot::AwaitingBlocks(_)))));
+        r.handle_blocks_ready(t(20), Key::new(12, 2), blocks(200));
+        expect_transfer(&mut r, Key::new(12, 2), &target(0), Order::RegistrationFirst, 10);
+        r.handle_transfer_done(t(30), Key::new(12, 2), &target(0), Ok(()));
+        expect_release(&mut r, Key::new(12, 2), ReleaseReason::Sent);
+        assert_eq!(r.pending(), 0);
+        assert_eq!(r.stats().superseded, 1);
+    }
+
+    #[test]
+    fn newer_attempt_fails_older_waiting_registrations() {
+        let mut r = rdv();
+        r.handle_registration(t(0), reg_of(13, 1, 0, 2), 2);
+        r.handle_registration(t(1), reg_of(13, 1, 1, 2), 2);
+        r.handle_blocks_ready(t(10), Key::new(13, 2), blocks(100));
+        let mut fails = drain(&mut r);
+        fails.sort_by_key(|a| match a {
+            Action::Fail { target, .. } => target.rank,
+            other => panic!("expected failures, got {other:?}"),
+        });
+        let old = Key::new(13, 1);
+        let want: Vec<_> =
+            (0..2).map(|tp| Action::Fail { key: old, target: target(tp), kind: FailureKind::Refused }).collect();
+        assert_eq!(fails, want);
+        assert!(matches!(r.slot(TransferId(13)), Some((2, Slot::AwaitingRegistration(_)))));
+        assert_eq!(r.pending(), 1);
+    }
+
+    #[test]
+    fn newer_attempt_waits_for_the_older_transfer_before_releasing_its_blocks() {
+        let mut r = rdv();
+        let old = Key::new(14, 1);
+        r.handle_blocks_ready(t(0), old, blocks(100));
+        r.handle_registration(t(1), reg(14, 1), 1);
+        expect_transfer(&mut r, old, &target(0), Order::BlocksFirst, 1);
+        r.handle_blocks_ready(t(2), Key::new(14, 2), blocks(200));
+        assert!(drain(&mut r).is_empty(), "old blocks released under an in-flight transfer");
+        assert_eq!(r.pending(), 2, "the draining attempt still counts");
+        r.handle_transfer_done(t(3), old, &target(0), Err(FailureKind::TransferFailed { status: 5 }));
+        let actions = drain(&mut r);
+        assert_eq!(actions.len(), 2, "{actions:?}");
+        assert_eq!(
+            actions[0],
+            Action::Fail { key: old, target: target(0), kind: FailureKind::TransferFailed { status: 5 } }
+        );
+        assert!(
+            matches!(&actions[1], Action::Release { key, reason: ReleaseReason::Superseded, blocks: b } if *key == old && **b == blocks(100))
+        );
+        assert_eq!(r.pending(), 1);
+    }
+
+    #[test]
+    fn stale_attempt_events_are_answered_at_once() {
+        let mut r = rdv();
+        r.handle_registration(t(0), reg(15, 3), 1);
+        assert!(drain(&mut r).is_empty());
+        r.handle_blocks_ready(t(1), Key::new(15, 2), blocks(100));
+        let stale = expect_release(&mut r, Key::new(15, 2), ReleaseReason::Stale);
+        assert_eq!(*stale, blocks(100));
+        r.handle_registration(t(2), reg(15, 1), 1);
+        expect_fail(&mut r, Key::new(15, 1), &target(0), FailureKind::Refused);
+        r.handle_abort(t(3), Key::new(15, 2));
+        assert!(drain(&mut r).is_empty());
+        assert!(matches!(r.slot(TransferId(15)), Some((3, Slot::AwaitingBlocks(_)))), "live attempt untouched");
+        assert_eq!(r.stats().stale, 3);
+
+        // A finished attempt still makes older ones stale.
+        r.handle_abort(t(4), Key::new(15, 3));
+        expect_fail(&mut r, Key::new(15, 3), &target(0), FailureKind::Aborted);
+        r.handle_blocks_ready(t(5), Key::new(15, 1), blocks(300));
+        expect_release(&mut r, Key::new(15, 1), ReleaseReason::Stale);
+        assert_eq!(r.pending(), 0);
+    }
+
+    #[test]
+    fn max_pending_refuses_new_ids_and_is_never_exceeded() {
+        let mut r = Rendezvous::new(config(2));
+        r.handle_registration(t(0), reg(20, 1), 1);
+        r.handle_blocks_ready(t(0), Key::new(21, 1), blocks(100));
+        assert_eq!(r.pending(), 2);
+        assert!(drain(&mut r).is_empty());
+
+        r.handle_registration(t(1), reg(22, 1), 1);
+        expect_fail(&mut r, Key::new(22, 1), &target(0), FailureKind::Refused);
+        r.handle_blocks_ready(t(1), Key::new(23, 1), blocks(200));
+        expect_release(&mut r, Key::new(23, 1), ReleaseReason::Refused);
+        assert_eq!(r.pending(), 2);
+        // The refused blocks' key answers its registration at once.
+        r.handle_registration(t(2), reg(23, 1), 1);
+        expect_fail(&mut r, Key::new(23, 1), &target(0), FailureKind::Refused);
+        assert_eq!(r.stats().refused, 2);
+
+        // Events for live ids still go through, and an id that ends frees its place.
+        r.handle_registration(t(3), reg(21, 1), 1);
+        expect_transfer(&mut r, Key::new(21, 1), &target(0), Order::BlocksFirst, 3);
+        // A newer attempt of a transfer still in flight does not fit next to its draining attempt.
+        r.handle_blocks_ready(t(4), Key::new(21, 2), blocks(300));
+        expect_release(&mut r, Key::new(21, 2), ReleaseReason::Refused);
+        assert!(r.pending() <= 2);
+        r.handle_transfer_done(t(5), Key::new(21, 1), &target(0), Ok(()));
+        let released = drain(&mut r);
+        assert!(
+            matches!(released.as_slice(), [Action::Release { reason: ReleaseReason::Superseded, .. }]),
+            "{released:?}"
+        );
+        assert_eq!(r.pending(), 1);
+        r.handle_blocks_ready(t(6), Key::new(24, 1), blocks(400));
+        assert!(drain(&mut r).is_empty());
+        assert_eq!(r.pending(), 2);
+    }
+
+    #[test]
+    fn duplicates_never_start_a_second_transfer() {
+        let mut r = rdv();
+        let key = Key::new(30, 1);
+        r.handle_registration(t(0), reg(30, 1), 1);
+        r.handle_registration(t(1), reg(30, 1), 1);
+        assert!(drain(&mut r).is_empty());
+        r.handle_blocks_ready(t(2), key, blocks(100));
+        expect_transfer(&mut r, key, &target(0), Order::RegistrationFirst, 2);
+        // Second prefill report of the same attempt: handed back at once.
+        r.handle_blocks_ready(t(3), key, blocks(200));
+        let dup = expect_release(&mut r, key, ReleaseReason::Duplicate);
+        assert_eq!(*dup, blocks(200));
+        // Registration repeated while the transfer runs: ignored.
+        r.handle_registration(t(4), reg(30, 1), 1);
+        assert!(drain(&mut r).is_empty());
+        r.handle_transfer_done(t(5), key, &target(0), Ok(()));
+        let sent = expect_release(&mut r, key, ReleaseReason::Sent);
+        assert_eq!(*sent, blocks(100));
+        // After the end: a repeated registration of the served rank is still a duplicate (its
+        // notification may not have arrived yet: a failure must not overtake it), repeated blocks
+        // are handed back, and a rank beyond the fan-out is refused.
+        r.handle_registration(t(6), reg(30, 1), 1);
+        assert!(drain(&mut r).is_empty());
+        r.handle_blocks_ready(t(7), key, blocks(300));
+        let late = expect_release(&mut r, key, ReleaseReason::Refused);
+        assert_eq!(*late, blocks(300));
+        r.handle_registration(t(8), reg_of(30, 1, 1, 2), 2);
+        expect_fail(&mut r, key, &target(1), FailureKind::Refused);
+        assert_eq!(r.stats().matches, 1);
+        assert_eq!(r.stats().duplicates, 4);
+        assert_eq!(r.pending(), 0);
+
+        // Blocks first, reported twice before any registration.
+        let key = Key::new(31, 1);
+        r.handle_blocks_ready(t(10), key, blocks(500));
+        r.handle_blocks_ready(t(11), key, blocks(600));
+        expect_release(&mut r, key, ReleaseReason::Duplicate);
+        r.handle_registration(t(12), reg(31, 1), 1);
+        let sent = expect_transfer(&mut r, key, &target(0), Order::BlocksFirst, 2);
+        assert_eq!(*sent, blocks(500));
+    }
+
+    #[test]
+    fn served_rank_is_not_failed_by_a_repeated_registration_after_the_end() {
+        // Rank 0 was served, then the attempt ends (lease, while rank 1 never came): a repeat of
+        // rank 0's registration is a duplicate, rank 1 is told the lease expired.
+        let mut r = rdv();
+        let key = Key::new(33, 1);
+        r.handle_blocks_ready(t(0), key, blocks(100));
+        r.handle_registration(t(1), reg_of(33, 1, 0, 2), 2);
+        expect_transfer(&mut r, key, &target(0), Order::BlocksFirst, 1);
+        r.handle_transfer_done(t(2), key, &target(0), Ok(()));
+        assert!(drain(&mut r).is_empty());
+        r.handle_timeout(t(LEASE));
+        expect_release(&mut r, key, ReleaseReason::LeaseExpired);
+        r.handle_registration(t(LEASE + 1), reg_of(33, 1, 0, 2), 2);
+        assert!(drain(&mut r).is_empty(), "a served rank was failed");
+        r.handle_registration(t(LEASE + 2), reg_of(33, 1, 1, 2), 2);
+        expect_fail(&mut r, key, &target(1), FailureKind::LeaseExpired);
+
+        // Aborted while rank 0's transfer runs: the transfer's outcome answers rank 0, not a failure.
+        let key = Key::new(34, 1);
+        r.handle_registration(t(200), reg(34, 1), 1);
+        r.handle_blocks_ready(t(201), key, blocks(200));
+        expect_transfer(&mut r, key, &target(0), Order::RegistrationFirst, 1);
+        r.handle_abort(t(202), key);
+        r.handle_registration(t(203), reg(34, 1), 1);
+        assert!(drain(&mut r).is_empty(), "a rank with a transfer in flight was failed");
+        r.handle_transfer_done(t(204), key, &target(0), Ok(()));
+        expect_release(&mut r, key, ReleaseReason::Aborted);
+        assert_eq!(r.stats().duplicates, 2);
+    }
+
+    #[test]
+    fn a_draining_attempt_is_not_revived_when_its_tombstone_is_forgotten() {
+        let mut r = Rendezvous::new(RendezvousConfig { tombstone_us: 0, max_tombstones: 1, ..config(8) });
+        let key = Key::new(35, 1);
+        r.handle_blocks_ready(t(0), key, blocks(100));
+        r.handle_registration(t(1), reg_of(35, 1, 0, 2), 2);
+        let first = expect_transfer(&mut r, key, &target(0), Order::BlocksFirst, 1);
+        // The lease runs out with rank 1 missing; the tombstone is forgotten at once.
+        r.handle_timeout(t(LEASE));
+        assert!(drain(&mut r).is_empty());
+        assert_eq!(r.poll_timeout(), None);
+        // The same attempt reported ready again, and rank 1 registering, are answered as ended:
+        // no second live entry of the key next to the draining one.
+        r.handle_blocks_ready(t(LEASE + 1), key, blocks(200));
+        let again = expect_release(&mut r, key, ReleaseReason::LeaseExpired);
+        assert_eq!(*again, blocks(200));
+        r.handle_registration(t(LEASE + 2), reg_of(35, 1, 1, 2), 2);
+        expect_fail(&mut r, key, &target(1), FailureKind::LeaseExpired);
+        r.handle_registration(t(LEASE + 3), reg_of(35, 1, 0, 2), 2);
+        assert!(drain(&mut r).is_empty(), "the served rank is answered by its transfer");
+        assert_eq!(r.pending(), 1);
+        r.handle_transfer_done(t(LEASE + 4), key, &target(0), Ok(()));
+        let released = expect_release(&mut r, key, ReleaseReason::LeaseExpired);
+        assert!(Arc::ptr_eq(&first, &released));
+        assert_eq!(r.pending(), 0);
+    }
+
+    #[test]
+    fn extra_consumer_rank_beyond_fan_out_is_refused() {
+        let mut r = rdv();
+        let key = Key::new(32, 1);
+        r.handle_registration(t(0), reg_of(32, 1, 0, 2), 1);
+        r.handle_registration(t(1), reg_of(32, 1, 1, 2), 1);
+        expect_fail(&mut r, key, &target(1), FailureKind::Refused);
+        r.handle_blocks_ready(t(2), key, blocks(100));
+        expect_transfer(&mut r, key, &target(0), Order::RegistrationFirst, 2);
+        r.handle_registration(t(3), reg_of(32, 1, 1, 2), 1);
+        expect_fail(&mut r, key, &target(1), FailureKind::Refused);
+        assert_eq!(r.stats().matches, 1);
+    }
+
+    #[test]
+    fn failing_transfer_fails_its_consumer_and_releases_blocks_as_failed() {
+        let mut r = rdv();
+        let key = Key::new(40, 1);
+        r.handle_blocks_ready(t(0), key, blocks(100));
+        r.handle_registration(t(1), reg(40, 1), 1);
+        expect_transfer(&mut r, key, &target(0), Order::BlocksFirst, 1);
+        let kind = FailureKind::TransferFailed { status: -7 };
+        r.handle_transfer_done(t(2), key, &target(0), Err(kind));
+        let actions = drain(&mut r);
+        assert_eq!(actions.len(), 2, "{actions:?}");
+        assert_eq!(actions[0], Action::Fail { key, target: target(0), kind });
+        assert!(matches!(&actions[1], Action::Release { key: k, reason: ReleaseReason::Failed, .. } if *k == key));
+        assert_eq!(r.pending(), 0);
+        assert_eq!(r.stats().transfer_failures, 1);
+    }
+
+    #[test]
+    fn one_failing_rank_of_two_fails_only_that_rank() {
+        let mut r = rdv();
+        let key = Key::new(41, 1);
+        r.handle_registration(t(0), reg_of(41, 1, 0, 2), 2);
+        r.handle_registration(t(0), reg_of(41, 1, 1, 2), 2);
+        r.handle_blocks_ready(t(1), key, blocks(100));
+        assert_eq!(drain(&mut r).len(), 2);
+        r.handle_transfer_done(t(2), key, &target(1), Err(FailureKind::PlanFailed));
+        expect_fail(&mut r, key, &target(1), FailureKind::PlanFailed);
+        r.handle_transfer_done(t(3), key, &target(0), Ok(()));
+        expect_release(&mut r, key, ReleaseReason::Failed);
+        assert_eq!(r.pending(), 0);
+    }
+
+    #[test]
+    fn tombstones_are_forgotten_after_their_time() {
+        let mut r = rdv();
+        let key = Key::new(50, 1);
+        r.handle_abort(t(0), key);
+        assert_eq!(r.poll_timeout(), Some(t(TOMB)));
+        r.handle_timeout(t(TOMB));
+        assert_eq!(r.poll_timeout(), None);
+        // Forgotten: a registration now waits like a fresh one.
+        r.handle_registration(t(TOMB + 1), reg(50, 1), 1);
+        assert!(drain(&mut r).is_empty());
+        assert_eq!(r.pending(), 1);
     }
 }
