@@ -10,8 +10,9 @@
 //! offset 9  payload  postcard (serde) encoding of the message's wire form
 //! ```
 //!
-//! [`decode`] never panics and never allocates beyond the frame it is given: the header's length and
-//! the per-kind limit are checked before the payload is parsed, trailing bytes are refused, and the
+//! [`decode`] never panics and allocates in proportion to the frame it is given: the header's length
+//! and the per-kind limit are checked before the payload is parsed, every list whose elements may be
+//! empty is length-bounded before it is read (`bounded`), trailing bytes are refused, and the
 //! decoded value is range-checked (a handshake's layout is validated and its compatibility hash
 //! recomputed; a registration is checked against the sender's layout; ranks against its sizes).
 //! Stream readers call [`frame_len`] on the first [`HEADER_LEN`] bytes to learn how much to read.
@@ -331,8 +332,9 @@ pub fn decode(bytes: &[u8], peer: Option<&KvLayout>) -> Result<Message, DecodeEr
             Message::Handshake(Box::new(h))
         }
         Kind::Registration => {
-            let w: RegistrationWire = parse(kind, payload)?;
+            // The peer first: nothing is parsed for a peer that has not handshaken.
             let layout = need_peer()?;
+            let w: RegistrationWire = parse(kind, payload)?;
             let r = Registration::new(w.key, w.engine_id, w.rank, w.num_tokens, w.block_ids, layout).map_err(range)?;
             Message::Registration(r)
         }

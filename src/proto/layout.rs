@@ -129,6 +129,7 @@ pub struct KvGroup {
     /// Attention kind of every layer in the group.
     pub kind: GroupKind,
     /// Global layer indices, strictly increasing.
+    #[serde(deserialize_with = "super::bounded::vec::<_, _, { MAX_LAYERS as usize }>")]
     pub layers: Vec<u32>,
 }
 
@@ -146,6 +147,7 @@ pub struct ModelShape {
     /// Keys and values, or an MLA latent.
     pub kind: KvKind,
     /// KV cache groups; every layer belongs to exactly one.
+    #[serde(deserialize_with = "super::bounded::vec::<_, _, MAX_GROUPS>")]
     pub groups: Vec<KvGroup>,
 }
 
@@ -191,6 +193,7 @@ pub struct KvLayout {
     pub parallel: Parallel,
     /// Region base addresses: for each local layer (in order, starting at this PP rank's first
     /// layer), `placement.regions_per_layer()` bases (K then V for [`KvPlacement::Separate`]).
+    #[serde(deserialize_with = "super::bounded::vec::<_, _, { 2 * MAX_LAYERS as usize }>")]
     pub region_bases: Vec<u64>,
 }
 

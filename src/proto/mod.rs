@@ -11,6 +11,7 @@
 
 #![forbid(unsafe_code)]
 
+mod bounded;
 pub mod codec;
 pub mod compat;
 pub mod completion;

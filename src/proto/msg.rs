@@ -321,6 +321,7 @@ pub(crate) struct RegistrationWire {
     pub engine_id: EngineId,
     pub rank: Rank,
     pub num_tokens: u64,
+    #[serde(deserialize_with = "super::bounded::vec::<_, _, { super::layout::MAX_GROUPS }>")]
     pub block_ids: Vec<Vec<u32>>,
 }
 

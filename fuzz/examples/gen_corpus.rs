@@ -1,0 +1,851 @@
+//! Writes the malformed-frame corpus `tests/corpus/codec/` (one `.bin` per frame plus `MANIFEST.tsv`)
+//! and valid seed frames for the fuzzer (`fuzz/corpus/codec/`, git-ignored).
+//!
+//! ```text
+//! cd fuzz && cargo run --example gen_corpus             # (re)write both
+//! cd fuzz && cargo run --example gen_corpus -- --check  # exit 1 if the committed corpus is stale
+//! ```
+//!
+//! Every entry is decoded here before it is written, and the generator refuses to write anything if
+//! one does not fail with the variant (and inner error) it is meant to show: a mismatch is either a
+//! codec regression or a wrong expectation, and must be looked at. Output is deterministic.
+//!
+//! Out-of-range messages cannot be built with kvpush's checked constructors, and `to_vec` refuses to
+//! encode them, so their payloads are serialized with postcard directly: public wire types where
+//! kvpush exposes them (`Handshake`, `Completion`, `Failure`, `Abort`, `Heartbeat`), a mirror of the
+//! crate-private `RegistrationWire` otherwise (checked against the real encoding at start).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use kvpush::proto::codec::{
+    decode, frame_len, to_vec, HEADER_LEN, MAGIC, MAX_HANDSHAKE_PAYLOAD, MAX_PAYLOAD, PROTOCOL_VERSION,
+};
+use kvpush::proto::ids::{Key, Rank};
+use kvpush::proto::layout::{
+    GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, MAX_BLOCKS, MAX_BLOCK_TOKENS, MAX_GROUPS, MAX_HEAD_DIM,
+    MAX_KV_HEADS, MAX_LAYERS, MAX_PARALLEL,
+};
+use kvpush::proto::msg::{
+    Abort, Completion, Failure, FailureKind, Handshake, Heartbeat, Message, Mode, MAX_DETAIL, MAX_ENGINE_ID, MAX_TOKENS,
+};
+use kvpush_fuzz::{
+    describe, fingerprint, handshake_for, peer_handshake, peer_layout, valid_messages, KEY, WRONG_RANKS,
+};
+use serde::Serialize;
+
+const HANDSHAKE: u8 = 1;
+const REGISTRATION: u8 = 2;
+const COMPLETION: u8 = 3;
+const FAILURE: u8 = 4;
+const ABORT: u8 = 5;
+const HEARTBEAT: u8 = 6;
+
+/// Mirror of kvpush's crate-private `RegistrationWire` (same fields, same order).
+#[derive(Clone, Serialize)]
+struct RegWire {
+    key: Key,
+    engine_id: String,
+    rank: Rank,
+    num_tokens: u64,
+    block_ids: Vec<Vec<u32>>,
+}
+
+fn valid_reg() -> RegWire {
+    RegWire {
+        key: KEY,
+        engine_id: "decode-0".into(),
+        rank: peer_layout().parallel.rank(),
+        num_tokens: 33,
+        block_ids: vec![vec![4, 5, 6], vec![9]],
+    }
+}
+
+fn pc<T: Serialize + ?Sized>(v: &T) -> Vec<u8> {
+    postcard::to_allocvec(v).expect("postcard serializes")
+}
+
+fn header(magic: [u8; 2], version: u16, kind: u8, len: u32) -> Vec<u8> {
+    let mut h = Vec::with_capacity(HEADER_LEN);
+    h.extend_from_slice(&magic);
+    h.extend_from_slice(&version.to_le_bytes());
+    h.push(kind);
+    h.extend_from_slice(&len.to_le_bytes());
+    h
+}
+
+/// A frame with a correct header around `payload`.
+fn frame(kind: u8, payload: &[u8]) -> Vec<u8> {
+    let len = u32::try_from(payload.len()).expect("small payload");
+    let mut f = header(MAGIC, PROTOCOL_VERSION, kind, len);
+    f.extend_from_slice(payload);
+    f
+}
+
+fn with_len(mut f: Vec<u8>, len: u32) -> Vec<u8> {
+    f[5..9].copy_from_slice(&len.to_le_bytes());
+    f
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> usize {
+    hay.windows(needle.len()).position(|w| w == needle).expect("needle present")
+}
+
+/// A handshake carrying `l` whose hash is correct for its (possibly invalid) fields.
+fn hs_with(l: KvLayout) -> Handshake {
+    handshake_for(l, Mode::Push)
+}
+
+fn hs_frame(h: &Handshake) -> Vec<u8> {
+    frame(HANDSHAKE, &pc(h))
+}
+
+struct Entry {
+    name: String,
+    bytes: Vec<u8>,
+    peer: bool,
+    variant: &'static str,
+    detail: String,
+    desc: String,
+}
+
+#[derive(Default)]
+struct Corpus {
+    entries: Vec<Entry>,
+}
+
+impl Corpus {
+    fn add(&mut self, name: impl Into<String>, bytes: Vec<u8>, peer: bool, expect: &str, desc: impl Into<String>) {
+        let (variant, detail) = match expect.split_once(' ') {
+            Some((v, d)) => (v, d.to_string()),
+            None => (expect, "-".to_string()),
+        };
+        let variant = VARIANTS.iter().copied().find(|v| *v == variant).expect("known variant name");
+        self.entries.push(Entry { name: name.into(), bytes, peer, variant, detail, desc: desc.into() });
+    }
+}
+
+const VARIANTS: [&str; 10] = [
+    "Truncated",
+    "TrailingBytes",
+    "BadMagic",
+    "UnsupportedVersion",
+    "UnknownKind",
+    "TooLarge",
+    "Malformed",
+    "NoPeerLayout",
+    "Range",
+    "HashMismatch",
+];
+
+fn kind_byte(name: &str) -> u8 {
+    match name {
+        "handshake" => HANDSHAKE,
+        "registration" => REGISTRATION,
+        "completion" => COMPLETION,
+        "failure" => FAILURE,
+        "abort" => ABORT,
+        "heartbeat" => HEARTBEAT,
+        _ => unreachable!("kind {name}"),
+    }
+}
+
+fn header_faults(c: &mut Corpus, valid: &[(&'static str, Vec<u8>)]) {
+    let hb = &valid.iter().find(|(k, _)| *k == "heartbeat").expect("heartbeat").1;
+    let hs = &valid.iter().find(|(k, _)| *k == "handshake").expect("handshake").1;
+    for (tag, magic) in [("XP", *b"XP"), ("kp", *b"kp"), ("PK", *b"PK"), ("K_only", *b"K\0"), ("zero", [0, 0])] {
+        let mut f = hb.clone();
+        f[..2].copy_from_slice(&magic);
+        c.add(format!("hdr_bad_magic_{tag}.bin"), f, false, "BadMagic", format!("heartbeat with magic {magic:02x?}"));
+    }
+    c.add("hdr_bad_magic_all_zero_header.bin", vec![0; HEADER_LEN], false, "BadMagic", "nine zero bytes");
+    c.add("hdr_bad_magic_short.bin", b"XP".to_vec(), false, "Truncated", "two bytes of bad magic: too short to judge");
+    c.add("hdr_empty.bin", Vec::new(), false, "Truncated", "no bytes at all");
+    let mut f = hs.clone();
+    f[..2].copy_from_slice(b"{\"");
+    c.add("hdr_bad_magic_json.bin", f, false, "BadMagic", "handshake whose magic is the start of a JSON object");
+
+    for v in [0u16, 2, 0x0100, 0xffff] {
+        let mut f = hb.clone();
+        f[2..4].copy_from_slice(&v.to_le_bytes());
+        c.add(format!("hdr_version_{v}.bin"), f, false, "UnsupportedVersion", format!("heartbeat of version {v}"));
+    }
+    let mut f = hs.clone();
+    f[2..4].copy_from_slice(&2u16.to_le_bytes());
+    c.add("hdr_version_2_handshake.bin", f, false, "UnsupportedVersion", "valid handshake payload, version 2");
+
+    for k in [0u8, 7, 0x80, 0xff] {
+        let mut f = hb.clone();
+        f[4] = k;
+        c.add(format!("hdr_kind_{k}.bin"), f, false, "UnknownKind", format!("heartbeat payload under kind byte {k}"));
+    }
+
+    // Declared lengths above each kind's limit: refused from the header alone.
+    for (name, bytes) in valid {
+        let k = kind_byte(name);
+        let max = if k == HANDSHAKE { MAX_HANDSHAKE_PAYLOAD } else { MAX_PAYLOAD };
+        let f = header(MAGIC, PROTOCOL_VERSION, k, max + 1);
+        c.add(
+            format!("len_{name}_max_plus_1.bin"),
+            f,
+            true,
+            "TooLarge",
+            format!("{name} header declaring {}", max + 1),
+        );
+        let f = with_len(bytes.clone(), u32::MAX);
+        c.add(format!("len_{name}_u32_max.bin"), f, true, "TooLarge", format!("valid {name} declaring u32::MAX bytes"));
+    }
+    let mut f = header(MAGIC, PROTOCOL_VERSION, HEARTBEAT, MAX_PAYLOAD + 1);
+    f.extend(std::iter::repeat_n(0u8, 1024));
+    c.add("len_heartbeat_oversized_with_payload.bin", f, false, "TooLarge", "4 MiB + 1 declared, 1 KiB present");
+    // A handshake may be larger than other kinds: over the general limit, under its own, is fine
+    // from the header's point of view and only short.
+    let f = header(MAGIC, PROTOCOL_VERSION, HANDSHAKE, MAX_PAYLOAD + 1);
+    c.add(
+        "len_handshake_over_general_limit.bin",
+        f,
+        false,
+        "Truncated",
+        "handshake declaring 4 MiB + 1: allowed, absent",
+    );
+    let f = header(MAGIC, PROTOCOL_VERSION, HANDSHAKE, MAX_HANDSHAKE_PAYLOAD);
+    c.add("len_handshake_at_limit.bin", f, false, "Truncated", "handshake declaring exactly 16 MiB, absent");
+    let f = header(MAGIC, PROTOCOL_VERSION, COMPLETION, MAX_PAYLOAD);
+    c.add("len_completion_at_limit.bin", f, true, "Truncated", "completion declaring exactly 4 MiB, absent");
+    let f = with_len(hb.clone(), 0);
+    c.add("len_heartbeat_zero.bin", f, false, "TrailingBytes", "heartbeat declaring 0 bytes, 1 present");
+
+    // Bytes beyond the frame, and a declared payload longer than its encoding.
+    for (name, bytes) in valid {
+        let mut f = bytes.clone();
+        f.push(0);
+        c.add(format!("trail_{name}_one_byte.bin"), f, true, "TrailingBytes", format!("valid {name} + 1 byte"));
+        let mut f = bytes.clone();
+        f.extend_from_slice(&bytes[..]);
+        c.add(format!("trail_{name}_twice.bin"), f, true, "TrailingBytes", format!("two {name} frames in one buffer"));
+        let mut f = bytes.clone();
+        f.extend_from_slice(&[0xaa; 3]);
+        let len = u32::try_from(f.len() - HEADER_LEN).expect("small");
+        c.add(
+            format!("pad_{name}_payload_3.bin"),
+            with_len(f, len),
+            true,
+            "TrailingBytes",
+            format!("{name} payload followed by 3 bytes inside the declared length"),
+        );
+    }
+}
+
+fn truncations(c: &mut Corpus, valid: &[(&'static str, Vec<u8>)]) {
+    for (name, bytes) in valid {
+        let n = bytes.len();
+        let mut cuts = vec![0, 1, 2, 4, 5, 8, 9, HEADER_LEN + (n - HEADER_LEN) / 2, n - 1];
+        cuts.sort_unstable();
+        cuts.dedup();
+        for cut in cuts.into_iter().filter(|&k| k < n) {
+            c.add(
+                format!("trunc_{name}_at_{cut:03}.bin"),
+                bytes[..cut].to_vec(),
+                true,
+                "Truncated",
+                format!("{name} frame of {n} bytes cut to {cut}"),
+            );
+        }
+        // The header agrees with the cut, but the payload ends inside the encoding.
+        let mut cuts = vec![HEADER_LEN, HEADER_LEN + (n - HEADER_LEN) / 2, n - 1];
+        cuts.dedup();
+        for cut in cuts {
+            let len = u32::try_from(cut - HEADER_LEN).expect("small");
+            c.add(
+                format!("short_{name}_payload_{:03}.bin", cut - HEADER_LEN),
+                with_len(bytes[..cut].to_vec(), len),
+                true,
+                "Malformed",
+                format!("{name} payload cut to {} of {} bytes, header consistent", cut - HEADER_LEN, n - HEADER_LEN),
+            );
+        }
+    }
+}
+
+/// Single bit flips of valid frames: of those that make decoding fail, up to `PER_OUTCOME` per frame
+/// kind and outcome, evenly spread over the frame.
+fn bit_flips(c: &mut Corpus, valid: &[(&'static str, Vec<u8>)]) {
+    const PER_OUTCOME: usize = 3;
+    let peer = peer_layout();
+    let mut accepted = 0usize;
+    let mut total = 0usize;
+    for (name, bytes) in valid {
+        let mut by_outcome: BTreeMap<(&'static str, String), Vec<(usize, u8)>> = BTreeMap::new();
+        for byte in 0..bytes.len() {
+            for bit in 0..8u8 {
+                let mut f = bytes.clone();
+                f[byte] ^= 1 << bit;
+                total += 1;
+                match decode(&f, Some(&peer)) {
+                    Ok(_) => accepted += 1,
+                    Err(e) => by_outcome.entry(describe(&e)).or_default().push((byte, bit)),
+                }
+            }
+        }
+        for ((variant, detail), flips) in by_outcome {
+            let n = flips.len();
+            let picks: Vec<usize> = if n <= PER_OUTCOME {
+                (0..n).collect()
+            } else {
+                (0..PER_OUTCOME).map(|i| i * (n - 1) / (PER_OUTCOME - 1)).collect()
+            };
+            for i in picks {
+                let (byte, bit) = flips[i];
+                let mut f = bytes.clone();
+                f[byte] ^= 1 << bit;
+                let expect = if detail == "-" { variant.to_string() } else { format!("{variant} {detail}") };
+                c.add(
+                    format!("flip_{name}_byte{byte:03}_bit{bit}.bin"),
+                    f,
+                    true,
+                    &expect,
+                    format!(
+                        "{name} frame with bit {bit} of byte {byte} flipped ({n} flips of this frame give this error)"
+                    ),
+                );
+            }
+        }
+    }
+    eprintln!("bit flips: {total} tried, {accepted} still decode (key, ids, free text, region bases...)");
+}
+
+fn registrations(c: &mut Corpus) {
+    let reg = |name: &str, w: &RegWire, peer: bool, expect: &str, desc: &str| {
+        (format!("reg_{name}.bin"), frame(REGISTRATION, &pc(w)), peer, expect.to_string(), desc.to_string())
+    };
+    let mut out = Vec::new();
+    out.push(reg("no_peer", &valid_reg(), false, "NoPeerLayout", "valid registration before the handshake"));
+    let mut w = valid_reg();
+    w.block_ids = vec![vec![4, 5, 64], vec![9]];
+    out.push(reg("block_id_eq_num_blocks", &w, true, "Range BlockId", "group 0 names block 64 of 64"));
+    out.push(reg("block_id_no_peer", &w, false, "NoPeerLayout", "out-of-range block id, but no peer layout yet"));
+    w.block_ids = vec![vec![4], vec![u32::MAX]];
+    out.push(reg("block_id_max_group1", &w, true, "Range BlockId", "group 1 names block u32::MAX"));
+    for (n, lists) in [(0usize, vec![]), (1, vec![vec![4]]), (3, vec![vec![4], vec![], vec![1]])] {
+        let mut w = valid_reg();
+        w.block_ids = lists;
+        out.push(reg(&format!("groups_{n}"), &w, true, "Range GroupCount", &format!("{n} block lists for 2 groups")));
+    }
+    let mut w = valid_reg();
+    w.block_ids = vec![vec![]; MAX_GROUPS + 1];
+    out.push(reg(
+        "groups_65",
+        &w,
+        true,
+        "Malformed",
+        "65 empty block lists: refused by the MAX_GROUPS length bound before they are read",
+    ));
+    let mut w = valid_reg();
+    w.block_ids = vec![vec![1, 2, 3, 4], vec![9]];
+    out.push(reg("too_many_blocks_g0", &w, true, "Range TooManyBlocks", "4 blocks for 33 tokens of 16 (group 0)"));
+    w.block_ids = vec![vec![1], vec![1, 2, 3, 4]];
+    out.push(reg("too_many_blocks_g1", &w, true, "Range TooManyBlocks", "4 blocks for 33 tokens of 16 (group 1)"));
+    w.num_tokens = 1;
+    w.block_ids = vec![vec![1, 2], vec![]];
+    out.push(reg("too_many_blocks_1_token", &w, true, "Range TooManyBlocks", "2 blocks for 1 token"));
+    let mut w = valid_reg();
+    w.num_tokens = 0;
+    w.block_ids = vec![vec![], vec![]];
+    out.push(reg("num_tokens_zero", &w, true, "Range OutOfRange:num_tokens", "num_tokens 0"));
+    w.num_tokens = MAX_TOKENS + 1;
+    w.block_ids = vec![vec![1], vec![2]];
+    out.push(reg("num_tokens_over_max", &w, true, "Range OutOfRange:num_tokens", "num_tokens MAX_TOKENS + 1"));
+    w.num_tokens = u64::MAX;
+    out.push(reg("num_tokens_u64_max", &w, true, "Range OutOfRange:num_tokens", "num_tokens u64::MAX"));
+    let mut w = valid_reg();
+    w.engine_id = "d".repeat(MAX_ENGINE_ID + 1);
+    out.push(reg("engine_id_257", &w, true, "Range TooLong:engine_id", "engine id of MAX_ENGINE_ID + 1 bytes"));
+    w.engine_id = "\u{e9}".repeat(MAX_ENGINE_ID / 2 + 1);
+    out.push(reg("engine_id_258_utf8", &w, true, "Range TooLong:engine_id", "engine id of 129 two-byte chars"));
+    for r in WRONG_RANKS {
+        let mut w = valid_reg();
+        w.rank = r;
+        out.push(reg(
+            &format!("rank_tp{}_pp{}", r.tp, r.pp),
+            &w,
+            true,
+            "Range Rank",
+            &format!("rank {r}, peer tp1/pp0"),
+        ));
+    }
+    for (name, bytes, peer, expect, desc) in out {
+        c.add(name, bytes, peer, &expect, desc);
+    }
+
+    // Encodings the parser refuses.
+    let p = pc(&valid_reg());
+    let mut bad = p.clone();
+    bad[find(&p, b"decode-0")] = 0xff;
+    c.add("reg_engine_id_bad_utf8.bin", frame(REGISTRATION, &bad), true, "Malformed", "engine id not UTF-8");
+    c.add(
+        "reg_engine_id_bad_utf8_no_peer.bin",
+        frame(REGISTRATION, &bad),
+        false,
+        "NoPeerLayout",
+        "engine id not UTF-8, no peer: the peer check comes first, nothing is parsed",
+    );
+    let prefix = pc(&(KEY, "decode-0", peer_layout().parallel.rank(), 33u64));
+    let mut huge = prefix.clone();
+    huge.extend_from_slice(&pc(&1_000_000usize));
+    c.add("reg_block_lists_claim_1m.bin", frame(REGISTRATION, &huge), true, "Malformed", "claims 1e6 lists, has none");
+    let mut huge = prefix.clone();
+    huge.extend_from_slice(&pc(&2usize));
+    huge.extend_from_slice(&pc(&(u32::MAX as usize)));
+    c.add("reg_block_ids_claim_4g.bin", frame(REGISTRATION, &huge), true, "Malformed", "a list claiming 2^32-1 ids");
+    let mut over = prefix.clone();
+    over.extend_from_slice(&[0xff; 10]);
+    over.push(0x7f);
+    c.add(
+        "reg_block_lists_len_overflow.bin",
+        frame(REGISTRATION, &over),
+        true,
+        "Malformed",
+        "list count varint > 64 bits",
+    );
+    let mut over = pc(&KEY);
+    over.extend_from_slice(&pc("decode-0"));
+    over.extend_from_slice(&pc(&peer_layout().parallel.rank()));
+    over.extend_from_slice(&[0xff; 10]);
+    over.push(0x01);
+    c.add("reg_num_tokens_varint_overflow.bin", frame(REGISTRATION, &over), true, "Malformed", "11-byte u64 varint");
+}
+
+fn per_rank_messages(c: &mut Corpus) {
+    let rank = peer_layout().parallel.rank();
+    let completion = |r| Completion { key: KEY, rank: r };
+    let failure = |r, detail: String| Failure { key: KEY, rank: r, kind: FailureKind::Refused, detail };
+    let abort = |r, reason: String| Abort { key: KEY, rank: r, reason };
+    for r in WRONG_RANKS {
+        let tag = format!("tp{}_pp{}", r.tp, r.pp);
+        let what = format!("rank {r}, peer tp1/pp0");
+        c.add(format!("cmp_rank_{tag}.bin"), frame(COMPLETION, &pc(&completion(r))), true, "Range Rank", &what);
+        let f = failure(r, "x".into());
+        c.add(format!("fail_rank_{tag}.bin"), frame(FAILURE, &pc(&f)), true, "Range Rank", &what);
+        let a = abort(r, "x".into());
+        c.add(format!("abort_rank_{tag}.bin"), frame(ABORT, &pc(&a)), true, "Range Rank", &what);
+    }
+    let cmp = frame(COMPLETION, &pc(&completion(rank)));
+    c.add("cmp_no_peer.bin", cmp, false, "NoPeerLayout", "valid completion before the handshake");
+    let cmp = frame(COMPLETION, &pc(&completion(Rank::new(0, 0))));
+    c.add("cmp_rank_no_peer.bin", cmp, false, "NoPeerLayout", "wrong rank, but no peer layout yet");
+    let mut p = vec![0xff; 18];
+    p.push(0x7f);
+    c.add("cmp_transfer_id_overflow.bin", frame(COMPLETION, &p), true, "Malformed", "19-byte u128 varint");
+    let mut p = pc(&KEY.transfer_id);
+    p.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x7f]);
+    c.add("cmp_attempt_overflow.bin", frame(COMPLETION, &p), true, "Malformed", "attempt varint > 32 bits");
+    let mut p = pc(&KEY);
+    p.extend_from_slice(&[0xff, 0xff, 0x7f, 0x00]);
+    c.add("cmp_rank_tp_overflow.bin", frame(COMPLETION, &p), true, "Malformed", "rank.tp varint > 16 bits");
+
+    let long = "x".repeat(MAX_DETAIL + 1);
+    let f = frame(FAILURE, &pc(&failure(rank, long.clone())));
+    c.add("fail_detail_1025.bin", f.clone(), true, "Range TooLong:detail", "detail of MAX_DETAIL + 1 bytes");
+    c.add(
+        "fail_detail_1025_no_peer.bin",
+        f,
+        false,
+        "Range TooLong:detail",
+        "over-long detail is refused even before the handshake",
+    );
+    let f = frame(FAILURE, &pc(&failure(Rank::new(0, 0), "x".repeat(MAX_DETAIL))));
+    c.add("fail_detail_1024_wrong_rank.bin", f, true, "Range Rank", "detail exactly MAX_DETAIL (fine), wrong rank");
+    let f = frame(FAILURE, &pc(&failure(rank, "ok".into())));
+    c.add("fail_no_peer.bin", f, false, "NoPeerLayout", "valid failure before the handshake");
+    let good = pc(&failure(rank, "detail".into()));
+    let at = pc(&(KEY, rank)).len();
+    for (d, why) in [(6u8, "unknown FailureKind 6"), (0x7f, "unknown FailureKind 127")] {
+        let mut p = good.clone();
+        p[at] = d;
+        c.add(format!("fail_kind_{d}.bin"), frame(FAILURE, &p), true, "Malformed", why);
+    }
+    let mut p = pc(&(KEY, rank, 1u32));
+    p.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x1f]);
+    c.add("fail_status_overflow.bin", frame(FAILURE, &p), true, "Malformed", "TransferFailed status varint > 32 bits");
+    let mut p = good.clone();
+    let i = find(&p, b"detail");
+    p[i] = 0xc0;
+    c.add("fail_detail_bad_utf8.bin", frame(FAILURE, &p), true, "Malformed", "detail not UTF-8");
+    let mut p = pc(&(KEY, rank, FailureKind::Aborted));
+    p.extend_from_slice(&pc(&100usize));
+    p.extend_from_slice(b"short");
+    c.add("fail_detail_len_past_end.bin", frame(FAILURE, &p), true, "Malformed", "detail claims 100 bytes, has 5");
+
+    let a = frame(ABORT, &pc(&abort(rank, long.clone())));
+    c.add("abort_reason_1025.bin", a.clone(), true, "Range TooLong:reason", "reason of MAX_DETAIL + 1 bytes");
+    c.add("abort_reason_1025_no_peer.bin", a, false, "Range TooLong:reason", "over-long reason before the handshake");
+    let a = frame(ABORT, &pc(&abort(rank, "bye".into())));
+    c.add("abort_no_peer.bin", a, false, "NoPeerLayout", "valid abort before the handshake");
+    let mut p = pc(&abort(rank, "bye".into()));
+    let i = find(&p, b"bye");
+    p[i + 1] = 0x80;
+    c.add("abort_reason_bad_utf8.bin", frame(ABORT, &p), true, "Malformed", "reason not UTF-8");
+
+    c.add("hb_empty_payload.bin", frame(HEARTBEAT, &[]), false, "Malformed", "heartbeat with no payload");
+    let mut p = vec![0xff; 9];
+    p.push(0x02);
+    c.add("hb_seq_overflow.bin", frame(HEARTBEAT, &p), false, "Malformed", "10-byte varint above u64::MAX");
+    c.add("hb_seq_unterminated.bin", frame(HEARTBEAT, &[0x80; 10]), false, "Malformed", "varint never ends");
+    let mut p = pc(&Heartbeat { seq: 1 });
+    p.push(0);
+    c.add("hb_payload_extra.bin", frame(HEARTBEAT, &p), false, "TrailingBytes", "seq then one extra byte");
+}
+
+fn handshakes(c: &mut Corpus) {
+    let h = peer_handshake();
+    let mut f = h.clone();
+    f.compat_hash ^= 1;
+    c.add("hs_hash_forged.bin", hs_frame(&f), false, "HashMismatch", "compat hash with its low bit flipped");
+    c.add(
+        "hs_hash_forged_with_peer.bin",
+        hs_frame(&f),
+        true,
+        "HashMismatch",
+        "forged hash; a known peer changes nothing",
+    );
+    f.compat_hash = 0;
+    c.add("hs_hash_zero.bin", hs_frame(&f), false, "HashMismatch", "compat hash 0");
+    let mut f = h.clone();
+    f.mode = Mode::Pull;
+    c.add("hs_hash_of_other_mode.bin", hs_frame(&f), false, "HashMismatch", "pull mode under the push hash");
+    let mut f = h.clone();
+    f.protocol = PROTOCOL_VERSION + 1;
+    c.add("hs_hash_of_other_protocol.bin", hs_frame(&f), false, "HashMismatch", "protocol field 2 under the v1 hash");
+    let mut f = h.clone();
+    f.layout.model.dtype = kvpush::proto::layout::DType::F16;
+    c.add("hs_hash_stale_model.bin", hs_frame(&f), false, "HashMismatch", "dtype changed to f16, hash of bf16 kept");
+    let mut f = h.clone();
+    f.layout.order = kvpush::proto::layout::BlockOrder::Nhd;
+    c.add("hs_hash_stale_order.bin", hs_frame(&f), false, "HashMismatch", "order changed to NHD, hash of HND kept");
+
+    let mut f = h.clone();
+    f.engine_id = "e".repeat(MAX_ENGINE_ID + 1);
+    c.add("hs_engine_id_257.bin", hs_frame(&f), false, "Range TooLong:engine_id", "engine id of 257 bytes");
+    let mut f = h.clone();
+    f.software = "s".repeat(MAX_ENGINE_ID + 1);
+    c.add("hs_software_257.bin", hs_frame(&f), false, "Range TooLong:software", "software of 257 bytes");
+    // agent_metadata over MAX_AGENT_METADATA needs an 8 MiB file: tests/codec_corpus.rs builds it.
+
+    // Every LayoutError the codec can reach, each the only fault, each with a correct hash.
+    let base = peer_layout();
+    {
+        let mut l = base.clone();
+        l.model.groups = (0..65).map(|i| KvGroup { kind: GroupKind::Full, layers: vec![i] }).collect();
+        let desc = "65 KV groups: refused by the MAX_GROUPS length bound before the layout is checked";
+        c.add("hs_layout_groups_65.bin", hs_frame(&hs_with(l)), false, "Malformed", desc);
+    }
+    let mut layout_case = |name: &str, expect: &str, desc: &str, edit: &dyn Fn(&mut KvLayout)| {
+        let mut l = base.clone();
+        edit(&mut l);
+        assert!(l.validate().is_err(), "layout case {name} is valid");
+        c.add(format!("hs_layout_{name}.bin"), hs_frame(&hs_with(l)), false, &format!("Range Layout:{expect}"), desc);
+    };
+    let regions = |l: &mut KvLayout, n: u64| {
+        l.region_bases = (0..n).map(|i| 0x1000_0000 + i * 0x10_0000).collect();
+    };
+    layout_case("total_layers_0", "OutOfRange:total_layers", "total_layers 0", &|l| l.model.total_layers = 0);
+    layout_case("total_layers_over", "OutOfRange:total_layers", "total_layers MAX_LAYERS + 1", &|l| {
+        l.model.total_layers = MAX_LAYERS + 1
+    });
+    layout_case("kv_heads_0", "OutOfRange:kv_heads", "kv_heads 0", &|l| l.model.kv_heads = 0);
+    layout_case("kv_heads_over", "OutOfRange:kv_heads", "kv_heads MAX_KV_HEADS + 1", &|l| {
+        l.model.kv_heads = MAX_KV_HEADS + 1
+    });
+    layout_case("head_dim_0", "OutOfRange:head_dim", "head_dim 0", &|l| l.model.head_dim = 0);
+    layout_case("head_dim_over", "OutOfRange:head_dim", "head_dim MAX_HEAD_DIM + 1", &|l| {
+        l.model.head_dim = MAX_HEAD_DIM + 1
+    });
+    layout_case("block_tokens_0", "OutOfRange:block_tokens", "block_tokens 0", &|l| l.block_tokens = 0);
+    layout_case("block_tokens_over", "OutOfRange:block_tokens", "block_tokens MAX_BLOCK_TOKENS + 1", &|l| {
+        l.block_tokens = MAX_BLOCK_TOKENS + 1
+    });
+    layout_case("num_blocks_0", "OutOfRange:num_blocks", "num_blocks 0", &|l| l.num_blocks = 0);
+    layout_case("num_blocks_over", "OutOfRange:num_blocks", "num_blocks MAX_BLOCKS + 1", &|l| {
+        l.num_blocks = MAX_BLOCKS + 1
+    });
+    layout_case("tp_size_0", "OutOfRange:tp_size", "tp_size 0 (tp_rank 0)", &|l| {
+        l.parallel.tp_size = 0;
+        l.parallel.tp_rank = 0;
+    });
+    layout_case("tp_size_over", "OutOfRange:tp_size", "tp_size MAX_PARALLEL + 1", &|l| {
+        l.parallel.tp_size = MAX_PARALLEL + 1
+    });
+    layout_case("pp_size_0", "OutOfRange:pp_size", "pp_size 0", &|l| l.parallel.pp_size = 0);
+    layout_case("pp_size_over_layers", "OutOfRange:pp_size", "pp_size 5 for 4 layers", &|l| l.parallel.pp_size = 5);
+    layout_case("pp_size_over_max", "OutOfRange:pp_size", "pp_size MAX_PARALLEL + 1 (4096 layers)", &|l| {
+        l.model.total_layers = MAX_LAYERS;
+        l.model.groups = vec![KvGroup { kind: GroupKind::Full, layers: (0..MAX_LAYERS).collect() }];
+        l.parallel.pp_size = MAX_PARALLEL + 1;
+    });
+    layout_case("groups_0", "OutOfRange:groups", "no KV groups", &|l| l.model.groups.clear());
+    layout_case("tp_rank_eq_size", "RankOutOfRange:tp", "tp_rank 2 of 2", &|l| l.parallel.tp_rank = 2);
+    layout_case("pp_rank_eq_size", "RankOutOfRange:pp", "pp_rank 1 of 1", &|l| l.parallel.pp_rank = 1);
+    layout_case("heads_2_over_tp_3", "HeadsNotDivisible", "2 KV heads over TP 3", &|l| l.parallel.tp_size = 3);
+    layout_case("heads_3_over_tp_2", "HeadsNotDivisible", "3 KV heads over TP 2", &|l| l.model.kv_heads = 3);
+    layout_case("kv_single", "PlacementMismatch", "keys and values with placement Single", &|l| {
+        l.placement = KvPlacement::Single;
+        regions(l, 4);
+    });
+    layout_case("latent_separate", "PlacementMismatch", "latent with placement Separate", &|l| {
+        l.model.kind = KvKind::Latent;
+        l.model.kv_heads = 1;
+        l.parallel.tp_rank = 0;
+        l.parallel.tp_size = 1;
+    });
+    layout_case("latent_joint", "PlacementMismatch", "latent with placement Joint", &|l| {
+        l.model.kind = KvKind::Latent;
+        l.model.kv_heads = 1;
+        l.placement = KvPlacement::Joint;
+        l.parallel.tp_rank = 0;
+        l.parallel.tp_size = 1;
+        regions(l, 4);
+    });
+    layout_case("latent_2_heads", "LatentHeads", "latent declaring 2 KV heads", &|l| {
+        l.model.kind = KvKind::Latent;
+        l.placement = KvPlacement::Single;
+        regions(l, 4);
+    });
+    layout_case("stride_short", "StrideTooSmall", "block stride one byte short", &|l| l.block_stride -= 1);
+    layout_case("stride_joint", "StrideTooSmall", "joint placement with a one-part stride", &|l| {
+        l.placement = KvPlacement::Joint;
+        regions(l, 4);
+    });
+    layout_case("regions_7", "RegionCount", "7 region bases for 8", &|l| {
+        l.region_bases.pop();
+    });
+    layout_case("regions_0", "RegionCount", "no region bases", &|l| l.region_bases.clear());
+    layout_case("regions_9", "RegionCount", "9 region bases for 8", &|l| regions(l, 9));
+    layout_case("region_base_0", "BadRegion", "region 3 at address 0", &|l| l.region_bases[3] = 0);
+    layout_case("region_wraps", "BadRegion", "region 7 wraps the address space", &|l| {
+        l.region_bases[7] = u64::MAX - 100
+    });
+    layout_case("region_len_overflow", "BadRegion", "stride x blocks overflows u64", &|l| {
+        l.block_stride = u64::MAX / 32
+    });
+    layout_case("regions_equal", "Overlap", "regions 0 and 5 at one address", &|l| {
+        l.region_bases[5] = l.region_bases[0]
+    });
+    layout_case("regions_touching_minus_1", "Overlap", "region 1 starts one byte inside region 0", &|l| {
+        l.region_bases[1] = l.region_bases[0] + l.region_len() - 1
+    });
+    layout_case("group_empty", "Groups", "a third, empty group", &|l| {
+        l.model.groups.push(KvGroup { kind: GroupKind::Full, layers: vec![] })
+    });
+    layout_case("group_window_0", "Groups", "sliding window of 0 tokens", &|l| {
+        l.model.groups[1].kind = GroupKind::SlidingWindow { window_tokens: 0 }
+    });
+    layout_case("group_layer_past_end", "Groups", "group names layer 4 of 4", &|l| {
+        l.model.groups[1].layers = vec![1, 3, 4]
+    });
+    layout_case("group_unsorted", "Groups", "layers 2, 0", &|l| l.model.groups[0].layers = vec![2, 0]);
+    layout_case("group_repeated_layer", "Groups", "layers 0, 0, 2", &|l| l.model.groups[0].layers = vec![0, 0, 2]);
+    layout_case("group_shared_layer", "Groups", "layer 2 in both groups", &|l| {
+        l.model.groups[1].layers = vec![1, 2, 3]
+    });
+    layout_case("group_missing_layer", "Groups", "layer 3 in no group", &|l| l.model.groups[1].layers = vec![1]);
+
+    // Encodings the parser refuses. Field offsets are the encoded length of the fields before them.
+    let p = pc(&h);
+    let m = &h.layout.model;
+    let mode_at = pc(&(h.protocol, &h.software, &h.engine_id)).len();
+    let dtype_at =
+        pc(&(h.protocol, &h.software, &h.engine_id, h.mode, &h.agent_metadata, m.total_layers, m.kv_heads, m.head_dim))
+            .len();
+    let group_at = dtype_at + pc(&(m.dtype, m.kind, m.groups.len())).len();
+    let order_at =
+        pc(&(h.protocol, &h.software, &h.engine_id, h.mode, &h.agent_metadata, m, h.layout.block_tokens)).len();
+    for (at, value, name, desc) in [
+        (mode_at, 2u8, "mode_2", "unknown Mode 2"),
+        (dtype_at, 6, "dtype_6", "unknown DType 6"),
+        (dtype_at + 1, 2, "kv_kind_2", "unknown KvKind 2"),
+        (group_at, 2, "group_kind_2", "unknown GroupKind 2"),
+        (order_at, 2, "order_2", "unknown BlockOrder 2"),
+        (order_at + 1, 3, "placement_3", "unknown KvPlacement 3"),
+    ] {
+        let mut b = p.clone();
+        b[at] = value;
+        c.add(format!("hs_enum_{name}.bin"), frame(HANDSHAKE, &b), false, "Malformed", desc);
+    }
+    let mut b = p.clone();
+    b[find(&p, b"engine-a")] = 0xfe;
+    c.add("hs_engine_id_bad_utf8.bin", frame(HANDSHAKE, &b), false, "Malformed", "engine id not UTF-8");
+    let mut b = p.clone();
+    let i = find(&p, b"0.1.0");
+    b[i..i + 2].copy_from_slice(&[0xed, 0xa0]);
+    c.add("hs_software_surrogate.bin", frame(HANDSHAKE, &b), false, "Malformed", "software holds a UTF-16 surrogate");
+    let mut b = pc(&(h.protocol, &h.software, &h.engine_id, h.mode));
+    b.extend_from_slice(&pc(&(1usize << 31)));
+    b.extend_from_slice(&[1, 2, 3, 4]);
+    c.add("hs_metadata_claims_2g.bin", frame(HANDSHAKE, &b), false, "Malformed", "agent metadata claims 2 GiB, has 4");
+    let mut b = vec![0xff, 0xff, 0x04];
+    b.extend_from_slice(&p[1..]);
+    c.add("hs_protocol_overflow.bin", frame(HANDSHAKE, &b), false, "Malformed", "protocol varint above u16::MAX");
+    let mut b = pc(&(h.protocol, &h.software, &h.engine_id, h.mode, &h.agent_metadata, m));
+    b.extend_from_slice(&pc(&(h.layout.block_tokens, h.layout.order, h.layout.placement, h.layout.block_stride)));
+    b.extend_from_slice(&pc(&(h.layout.num_blocks, h.layout.parallel)));
+    b.extend_from_slice(&pc(&100_000usize));
+    c.add(
+        "hs_regions_claim_100k.bin",
+        frame(HANDSHAKE, &b),
+        false,
+        "Malformed",
+        "claims 100000 region bases, has none",
+    );
+    let mut b = pc(&(h.protocol, &h.software, &h.engine_id, h.mode, &h.agent_metadata, m.total_layers, m.kv_heads));
+    b.extend_from_slice(&pc(&(m.head_dim, m.dtype, m.kind)));
+    b.extend_from_slice(&pc(&usize::MAX));
+    c.add("hs_groups_claim_usize_max.bin", frame(HANDSHAKE, &b), false, "Malformed", "claims usize::MAX groups");
+    c.add("hs_empty_payload.bin", frame(HANDSHAKE, &[]), false, "Malformed", "handshake with no payload");
+}
+
+fn build() -> (Corpus, Vec<(&'static str, Vec<u8>)>) {
+    let valid: Vec<(&'static str, Vec<u8>)> =
+        valid_messages().into_iter().map(|(n, m)| (n, to_vec(&m).expect("valid message encodes"))).collect();
+    // The registration mirror must encode exactly as kvpush does.
+    let reg = &valid.iter().find(|(k, _)| *k == "registration").expect("registration").1;
+    assert_eq!(&frame(REGISTRATION, &pc(&valid_reg())), reg, "RegWire no longer mirrors RegistrationWire");
+    let mut c = Corpus::default();
+    header_faults(&mut c, &valid);
+    truncations(&mut c, &valid);
+    bit_flips(&mut c, &valid);
+    registrations(&mut c);
+    per_rank_messages(&mut c);
+    handshakes(&mut c);
+    (c, valid)
+}
+
+/// Decodes every entry and returns the ones that do not give their expected error.
+fn verify(c: &Corpus) -> Vec<String> {
+    let peer = peer_layout();
+    let mut bad = Vec::new();
+    let mut names = std::collections::BTreeSet::new();
+    for e in &c.entries {
+        if !names.insert(e.name.as_str()) {
+            bad.push(format!("{}: duplicate name", e.name));
+        }
+        let _ = frame_len(&e.bytes);
+        match decode(&e.bytes, e.peer.then_some(&peer)) {
+            Ok(m) => bad.push(format!("{}: decoded to {m:?}, expected {} {}", e.name, e.variant, e.detail)),
+            Err(err) => {
+                let (v, d) = describe(&err);
+                if v != e.variant || d != e.detail {
+                    bad.push(format!("{}: got {v} {d} ({err}), expected {} {}", e.name, e.variant, e.detail));
+                }
+            }
+        }
+    }
+    bad
+}
+
+fn manifest(c: &Corpus) -> String {
+    let mut s = String::new();
+    s.push_str("# kvpush codec corpus: malformed frames and the DecodeError each must give.\n");
+    s.push_str("# Generated by fuzz/examples/gen_corpus.rs (see fuzz/README.md); do not edit by hand.\n");
+    s.push_str("# peer = decoded with the peer layout of fuzz/src/lib.rs and tests/codec_corpus.rs; none = without.\n");
+    s.push_str("# detail = the inner RangeError / LayoutError where there is one, else '-'.\n");
+    s.push_str(&format!("# peer_fingerprint\t{:#018x}\n", fingerprint()));
+    s.push_str("# file\tvariant\tpeer\tdetail\tdescription\n");
+    for e in &c.entries {
+        let peer = if e.peer { "peer" } else { "none" };
+        assert!(!e.desc.contains(['\t', '\n']), "description of {} has a tab or newline", e.name);
+        s.push_str(&format!("{}\t{}\t{peer}\t{}\t{}\n", e.name, e.variant, e.detail, e.desc));
+    }
+    s
+}
+
+fn write_dir(dir: &Path, files: &[(String, Vec<u8>)], check: bool, stale: &mut Vec<String>) {
+    if !check {
+        std::fs::create_dir_all(dir).expect("create output folder");
+    }
+    let wanted: BTreeMap<&str, &[u8]> = files.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect();
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for ent in rd {
+            let ent = ent.expect("read folder");
+            let name = ent.file_name().to_string_lossy().into_owned();
+            if !wanted.contains_key(name.as_str()) {
+                if check {
+                    stale.push(format!("{}: not generated", ent.path().display()));
+                } else {
+                    std::fs::remove_file(ent.path()).expect("remove stale file");
+                }
+            }
+        }
+    }
+    for (name, bytes) in files {
+        let path = dir.join(name);
+        if check {
+            if std::fs::read(&path).ok().as_deref() != Some(bytes.as_slice()) {
+                stale.push(format!("{}: missing or different", path.display()));
+            }
+        } else {
+            std::fs::write(&path, bytes).expect("write corpus file");
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let mut args = std::env::args().skip(1);
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let mut out = root.join("../tests/corpus/codec");
+    let mut seeds = Some(root.join("corpus/codec"));
+    let mut check = false;
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--check" => check = true,
+            "--out" => out = PathBuf::from(args.next().expect("--out DIR")),
+            "--seeds" => seeds = Some(PathBuf::from(args.next().expect("--seeds DIR"))),
+            "--no-seeds" => seeds = None,
+            _ => {
+                eprintln!("usage: gen_corpus [--check] [--out DIR] [--seeds DIR | --no-seeds]");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    let (c, valid) = build();
+    let bad = verify(&c);
+    if !bad.is_empty() {
+        eprintln!("{} corpus entries do not decode as expected (codec bug or wrong expectation):", bad.len());
+        for b in &bad {
+            eprintln!("  {b}");
+        }
+        return ExitCode::FAILURE;
+    }
+    let mut files: Vec<(String, Vec<u8>)> = c.entries.iter().map(|e| (e.name.clone(), e.bytes.clone())).collect();
+    files.push(("MANIFEST.tsv".into(), manifest(&c).into_bytes()));
+    let mut stale = Vec::new();
+    write_dir(&out, &files, check, &mut stale);
+    if check {
+        if stale.is_empty() {
+            eprintln!("{}: {} files up to date", out.display(), c.entries.len());
+            return ExitCode::SUCCESS;
+        }
+        eprintln!("corpus is stale; rerun `cargo run --example gen_corpus`:");
+        for s in &stale {
+            eprintln!("  {s}");
+        }
+        return ExitCode::FAILURE;
+    }
+    let bytes: usize = c.entries.iter().map(|e| e.bytes.len()).sum();
+    eprintln!("wrote {} frames ({bytes} bytes) and MANIFEST.tsv to {}", c.entries.len(), out.display());
+    if let Some(dir) = seeds {
+        std::fs::create_dir_all(&dir).expect("create seed folder");
+        for (name, bytes) in &valid {
+            std::fs::write(dir.join(format!("valid_{name}.bin")), bytes).expect("write seed");
+        }
+        let extra = [
+            ("pull_handshake", Message::Handshake(Box::new(handshake_for(peer_layout(), Mode::Pull)))),
+            ("heartbeat_max", Message::Heartbeat(Heartbeat { seq: u64::MAX })),
+        ];
+        for (name, m) in extra {
+            std::fs::write(dir.join(format!("valid_{name}.bin")), to_vec(&m).expect("encodes")).expect("write seed");
+        }
+        eprintln!("wrote {} valid seed frames to {}", valid.len() + 2, dir.display());
+    }
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,51 @@
+//! Fuzzes `kvpush::proto::codec`: arbitrary bytes must decode to a message or a typed error, never a
+//! panic; whatever decodes must re-encode to a frame that decodes to the same message; and
+//! `frame_len` must agree with `decode` about the header.
+
+#![no_main]
+
+use std::sync::OnceLock;
+
+use kvpush::proto::codec::{decode, frame_len, to_vec, DecodeError, HEADER_LEN};
+use kvpush::proto::layout::KvLayout;
+use libfuzzer_sys::fuzz_target;
+
+fn peer() -> &'static KvLayout {
+    static PEER: OnceLock<KvLayout> = OnceLock::new();
+    PEER.get_or_init(kvpush_fuzz::peer_layout)
+}
+
+fn check(data: &[u8], peer: Option<&KvLayout>) {
+    let header = frame_len(data);
+    let decoded = decode(data, peer);
+    // frame_len and decode read the same header: they must agree on its faults and on the length.
+    match &header {
+        Ok(None) => {
+            assert!(data.len() < HEADER_LEN);
+            assert!(matches!(decoded, Err(DecodeError::Truncated { .. })), "short input gave {decoded:?}");
+        }
+        Ok(Some(len)) => {
+            if *len != data.len() {
+                let e = decoded.as_ref().expect_err("a frame of the wrong length decoded");
+                assert!(
+                    matches!(e, DecodeError::Truncated { .. } | DecodeError::TrailingBytes { .. }),
+                    "frame_len {len} for {} bytes, decode gave {e:?}",
+                    data.len()
+                );
+            }
+        }
+        Err(e) => assert_eq!(decoded.as_ref().err(), Some(e), "frame_len and decode disagree"),
+    }
+    let Ok(msg) = decoded else { return };
+    assert_eq!(header, Ok(Some(data.len())), "a decoded frame's header must name its whole length");
+    let again = to_vec(&msg).unwrap_or_else(|e| panic!("decoded {msg:?} does not re-encode: {e}"));
+    let back = decode(&again, peer).unwrap_or_else(|e| panic!("re-encoded {msg:?} does not decode: {e}"));
+    assert_eq!(back, msg, "re-encoding changed the message");
+    // Canonical encodings are the shortest, so re-encoding never grows the frame.
+    assert!(again.len() <= data.len(), "re-encoding grew the frame from {} to {} bytes", data.len(), again.len());
+}
+
+fuzz_target!(|data: &[u8]| {
+    check(data, None);
+    check(data, Some(peer()));
+});
