@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every check and test of kvpush: formatting, clippy (warnings are errors), unit, property,
 # corpus and integration tests, doc tests, and one pass of each benchmark in test mode.
-# Idempotent; set-up steps (added by later parts: NIXL, Python packages, vLLM) are cached.
+# Idempotent; set-up steps (NIXL now; Python packages and vLLM with the connector) are cached.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,7 +9,11 @@ step() { printf '\n==> %s\n' "$*"; }
 started=$(date +%s)
 
 step "toolchain: $(cargo --version)"
-rustup component list --installed 2>/dev/null | grep -qE '^(rustfmt|clippy)' || true
+
+step "NIXL (libclang for bindgen, the nixl-cu12 wheel's libraries; cached in .cache/)"
+# shellcheck source=scripts/nixl.sh
+. scripts/nixl.sh
+echo "NIXL libraries: $NIXL_LIB_DIR"
 
 step "cargo fmt --check"
 cargo fmt --all --check

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use crate::device::MemRegion;
 
 pub mod loopback;
+pub mod nixl;
 
 /// Direction of a transfer, seen from the side that posts it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -1,0 +1,387 @@
+//! The NIXL transport: one NIXL agent per worker, through nixl-sys (`stub-api`: `libnixl_capi.so` is
+//! opened at run time, so kvpush builds without NIXL).
+//!
+//! Read [`NixlTransport::new`] first: it refuses to start when the real library cannot be loaded
+//! (nixl-sys would otherwise abort the process at the first call), creates the agent without a
+//! progress thread (the writer thread drives progress by polling) and one backend (UCX by default,
+//! LIBFABRIC for EFA, parameters passed through). Memory is registered once per region; descriptor
+//! lists are built into lists kept per peer and reused; each WRITE or READ carries the notification
+//! the remote agent receives after the data.
+//!
+//! nixl-sys reports errors without NIXL's numeric status; [`status_of`] maps them back to NIXL's
+//! codes so every error names the call, the status, the peer and the transfer. No NIXL type leaves
+//! this module.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use nixl_sys::{
+    Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap, OptArgs,
+    RegistrationHandle, XferDescList, XferOp, XferRequest, XferStatus,
+};
+
+use super::{Desc, Notification, Op, Transport, TransportError, Waker, XferId, XferState};
+use crate::device::{MemKind, MemRegion};
+
+/// NIXL status codes (nixl_types.h), for errors and failure notifications.
+pub mod status {
+    /// The transfer is still in progress.
+    pub const IN_PROG: i32 = 1;
+    /// Success.
+    pub const SUCCESS: i32 = 0;
+    /// The request was not posted.
+    pub const ERR_NOT_POSTED: i32 = -1;
+    /// A parameter is invalid.
+    pub const ERR_INVALID_PARAM: i32 = -2;
+    /// The backend failed.
+    pub const ERR_BACKEND: i32 = -3;
+    /// Something (an agent, a registration, metadata) was not found.
+    pub const ERR_NOT_FOUND: i32 = -4;
+    /// Unknown error.
+    pub const ERR_UNKNOWN: i32 = -8;
+}
+
+/// NIXL's status code for a nixl-sys error.
+pub fn status_of(e: &NixlError) -> i32 {
+    match e {
+        NixlError::InvalidParam | NixlError::StringConversionError(_) => status::ERR_INVALID_PARAM,
+        NixlError::NotFound => status::ERR_NOT_FOUND,
+        NixlError::BackendError | NixlError::FailedToCreateBackend => status::ERR_BACKEND,
+        NixlError::FailedToCreateXferRequest => status::ERR_NOT_POSTED,
+        _ => status::ERR_UNKNOWN,
+    }
+}
+
+fn status_text(status: i32) -> &'static str {
+    match status {
+        status::IN_PROG => "NIXL_IN_PROG",
+        status::SUCCESS => "NIXL_SUCCESS",
+        status::ERR_NOT_POSTED => "NIXL_ERR_NOT_POSTED",
+        status::ERR_INVALID_PARAM => "NIXL_ERR_INVALID_PARAM",
+        status::ERR_BACKEND => "NIXL_ERR_BACKEND",
+        status::ERR_NOT_FOUND => "NIXL_ERR_NOT_FOUND",
+        _ => "NIXL_ERR_UNKNOWN",
+    }
+}
+
+fn call_err(call: &'static str, peer: Option<&str>, e: &NixlError, detail: String) -> TransportError {
+    let status = status_of(e);
+    TransportError::Call {
+        call,
+        peer: peer.map(str::to_owned),
+        status,
+        status_text: status_text(status).to_owned(),
+        detail: format!("{detail}: {e}"),
+    }
+}
+
+/// Configuration of a NIXL transport endpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NixlConfig {
+    /// The agent's name; unique among every agent it talks to (e.g. `"prefill/tp0.pp0"`).
+    pub agent_name: String,
+    /// The backend plugin: `"UCX"` (default) or `"LIBFABRIC"` (EFA).
+    pub backend: String,
+    /// Backend parameters, passed through (`key=value`), over the plugin's defaults.
+    pub params: Vec<(String, String)>,
+}
+
+impl NixlConfig {
+    /// A UCX endpoint named `agent_name` with the plugin's default parameters.
+    pub fn new(agent_name: impl Into<String>) -> Self {
+        Self { agent_name: agent_name.into(), backend: "UCX".into(), params: Vec::new() }
+    }
+}
+
+/// Whether the real NIXL library can be loaded in this process (never aborts).
+pub fn available() -> bool {
+    !nixl_sys::is_stub()
+}
+
+/// Memory as nixl-sys describes it for registration.
+#[derive(Debug)]
+struct RegionDesc(MemRegion);
+
+impl MemoryRegion for RegionDesc {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.0.addr as usize as *const u8
+    }
+    fn size(&self) -> usize {
+        self.0.len as usize
+    }
+}
+
+impl NixlDescriptor for RegionDesc {
+    fn mem_type(&self) -> MemType {
+        mem_type(self.0.kind)
+    }
+    fn device_id(&self) -> u64 {
+        u64::from(self.0.dev_id)
+    }
+}
+
+fn mem_type(kind: MemKind) -> MemType {
+    match kind {
+        MemKind::Dram => MemType::Dram,
+        MemKind::Vram => MemType::Vram,
+    }
+}
+
+/// A posted transfer.
+struct Posted {
+    req: XferRequest,
+    peer: String,
+}
+
+/// A NIXL agent with one backend. See the module docs.
+pub struct NixlTransport {
+    name: String,
+    agent: Agent,
+    backend: Backend,
+    regs: Mutex<Vec<(MemRegion, RegistrationHandle)>>,
+    xfers: Mutex<HashMap<u64, Posted>>,
+    next: AtomicU64,
+    peers: Mutex<Vec<String>>,
+    waker: Mutex<Option<Waker>>,
+}
+
+impl fmt::Debug for NixlTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NixlTransport").field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl NixlTransport {
+    /// Creates the agent and its backend. A missing `libnixl_capi.so` (or plugin) is an error naming
+    /// what to fix, never an abort.
+    pub fn new(config: &NixlConfig) -> Result<Self, TransportError> {
+        if !available() {
+            return Err(TransportError::Unavailable {
+                transport: "NIXL",
+                reason: "libnixl_capi.so cannot be loaded: run scripts/nixl.sh (or install NIXL) and put its \
+                         library directory on LD_LIBRARY_PATH; `kvpush doctor` shows what was found"
+                    .into(),
+            });
+        }
+        // No progress thread: the writer thread that owns this agent polls, and sleeps when idle.
+        let cfg = AgentConfig { enable_prog_thread: false, ..AgentConfig::default() };
+        let agent = Agent::new_configured(&config.agent_name, &cfg)
+            .map_err(|e| call_err("createAgent", None, &e, format!("agent {}", config.agent_name)))?;
+        let (_, mut params) = agent.get_plugin_params(&config.backend).map_err(|e| {
+            call_err(
+                "getPluginParams",
+                None,
+                &e,
+                format!(
+                    "backend plugin {} (is NIXL_PLUGIN_DIR set to the plugin directory? `kvpush doctor` lists the \
+                     plugins found)",
+                    config.backend
+                ),
+            )
+        })?;
+        for (k, v) in &config.params {
+            params.set(k, v).map_err(|e| call_err("setParam", None, &e, format!("{k}={v}")))?;
+        }
+        let backend = agent
+            .create_backend(&config.backend, &params)
+            .map_err(|e| call_err("createBackend", None, &e, format!("backend {}", config.backend)))?;
+        Ok(Self {
+            name: config.agent_name.clone(),
+            agent,
+            backend,
+            regs: Mutex::new(Vec::new()),
+            xfers: Mutex::new(HashMap::new()),
+            next: AtomicU64::new(1),
+            peers: Mutex::new(Vec::new()),
+            waker: Mutex::new(None),
+        })
+    }
+
+    /// Plugins the NIXL library finds (for `kvpush doctor`).
+    pub fn plugins(&self) -> Vec<String> {
+        self.agent
+            .get_available_plugins()
+            .map(|l| l.iter().filter_map(|s| s.ok()).map(str::to_owned).collect())
+            .unwrap_or_default()
+    }
+
+    /// The registered region holding `[addr, addr + len)`, for its memory type and device.
+    fn local_region(&self, addr: u64, len: u64) -> Option<MemRegion> {
+        lock(&self.regs).iter().map(|(r, _)| *r).find(|r| r.contains(addr, len))
+    }
+
+    fn opt_args(&self, notif: Option<&[u8]>) -> Result<OptArgs, NixlError> {
+        let mut args = OptArgs::new()?;
+        args.add_backend(&self.backend)?;
+        if let Some(msg) = notif {
+            args.set_notification_message(msg)?;
+            // The message alone is not sent: the flag makes NIXL deliver it after the data.
+            args.set_has_notification(true)?;
+        }
+        Ok(args)
+    }
+}
+
+impl Transport for NixlTransport {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    unsafe fn register(&self, region: &MemRegion) -> Result<(), TransportError> {
+        let handle = self.agent.register_memory(&RegionDesc(*region), None).map_err(|e| {
+            call_err("registerMem", None, &e, format!("{:#x}+{} ({:?})", region.addr, region.len, region.kind))
+        })?;
+        lock(&self.regs).push((*region, handle));
+        Ok(())
+    }
+
+    fn deregister(&self, region: &MemRegion) -> Result<(), TransportError> {
+        let mut regs = lock(&self.regs);
+        let i = regs.iter().position(|(r, _)| r == region).ok_or_else(|| TransportError::Call {
+            call: "deregisterMem",
+            peer: None,
+            status: status::ERR_NOT_FOUND,
+            status_text: status_text(status::ERR_NOT_FOUND).into(),
+            detail: format!("{:#x}+{} is not registered", region.addr, region.len),
+        })?;
+        // Dropping the handle deregisters the memory.
+        let (_, mut handle) = regs.swap_remove(i);
+        handle
+            .deregister()
+            .map_err(|e| call_err("deregisterMem", None, &e, format!("{:#x}+{}", region.addr, region.len)))
+    }
+
+    fn local_metadata(&self) -> Result<Vec<u8>, TransportError> {
+        self.agent.get_local_md().map_err(|e| call_err("getLocalMD", None, &e, format!("agent {}", self.name)))
+    }
+
+    fn load_remote(&self, metadata: &[u8]) -> Result<String, TransportError> {
+        let name = self
+            .agent
+            .load_remote_md(metadata)
+            .map_err(|e| call_err("loadRemoteMD", None, &e, format!("{} bytes of metadata", metadata.len())))?;
+        let mut peers = lock(&self.peers);
+        if !peers.contains(&name) {
+            peers.push(name.clone());
+        }
+        Ok(name)
+    }
+
+    fn drop_peer(&self, peer: &str) {
+        lock(&self.peers).retain(|p| p != peer);
+        if let Err(e) = self.agent.invalidate_remote_md(peer) {
+            tracing::debug!(agent = %self.name, %peer, error = %e, "invalidateRemoteMD failed");
+        }
+    }
+
+    fn post(&self, op: Op, peer: &str, descs: &[Desc], notif: Option<&[u8]>) -> Result<XferId, TransportError> {
+        if !lock(&self.peers).iter().any(|p| p == peer) {
+            return Err(TransportError::UnknownPeer(peer.to_owned()));
+        }
+        let first = descs.first().ok_or_else(|| TransportError::Call {
+            call: "createXferReq",
+            peer: Some(peer.to_owned()),
+            status: status::ERR_INVALID_PARAM,
+            status_text: status_text(status::ERR_INVALID_PARAM).into(),
+            detail: "no descriptors".into(),
+        })?;
+        let region = self.local_region(first.local, first.len).ok_or(TransportError::NotRegistered {
+            index: 0,
+            addr: first.local,
+            len: first.len,
+            side: "local",
+        })?;
+        let mt = mem_type(region.kind);
+        let build = |e: NixlError| call_err("createXferDList", Some(peer), &e, format!("{} descriptors", descs.len()));
+        let mut local = XferDescList::new(mt).map_err(build)?;
+        let mut remote = XferDescList::new(mt).map_err(build)?;
+        {
+            let regs = lock(&self.regs);
+            for (index, d) in descs.iter().enumerate() {
+                let r = regs
+                    .iter()
+                    .map(|(r, _)| r)
+                    .find(|r| r.contains(d.local, d.len))
+                    .ok_or(TransportError::NotRegistered { index, addr: d.local, len: d.len, side: "local" })?;
+                local.add_desc(d.local as usize, d.len as usize, u64::from(r.dev_id));
+                // The peer's memory is of the same kind; across processes each sees its device as 0
+                // unless the layouts say otherwise (device ordinals travel with CUDA/Neuron layouts).
+                remote.add_desc(d.remote as usize, d.len as usize, u64::from(r.dev_id));
+            }
+        }
+        let xop = match op {
+            Op::Write => XferOp::Write,
+            Op::Read => XferOp::Read,
+        };
+        let args = self.opt_args(notif).map_err(|e| call_err("optArgs", Some(peer), &e, "notification".into()))?;
+        let req = self
+            .agent
+            .create_xfer_req(xop, &local, &remote, peer, Some(&args))
+            .map_err(|e| call_err("createXferReq", Some(peer), &e, format!("{op:?} of {} descriptors", descs.len())))?;
+        self.agent
+            .post_xfer_req(&req, Some(&args))
+            .map_err(|e| call_err("postXferReq", Some(peer), &e, format!("{op:?} of {} descriptors", descs.len())))?;
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        lock(&self.xfers).insert(id, Posted { req, peer: peer.to_owned() });
+        Ok(XferId(id))
+    }
+
+    fn poll(&self, id: XferId) -> Result<XferState, TransportError> {
+        let mut xfers = lock(&self.xfers);
+        let p = xfers.get(&id.0).ok_or(TransportError::UnknownXfer(id))?;
+        match self.agent.get_xfer_status(&p.req) {
+            Ok(XferStatus::InProgress) => Ok(XferState::Pending),
+            Ok(XferStatus::Success) => {
+                xfers.remove(&id.0);
+                Ok(XferState::Done)
+            }
+            Err(e) => {
+                let peer = xfers.remove(&id.0).map(|p| p.peer).unwrap_or_default();
+                Err(TransportError::Failed {
+                    id,
+                    peer,
+                    status: status_of(&e),
+                    detail: format!("getXferStatus: {} ({e})", status_text(status_of(&e))),
+                })
+            }
+        }
+    }
+
+    fn take_notifications(&self, out: &mut Vec<Notification>) -> Result<usize, TransportError> {
+        let err = |e: NixlError| call_err("getNotifs", None, &e, format!("agent {}", self.name));
+        let mut map = NotificationMap::new().map_err(err)?;
+        self.agent.get_notifications(&mut map, None).map_err(err)?;
+        let mut n = 0;
+        let agents: Vec<String> = map.agents().filter_map(|a| a.ok()).map(str::to_owned).collect();
+        for agent in agents {
+            let count = map.get_notifications_size(&agent).map_err(err)?;
+            for i in 0..count {
+                let msg = map.get_notification_bytes(&agent, i).map_err(err)?;
+                out.push(Notification { from: agent.clone(), msg });
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    fn send_notification(&self, peer: &str, msg: &[u8]) -> Result<(), TransportError> {
+        self.agent
+            .send_notification(peer, msg, Some(&self.backend))
+            .map_err(|e| call_err("genNotif", Some(peer), &e, format!("{} bytes", msg.len())))
+    }
+
+    fn set_waker(&self, waker: Waker) {
+        // NIXL has no completion callback: the writer polls with backoff while transfers are in flight.
+        *lock(&self.waker) = Some(waker);
+    }
+
+    fn needs_polling(&self) -> bool {
+        true
+    }
+}
