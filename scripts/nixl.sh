@@ -54,6 +54,8 @@ PY
   touch "$_nixl_dir/.complete"
 fi
 
+[ -f "$_nixl_dir/VERSION" ] || echo "$_nixl_version (PyPI nixl-cu12)" > "$_nixl_dir/VERSION"
+
 export NIXL_LIB_DIR="$_nixl_dir/lib"
 export NIXL_PLUGIN_DIR="$_nixl_dir/lib/plugins"
 case ":${LD_LIBRARY_PATH:-}:" in

@@ -7,6 +7,7 @@
 
 pub mod demo;
 pub mod device;
+pub mod doctor;
 pub mod engine;
 pub mod pool;
 pub mod proto;

@@ -21,6 +21,25 @@ enum Command {
     /// Run a P engine and a D engine in this process, push (and pull) a workload over the loopback
     /// transport, verify every byte, and print a table per mode.
     Demo(DemoArgs),
+    /// Print what kvpush finds on this machine (NIXL and its plugins, the backends that start, the
+    /// device KVPUSH_DEVICE resolves to, the side-channel port, EFA) and what to fix.
+    Doctor(DoctorArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct DoctorArgs {
+    /// Side-channel host to check.
+    #[arg(long, default_value = "0.0.0.0")]
+    host: String,
+    /// Side-channel port to check (5600 + rank by default).
+    #[arg(long, default_value_t = 5600)]
+    port: u16,
+    /// Backends to try to start (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "UCX,LIBFABRIC")]
+    backends: Vec<String>,
+    /// Print the findings as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
@@ -116,6 +135,27 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     match cli.command {
+        Command::Doctor(a) => {
+            let opts = kvpush::doctor::DoctorOptions { host: a.host, port: a.port, backends: a.backends };
+            let findings = kvpush::doctor::run(&opts);
+            if a.json {
+                match serde_json::to_string_pretty(&findings) {
+                    Ok(s) => println!("{s}"),
+                    Err(e) => eprintln!("kvpush doctor: {e}"),
+                }
+            } else {
+                for f in &findings {
+                    println!("{f}");
+                }
+            }
+            let problems = findings.iter().filter(|f| f.level == kvpush::doctor::Level::Problem).count();
+            if problems > 0 {
+                eprintln!("kvpush doctor: {problems} problem(s) found");
+                ExitCode::FAILURE
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
         Command::Demo(args) => match demo_cmd(args) {
             Ok(code) => code,
             Err(e) => {
