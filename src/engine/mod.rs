@@ -35,6 +35,7 @@ use crate::proto::{Key, Rank};
 use crate::transport::{Transport, TransportError};
 
 pub mod link;
+pub mod side;
 pub mod stats;
 mod writer;
 
@@ -181,6 +182,7 @@ pub(crate) enum Cmd {
     Pull { key: Key, producer: String, remote_blocks: Vec<Vec<u32>>, local_blocks: Vec<Vec<u32>>, num_tokens: u64 },
     Abort { key: Key },
     Msg { from: PeerAddr, msg: Message },
+    PeerLost { peer: PeerAddr, reason: String },
     Wake,
     Stop,
 }
@@ -252,6 +254,40 @@ impl Shared {
 }
 
 impl Shared {
+    /// This worker's handshake.
+    pub(crate) fn handshake(&self) -> Result<Handshake, EngineError> {
+        let layout = (*self.layout).clone();
+        let mode = self.config.mode;
+        Ok(Handshake {
+            protocol: PROTOCOL_VERSION,
+            software: env!("CARGO_PKG_VERSION").to_owned(),
+            engine_id: self.config.engine_id.clone(),
+            mode,
+            agent_metadata: self.transport.local_metadata()?,
+            compat_hash: compat_hash(&layout.model, layout.order, mode, PROTOCOL_VERSION),
+            layout,
+        })
+    }
+
+    /// See [`Engine::add_peer`].
+    pub(crate) fn add_peer(&self, peer: &Handshake) -> Result<PeerAddr, EngineError> {
+        let mine = self.handshake()?;
+        compat::check(&mine, peer)?;
+        peer.layout.validate()?;
+        let agent = self.transport.load_remote(&peer.agent_metadata)?;
+        let addr = PeerAddr { engine: peer.engine_id.clone(), rank: peer.layout.parallel.rank() };
+        let p = Arc::new(Peer { addr: addr.clone(), layout: Arc::new(peer.layout.clone()), agent: agent.clone() });
+        let mut peers = self.peers.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(old) = peers.by_addr.insert(addr.clone(), Arc::clone(&p)) {
+            if old.agent != agent {
+                peers.by_agent.remove(&old.agent);
+            }
+        }
+        peers.by_agent.insert(agent, p);
+        tracing::debug!(worker = %self.me, peer = %addr, "peer added");
+        Ok(addr)
+    }
+
     /// Decodes a control frame from `from` against its handshake layout and routes it.
     pub(crate) fn handle_frame(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), EngineError> {
         let peer = self
@@ -264,6 +300,27 @@ impl Shared {
             EngineError::Decode { peer: from.clone(), source }
         })?;
         self.route(from.clone(), msg)
+    }
+}
+
+impl side::Endpoint for Shared {
+    fn me(&self) -> PeerAddr {
+        self.me.clone()
+    }
+    fn local_handshake(&self) -> Result<Handshake, String> {
+        self.handshake().map_err(|e| e.to_string())
+    }
+    fn add_peer(&self, peer: &Handshake) -> Result<PeerAddr, String> {
+        Shared::add_peer(self, peer).map_err(|e| e.to_string())
+    }
+    fn deliver(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), String> {
+        self.handle_frame(from, frame).map_err(|e| e.to_string())
+    }
+    fn peer_lost(&self, peer: &PeerAddr, reason: &str) {
+        tracing::warn!(worker = %self.me, %peer, %reason, "peer lost");
+        for s in &self.shards {
+            let _ = s.tx.send(Cmd::PeerLost { peer: peer.clone(), reason: reason.to_owned() });
+        }
     }
 }
 
@@ -374,35 +431,19 @@ impl Engine {
 
     /// This worker's handshake, to send to peers.
     pub fn handshake(&self) -> Result<Handshake, EngineError> {
-        let layout = (*self.shared.layout).clone();
-        let mode = self.shared.config.mode;
-        Ok(Handshake {
-            protocol: PROTOCOL_VERSION,
-            software: env!("CARGO_PKG_VERSION").to_owned(),
-            engine_id: self.shared.config.engine_id.clone(),
-            mode,
-            agent_metadata: self.shared.transport.local_metadata()?,
-            compat_hash: compat_hash(&layout.model, layout.order, mode, PROTOCOL_VERSION),
-            layout,
-        })
+        self.shared.handshake()
     }
 
     /// Accepts a peer worker from its handshake: checks compatibility (refusing with every differing
     /// field) and loads its transport metadata. A peer that was known already is replaced (restart).
     pub fn add_peer(&self, peer: &Handshake) -> Result<PeerAddr, EngineError> {
-        let mine = self.handshake()?;
-        compat::check(&mine, peer)?;
-        peer.layout.validate()?;
-        let agent = self.shared.transport.load_remote(&peer.agent_metadata)?;
-        let addr = PeerAddr { engine: peer.engine_id.clone(), rank: peer.layout.parallel.rank() };
-        let p = Arc::new(Peer { addr: addr.clone(), layout: Arc::new(peer.layout.clone()), agent: agent.clone() });
-        let mut peers = self.shared.peers.write().unwrap_or_else(|p| p.into_inner());
-        if let Some(old) = peers.by_addr.insert(addr.clone(), Arc::clone(&p)) {
-            peers.by_agent.remove(&old.agent);
-        }
-        peers.by_agent.insert(agent, p);
-        tracing::debug!(worker = %self.shared.me, peer = %addr, "peer added");
-        Ok(addr)
+        self.shared.add_peer(peer)
+    }
+
+    /// The endpoint a [`side::SideChannel`] serves for this worker (held weakly by it).
+    pub fn endpoint(&self) -> std::sync::Weak<dyn side::Endpoint> {
+        let s: Arc<dyn side::Endpoint> = self.shared.clone();
+        Arc::downgrade(&s)
     }
 
     /// Takes one frame a peer sent over the control link.

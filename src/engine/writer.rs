@@ -65,6 +65,8 @@ pub(super) struct Writer {
     pulls: HashMap<Key, PullReq>,
     /// Consumer: which producer engine each waiting request reads from (for aborts).
     producers: HashMap<Key, String>,
+    /// Producer: which consumer workers registered each live request (for peer loss).
+    registered_by: HashMap<Key, Vec<PeerAddr>>,
     poll_interval: Duration,
 }
 
@@ -90,6 +92,7 @@ impl Writer {
             grants: HashMap::new(),
             pulls: HashMap::new(),
             producers: HashMap::new(),
+            registered_by: HashMap::new(),
             poll_interval: POLL_MIN,
         }
     }
@@ -169,6 +172,7 @@ impl Writer {
             }
             Cmd::Abort { key } => self.abort(now, key),
             Cmd::Msg { from, msg } => self.message(now, from, msg),
+            Cmd::PeerLost { peer, reason } => self.peer_lost(now, &peer, &reason),
             Cmd::Wake | Cmd::Stop => {}
         }
         self.drain_outputs();
@@ -241,6 +245,52 @@ impl Writer {
         }
     }
 
+    /// A peer worker went away: everything in flight with it fails now, on this side.
+    fn peer_lost(&mut self, now: Instant, peer: &PeerAddr, reason: &str) {
+        let detail = format!("peer {peer} lost: {reason}");
+        // Producer side: registrations from the lost consumer, and reads it was granted.
+        let keys: Vec<Key> =
+            self.registered_by.iter().filter(|(_, peers)| peers.contains(peer)).map(|(k, _)| *k).collect();
+        for key in keys {
+            self.rdv.handle_abort(now, key);
+        }
+        let grants: Vec<(Key, PeerAddr)> = self.grants.keys().filter(|(_, p)| p == peer).cloned().collect();
+        for (key, p) in grants {
+            self.read_done(now, key, p, Err(FailureKind::PeerLost));
+        }
+        // Transfers in flight with it will not complete: their outcome is a failure now.
+        let lost: Vec<XferId> = self.inflight.iter().filter(|(_, f)| &f.peer == peer).map(|(id, _)| *id).collect();
+        for id in lost {
+            if let Some(f) = self.inflight.remove(&id) {
+                match f.op {
+                    Op::Write => {
+                        self.rdv.handle_transfer_done(now, f.key, &target_of(&f.peer), Err(FailureKind::PeerLost))
+                    }
+                    Op::Read => self.read_finished(now, f.key, f.peer, Err(FailureKind::PeerLost)),
+                }
+            }
+        }
+        // Consumer side: requests that wait for parts from the lost producer's engine.
+        let waiting: Vec<Key> = self.producers.iter().filter(|(_, e)| **e == peer.engine).map(|(k, _)| *k).collect();
+        for key in waiting {
+            let f = Failure { key, rank: peer.rank, kind: FailureKind::PeerLost, detail: detail.clone() };
+            self.comp.handle_failure(now, &f);
+        }
+        if self.index == 0 {
+            let removed = {
+                let mut peers = self.shared.peers.write().unwrap_or_else(|p| p.into_inner());
+                let old = peers.by_addr.remove(peer);
+                if let Some(o) = &old {
+                    peers.by_agent.remove(&o.agent);
+                }
+                old
+            };
+            if let Some(p) = removed {
+                self.shared.transport.drop_peer(&p.agent);
+            }
+        }
+    }
+
     fn abort(&mut self, now: Instant, key: Key) {
         self.stats().counters.aborted += 1;
         self.rdv.handle_abort(now, key);
@@ -248,13 +298,18 @@ impl Writer {
             self.comp.handle_abort(now, key);
             self.pulls.remove(&key);
             if let Some(producer) = self.producers.remove(&key) {
-                if let Some(any) = self.shared.any_peer_of(&producer) {
-                    let msg =
-                        Message::Abort(Abort { key, rank: self.shared.me.rank, reason: "aborted by consumer".into() });
-                    for rank in producer_ranks(&any.layout, &self.shared.layout) {
-                        self.send_frame(&PeerAddr { engine: producer.clone(), rank }, &msg);
-                    }
-                }
+                self.abort_producers(key, &producer, "aborted by consumer");
+            }
+        }
+    }
+
+    /// Consumer: tells every producer rank of `producer` that writes into this worker that `key` is
+    /// over here, so they release its blocks now and write nothing more into ours.
+    fn abort_producers(&mut self, key: Key, producer: &str, reason: &str) {
+        if let Some(any) = self.shared.any_peer_of(producer) {
+            let msg = Message::Abort(Abort { key, rank: self.shared.me.rank, reason: reason.into() });
+            for rank in producer_ranks(&any.layout, &self.shared.layout) {
+                self.send_frame(&PeerAddr { engine: producer.to_owned(), rank }, &msg);
             }
         }
     }
@@ -275,6 +330,7 @@ impl Writer {
                     return;
                 }
                 let n = fan_out(&self.shared.layout, &peer.layout);
+                self.registered_by.entry(reg.key()).or_default().push(from.clone());
                 self.rdv.handle_registration(now, reg, n);
             }
             Message::Completion(c) => {
@@ -284,6 +340,13 @@ impl Writer {
                 } else if mode == Mode::Pull && self.pulls.contains_key(&c.key) {
                     // Consumer side of a pull: a producer rank pinned its blocks for us.
                     self.post_read(now, c.key, from);
+                } else if mode == Mode::Pull {
+                    // A grant for a read this worker no longer wants (aborted, failed or superseded
+                    // before the grant came): nothing will read, so let the producer release now
+                    // instead of holding its blocks until its read timeout.
+                    let detail = "read no longer wanted".into();
+                    let f = Failure { key: c.key, rank: self.shared.me.rank, kind: FailureKind::Aborted, detail };
+                    self.send_frame(&from, &Message::Failure(f));
                 } else {
                     self.comp.handle_completion(now, &c);
                 }
@@ -563,10 +626,18 @@ impl Writer {
                         }
                     }
                     Action::Release { key, reason, .. } => {
+                        self.registered_by.remove(&key);
                         self.stats().counters.released += 1;
                         self.shared.outbox.push(Finished::Sent { key, reason });
                     }
                     Action::Fail { key, target, kind } => {
+                        let addr = addr_of(&target);
+                        if let Some(peers) = self.registered_by.get_mut(&key) {
+                            peers.retain(|p| *p != addr);
+                            if peers.is_empty() {
+                                self.registered_by.remove(&key);
+                            }
+                        }
                         if kind == FailureKind::LeaseExpired {
                             self.stats().failures.lease_expired += 1;
                         }
