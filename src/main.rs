@@ -1,5 +1,6 @@
 //! The `kvpush` command: `kvpush demo` runs the main job (see `kvpush --help`).
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -18,9 +19,13 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Run a P engine and a D engine in this process, push (and pull) a workload over the loopback
-    /// transport, verify every byte, and print a table per mode.
+    /// Run a P engine and a D engine, push (and pull) a workload, verify every byte, and print a table
+    /// per mode: in this process over the loopback transport (default), or as two processes over NIXL
+    /// (`--transport nixl --processes 2`).
     Demo(DemoArgs),
+    /// One engine of `kvpush demo --processes 2`, driven over stdin/stdout by the demo (internal).
+    #[command(hide = true)]
+    DemoWorker(demo::procs::WorkerSpec),
     /// Print what kvpush finds on this machine (NIXL and its plugins, the backends that start, the
     /// device KVPUSH_DEVICE resolves to, the side-channel port, EFA) and what to fix.
     Doctor(DoctorArgs),
@@ -50,6 +55,14 @@ enum ModeArg {
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+enum TransportArg {
+    /// In-process loopback transport (P and D in this process).
+    Loopback,
+    /// Real NIXL (P and D as two processes).
+    Nixl,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 enum OrderArg {
     Hnd,
     Nhd,
@@ -60,6 +73,15 @@ struct DemoArgs {
     /// Which modes to run on the same workload.
     #[arg(long, value_enum, default_value = "both")]
     mode: ModeArg,
+    /// The transport: loopback (in this process) or NIXL (P and D as two processes).
+    #[arg(long, value_enum, default_value = "loopback")]
+    transport: TransportArg,
+    /// Processes to run P and D in: 1 (loopback) or 2 (nixl; the default with --transport nixl).
+    #[arg(long)]
+    processes: Option<u32>,
+    /// NIXL backend plugin (--transport nixl): UCX, or LIBFABRIC for EFA.
+    #[arg(long, default_value = "UCX")]
+    nixl_backend: String,
     /// Number of requests.
     #[arg(long, default_value_t = 200)]
     requests: usize,
@@ -132,6 +154,7 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = Cli::parse();
     match cli.command {
@@ -156,6 +179,10 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }
         }
+        Command::DemoWorker(spec) => match u8::try_from(demo::procs::worker_main(&spec)) {
+            Ok(code) => ExitCode::from(code),
+            Err(_) => ExitCode::FAILURE,
+        },
         Command::Demo(args) => match demo_cmd(args) {
             Ok(code) => code,
             Err(e) => {
@@ -167,6 +194,24 @@ fn main() -> ExitCode {
 }
 
 fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let processes = match (a.transport, a.processes) {
+        (TransportArg::Loopback, None | Some(1)) => 1,
+        (TransportArg::Loopback, Some(n)) => {
+            return Err(format!(
+                "--processes {n} needs --transport nixl: the loopback transport only connects engines inside one \
+                 process"
+            )
+            .into())
+        }
+        (TransportArg::Nixl, None | Some(2)) => 2,
+        (TransportArg::Nixl, Some(n)) => {
+            return Err(format!(
+                "--transport nixl runs P and D as two processes: use --processes 2 (got {n}; NIXL between two \
+                 agents of one process is not what a deployment runs)"
+            )
+            .into())
+        }
+    };
     let topo = Topology {
         layers: a.layers,
         kv_heads: a.kv_heads,
@@ -202,10 +247,23 @@ fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             .progress_chars("=> "),
     );
     bar.set_message("push/pull demo");
-    let report = demo::run(&topo, &work, &modes, &|| bar.inc(1))?;
+    let report = if processes == 2 {
+        let mut opts = demo::procs::Options::new()?;
+        opts.backend = a.nixl_backend.clone();
+        let b = bar.clone();
+        opts.log = Some(std::sync::Arc::new(move |line: &str| b.suspend(|| eprintln!("{line}"))));
+        demo::procs::run(&topo, &work, &modes, &opts, &|| bar.inc(1))?
+    } else {
+        demo::run(&topo, &work, &modes, &|| bar.inc(1))?
+    };
     bar.finish_and_clear();
+    let how = if processes == 2 {
+        format!("NIXL ({}) between 2 processes", a.nixl_backend)
+    } else {
+        "loopback transport in 1 process".to_string()
+    };
     println!(
-        "kvpush demo: {} requests of {}..{} tokens, {} layers x {} KV heads x {} dims (bf16), P TP {} / D TP {}, blocks {}/{}",
+        "kvpush demo: {} requests of {}..{} tokens, {} layers x {} KV heads x {} dims (bf16), P TP {} / D TP {}, blocks {}/{}, {how}",
         a.requests, a.min_tokens, a.max_tokens, a.layers, a.kv_heads, a.head_dim, a.p_tp, a.d_tp, a.p_block, a.d_block
     );
     print!("{}", demo::table(&report));

@@ -164,7 +164,11 @@ fn params() -> impl Strategy<Value = Params> {
                         tombstone_us: tomb,
                         max_tombstones: max_tombs,
                     },
-                    completion: CompletionConfig { timeout_us: d_timeout, max_pending: UNBOUNDED },
+                    completion: CompletionConfig {
+                        timeout_us: d_timeout,
+                        max_pending: UNBOUNDED,
+                        drain_timeout_us: d_timeout,
+                    },
                     net_us,
                     transfer_us: (xfer.0, xfer.0 + xfer.1),
                     fail_pct: fail,
@@ -526,11 +530,18 @@ impl Sim {
 
     fn drain_d(&mut self, r: u16) {
         while let Some(event) = self.d[usize::from(r)].poll_event() {
+            if let Event::Draining { key } = event {
+                // The consumer gave up on `key` (timeout, failure, abort or a newer attempt): tell
+                // the producer to stop; the outcome comes once the producer answered.
+                self.send(Msg::ToP(ToP::Abort(key, true)));
+                continue;
+            }
             let key = match &event {
                 Event::Received { key, .. }
                 | Event::Failed { key, .. }
                 | Event::Aborted { key }
-                | Event::Superseded { key, .. } => *key,
+                | Event::Superseded { key, .. }
+                | Event::Draining { key } => *key,
             };
             if let Event::Received { .. } = event {
                 let rec = self.transfers.get(&(key, r));
@@ -539,16 +550,13 @@ impl Sim {
                     "rank {r} received {key} but its part did not land: {rec:?}"
                 );
             }
-            if let Event::Failed { reason: FailReason::Timeout { .. }, .. } = event {
-                // The consumer gives up: tell the producer so it stops holding anything for it.
-                self.send(Msg::ToP(ToP::Abort(key, true)));
-            }
             let label = match &event {
                 Event::Failed { reason: FailReason::Producer { kind, .. }, .. } => format!("failed {kind:?}"),
                 Event::Failed { reason: FailReason::Timeout { .. }, .. } => "failed timeout".to_owned(),
                 Event::Received { .. } => "received".to_owned(),
                 Event::Aborted { .. } => "aborted".to_owned(),
                 Event::Superseded { .. } => "superseded".to_owned(),
+                Event::Draining { .. } => unreachable!("handled above"),
             };
             *self.outcomes.entry(label).or_default() += 1;
             let acc = self.accepted.get_mut(&(key, r)).expect("event for a registration never accepted");
@@ -820,7 +828,7 @@ fn fixed(d_ranks: u16) -> Params {
             tombstone_us: 5_000,
             max_tombstones: 64,
         },
-        completion: CompletionConfig { timeout_us: 3_000, max_pending: UNBOUNDED },
+        completion: CompletionConfig { timeout_us: 3_000, max_pending: UNBOUNDED, drain_timeout_us: 3_000 },
         net_us: (10, 10),
         transfer_us: (50, 50),
         fail_pct: 0,
@@ -1011,7 +1019,7 @@ fn a_forgotten_tombstone_does_not_revive_a_draining_attempt() {
             tombstone_us: 0,
             max_tombstones: 1,
         },
-        completion: CompletionConfig { timeout_us: 300, max_pending: UNBOUNDED },
+        completion: CompletionConfig { timeout_us: 300, max_pending: UNBOUNDED, drain_timeout_us: 300 },
         net_us: (0, 0),
         transfer_us: (1, 34),
         fail_pct: 0,

@@ -26,6 +26,7 @@ use crate::proto::Key;
 use crate::transport::loopback::Fabric;
 
 pub mod pattern;
+pub mod procs;
 
 /// The model and parallel layout of the demo.
 #[derive(Clone, Debug, Serialize)]
@@ -138,6 +139,15 @@ pub struct ModeReport {
     pub wall_s: f64,
     /// Bytes moved over wall time (GB/s).
     pub gbps: f64,
+    /// Two-process NIXL runs: one single-descriptor NIXL WRITE of the bytes this mode moved (capped at
+    /// 1 GiB), best of 3 (GB/s) — the ceiling through NIXL on this machine.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ceiling_gbps: Option<f64>,
+    /// Two-process NIXL runs, push: the same requests pushed with every one ready at once (registrations
+    /// first, no simulated prefill, as many in flight as the pools hold): bytes over the time from the
+    /// first blocks-ready to the last received, summed over the waves the pools allow (GB/s).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub push_gbps: Option<f64>,
 }
 
 /// Results of the demo: one report per mode played.
@@ -178,7 +188,7 @@ struct Worker {
     buffers: Vec<Box<dyn Buffer>>,
 }
 
-fn model(t: &Topology) -> ModelShape {
+pub(crate) fn model(t: &Topology) -> ModelShape {
     let (mut full, mut window) = (Vec::new(), Vec::new());
     for l in 0..t.layers {
         if t.window_every > 0 && l % t.window_every == t.window_every - 1 {
@@ -202,7 +212,7 @@ fn model(t: &Topology) -> ModelShape {
 }
 
 /// Allocates one worker's KV memory and describes it.
-fn worker_layout(
+pub(crate) fn worker_layout(
     t: &Topology,
     dev: &dyn Device,
     tp_rank: u16,
@@ -231,24 +241,24 @@ fn worker_layout(
 }
 
 /// A block pool shared by the workers of one engine (they share the block table, as in vLLM).
-struct Pool {
-    free: VecDeque<u32>,
+pub(crate) struct Pool {
+    pub(crate) free: VecDeque<u32>,
 }
 
 impl Pool {
-    fn new(n: u32) -> Self {
+    pub(crate) fn new(n: u32) -> Self {
         Self { free: (0..n).collect() }
     }
-    fn take(&mut self, n: usize) -> Option<Vec<u32>> {
+    pub(crate) fn take(&mut self, n: usize) -> Option<Vec<u32>> {
         (self.free.len() >= n).then(|| self.free.drain(..n).collect())
     }
-    fn give(&mut self, ids: impl IntoIterator<Item = u32>) {
+    pub(crate) fn give(&mut self, ids: impl IntoIterator<Item = u32>) {
         self.free.extend(ids);
     }
 }
 
 /// Block ids per KV group.
-type BlockLists = Vec<Vec<u32>>;
+pub(crate) type BlockLists = Vec<Vec<u32>>;
 
 /// A verification result: request index and outcome.
 type Checked = (usize, Result<pattern::Verified, String>);
@@ -284,9 +294,9 @@ enum Due {
 }
 
 /// Splitmix-based generator for the workload.
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -311,7 +321,7 @@ pub fn requests(w: &Workload) -> Vec<(u64, bool)> {
 }
 
 /// Percentile of a sorted slice.
-fn pct<T: Copy + Default>(sorted: &[T], q: f64) -> T {
+pub(crate) fn pct<T: Copy + Default>(sorted: &[T], q: f64) -> T {
     if sorted.is_empty() {
         return T::default();
     }
@@ -689,6 +699,33 @@ pub fn table(r: &Report) -> String {
         ("throughput", |m| format!("{:.2} GB/s", m.gbps)),
     ];
     for (name, f) in rows {
+        s += &format!("{name:<34}");
+        for (_, m) in &modes {
+            s += &format!("{:>16}", f(m));
+        }
+        s.push('\n');
+    }
+    fn gbps(v: Option<f64>) -> String {
+        v.map(|g| format!("{g:.2} GB/s")).unwrap_or_else(|| "-".into())
+    }
+    let optional: [(Row, bool); 3] = [
+        (
+            ("NIXL 1-descriptor WRITE (ceiling)", |m| gbps(m.ceiling_gbps)),
+            modes.iter().any(|(_, m)| m.ceiling_gbps.is_some()),
+        ),
+        (("push bandwidth, all ready", |m| gbps(m.push_gbps)), modes.iter().any(|(_, m)| m.push_gbps.is_some())),
+        (
+            ("push bandwidth / ceiling", |m| match (m.push_gbps, m.ceiling_gbps) {
+                (Some(p), Some(c)) if c > 0.0 => format!("{:.0} %", 100.0 * p / c),
+                _ => "-".into(),
+            }),
+            modes.iter().any(|(_, m)| m.push_gbps.is_some() && m.ceiling_gbps.is_some()),
+        ),
+    ];
+    for ((name, f), shown) in optional {
+        if !shown {
+            continue;
+        }
         s += &format!("{name:<34}");
         for (_, m) in &modes {
             s += &format!("{:>16}", f(m));

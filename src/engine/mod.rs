@@ -35,6 +35,7 @@ use crate::proto::{Key, Rank};
 use crate::transport::{Transport, TransportError};
 
 pub mod link;
+mod sched;
 pub mod side;
 pub mod stats;
 mod writer;

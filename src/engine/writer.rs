@@ -26,7 +26,9 @@ use crate::transport::{Desc, Notification, Op, XferId, XferState};
 const IDLE_WAIT: Duration = Duration::from_millis(100);
 /// First and last polling interval while transfers are in flight on a polled transport.
 const POLL_MIN: Duration = Duration::from_micros(10);
-const POLL_MAX: Duration = Duration::from_millis(2);
+const POLL_MAX: Duration = Duration::from_micros(25);
+/// Longest polling interval while only waiting for a peer's notification (a polled transport).
+const POLL_WAITING_MAX: Duration = Duration::from_millis(1);
 
 /// What a posted transfer is for.
 #[derive(Debug)]
@@ -35,6 +37,8 @@ struct InFlight {
     peer: PeerAddr,
     op: Op,
     posted_at: Instant,
+    /// Its outcome was already reported (the peer was lost); only the handle is still awaited.
+    orphaned: bool,
 }
 
 /// Consumer, pull mode: a read waiting for grants from its producer ranks.
@@ -106,6 +110,9 @@ impl Writer {
     }
 
     pub(super) fn run(mut self) {
+        if !super::sched::batch_current_thread() {
+            tracing::debug!(worker = %self.shared.me, "SCHED_BATCH not applied to the writer thread");
+        }
         loop {
             let wait = self.next_wait();
             let first = match self.rx.recv_timeout(wait) {
@@ -133,7 +140,7 @@ impl Writer {
             self.comp.handle_timeout(now);
             self.expire_grants(now);
             self.drain_outputs();
-            self.poll_interval = if progressed { POLL_MIN } else { (self.poll_interval * 2).min(POLL_MAX) };
+            self.poll_interval = if progressed { POLL_MIN } else { (self.poll_interval * 2).min(POLL_WAITING_MAX) };
         }
     }
 
@@ -145,8 +152,17 @@ impl Writer {
         for d in deadlines.into_iter().flatten() {
             wait = wait.min(Duration::from_micros(d.micros_since(now)));
         }
-        if !self.inflight.is_empty() && self.shared.transport.needs_polling() {
-            wait = wait.min(self.poll_interval);
+        if self.shared.transport.needs_polling() {
+            // A polled transport (NIXL without a progress thread) moves data and delivers
+            // notifications only when asked. While our own transfers are in flight, poll at most
+            // POLL_MAX apart (each poll is what moves a large transfer along); while we merely wait
+            // for a peer's notification or read, back off to POLL_WAITING_MAX. With nothing
+            // expected, sleep until the next deadline.
+            if self.inflight.values().any(|f| !f.orphaned) {
+                wait = wait.min(self.poll_interval.min(POLL_MAX));
+            } else if !self.inflight.is_empty() || self.comp.pending() > 0 || !self.grants.is_empty() {
+                wait = wait.min(self.poll_interval);
+            }
         }
         wait
     }
@@ -258,16 +274,22 @@ impl Writer {
         for (key, p) in grants {
             self.read_done(now, key, p, Err(FailureKind::PeerLost));
         }
-        // Transfers in flight with it will not complete: their outcome is a failure now.
-        let lost: Vec<XferId> = self.inflight.iter().filter(|(_, f)| &f.peer == peer).map(|(id, _)| *id).collect();
-        for id in lost {
-            if let Some(f) = self.inflight.remove(&id) {
-                match f.op {
-                    Op::Write => {
-                        self.rdv.handle_transfer_done(now, f.key, &target_of(&f.peer), Err(FailureKind::PeerLost))
-                    }
-                    Op::Read => self.read_finished(now, f.key, f.peer, Err(FailureKind::PeerLost)),
-                }
+        // Transfers in flight with it will not complete usefully: their outcome is a failure now.
+        // They stay in the table, orphaned, until the transport reports them ended, so the
+        // transport's handle is released (and never reported twice).
+        let lost: Vec<(XferId, Key, Op)> = self
+            .inflight
+            .iter()
+            .filter(|(_, f)| &f.peer == peer && !f.orphaned)
+            .map(|(id, f)| (*id, f.key, f.op))
+            .collect();
+        for (id, key, op) in lost {
+            if let Some(f) = self.inflight.get_mut(&id) {
+                f.orphaned = true;
+            }
+            match op {
+                Op::Write => self.rdv.handle_transfer_done(now, key, &target_of(peer), Err(FailureKind::PeerLost)),
+                Op::Read => self.read_finished(now, key, peer.clone(), Err(FailureKind::PeerLost)),
             }
         }
         // Consumer side: requests that wait for parts from the lost producer's engine.
@@ -295,11 +317,9 @@ impl Writer {
         self.stats().counters.aborted += 1;
         self.rdv.handle_abort(now, key);
         if self.comp.progress(key).is_some() {
+            // The producers are told when the tracker reports the request draining (or not at all
+            // when every one of them has already answered).
             self.comp.handle_abort(now, key);
-            self.pulls.remove(&key);
-            if let Some(producer) = self.producers.remove(&key) {
-                self.abort_producers(key, &producer, "aborted by consumer");
-            }
         }
     }
 
@@ -344,9 +364,13 @@ impl Writer {
                     // A grant for a read this worker no longer wants (aborted, failed or superseded
                     // before the grant came): nothing will read, so let the producer release now
                     // instead of holding its blocks until its read timeout.
-                    let detail = "read no longer wanted".into();
+                    let detail: String = "read no longer wanted".into();
                     let f = Failure { key: c.key, rank: self.shared.me.rank, kind: FailureKind::Aborted, detail };
                     self.send_frame(&from, &Message::Failure(f));
+                    // And this producer rank has given its final word: nothing of it will land.
+                    let heard =
+                        Failure { key: c.key, rank: from.rank, kind: FailureKind::Aborted, detail: String::new() };
+                    self.comp.handle_failure(now, &heard);
                 } else {
                     self.comp.handle_completion(now, &c);
                 }
@@ -361,6 +385,20 @@ impl Writer {
             }
             Message::Abort(a) => {
                 self.rdv.handle_abort(now, a.key);
+                let writing = self.inflight.values().any(|f| f.key == a.key && f.peer == from && !f.orphaned);
+                let granted = self.grants.contains_key(&(a.key, from.clone()));
+                if self.registered_by.get(&a.key).is_none_or(|peers| !peers.contains(&from)) && !writing && !granted {
+                    // A consumer that gave up waits for each producer's final word before it reuses
+                    // its blocks. Nothing of ours is (or will be) in flight into them: say so now. (A
+                    // transfer still in flight answers with its own notification or failure.)
+                    let f = Failure {
+                        key: a.key,
+                        rank: self.shared.me.rank,
+                        kind: FailureKind::Aborted,
+                        detail: "nothing in flight".into(),
+                    };
+                    self.send_frame(&from, &Message::Failure(f));
+                }
                 if self.comp.progress(a.key).is_some() {
                     let f = Failure { key: a.key, rank: a.rank, kind: FailureKind::Aborted, detail: a.reason };
                     self.comp.handle_failure(now, &f);
@@ -398,6 +436,9 @@ impl Writer {
                 }
                 any = true;
                 let Some(f) = self.inflight.remove(&id) else { continue };
+                if f.orphaned {
+                    continue;
+                }
                 let now = self.now();
                 self.stats().transfer.record(now.micros_since(f.posted_at));
                 let result = match state {
@@ -565,7 +606,7 @@ impl Writer {
                 drop(st);
                 match id {
                     Some(id) => {
-                        self.inflight.insert(id, InFlight { key, peer, op, posted_at: now });
+                        self.inflight.insert(id, InFlight { key, peer, op, posted_at: now, orphaned: false });
                     }
                     None if op == Op::Write => self.rdv.handle_transfer_done(now, key, &target_of(&peer), Ok(())),
                     None => self.read_finished(now, key, peer, Ok(())),
@@ -658,6 +699,15 @@ impl Writer {
                         st.receive.record(waited_us);
                         drop(st);
                         self.shared.outbox.push(Finished::Received { key });
+                    }
+                    Event::Draining { key } => {
+                        // The request ended without its data while some producer ranks have not
+                        // answered: they may still hold its blocks or be about to write into ours.
+                        // Tell them to stop; the outcome follows once they all answered.
+                        self.pulls.remove(&key);
+                        if let Some(producer) = self.producers.get(&key).cloned() {
+                            self.abort_producers(key, &producer, "ended on the consumer");
+                        }
                     }
                     Event::Failed { key, reason, invalid_blocks } => {
                         self.producers.remove(&key);

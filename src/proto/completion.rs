@@ -13,6 +13,14 @@
 //!
 //! Duplicate notifications (same producer rank twice) and notifications for older attempts or
 //! unknown keys are ignored and counted, never acted on.
+//!
+//! **Blocks are safe to reuse when the event is seen.** A request that ends without its data (a
+//! producer's failure, a local abort, the timeout, a newer attempt) may still have writes of other
+//! producer ranks in flight into its blocks. Such an attempt is *draining*: its event is held until
+//! every producer rank it registered with has given its final word — a completion or a failure; a
+//! producer answers every registration with one or the other — or until
+//! [`CompletionConfig::drain_timeout_us`] passes (a producer that is gone). Only then is the event
+//! emitted, so the engine never hands out blocks a late write could still land in.
 
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 
@@ -26,11 +34,14 @@ pub struct CompletionConfig {
     pub timeout_us: u64,
     /// Most requests waiting at once (over it, `handle_registered` refuses).
     pub max_pending: usize,
+    /// After a request fails, is aborted or superseded, how long to wait for the producer ranks
+    /// that have not given their final word before reporting it anyway (µs). See [`Completions`].
+    pub drain_timeout_us: u64,
 }
 
 impl Default for CompletionConfig {
     fn default() -> Self {
-        Self { timeout_us: 120_000_000, max_pending: 65_536 }
+        Self { timeout_us: 120_000_000, max_pending: 65_536, drain_timeout_us: 10_000_000 }
     }
 }
 
@@ -55,7 +66,8 @@ pub enum FailReason {
     },
 }
 
-/// How a registered attempt ended; exactly one per `handle_registered` that returned `Ok`.
+/// How a registered attempt ended: exactly one outcome (every variant but [`Event::Draining`]) per
+/// `handle_registered` that returned `Ok`, possibly preceded by one `Draining`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
     /// Every part landed; the request may decode.
@@ -85,6 +97,13 @@ pub enum Event {
         key: Key,
         /// Its blocks.
         invalid_blocks: Vec<Vec<u32>>,
+    },
+    /// Not an outcome: `key` ended without its data (failure, abort, timeout or a newer attempt) and
+    /// some producer ranks have not answered yet. Tell them to stop (an abort); the outcome follows
+    /// once they all answered or the drain timeout passed.
+    Draining {
+        /// The attempt that ended.
+        key: Key,
     },
 }
 
@@ -132,6 +151,8 @@ pub struct CompletionStats {
     pub failed: u64,
     /// Requests failed by the timeout.
     pub timed_out: u64,
+    /// Ended requests reported by the drain timeout, without every producer's final word.
+    pub drain_expired: u64,
 }
 
 #[derive(Debug)]
@@ -144,11 +165,21 @@ struct Waiting {
     blocks: Vec<Vec<u32>>,
 }
 
+/// An attempt that ended without its data, held until its producers have all answered.
+#[derive(Debug)]
+struct Draining {
+    expected: u32,
+    heard: Vec<Rank>,
+    deadline: Instant,
+    event: Event,
+}
+
 /// The consumer's completion counter. See the module docs.
 #[derive(Debug)]
 pub struct Completions {
     config: CompletionConfig,
     waiting: HashMap<TransferId, Waiting>,
+    draining: HashMap<Key, Draining>,
     deadlines: BinaryHeap<core::cmp::Reverse<(Instant, TransferId, u32)>>,
     events: VecDeque<Event>,
     stats: CompletionStats,
@@ -160,6 +191,7 @@ impl Completions {
         Self {
             config,
             waiting: HashMap::new(),
+            draining: HashMap::new(),
             deadlines: BinaryHeap::new(),
             events: VecDeque::new(),
             stats: CompletionStats::default(),
@@ -168,9 +200,9 @@ impl Completions {
 
     // ---- getters ----
 
-    /// Requests waiting for parts.
+    /// Requests waiting for parts, or ended and waiting for their producers' final words.
     pub fn pending(&self) -> usize {
-        self.waiting.len()
+        self.waiting.len() + self.draining.len()
     }
 
     /// Counters so far.
@@ -218,10 +250,12 @@ impl Completions {
             }
             if let Some(old) = self.waiting.remove(&id) {
                 let old_key = Key { transfer_id: id, attempt: super::ids::Attempt(old.attempt) };
-                self.events.push_back(Event::Superseded { key: old_key, invalid_blocks: old.blocks });
+                let heard = old.from.clone();
+                let event = Event::Superseded { key: old_key, invalid_blocks: old.blocks };
+                self.drain(now, old_key, old.expected, heard, event);
             }
-        } else if self.waiting.len() >= self.config.max_pending {
-            return Err(RegisterError::Full { pending: self.waiting.len(), max: self.config.max_pending });
+        } else if self.pending() >= self.config.max_pending {
+            return Err(RegisterError::Full { pending: self.pending(), max: self.config.max_pending });
         }
         let deadline = now.plus_micros(self.config.timeout_us);
         self.deadlines.push(core::cmp::Reverse((deadline, id, key.attempt.0)));
@@ -242,6 +276,9 @@ impl Completions {
 
     /// A producer rank's completion notification arrived.
     pub fn handle_completion(&mut self, now: Instant, c: &Completion) {
+        if self.heard_while_draining(c.key, c.rank) {
+            return;
+        }
         let Some(w) = self.live(c.key) else { return };
         if w.from.contains(&c.rank) {
             self.stats.duplicates += 1;
@@ -259,43 +296,89 @@ impl Completions {
     }
 
     /// A producer rank reported that its part will not arrive.
-    pub fn handle_failure(&mut self, _now: Instant, f: &Failure) {
+    pub fn handle_failure(&mut self, now: Instant, f: &Failure) {
+        if self.heard_while_draining(f.key, f.rank) {
+            return;
+        }
         if self.live(f.key).is_none() {
             return;
         }
         if let Some(w) = self.waiting.remove(&f.key.transfer_id) {
             self.stats.failed += 1;
             let reason = FailReason::Producer { rank: f.rank, kind: f.kind, detail: f.detail.clone() };
-            self.events.push_back(Event::Failed { key: f.key, reason, invalid_blocks: w.blocks });
+            let mut heard = w.from;
+            heard.push(f.rank);
+            let event = Event::Failed { key: f.key, reason, invalid_blocks: w.blocks };
+            self.drain(now, f.key, w.expected, heard, event);
         }
     }
 
     /// The consumer engine aborted `key` (e.g. the client went away).
-    pub fn handle_abort(&mut self, _now: Instant, key: Key) {
+    pub fn handle_abort(&mut self, now: Instant, key: Key) {
         if self.waiting.get(&key.transfer_id).is_some_and(|w| w.attempt == key.attempt.0) {
-            self.waiting.remove(&key.transfer_id);
-            self.events.push_back(Event::Aborted { key });
+            if let Some(w) = self.waiting.remove(&key.transfer_id) {
+                self.drain(now, key, w.expected, w.from, Event::Aborted { key });
+            }
         }
     }
 
-    /// Fails every request whose deadline is at or before `now`.
+    /// Fails every request whose deadline is at or before `now`, and reports every draining
+    /// request whose drain deadline passed.
     pub fn handle_timeout(&mut self, now: Instant) {
         while let Some(core::cmp::Reverse((at, id, attempt))) = self.deadlines.peek().copied() {
             if at > now {
                 break;
             }
             self.deadlines.pop();
+            let key = Key { transfer_id: id, attempt: super::ids::Attempt(attempt) };
+            if self.draining.get(&key).is_some_and(|d| d.deadline == at) {
+                if let Some(d) = self.draining.remove(&key) {
+                    self.stats.drain_expired += 1;
+                    self.events.push_back(d.event);
+                }
+                continue;
+            }
             let due = self.waiting.get(&id).is_some_and(|w| w.attempt == attempt && w.deadline == at);
             if !due {
                 continue;
             }
             if let Some(w) = self.waiting.remove(&id) {
                 self.stats.timed_out += 1;
-                let key = Key { transfer_id: id, attempt: super::ids::Attempt(attempt) };
                 let reason = FailReason::Timeout { received: w.from.len() as u32, expected: w.expected };
-                self.events.push_back(Event::Failed { key, reason, invalid_blocks: w.blocks });
+                let event = Event::Failed { key, reason, invalid_blocks: w.blocks };
+                self.drain(now, key, w.expected, w.from, event);
             }
         }
+    }
+
+    /// Holds `event` until `expected` distinct producer ranks have given their final word (`heard`
+    /// so far) or the drain timeout passes; emits it at once if all have.
+    fn drain(&mut self, now: Instant, key: Key, expected: u32, mut heard: Vec<Rank>, event: Event) {
+        heard.sort_unstable();
+        heard.dedup();
+        if heard.len() as u32 >= expected {
+            self.events.push_back(event);
+            return;
+        }
+        let deadline = now.plus_micros(self.config.drain_timeout_us);
+        self.deadlines.push(core::cmp::Reverse((deadline, key.transfer_id, key.attempt.0)));
+        self.draining.insert(key, Draining { expected, heard, deadline, event });
+        self.events.push_back(Event::Draining { key });
+    }
+
+    /// Records a final word from `rank` for a draining `key`; emits its event once all have spoken.
+    /// Returns whether `key` was draining.
+    fn heard_while_draining(&mut self, key: Key, rank: Rank) -> bool {
+        let Some(d) = self.draining.get_mut(&key) else { return false };
+        if !d.heard.contains(&rank) {
+            d.heard.push(rank);
+        }
+        if d.heard.len() as u32 >= d.expected {
+            if let Some(d) = self.draining.remove(&key) {
+                self.events.push_back(d.event);
+            }
+        }
+        true
     }
 
     /// The live waiting attempt matching `key`, counting stale and unknown keys.
@@ -350,7 +433,7 @@ mod tests {
 
     #[test]
     fn failure_and_timeout_report_blocks_invalid() {
-        let mut c = Completions::new(CompletionConfig { timeout_us: 100, max_pending: 8 });
+        let mut c = Completions::new(CompletionConfig { timeout_us: 100, max_pending: 8, drain_timeout_us: 50 });
         c.handle_registered(Instant(0), &reg(1, 1), 1).expect("registers");
         c.handle_registered(Instant(0), &reg(2, 1), 2).expect("registers");
         let f =
@@ -367,7 +450,15 @@ mod tests {
         assert_eq!(c.poll_timeout(), Some(Instant(100)));
         c.handle_timeout(Instant(99));
         assert_eq!(c.poll_event(), None);
+        // The timeout ends request 2, but producer rank 1 never answered: its write could still
+        // land, so the event waits for its final word (or the drain timeout).
         c.handle_timeout(Instant(100));
+        assert_eq!(c.poll_event(), Some(Event::Draining { key: Key::new(2, 1) }));
+        assert_eq!(c.poll_event(), None);
+        assert_eq!(c.pending(), 1);
+        let late =
+            Failure { key: Key::new(2, 1), rank: Rank::new(1, 0), kind: FailureKind::Aborted, detail: "".into() };
+        c.handle_failure(Instant(120), &late);
         assert!(matches!(
             c.poll_event(),
             Some(Event::Failed { reason: FailReason::Timeout { received: 1, expected: 2 }, .. })
@@ -376,17 +467,57 @@ mod tests {
     }
 
     #[test]
+    fn ended_requests_wait_for_every_producer_or_the_drain_timeout() {
+        let mut c = Completions::new(CompletionConfig { timeout_us: 1000, max_pending: 8, drain_timeout_us: 50 });
+        // Two producers; the first fails: the second may still be writing.
+        c.handle_registered(Instant(0), &reg(1, 1), 2).expect("registers");
+        let f =
+            Failure { key: Key::new(1, 1), rank: Rank::new(0, 0), kind: FailureKind::PlanFailed, detail: "".into() };
+        c.handle_failure(Instant(1), &f);
+        assert_eq!(c.poll_event(), Some(Event::Draining { key: Key::new(1, 1) }));
+        assert_eq!(c.poll_event(), None);
+        // Its write lands: now the blocks are quiet and the failure is reported.
+        c.handle_completion(Instant(5), &done(1, 1, 1));
+        assert!(matches!(c.poll_event(), Some(Event::Failed { .. })));
+        assert_eq!(c.stats().received, 0);
+        // A local abort with nobody heard from: reported at the drain timeout.
+        c.handle_registered(Instant(10), &reg(2, 1), 2).expect("registers");
+        c.handle_abort(Instant(11), Key::new(2, 1));
+        assert_eq!(c.poll_event(), Some(Event::Draining { key: Key::new(2, 1) }));
+        assert_eq!(c.poll_event(), None);
+        c.handle_timeout(Instant(60));
+        assert_eq!(c.poll_event(), None);
+        c.handle_timeout(Instant(61));
+        assert_eq!(c.poll_event(), Some(Event::Aborted { key: Key::new(2, 1) }));
+        assert_eq!(c.stats().drain_expired, 1);
+        assert_eq!(c.pending(), 0);
+    }
+
+    #[test]
     fn newer_attempt_supersedes_and_bounds_hold() {
-        let mut c = Completions::new(CompletionConfig { timeout_us: 100, max_pending: 1 });
+        let mut c = Completions::new(CompletionConfig { timeout_us: 100, max_pending: 2, drain_timeout_us: 50 });
         c.handle_registered(Instant(0), &reg(1, 1), 1).expect("registers");
-        assert_eq!(c.handle_registered(Instant(0), &reg(2, 1), 1), Err(RegisterError::Full { pending: 1, max: 1 }));
+        c.handle_registered(Instant(0), &reg(3, 1), 1).expect("registers");
+        assert_eq!(c.handle_registered(Instant(0), &reg(2, 1), 1), Err(RegisterError::Full { pending: 2, max: 2 }));
         assert!(matches!(c.handle_registered(Instant(0), &reg(1, 1), 1), Err(RegisterError::Stale { .. })));
         c.handle_registered(Instant(1), &reg(1, 2), 1).expect("newer attempt");
-        assert!(matches!(c.poll_event(), Some(Event::Superseded { key, .. }) if key == Key::new(1, 1)));
-        c.handle_abort(Instant(2), Key::new(1, 2));
-        assert_eq!(c.poll_event(), Some(Event::Aborted { key: Key::new(1, 2) }));
-        // The old deadline fires into nothing.
-        c.handle_timeout(Instant(1000));
+        // Attempt 1 drains until its producer answers (its write of attempt 1 may be in flight).
+        assert_eq!(c.poll_event(), Some(Event::Draining { key: Key::new(1, 1) }));
         assert_eq!(c.poll_event(), None);
+        assert_eq!(c.pending(), 3, "the draining attempt still holds its blocks");
+        c.handle_completion(Instant(2), &done(1, 1, 0));
+        assert!(matches!(c.poll_event(), Some(Event::Superseded { key, .. }) if key == Key::new(1, 1)));
+        assert_eq!(c.stats().received, 0);
+        c.handle_completion(Instant(3), &done(1, 2, 0));
+        assert_eq!(c.poll_event(), Some(Event::Received { key: Key::new(1, 2), waited_us: 2 }));
+        // Request 3 times out (its producer never answered), drains, and is reported at the drain
+        // timeout; attempt 1's old deadline fires into nothing.
+        c.handle_timeout(Instant(1000));
+        assert_eq!(c.poll_event(), Some(Event::Draining { key: Key::new(3, 1) }));
+        assert_eq!(c.poll_event(), None);
+        c.handle_timeout(Instant(2000));
+        assert!(matches!(c.poll_event(), Some(Event::Failed { key, .. }) if key == Key::new(3, 1)));
+        assert_eq!(c.poll_event(), None);
+        assert_eq!(c.pending(), 0);
     }
 }

@@ -1,0 +1,133 @@
+//! Engine-thread time per request: what the engine loop pays to hand a request to kvpush and collect
+//! its result, in push mode, over the loopback transport.
+//!
+//! One P and one D engine in this process. For each request the bench times, on the calling thread,
+//! D's `blocks_allocated`, P's `request_finished`, and every `poll` that returns the request's result
+//! (a poll that returns several results is shared among them); empty polls are counted apart (they
+//! cost one atomic load). Requests are issued one at a time with a short pause between them, so each
+//! measures the steady-state path (writer threads asleep when the call arrives), not queueing.
+//!
+//! `cargo bench --bench engine_thread` (needs `. scripts/nixl.sh` for the build only).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvpush::device::{host::HostDevice, Buffer, Device};
+use kvpush::engine::{Config, Engine, Finished, LocalHub};
+use kvpush::proto::layout::{
+    BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, ModelShape, Parallel,
+};
+use kvpush::proto::{Key, Mode};
+use kvpush::transport::loopback::Fabric;
+
+const REQUESTS: usize = 5000;
+
+fn engine(id: &str, dev: &Arc<dyn Device>, fabric: &Fabric, hub: &Arc<LocalHub>) -> (Engine, Vec<Box<dyn Buffer>>) {
+    let mut l = KvLayout {
+        model: ModelShape {
+            total_layers: 16,
+            kv_heads: 1,
+            head_dim: 128,
+            dtype: DType::Bf16,
+            kind: KvKind::KeyValue,
+            groups: vec![KvGroup { kind: GroupKind::Full, layers: (0..16).collect() }],
+        },
+        block_tokens: 16,
+        order: BlockOrder::Hnd,
+        placement: KvPlacement::Separate,
+        block_stride: 16 * 128 * 2,
+        num_blocks: 1024,
+        parallel: Parallel::SINGLE,
+        region_bases: Vec::new(),
+    };
+    let buffers: Vec<Box<dyn Buffer>> = (0..32).map(|_| dev.alloc(l.region_len()).expect("alloc")).collect();
+    l.region_bases = buffers.iter().map(|b| b.region().addr).collect();
+    let t = Arc::new(fabric.endpoint(id).expect("endpoint"));
+    // SAFETY: the regions are `buffers`, returned with the engine and dropped after it; block ids
+    // are reused only after the request's outcome.
+    let e = unsafe { Engine::new(Config::new(id, Mode::Push), l, dev.clone(), t, hub.clone()) }.expect("engine");
+    hub.attach(e.addr().clone(), e.sink());
+    (e, buffers)
+}
+
+fn pct(v: &mut [f64], q: f64) -> f64 {
+    v.sort_unstable_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        println!("engine_thread: bench");
+        return;
+    }
+    let quick = std::env::args().any(|a| a == "--test") || std::env::var("KVPUSH_BENCH_QUICK").is_ok();
+    let n = if quick { 200 } else { REQUESTS };
+    let dev: Arc<dyn Device> = Arc::new(HostDevice::new());
+    let fabric = Fabric::new();
+    let hub = LocalHub::new();
+    let (p, _pb) = engine("p", &dev, &fabric, &hub);
+    let (d, _db) = engine("d", &dev, &fabric, &hub);
+    p.add_peer(&d.handshake().expect("hs")).expect("peer");
+    d.add_peer(&p.handshake().expect("hs")).expect("peer");
+
+    let (mut p_side, mut d_side, mut total) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+    let mut empty_polls = Vec::new();
+    let mut out = Vec::new();
+    for i in 0..n {
+        // 64 tokens (4 blocks); registration first, as a concurrent router makes it.
+        let key = Key::new(i as u128 + 1, 1);
+        let blocks = vec![(0..4).map(|b| (i as u32 * 4 + b) % 1024).collect::<Vec<u32>>()];
+        let (d_ids, p_ids) = (blocks.clone(), blocks);
+        let t = Instant::now();
+        d.blocks_allocated(key, "p", d_ids, 64).expect("register");
+        let mut d_ns = t.elapsed().as_nanos() as f64;
+        std::thread::sleep(Duration::from_micros(200));
+        let t = Instant::now();
+        p.request_finished(key, p_ids, 64).expect("ready");
+        let mut p_ns = t.elapsed().as_nanos() as f64;
+        let (mut sent, mut received) = (false, false);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !(sent && received) {
+            assert!(Instant::now() < deadline, "request {i} did not finish");
+            for (side, e) in [(0, &p), (1, &d)] {
+                out.clear();
+                let t = Instant::now();
+                let got = e.poll(&mut out);
+                let ns = t.elapsed().as_nanos() as f64;
+                if got == 0 {
+                    empty_polls.push(ns);
+                    continue;
+                }
+                for f in &out {
+                    match f {
+                        Finished::Sent { key: k, .. } if *k == key => sent = true,
+                        Finished::Received { key: k } if *k == key => received = true,
+                        other => panic!("unexpected {other:?}"),
+                    }
+                }
+                if side == 0 {
+                    p_ns += ns;
+                } else {
+                    d_ns += ns;
+                }
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+        p_side.push(p_ns / 1000.0);
+        d_side.push(d_ns / 1000.0);
+        total.push((p_ns + d_ns) / 1000.0);
+    }
+    println!("engine-thread time per request, push, loopback, {n} requests of 64 tokens x 16 layers:");
+    for (name, v) in [
+        ("producer (request_finished + polls)", &mut p_side),
+        ("consumer (blocks_allocated + polls)", &mut d_side),
+        ("both sides", &mut total),
+    ] {
+        println!("  {name:<38} p50 {:6.2} us   p99 {:6.2} us   max {:8.2} us", pct(v, 0.5), pct(v, 0.99), pct(v, 1.0));
+    }
+    println!(
+        "  empty poll                              p50 {:6.3} us   p99 {:6.3} us",
+        pct(&mut empty_polls, 0.5) / 1000.0,
+        pct(&mut empty_polls, 0.99) / 1000.0
+    );
+}

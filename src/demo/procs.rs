@@ -1,0 +1,2014 @@
+//! `kvpush demo --transport nixl --processes 2`: P and D as two processes over real NIXL.
+//!
+//! Read [`run`] (the parent) and then [`worker_main`] (a child). The parent is the router and
+//! orchestrator: it spawns two children of its own executable, `kvpush demo-worker --role prefill`
+//! and `--role decode` (a hidden subcommand, flags in [`WorkerSpec`]), and talks to each over its
+//! stdin and stdout, one JSON object per line ([`Command`] down, [`Event`] up; children log to stderr
+//! only). Each child builds its engine's workers (TP ranks) with memory of the device
+//! `KVPUSH_DEVICE` selects, one [`NixlTransport`] agent (`"prefill/0"`, …) and one [`SideChannel`]
+//! (127.0.0.1, port 0) per worker, the side channel serving as the engine's control link. The decode
+//! child dials every prefill worker from every one of its workers (the parent relays the ports); the
+//! handshakes on the side channel load NIXL metadata both ways.
+//!
+//! The parent then plays the same workload as the in-process demo ([`super::requests`], the same keys,
+//! seeds and orders) as a router would: it sends `prefill` commands (P allocates blocks, fills them
+//! with [`pattern::fill`], calls `request_finished` after the simulated prefill time and reports
+//! `ready` with a wall-clock timestamp) and `decode` commands (D allocates, registers in push mode or
+//! starts the read with P's relayed block ids in pull mode, and verifies every byte that arrives with
+//! [`pattern::verify`]). Latency is D's `received` minus P's `ready` on the wall clock both processes
+//! share; a request's engine time is the sum of both children's engine-thread time for it.
+//!
+//! After the workload of a mode the parent measures two references for the docs: `ceiling_gbps`, one
+//! single-descriptor NIXL WRITE of the bytes the mode moved (capped at 1 GiB) between two extra agents
+//! (best of 3), and, in push mode, `push_gbps`: the same requests pushed with every one ready at once.
+//!
+//! Children exit when their stdin closes (the parent exited or died); the parent kills and reaps them
+//! on any error ([`WorkerProc`] does so when dropped).
+
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
+use serde::{Deserialize, Serialize};
+
+use super::{pattern, pct, requests, BlockLists, DemoError, ModeReport, Pool, Report, Rng, Topology, Workload};
+use crate::device::{self, Buffer, Device, MemRegion};
+use crate::engine::side::{SideChannel, SideConfig};
+use crate::engine::{Config, Engine, Finished};
+use crate::proto::layout::BlockOrder;
+use crate::proto::msg::{blocks_for, Mode};
+use crate::proto::Key;
+use crate::transport::nixl::{self, NixlConfig, NixlTransport};
+use crate::transport::{Desc, Op, Transport, XferState};
+
+/// Largest buffer of the single-descriptor reference.
+pub const CEILING_MAX_BYTES: u64 = 1 << 30;
+
+// ---------------------------------------------------------------------------------------------------
+// Worker flags and the line protocol.
+
+/// Which engine a child runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// The producer (P).
+    Prefill,
+    /// The consumer (D).
+    Decode,
+}
+
+impl Role {
+    /// The engine id of the role.
+    pub fn engine_id(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.engine_id())
+    }
+}
+
+/// `--mode` of a child.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModeFlag {
+    /// Push.
+    Push,
+    /// Pull.
+    Pull,
+}
+
+/// `--order` of a child.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OrderFlag {
+    /// `[heads, tokens, head_dim]`.
+    Hnd,
+    /// `[tokens, heads, head_dim]`.
+    Nhd,
+}
+
+/// The flags of `kvpush demo-worker` (hidden): one child's role, mode, topology and timeouts.
+#[derive(Clone, Debug, clap::Args)]
+pub struct WorkerSpec {
+    /// Engine this child runs.
+    #[arg(long, value_enum)]
+    pub role: Role,
+    /// Transfer mode of this engine (a test may give the two children different modes).
+    #[arg(long, value_enum, default_value = "push")]
+    pub mode: ModeFlag,
+    /// Model layers.
+    #[arg(long, default_value_t = 16)]
+    pub layers: u32,
+    /// KV heads of the model.
+    #[arg(long, default_value_t = 1)]
+    pub kv_heads: u32,
+    /// Head dimension.
+    #[arg(long, default_value_t = 128)]
+    pub head_dim: u32,
+    /// Producer TP size.
+    #[arg(long, default_value_t = 1)]
+    pub p_tp: u16,
+    /// Consumer TP size.
+    #[arg(long, default_value_t = 1)]
+    pub d_tp: u16,
+    /// Producer block size (tokens).
+    #[arg(long, default_value_t = 16)]
+    pub p_block: u32,
+    /// Consumer block size (tokens).
+    #[arg(long, default_value_t = 16)]
+    pub d_block: u32,
+    /// Blocks per worker.
+    #[arg(long, default_value_t = 4096)]
+    pub num_blocks: u32,
+    /// Every n-th layer is a sliding-window layer (0: none).
+    #[arg(long, default_value_t = 0)]
+    pub window_every: u32,
+    /// Sliding window (tokens).
+    #[arg(long, default_value_t = 1024)]
+    pub window_tokens: u32,
+    /// Element order inside a block.
+    #[arg(long, value_enum, default_value = "hnd")]
+    pub order: OrderFlag,
+    /// Writer threads per worker.
+    #[arg(long, default_value_t = 1)]
+    pub writers: usize,
+    /// Producer lease: how long finished blocks wait for their registrations (ms).
+    #[arg(long, default_value_t = 30_000)]
+    pub lease_ms: u64,
+    /// Consumer completion timeout: how long a registered request waits for its data (ms).
+    #[arg(long, default_value_t = 120_000)]
+    pub timeout_ms: u64,
+    /// Side-channel heartbeat interval on idle connections (ms).
+    #[arg(long, default_value_t = 1_000)]
+    pub heartbeat_ms: u64,
+    /// A side-channel peer silent for this long is lost (ms).
+    #[arg(long, default_value_t = 5_000)]
+    pub peer_timeout_ms: u64,
+    /// Side-channel connect and handshake limit (ms).
+    #[arg(long, default_value_t = 10_000)]
+    pub handshake_timeout_ms: u64,
+    /// Address the side channels listen on and dial (ports are picked by the system).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// NIXL backend plugin.
+    #[arg(long, default_value = "UCX")]
+    pub backend: String,
+}
+
+impl WorkerSpec {
+    /// A child of `role` in `mode` for topology `t`, with the engines' default timeouts.
+    pub fn new(role: Role, mode: Mode, t: &Topology) -> Self {
+        Self {
+            role,
+            mode: match mode {
+                Mode::Push => ModeFlag::Push,
+                Mode::Pull => ModeFlag::Pull,
+            },
+            layers: t.layers,
+            kv_heads: t.kv_heads,
+            head_dim: t.head_dim,
+            p_tp: t.p_tp,
+            d_tp: t.d_tp,
+            p_block: t.p_block,
+            d_block: t.d_block,
+            num_blocks: t.num_blocks,
+            window_every: t.window_every,
+            window_tokens: t.window_tokens,
+            order: match t.order {
+                BlockOrder::Hnd => OrderFlag::Hnd,
+                BlockOrder::Nhd => OrderFlag::Nhd,
+            },
+            writers: t.writers,
+            lease_ms: 30_000,
+            timeout_ms: 120_000,
+            heartbeat_ms: 1_000,
+            peer_timeout_ms: 5_000,
+            handshake_timeout_ms: 10_000,
+            host: "127.0.0.1".into(),
+            backend: "UCX".into(),
+        }
+    }
+
+    /// The engine mode.
+    pub fn engine_mode(&self) -> Mode {
+        match self.mode {
+            ModeFlag::Push => Mode::Push,
+            ModeFlag::Pull => Mode::Pull,
+        }
+    }
+
+    /// The topology these flags describe.
+    pub fn topology(&self) -> Topology {
+        Topology {
+            layers: self.layers,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            p_tp: self.p_tp,
+            d_tp: self.d_tp,
+            p_block: self.p_block,
+            d_block: self.d_block,
+            num_blocks: self.num_blocks,
+            window_every: self.window_every,
+            window_tokens: self.window_tokens,
+            order: match self.order {
+                OrderFlag::Hnd => BlockOrder::Hnd,
+                OrderFlag::Nhd => BlockOrder::Nhd,
+            },
+            writers: self.writers,
+        }
+    }
+
+    /// The command line after `kvpush demo-worker`.
+    pub fn to_args(&self) -> Vec<String> {
+        let flag = |v: &mut Vec<String>, name: &str, value: String| {
+            v.push(format!("--{name}"));
+            v.push(value);
+        };
+        let mut v = Vec::new();
+        flag(&mut v, "role", self.role.engine_id().into());
+        flag(&mut v, "mode", self.engine_mode().to_string());
+        flag(&mut v, "layers", self.layers.to_string());
+        flag(&mut v, "kv-heads", self.kv_heads.to_string());
+        flag(&mut v, "head-dim", self.head_dim.to_string());
+        flag(&mut v, "p-tp", self.p_tp.to_string());
+        flag(&mut v, "d-tp", self.d_tp.to_string());
+        flag(&mut v, "p-block", self.p_block.to_string());
+        flag(&mut v, "d-block", self.d_block.to_string());
+        flag(&mut v, "num-blocks", self.num_blocks.to_string());
+        flag(&mut v, "window-every", self.window_every.to_string());
+        flag(&mut v, "window-tokens", self.window_tokens.to_string());
+        flag(&mut v, "order", if self.order == OrderFlag::Nhd { "nhd" } else { "hnd" }.into());
+        flag(&mut v, "writers", self.writers.to_string());
+        flag(&mut v, "lease-ms", self.lease_ms.to_string());
+        flag(&mut v, "timeout-ms", self.timeout_ms.to_string());
+        flag(&mut v, "heartbeat-ms", self.heartbeat_ms.to_string());
+        flag(&mut v, "peer-timeout-ms", self.peer_timeout_ms.to_string());
+        flag(&mut v, "handshake-timeout-ms", self.handshake_timeout_ms.to_string());
+        flag(&mut v, "host", self.host.clone());
+        flag(&mut v, "backend", self.backend.clone());
+        v
+    }
+}
+
+/// Parent → child, one JSON object per line (`{"cmd": "prefill", ...}`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "cmd", rename_all = "snake_case")]
+pub enum Command {
+    /// D: dial every prefill worker (these side-channel ports) from every worker of this engine.
+    Connect {
+        /// The prefill workers' side-channel ports.
+        ports: Vec<u16>,
+    },
+    /// P: answer [`Event::Peers`] once every worker has `per_worker` handshaken peers (or at the limit).
+    AwaitPeers {
+        /// Peers each worker should see.
+        per_worker: usize,
+        /// How long to wait (ms).
+        timeout_ms: u64,
+    },
+    /// P: allocate blocks for request `req`, fill them, and call `request_finished` `delay_ns` after the
+    /// fill (`None`: hold the request, report [`Event::Filled`], and wait for [`Command::Go`]).
+    Prefill {
+        /// The router's index of the request.
+        req: u64,
+        /// Its key (`"<transfer id, 32 hex digits>#<attempt>"`).
+        #[serde(with = "key_text")]
+        key: Key,
+        /// Prompt tokens.
+        tokens: u64,
+        /// Seed of its contents.
+        seed: u64,
+        /// Simulated prefill time after the fill (ns).
+        delay_ns: Option<u64>,
+    },
+    /// P: once the engine received `registrations` registrations in all (or at the limit), call
+    /// `request_finished` for every held request, back to back.
+    Go {
+        /// Registrations received so far to wait for (the engine's counter).
+        registrations: u64,
+        /// How long to wait for them (ms).
+        timeout_ms: u64,
+    },
+    /// D: allocate blocks for request `req` and register them (push) or read P's `remote_blocks`
+    /// (pull); verify every byte once it arrived.
+    Decode {
+        /// The router's index of the request.
+        req: u64,
+        /// Its key (`"<transfer id, 32 hex digits>#<attempt>"`).
+        #[serde(with = "key_text")]
+        key: Key,
+        /// Prompt tokens.
+        tokens: u64,
+        /// Seed of its contents.
+        seed: u64,
+        /// Pull: P's block ids, as relayed by the router.
+        remote_blocks: Option<BlockLists>,
+        /// Verify only once every request sent with this flag has an outcome (bandwidth waves, so
+        /// verification does not compete with the transfers for the CPU).
+        hold_verify: bool,
+    },
+    /// Report [`Event::Stats`].
+    Stats,
+    /// Report [`Event::Pool`].
+    Pool,
+    /// Create one more NIXL agent with one buffer of `bytes` (the single-descriptor reference).
+    CeilingSetup {
+        /// Bytes of the buffer.
+        bytes: u64,
+    },
+    /// D: load P's reference agent (hex metadata) and keep the reference agent progressing.
+    CeilingServe {
+        /// P's reference agent metadata, hex.
+        metadata: String,
+    },
+    /// P: time single-descriptor WRITEs of `bytes` into the peer's buffer; report the best.
+    CeilingRun {
+        /// D's reference agent metadata, hex.
+        metadata: String,
+        /// D's buffer address.
+        remote_addr: u64,
+        /// Bytes per WRITE.
+        bytes: u64,
+        /// WRITEs to time.
+        repeats: u32,
+    },
+    /// Drop the reference agent and its buffer.
+    CeilingEnd,
+}
+
+/// Side-channel counters of a child (all its workers).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SideCounters {
+    /// Handshakes completed.
+    pub handshakes: u64,
+    /// Handshakes refused (either side).
+    pub refused: u64,
+    /// Malformed frames.
+    pub malformed: u64,
+    /// Peers lost.
+    pub peers_lost: u64,
+}
+
+/// Child → parent, one JSON object per line (`{"event": "ready", ...}`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    /// The child is up: its workers listen on `ports`.
+    Hello {
+        /// Its role.
+        role: Role,
+        /// Its process id.
+        pid: u32,
+        /// Side-channel ports, by TP rank.
+        ports: Vec<u16>,
+        /// Blocks per worker.
+        num_blocks: u32,
+    },
+    /// D: every side channel handshook every prefill worker.
+    Connected {
+        /// Handshakes made.
+        handshakes: usize,
+    },
+    /// P: handshaken peers per worker.
+    Peers {
+        /// Per worker.
+        peers: Vec<usize>,
+    },
+    /// D: the engine took the request (registration or read sent).
+    Registered {
+        /// The request.
+        req: u64,
+    },
+    /// P: a held request is filled and waits for [`Command::Go`].
+    Filled {
+        /// The request.
+        req: u64,
+    },
+    /// P: `request_finished` was called for the request.
+    Ready {
+        /// The request.
+        req: u64,
+        /// When (µs since the UNIX epoch), just before the call.
+        at_us: u64,
+        /// Engine-thread time spent for it so far (ns).
+        engine_ns: u64,
+        /// Its blocks (per KV group), for the router to relay in pull mode.
+        blocks: BlockLists,
+    },
+    /// P: every worker released the request's blocks; they are free again.
+    Sent {
+        /// The request.
+        req: u64,
+        /// Why they were released (`Sent`, `LeaseExpired`, ...).
+        reason: String,
+        /// Engine-thread time since [`Event::Ready`] (ns).
+        engine_ns: u64,
+    },
+    /// D: every worker received the request, and it was verified; its blocks are free again.
+    Received {
+        /// The request.
+        req: u64,
+        /// When the last worker reported it (µs since the UNIX epoch).
+        at_us: u64,
+        /// Bytes compared.
+        verified_bytes: u64,
+        /// Whether every byte matched.
+        ok: bool,
+        /// What did not match.
+        detail: Option<String>,
+        /// Engine-thread time spent for it (ns).
+        engine_ns: u64,
+    },
+    /// D: the request failed (or ended) on some worker; its blocks are free again.
+    Failed {
+        /// The request.
+        req: u64,
+        /// When the last worker reported (µs since the UNIX epoch).
+        at_us: u64,
+        /// The first failure's reason.
+        reason: String,
+        /// Engine-thread time spent for it (ns).
+        engine_ns: u64,
+    },
+    /// Engine counters of all workers.
+    Stats {
+        /// Bytes posted.
+        bytes: u64,
+        /// Copies before merging.
+        descriptors_unmerged: u64,
+        /// Descriptors posted.
+        descriptors_posted: u64,
+        /// Registrations sent (D) or received (P).
+        registrations: u64,
+        /// Side-channel counters.
+        side: SideCounters,
+    },
+    /// Free blocks of the child's pool.
+    Pool {
+        /// Free.
+        free: usize,
+        /// All.
+        total: usize,
+    },
+    /// The reference agent is up.
+    CeilingReady {
+        /// Its name.
+        agent: String,
+        /// Its metadata, hex.
+        metadata: String,
+        /// Its buffer's address.
+        addr: u64,
+    },
+    /// D: the reference agent loaded P's and is progressing.
+    CeilingServing,
+    /// P: the timed WRITEs.
+    CeilingResult {
+        /// Best bandwidth (GB/s).
+        gbps: f64,
+        /// Seconds of each WRITE.
+        seconds: Vec<f64>,
+    },
+    /// The reference agent is gone; `landed`: D found P's bytes at both ends of its buffer.
+    CeilingClosed {
+        /// D: whether the written bytes arrived (P: always true).
+        landed: bool,
+    },
+    /// Something went wrong; the child keeps running (the parent decides).
+    Error {
+        /// What.
+        message: String,
+    },
+}
+
+/// Keys as text (`Key`'s `Display`): the tagged JSON enums cannot carry a `u128` number.
+mod key_text {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    use crate::proto::Key;
+
+    pub(super) fn serialize<S: Serializer>(k: &Key, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(k)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Key, D::Error> {
+        let s = String::deserialize(d)?;
+        let bad = || serde::de::Error::custom(format!("bad key {s:?} (expected <32 hex digits>#<attempt>)"));
+        let (id, attempt) = s.split_once('#').ok_or_else(bad)?;
+        let id = u128::from_str_radix(id, 16).map_err(|_| bad())?;
+        let attempt = attempt.parse::<u32>().map_err(|_| bad())?;
+        Ok(Key::new(id, attempt))
+    }
+}
+
+/// Microseconds since the UNIX epoch (the clock both processes share).
+pub fn now_us() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s += &format!("{b:02x}");
+    }
+    s
+}
+
+fn unhex(s: &str) -> Result<Vec<u8>, String> {
+    if s.len() % 2 != 0 {
+        return Err("odd number of hex digits".into());
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).map_err(|e| format!("bad hex at {i}: {e}")))
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The parent's handle on a child.
+
+/// What a child's reader threads pass on.
+#[derive(Debug)]
+pub enum Incoming {
+    /// A protocol event.
+    Event(Event),
+    /// The child closed its stdout (it exited or is exiting).
+    Closed,
+}
+
+/// Where forwarded child stderr lines go (e.g. around a progress bar).
+pub type LogFn = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// A running child (`kvpush demo-worker`). Dropping it kills and reaps the process.
+pub struct WorkerProc {
+    role: Role,
+    child: Child,
+    stdin: Option<ChildStdin>,
+    tail: Arc<Mutex<VecDeque<String>>>,
+    muted: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for WorkerProc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerProc").field("role", &self.role).field("pid", &self.child.id()).finish_non_exhaustive()
+    }
+}
+
+const TAIL_LINES: usize = 400;
+
+impl WorkerProc {
+    /// Starts `exe demo-worker <spec>` with `env` added; its events go to `tx` tagged with its role,
+    /// its stderr lines to `log` (or this process's stderr), prefixed with the role.
+    pub fn spawn(
+        exe: &Path,
+        spec: &WorkerSpec,
+        env: &[(String, String)],
+        tx: Sender<(Role, Incoming)>,
+        log: Option<LogFn>,
+    ) -> std::io::Result<WorkerProc> {
+        let mut cmd = std::process::Command::new(exe);
+        cmd.arg("demo-worker").args(spec.to_args()).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn()?;
+        let role = spec.role;
+        let stdin = child.stdin.take();
+        let tail = Arc::new(Mutex::new(VecDeque::new()));
+        let mut threads = Vec::new();
+        let log: LogFn = log.unwrap_or_else(|| Arc::new(|l: &str| eprintln!("{l}")));
+        let remember = |tail: &Arc<Mutex<VecDeque<String>>>, line: String| {
+            let mut t = tail.lock().unwrap_or_else(|p| p.into_inner());
+            if t.len() == TAIL_LINES {
+                t.pop_front();
+            }
+            t.push_back(line);
+        };
+        if let Some(out) = child.stdout.take() {
+            let (tail, log) = (Arc::clone(&tail), Arc::clone(&log));
+            threads.push(std::thread::Builder::new().name(format!("kvpush-{role}-stdout")).spawn(move || {
+                for line in BufReader::new(out).lines() {
+                    let Ok(line) = line else { break };
+                    // A library may print to stdout too: a protocol line is the JSON object on it.
+                    let parsed = line.find('{').and_then(|i| serde_json::from_str::<Event>(&line[i..]).ok());
+                    match parsed {
+                        Some(ev) => {
+                            if tx.send((role, Incoming::Event(ev))).is_err() {
+                                break;
+                            }
+                        }
+                        None if line.trim().is_empty() => {}
+                        None => {
+                            let l = format!("[{role} stdout] {line}");
+                            log(&l);
+                            remember(&tail, l);
+                        }
+                    }
+                }
+                let _ = tx.send((role, Incoming::Closed));
+            })?);
+        }
+        let muted = Arc::new(AtomicBool::new(false));
+        if let Some(err) = child.stderr.take() {
+            let (tail, muted) = (Arc::clone(&tail), Arc::clone(&muted));
+            threads.push(std::thread::Builder::new().name(format!("kvpush-{role}-stderr")).spawn(move || {
+                for line in BufReader::new(err).lines() {
+                    let Ok(line) = line else { break };
+                    let l = format!("[{role}] {line}");
+                    if !muted.load(Ordering::Relaxed) {
+                        log(&l);
+                    }
+                    remember(&tail, l);
+                }
+            })?);
+        }
+        Ok(WorkerProc { role, child, stdin, tail, muted, threads })
+    }
+
+    /// The child's role.
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// The child's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends one command line.
+    pub fn send(&mut self, cmd: &Command) -> std::io::Result<()> {
+        let stdin = self.stdin.as_mut().ok_or_else(|| std::io::Error::other("stdin already closed"))?;
+        let mut line = serde_json::to_vec(cmd).map_err(std::io::Error::other)?;
+        line.push(b'\n');
+        stdin.write_all(&line)?;
+        stdin.flush()
+    }
+
+    /// Stops forwarding the child's stderr (it is still kept for [`WorkerProc::stderr_tail`]): for a
+    /// normal shutdown, where each side logs the other's side channel closing.
+    pub fn mute(&self) {
+        self.muted.store(true, Ordering::Relaxed);
+    }
+
+    /// The last lines the child wrote to stderr (and stray stdout lines).
+    pub fn stderr_tail(&self) -> Vec<String> {
+        self.tail.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect()
+    }
+
+    /// Its exit status, if it exited.
+    pub fn try_wait(&mut self) -> Option<ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// Kills the child at once (SIGKILL) and reaps it.
+    pub fn kill(&mut self) -> Option<ExitStatus> {
+        if let Some(s) = self.try_wait() {
+            return Some(s);
+        }
+        let _ = self.child.kill();
+        self.child.wait().ok()
+    }
+
+    /// Closes the child's stdin (it exits), waits up to `grace`, then kills it; reaps it either way.
+    pub fn close(&mut self, grace: Duration) -> Option<ExitStatus> {
+        self.stdin.take();
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if let Some(s) = self.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        tracing::warn!(role = %self.role, pid = self.pid(), "worker did not exit after its stdin closed; killing it");
+        self.kill()
+    }
+}
+
+impl Drop for WorkerProc {
+    fn drop(&mut self) {
+        self.stdin.take();
+        self.kill();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// What can stop the two-process demo.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProcsError {
+    /// Configuration, device or engine errors shared with the in-process demo.
+    #[error(transparent)]
+    Demo(#[from] DemoError),
+    /// A child could not be started.
+    #[error("cannot start the {role} worker ({exe}): {source}")]
+    Spawn {
+        /// Which.
+        role: Role,
+        /// The executable.
+        exe: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A child failed, exited or did not answer.
+    #[error("{role} worker: {message}{tail}")]
+    Worker {
+        /// Which.
+        role: Role,
+        /// What happened.
+        message: String,
+        /// Its last stderr lines.
+        tail: String,
+    },
+}
+
+/// Both children of one mode and their event stream.
+struct Pair {
+    p: WorkerProc,
+    d: WorkerProc,
+    rx: Receiver<(Role, Incoming)>,
+}
+
+impl Pair {
+    fn proc(&mut self, role: Role) -> &mut WorkerProc {
+        match role {
+            Role::Prefill => &mut self.p,
+            Role::Decode => &mut self.d,
+        }
+    }
+
+    fn fail(&mut self, role: Role, message: String) -> ProcsError {
+        let proc = self.proc(role);
+        // Give a dying child a moment, so its status and last words are in the message.
+        std::thread::sleep(Duration::from_millis(100));
+        let status = proc.try_wait().map(|s| format!(" ({s})")).unwrap_or_default();
+        let lines = proc.stderr_tail();
+        let tail = if lines.is_empty() {
+            String::new()
+        } else {
+            let n = lines.len().saturating_sub(20);
+            format!("\n  last lines of its stderr:\n    {}", lines[n..].join("\n    "))
+        };
+        ProcsError::Worker { role, message: format!("{message}{status}"), tail }
+    }
+
+    fn send(&mut self, role: Role, cmd: &Command) -> Result<(), ProcsError> {
+        match self.proc(role).send(cmd) {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.fail(role, format!("cannot send a command: {e}"))),
+        }
+    }
+
+    /// The next event, `None` after `timeout`; a closed child or an `error` event is an error.
+    fn next(&mut self, timeout: Duration) -> Result<Option<(Role, Event)>, ProcsError> {
+        match self.rx.recv_timeout(timeout) {
+            Ok((role, Incoming::Event(Event::Error { message }))) => Err(self.fail(role, message)),
+            Ok((role, Incoming::Event(ev))) => Ok(Some((role, ev))),
+            Ok((role, Incoming::Closed)) => Err(self.fail(role, "exited unexpectedly".into())),
+            Err(RecvTimeoutError::Timeout) => Ok(None),
+            Err(RecvTimeoutError::Disconnected) => Err(self.fail(Role::Prefill, "event stream closed".into())),
+        }
+    }
+
+    /// The next event if one is queued.
+    fn try_next(&mut self) -> Result<Option<(Role, Event)>, ProcsError> {
+        match self.rx.try_recv() {
+            Ok((role, Incoming::Event(Event::Error { message }))) => Err(self.fail(role, message)),
+            Ok((role, Incoming::Event(ev))) => Ok(Some((role, ev))),
+            Ok((role, Incoming::Closed)) => Err(self.fail(role, "exited unexpectedly".into())),
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// Waits for the event of `role` that `f` accepts; other events are errors (setup is sequential).
+    fn expect<T>(
+        &mut self,
+        role: Role,
+        what: &str,
+        timeout: Duration,
+        f: impl FnOnce(Event) -> Option<T>,
+    ) -> Result<T, ProcsError> {
+        match self.next(timeout)? {
+            Some((r, ev)) if r == role => {
+                let text = format!("{ev:?}");
+                f(ev).ok_or_else(|| self.fail(role, format!("expected {what}, got {text}")))
+            }
+            Some((r, ev)) => Err(self.fail(r, format!("unexpected event while waiting for {what}: {ev:?}"))),
+            None => Err(self.fail(role, format!("no {what} after {timeout:?}"))),
+        }
+    }
+
+    fn stats(&mut self, role: Role) -> Result<(u64, u64, u64, u64), ProcsError> {
+        self.send(role, &Command::Stats)?;
+        self.expect(role, "stats", Duration::from_secs(30), |ev| match ev {
+            Event::Stats { bytes, descriptors_unmerged, descriptors_posted, registrations, .. } => {
+                Some((bytes, descriptors_unmerged, descriptors_posted, registrations))
+            }
+            _ => None,
+        })
+    }
+
+    /// Closes both children's stdin and reaps them (killing one that lingers).
+    fn close(mut self) {
+        self.p.mute();
+        self.d.mute();
+        self.p.stdin.take();
+        self.d.stdin.take();
+        self.p.close(Duration::from_secs(10));
+        self.d.close(Duration::from_secs(10));
+    }
+}
+
+/// How the parent starts its children.
+#[derive(Clone)]
+pub struct Options {
+    /// The `kvpush` executable (the parent's own: `std::env::current_exe()`).
+    pub exe: PathBuf,
+    /// NIXL backend plugin.
+    pub backend: String,
+    /// Where the children's stderr lines go (default: this process's stderr).
+    pub log: Option<LogFn>,
+    /// Measure `ceiling_gbps` and `push_gbps` after the workload.
+    pub references: bool,
+}
+
+impl std::fmt::Debug for Options {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Options").field("exe", &self.exe).field("backend", &self.backend).finish_non_exhaustive()
+    }
+}
+
+impl Options {
+    /// This executable, UCX, stderr, with the references.
+    pub fn new() -> Result<Self, ProcsError> {
+        let exe = std::env::current_exe()
+            .map_err(|e| DemoError::Config(format!("cannot find this executable to start the workers: {e}")))?;
+        Ok(Self { exe, backend: "UCX".into(), log: None, references: true })
+    }
+}
+
+/// Runs the demo with P and D as two child processes over NIXL: each mode in `modes` on the same
+/// workload, a fresh pair of children per mode. `tick` is called once per finished request.
+pub fn run(t: &Topology, w: &Workload, modes: &[Mode], opts: &Options, tick: &dyn Fn()) -> Result<Report, ProcsError> {
+    if !nixl::available() {
+        return Err(DemoError::Config(
+            "NIXL is not available: libnixl_capi.so cannot be loaded. Run `. scripts/nixl.sh` (it sets \
+             LD_LIBRARY_PATH and NIXL_PLUGIN_DIR) or install NIXL; `kvpush doctor` shows what was found"
+                .into(),
+        )
+        .into());
+    }
+    let mut report = Report::default();
+    for &mode in modes {
+        let r = run_mode(t, w, mode, opts, tick)?;
+        match mode {
+            Mode::Push => report.push = Some(r),
+            Mode::Pull => report.pull = Some(r),
+        }
+    }
+    Ok(report)
+}
+
+fn start(t: &Topology, mode: Mode, opts: &Options) -> Result<Pair, ProcsError> {
+    let (tx, rx) = unbounded();
+    let spawn = |role: Role| {
+        let mut spec = WorkerSpec::new(role, mode, t);
+        spec.backend = opts.backend.clone();
+        WorkerProc::spawn(&opts.exe, &spec, &[], tx.clone(), opts.log.clone()).map_err(|source| ProcsError::Spawn {
+            role,
+            exe: opts.exe.display().to_string(),
+            source,
+        })
+    };
+    // Both start at once (engine and NIXL start-up overlap); a failure of either kills both.
+    let p = spawn(Role::Prefill)?;
+    let d = spawn(Role::Decode)?;
+    drop(tx);
+    let mut pair = Pair { p, d, rx };
+    let limit = Duration::from_secs(120);
+    let (mut p_ports, mut d_up) = (None, false);
+    while p_ports.is_none() || !d_up {
+        match pair.next(limit)? {
+            Some((Role::Prefill, Event::Hello { ports, .. })) => p_ports = Some(ports),
+            Some((Role::Decode, Event::Hello { .. })) => d_up = true,
+            Some((role, ev)) => return Err(pair.fail(role, format!("expected hello, got {ev:?}"))),
+            None => {
+                let role = if p_ports.is_none() { Role::Prefill } else { Role::Decode };
+                return Err(pair.fail(role, format!("did not start within {limit:?}")));
+            }
+        }
+    }
+    let ports = p_ports.unwrap_or_default();
+    pair.send(Role::Decode, &Command::Connect { ports })?;
+    pair.expect(Role::Decode, "connected", Duration::from_secs(60), |ev| {
+        matches!(ev, Event::Connected { .. }).then_some(())
+    })?;
+    pair.send(Role::Prefill, &Command::AwaitPeers { per_worker: usize::from(t.d_tp), timeout_ms: 10_000 })?;
+    let peers = pair.expect(Role::Prefill, "peers", Duration::from_secs(30), |ev| match ev {
+        Event::Peers { peers } => Some(peers),
+        _ => None,
+    })?;
+    if peers.iter().any(|&n| n < usize::from(t.d_tp)) {
+        return Err(pair.fail(Role::Prefill, format!("handshaken decode workers per prefill worker: {peers:?}")));
+    }
+    Ok(pair)
+}
+
+/// A request as the parent (the router) tracks it.
+struct Tracked {
+    key: Key,
+    tokens: u64,
+    seed: u64,
+    registration_first: bool,
+    p_need: usize,
+    d_need: usize,
+    ready_us: Option<u64>,
+    p_blocks: Option<BlockLists>,
+    engine_ns: u64,
+    sent: bool,
+    d_done: bool,
+    failed: bool,
+    done: bool,
+}
+
+fn run_mode(t: &Topology, w: &Workload, mode: Mode, opts: &Options, tick: &dyn Fn()) -> Result<ModeReport, ProcsError> {
+    let mut pair = start(t, mode, opts)?;
+    let mut report = play(&mut pair, t, w, mode, tick)?;
+    if opts.references {
+        let bytes = report.bytes.min(CEILING_MAX_BYTES);
+        if bytes > 0 {
+            report.ceiling_gbps = Some(ceiling(&mut pair, bytes)?);
+        }
+        if mode == Mode::Push {
+            report.push_gbps = Some(bandwidth(&mut pair, t, w)?);
+        }
+    }
+    pair.close();
+    Ok(report)
+}
+
+/// The workload, played like the in-process demo.
+fn play(pair: &mut Pair, t: &Topology, w: &Workload, mode: Mode, tick: &dyn Fn()) -> Result<ModeReport, ProcsError> {
+    let groups = super::model(t).groups.len();
+    let specs = requests(w);
+    let mut rng = Rng(w.seed ^ 0x5eed);
+    let (mut p_free, mut d_free) = (t.num_blocks as usize, t.num_blocks as usize);
+    let mut reqs: Vec<Tracked> = Vec::with_capacity(specs.len());
+    let mut due: BinaryHeap<std::cmp::Reverse<(Instant, usize)>> = BinaryHeap::new();
+    let (mut next, mut in_flight, mut finished) = (0usize, 0usize, 0usize);
+    let mut latencies = Vec::with_capacity(specs.len());
+    let (mut verified_bytes, mut failed) = (0u64, 0u64);
+    let limit = Duration::from_secs(120);
+    let mut last_progress = Instant::now();
+    let started = Instant::now();
+
+    while finished < specs.len() {
+        // Admit.
+        while next < specs.len() && in_flight < w.concurrency {
+            let (tokens, registration_first) = specs[next];
+            let p_need = blocks_for(tokens, t.p_block) as usize * groups;
+            let d_need = blocks_for(tokens, t.d_block) as usize * groups;
+            let d_now = mode == Mode::Push && registration_first;
+            if p_free < p_need || (d_now && d_free < d_need) {
+                if p_need > t.num_blocks as usize || d_need > t.num_blocks as usize {
+                    return Err(DemoError::Config(format!(
+                        "a request of {tokens} tokens needs more blocks than a pool of {} holds",
+                        t.num_blocks
+                    ))
+                    .into());
+                }
+                break;
+            }
+            let key = Key::new(u128::from(rng.next()) << 64 | next as u128, 1);
+            let seed = rng.next();
+            p_free -= p_need;
+            let delay_ns = Some(tokens * w.prefill_ns_per_token);
+            pair.send(Role::Prefill, &Command::Prefill { req: next as u64, key, tokens, seed, delay_ns })?;
+            if d_now {
+                d_free -= d_need;
+                let cmd =
+                    Command::Decode { req: next as u64, key, tokens, seed, remote_blocks: None, hold_verify: false };
+                pair.send(Role::Decode, &cmd)?;
+            }
+            reqs.push(Tracked {
+                key,
+                tokens,
+                seed,
+                registration_first,
+                p_need,
+                d_need,
+                ready_us: None,
+                p_blocks: None,
+                engine_ns: 0,
+                sent: false,
+                d_done: false,
+                failed: false,
+                done: false,
+            });
+            next += 1;
+            in_flight += 1;
+        }
+        // The consumer legs that are due (the router relays after `relay_us`).
+        while let Some(std::cmp::Reverse((at, i))) = due.peek().copied() {
+            if at > Instant::now() {
+                break;
+            }
+            due.pop();
+            let r = &mut reqs[i];
+            if d_free < r.d_need {
+                due.push(std::cmp::Reverse((Instant::now() + Duration::from_micros(100), i)));
+                break;
+            }
+            d_free -= r.d_need;
+            let remote_blocks = if mode == Mode::Pull { r.p_blocks.take() } else { None };
+            let cmd = Command::Decode {
+                req: i as u64,
+                key: r.key,
+                tokens: r.tokens,
+                seed: r.seed,
+                remote_blocks,
+                hold_verify: false,
+            };
+            pair.send(Role::Decode, &cmd)?;
+        }
+        // Events.
+        let wait = due
+            .peek()
+            .map(|std::cmp::Reverse((at, _))| at.saturating_duration_since(Instant::now()))
+            .unwrap_or(Duration::from_millis(100))
+            .min(Duration::from_millis(100));
+        let mut got = pair.next(wait)?;
+        if got.is_none() {
+            if last_progress.elapsed() > limit {
+                let stuck: Vec<String> = reqs.iter().filter(|r| !r.done).take(5).map(|r| r.key.to_string()).collect();
+                return Err(DemoError::Stuck(format!(
+                    "{mode}: no progress for {limit:?}; {} requests unfinished, e.g. {stuck:?}",
+                    specs.len() - finished
+                ))
+                .into());
+            }
+            continue;
+        }
+        while let Some((role, ev)) = got.take() {
+            last_progress = Instant::now();
+            let i = match &ev {
+                Event::Ready { req, .. }
+                | Event::Sent { req, .. }
+                | Event::Received { req, .. }
+                | Event::Failed { req, .. }
+                | Event::Registered { req } => *req as usize,
+                other => return Err(pair.fail(role, format!("unexpected event during the workload: {other:?}"))),
+            };
+            if i >= reqs.len() {
+                return Err(pair.fail(role, format!("event for unknown request {i}: {ev:?}")));
+            }
+            let r = &mut reqs[i];
+            match ev {
+                Event::Ready { at_us, engine_ns, blocks, .. } => {
+                    r.ready_us = Some(at_us);
+                    r.engine_ns += engine_ns;
+                    if !(mode == Mode::Push && r.registration_first) {
+                        r.p_blocks = Some(blocks);
+                        due.push(std::cmp::Reverse((Instant::now() + Duration::from_micros(w.relay_us), i)));
+                    }
+                }
+                Event::Sent { engine_ns, .. } => {
+                    r.engine_ns += engine_ns;
+                    r.sent = true;
+                    p_free += r.p_need;
+                }
+                Event::Received { at_us, verified_bytes: v, ok, detail, engine_ns, .. } => {
+                    r.engine_ns += engine_ns;
+                    if let Some(ready) = r.ready_us {
+                        latencies.push(at_us.saturating_sub(ready));
+                    }
+                    if ok {
+                        verified_bytes += v;
+                    } else {
+                        tracing::error!(key = %r.key, detail = detail.as_deref().unwrap_or(""), "KV arrived wrong");
+                        r.failed = true;
+                    }
+                    r.d_done = true;
+                    d_free += r.d_need;
+                }
+                Event::Failed { reason, engine_ns, .. } => {
+                    tracing::warn!(key = %r.key, %reason, "request failed");
+                    r.engine_ns += engine_ns;
+                    r.failed = true;
+                    r.d_done = true;
+                    d_free += r.d_need;
+                }
+                _ => {}
+            }
+            if r.sent && r.d_done && !r.done {
+                r.done = true;
+                failed += u64::from(r.failed);
+                finished += 1;
+                in_flight -= 1;
+                tick();
+            }
+            got = pair.try_next()?;
+        }
+    }
+    let wall = started.elapsed().as_secs_f64();
+    let mut report =
+        ModeReport { requests: specs.len() as u64, verified_bytes, failed, wall_s: wall, ..Default::default() };
+    for role in [Role::Prefill, Role::Decode] {
+        let (bytes, unmerged, posted, _) = pair.stats(role)?;
+        report.bytes += bytes;
+        report.descriptors_unmerged += unmerged;
+        report.descriptors_posted += posted;
+    }
+    latencies.sort_unstable();
+    report.latency_us_p50 = pct(&latencies, 0.5);
+    report.latency_us_p99 = pct(&latencies, 0.99);
+    let mut engine_us: Vec<f64> = reqs.iter().map(|r| r.engine_ns as f64 / 1000.0).collect();
+    engine_us.sort_unstable_by(f64::total_cmp);
+    report.engine_us_p50 = pct(&engine_us, 0.5);
+    report.engine_us_p99 = pct(&engine_us, 0.99);
+    report.gbps = report.bytes as f64 / wall / 1e9;
+    Ok(report)
+}
+
+/// One single-descriptor NIXL WRITE of `bytes` between two fresh agents, P → D, best of 3 (GB/s).
+fn ceiling(pair: &mut Pair, bytes: u64) -> Result<f64, ProcsError> {
+    let ready = |ev: Event| match ev {
+        Event::CeilingReady { metadata, addr, .. } => Some((metadata, addr)),
+        _ => None,
+    };
+    let limit = Duration::from_secs(60);
+    pair.send(Role::Prefill, &Command::CeilingSetup { bytes })?;
+    let (p_md, _) = pair.expect(Role::Prefill, "ceiling_ready", limit, ready)?;
+    pair.send(Role::Decode, &Command::CeilingSetup { bytes })?;
+    let (d_md, d_addr) = pair.expect(Role::Decode, "ceiling_ready", limit, ready)?;
+    pair.send(Role::Decode, &Command::CeilingServe { metadata: p_md })?;
+    pair.expect(Role::Decode, "ceiling_serving", limit, |ev| matches!(ev, Event::CeilingServing).then_some(()))?;
+    pair.send(Role::Prefill, &Command::CeilingRun { metadata: d_md, remote_addr: d_addr, bytes, repeats: 3 })?;
+    let (gbps, seconds) = pair.expect(Role::Prefill, "ceiling_result", Duration::from_secs(300), |ev| match ev {
+        Event::CeilingResult { gbps, seconds } => Some((gbps, seconds)),
+        _ => None,
+    })?;
+    tracing::info!(bytes, gbps, ?seconds, "single-descriptor NIXL WRITE");
+    let mut landed = true;
+    for role in [Role::Prefill, Role::Decode] {
+        pair.send(role, &Command::CeilingEnd)?;
+        landed &= pair.expect(role, "ceiling_closed", limit, |ev| match ev {
+            Event::CeilingClosed { landed } => Some(landed),
+            _ => None,
+        })?;
+    }
+    if !landed {
+        return Err(pair.fail(Role::Decode, "the single-descriptor reference WRITE did not land".into()));
+    }
+    Ok(gbps)
+}
+
+/// `push_gbps`: the workload's requests again, every one ready at once, in as few waves as the pools
+/// allow; total bytes over the summed first-ready → last-received windows.
+fn bandwidth(pair: &mut Pair, t: &Topology, w: &Workload) -> Result<f64, ProcsError> {
+    let groups = super::model(t).groups.len();
+    let specs = requests(w);
+    let mut rng = Rng(w.seed ^ 0xba4d_0000);
+    let base = specs.len() as u64;
+    let (mut bytes, mut window_us) = (0u64, 0u64);
+    let limit = Duration::from_secs(120);
+    let mut i = 0;
+    while i < specs.len() {
+        let (mut p_left, mut d_left) = (t.num_blocks as usize, t.num_blocks as usize);
+        let mut wave = Vec::new();
+        while i < specs.len() {
+            let tokens = specs[i].0;
+            let p_need = blocks_for(tokens, t.p_block) as usize * groups;
+            let d_need = blocks_for(tokens, t.d_block) as usize * groups;
+            if p_need > p_left || d_need > d_left {
+                break;
+            }
+            p_left -= p_need;
+            d_left -= d_need;
+            wave.push((base + i as u64, Key::new(u128::from(rng.next()) << 64 | (base + i as u64) as u128, 1), tokens));
+            i += 1;
+        }
+        if wave.is_empty() {
+            return Err(DemoError::Config(format!(
+                "a request of {} tokens needs more blocks than a pool of {} holds",
+                specs[i].0, t.num_blocks
+            ))
+            .into());
+        }
+        let (bytes_before, _, _, regs_before) = pair.stats(Role::Prefill)?;
+        // Registrations first: D registers every request of the wave.
+        for &(req, key, tokens) in &wave {
+            let seed = rng.next();
+            pair.send(
+                Role::Decode,
+                &Command::Decode { req, key, tokens, seed, remote_blocks: None, hold_verify: true },
+            )?;
+            pair.send(Role::Prefill, &Command::Prefill { req, key, tokens, seed, delay_ns: None })?;
+        }
+        let (mut registered, mut filled) = (0, 0);
+        while registered < wave.len() || filled < wave.len() {
+            match pair.next(limit)? {
+                Some((_, Event::Registered { .. })) => registered += 1,
+                Some((_, Event::Filled { .. })) => filled += 1,
+                Some((role, ev)) => {
+                    return Err(pair.fail(role, format!("unexpected event in a bandwidth wave: {ev:?}")))
+                }
+                None => return Err(pair.fail(Role::Prefill, format!("bandwidth wave not set up after {limit:?}"))),
+            }
+        }
+        // Every request ready at once.
+        let expected = regs_before + (wave.len() * usize::from(t.d_tp)) as u64;
+        pair.send(Role::Prefill, &Command::Go { registrations: expected, timeout_ms: 10_000 })?;
+        let (mut first_ready, mut last_received) = (u64::MAX, 0u64);
+        let (mut sent, mut outcomes) = (0, 0);
+        while sent < wave.len() || outcomes < wave.len() {
+            match pair.next(limit)? {
+                Some((_, Event::Ready { at_us, .. })) => first_ready = first_ready.min(at_us),
+                Some((_, Event::Sent { .. })) => sent += 1,
+                Some((_, Event::Received { at_us, ok, detail, .. })) => {
+                    if !ok {
+                        let d = detail.unwrap_or_default();
+                        return Err(pair.fail(Role::Decode, format!("bandwidth wave: KV arrived wrong: {d}")));
+                    }
+                    last_received = last_received.max(at_us);
+                    outcomes += 1;
+                }
+                Some((_, Event::Failed { reason, .. })) => {
+                    return Err(pair.fail(Role::Decode, format!("bandwidth wave: request failed: {reason}")))
+                }
+                Some((role, ev)) => {
+                    return Err(pair.fail(role, format!("unexpected event in a bandwidth wave: {ev:?}")))
+                }
+                None => return Err(pair.fail(Role::Decode, format!("bandwidth wave not finished after {limit:?}"))),
+            }
+        }
+        let (bytes_after, ..) = pair.stats(Role::Prefill)?;
+        bytes += bytes_after - bytes_before;
+        window_us += last_received.saturating_sub(first_ready).max(1);
+        tracing::info!(requests = wave.len(), bytes = bytes_after - bytes_before, window_us, "bandwidth wave");
+    }
+    Ok(bytes as f64 / (window_us as f64 / 1e6) / 1e9)
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The child.
+
+/// One worker of a child: engine, side channel and memory (dropped in this order).
+struct Worker {
+    engine: Engine,
+    side: Arc<SideChannel>,
+    buffers: Vec<Box<dyn Buffer>>,
+}
+
+/// A request as a child tracks it.
+struct Req {
+    key: Key,
+    tokens: u64,
+    seed: u64,
+    blocks: BlockLists,
+    delay_ns: Option<u64>,
+    /// Engine-thread time not reported yet.
+    engine_ns: u64,
+    /// P: workers that released the blocks.
+    released: usize,
+    /// D: workers whose call succeeded (outcomes expected).
+    expected: usize,
+    /// D: outcomes so far.
+    reported: usize,
+    /// D: first failure.
+    failure: Option<String>,
+    /// D: verify with the wave.
+    hold_verify: bool,
+}
+
+/// The single-descriptor reference agent.
+struct Ceiling {
+    transport: NixlTransport,
+    region: MemRegion,
+    buffer: Box<dyn Buffer>,
+    serving: bool,
+}
+
+/// A fill or verification job: request, blocks, tokens, seed.
+type Job = (u64, BlockLists, u64, u64);
+
+struct Out {
+    broken: bool,
+}
+
+impl Out {
+    fn emit(&mut self, ev: &Event) {
+        let Ok(mut line) = serde_json::to_vec(ev) else { return };
+        line.push(b'\n');
+        let mut out = std::io::stdout().lock();
+        if out.write_all(&line).and_then(|()| out.flush()).is_err() {
+            // The parent is gone.
+            self.broken = true;
+        }
+    }
+}
+
+struct WorkerState {
+    role: Role,
+    mode: Mode,
+    spec: WorkerSpec,
+    dev: Arc<dyn Device>,
+    workers: Arc<Vec<Worker>>,
+    pool: Pool,
+    total_blocks: usize,
+    groups: usize,
+    reqs: HashMap<u64, Req>,
+    by_key: HashMap<Key, u64>,
+    due: BinaryHeap<std::cmp::Reverse<(Instant, u64)>>,
+    held: Vec<u64>,
+    /// D: hold-verify requests without an outcome, and those received waiting for the wave.
+    hold_open: usize,
+    hold_done: Vec<(u64, u64)>,
+    /// D: when each received request arrived (µs since the epoch), until verified.
+    arrived: HashMap<u64, u64>,
+    jobs: Sender<Job>,
+    results: Receiver<(u64, Result<pattern::Verified, String>)>,
+    helper: Option<JoinHandle<()>>,
+    finished: Vec<Finished>,
+    ceiling: Option<Ceiling>,
+    out: Out,
+}
+
+/// Runs `kvpush demo-worker`: builds the engine, says hello on stdout, and serves commands from stdin
+/// until it closes. Returns the process exit code.
+pub fn worker_main(spec: &WorkerSpec) -> i32 {
+    let mut out = Out { broken: false };
+    let (cmd_tx, cmd_rx) = unbounded::<Result<Command, String>>();
+    let reader = std::thread::Builder::new().name("kvpush-worker-stdin".into()).spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            let Ok(line) = line else { break };
+            if line.trim().is_empty() {
+                continue;
+            }
+            let cmd = serde_json::from_str::<Command>(&line).map_err(|e| format!("bad command {line:?}: {e}"));
+            if cmd_tx.send(cmd).is_err() {
+                return;
+            }
+        }
+        drop(cmd_tx);
+        // The parent is gone or done: never outlive it by more than a grace period.
+        std::thread::sleep(Duration::from_secs(10));
+        tracing::error!("still running 10 s after stdin closed; exiting");
+        std::process::exit(3);
+    });
+    if let Err(e) = reader {
+        out.emit(&Event::Error { message: format!("cannot start the stdin reader: {e}") });
+        return 1;
+    }
+    let mut state = match WorkerState::new(spec, out) {
+        Ok(s) => s,
+        Err(message) => {
+            tracing::error!(role = %spec.role, "{message}");
+            Out { broken: false }.emit(&Event::Error { message });
+            return 1;
+        }
+    };
+    let ports = state.workers.iter().map(|w| w.side.local_addr().port()).collect();
+    state.out.emit(&Event::Hello { role: spec.role, pid: std::process::id(), ports, num_blocks: spec.num_blocks });
+    state.serve(&cmd_rx);
+    state.shutdown();
+    0
+}
+
+/// Writes zeros over `buffers` so their pages are resident before anything is timed.
+fn pretouch(buffers: &[Box<dyn Buffer>], byte: u8) -> Result<(), String> {
+    const CHUNK: usize = 4 << 20;
+    let chunk = vec![byte; CHUNK];
+    for b in buffers {
+        let len = b.region().len;
+        let mut off = 0u64;
+        while off < len {
+            let n = (len - off).min(CHUNK as u64) as usize;
+            b.write_at(off, &chunk[..n]).map_err(|e| e.to_string())?;
+            off += n as u64;
+        }
+    }
+    Ok(())
+}
+
+impl WorkerState {
+    fn new(spec: &WorkerSpec, out: Out) -> Result<Self, String> {
+        let t = spec.topology();
+        let role = spec.role;
+        let mode = spec.engine_mode();
+        let dev = device::from_env().map_err(|e| format!("device: {e}"))?;
+        let (tp, block) = match role {
+            Role::Prefill => (t.p_tp, t.p_block),
+            Role::Decode => (t.d_tp, t.d_block),
+        };
+        let engine_id = role.engine_id();
+        let mut workers = Vec::new();
+        for r in 0..tp {
+            let (layout, buffers) =
+                super::worker_layout(&t, dev.as_ref(), r, tp, block).map_err(|e| format!("rank {r}: {e}"))?;
+            pretouch(&buffers, 0)?;
+            let nixl =
+                NixlConfig { agent_name: format!("{engine_id}/{r}"), backend: spec.backend.clone(), params: vec![] };
+            let transport = Arc::new(NixlTransport::new(&nixl).map_err(|e| format!("rank {r}: {e}"))?);
+            let mut sc = SideConfig::for_rank(r);
+            sc.listen = format!("{}:0", spec.host);
+            sc.heartbeat = Duration::from_millis(spec.heartbeat_ms.max(1));
+            sc.peer_timeout = Duration::from_millis(spec.peer_timeout_ms.max(1));
+            sc.handshake_timeout = Duration::from_millis(spec.handshake_timeout_ms.max(1));
+            let side = Arc::new(SideChannel::bind(sc).map_err(|e| format!("rank {r}: {e}"))?);
+            let mut config = Config::new(engine_id, mode);
+            config.writers = t.writers;
+            config.rendezvous.lease_us = spec.lease_ms * 1000;
+            config.completion.timeout_us = spec.timeout_ms * 1000;
+            // SAFETY: the regions are `buffers`, allocated just above and owned by the same `Worker`
+            // as the engine; `Worker` drops its engine before its buffers. This child follows the
+            // block ownership rules: P's blocks return to the pool only after `Finished::Sent` from
+            // every worker, D's only after every worker reported the request's outcome (and after
+            // verification, which only reads them).
+            let engine = unsafe { Engine::new(config, layout, dev.clone(), transport, side.clone()) }
+                .map_err(|e| format!("rank {r}: {e}"))?;
+            side.serve(engine.endpoint());
+            workers.push(Worker { engine, side, buffers });
+        }
+        let workers = Arc::new(workers);
+        let groups = workers[0].engine.layout().model.groups.len();
+        // Helper thread: fills P's blocks (the accelerator's prefill) or verifies D's.
+        let (jobs, job_rx) = unbounded::<Job>();
+        let (res_tx, results) = unbounded();
+        let ws = Arc::clone(&workers);
+        let helper = std::thread::Builder::new()
+            .name(format!("kvpush-{role}-{}", if role == Role::Prefill { "fill" } else { "verify" }))
+            .spawn(move || {
+                for (req, blocks, n, seed) in job_rx {
+                    let mut total = pattern::Verified::default();
+                    let mut res = Ok(());
+                    for wk in ws.iter() {
+                        let (l, b) = (wk.engine.layout(), &wk.buffers);
+                        match role {
+                            Role::Prefill => {
+                                if let Err(e) = pattern::fill(l, b, &blocks, n, seed) {
+                                    res = Err(e.to_string());
+                                }
+                            }
+                            Role::Decode => match pattern::verify(l, b, &blocks, n, seed) {
+                                Ok(v) => {
+                                    total.bytes += v.bytes;
+                                    total.mismatched_elements += v.mismatched_elements;
+                                    total.found = total.found.wrapping_add(v.found);
+                                    total.expected = total.expected.wrapping_add(v.expected);
+                                }
+                                Err(e) => res = Err(e.to_string()),
+                            },
+                        }
+                    }
+                    if res_tx.send((req, res.map(|()| total))).is_err() {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| format!("cannot start a helper thread: {e}"))?;
+        Ok(Self {
+            role,
+            mode,
+            spec: spec.clone(),
+            dev,
+            workers,
+            pool: Pool::new(spec.num_blocks),
+            total_blocks: spec.num_blocks as usize,
+            groups,
+            reqs: HashMap::new(),
+            by_key: HashMap::new(),
+            due: BinaryHeap::new(),
+            held: Vec::new(),
+            hold_open: 0,
+            hold_done: Vec::new(),
+            arrived: HashMap::new(),
+            jobs,
+            results,
+            helper: Some(helper),
+            finished: Vec::new(),
+            ceiling: None,
+            out,
+        })
+    }
+
+    fn error(&mut self, message: String) {
+        tracing::error!(role = %self.role, "{message}");
+        self.out.emit(&Event::Error { message });
+    }
+
+    fn serve(&mut self, cmds: &Receiver<Result<Command, String>>) {
+        loop {
+            let busy = !self.reqs.is_empty() || self.ceiling.as_ref().is_some_and(|c| c.serving);
+            let mut wait = if busy { Duration::from_micros(20) } else { Duration::from_millis(50) };
+            if let Some(std::cmp::Reverse((at, _))) = self.due.peek() {
+                wait = wait.min(at.saturating_duration_since(Instant::now()));
+            }
+            let mut next = match cmds.recv_timeout(wait) {
+                Ok(c) => Some(c),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return,
+            };
+            while let Some(c) = next {
+                match c {
+                    Ok(cmd) => self.command(cmd),
+                    Err(e) => self.error(e),
+                }
+                next = cmds.try_recv().ok();
+            }
+            self.step();
+            if self.out.broken {
+                return;
+            }
+        }
+    }
+
+    fn command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Connect { ports } => self.connect(&ports),
+            Command::AwaitPeers { per_worker, timeout_ms } => {
+                let deadline = Instant::now() + Duration::from_millis(timeout_ms);
+                let peers = loop {
+                    let peers: Vec<usize> = self.workers.iter().map(|w| w.side.peers().len()).collect();
+                    if peers.iter().all(|&n| n >= per_worker) || Instant::now() > deadline {
+                        break peers;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                };
+                self.out.emit(&Event::Peers { peers });
+            }
+            Command::Prefill { req, key, tokens, seed, delay_ns } => self.prefill(req, key, tokens, seed, delay_ns),
+            Command::Go { registrations, timeout_ms } => self.go(registrations, timeout_ms),
+            Command::Decode { req, key, tokens, seed, remote_blocks, hold_verify } => {
+                self.decode(req, key, tokens, seed, remote_blocks, hold_verify)
+            }
+            Command::Stats => {
+                let (mut bytes, mut descriptors_unmerged, mut descriptors_posted, mut registrations) = (0, 0, 0, 0);
+                let mut side = SideCounters::default();
+                for w in self.workers.iter() {
+                    let c = w.engine.stats().counters;
+                    bytes += c.bytes;
+                    descriptors_unmerged += c.descriptors_unmerged;
+                    descriptors_posted += c.descriptors_posted;
+                    registrations += c.registrations;
+                    let s = w.side.stats();
+                    side.handshakes += s.handshakes;
+                    side.refused += s.refused;
+                    side.malformed += s.malformed;
+                    side.peers_lost += s.peers_lost;
+                }
+                let ev = Event::Stats { bytes, descriptors_unmerged, descriptors_posted, registrations, side };
+                self.out.emit(&ev);
+            }
+            Command::Pool => {
+                let ev = Event::Pool { free: self.pool.free.len(), total: self.total_blocks };
+                self.out.emit(&ev);
+            }
+            Command::CeilingSetup { bytes } => match self.ceiling_setup(bytes) {
+                Ok(ev) => self.out.emit(&ev),
+                Err(e) => self.error(format!("single-descriptor reference: {e}")),
+            },
+            Command::CeilingServe { metadata } => {
+                let r = match self.ceiling.as_mut() {
+                    Some(c) => unhex(&metadata).and_then(|md| c.transport.load_remote(&md).map_err(|e| e.to_string())),
+                    None => Err("no reference agent (ceiling_setup first)".into()),
+                };
+                match r {
+                    Ok(_) => {
+                        if let Some(c) = self.ceiling.as_mut() {
+                            c.serving = true;
+                        }
+                        self.out.emit(&Event::CeilingServing);
+                    }
+                    Err(e) => self.error(format!("single-descriptor reference: {e}")),
+                }
+            }
+            Command::CeilingRun { metadata, remote_addr, bytes, repeats } => {
+                match self.ceiling_run(&metadata, remote_addr, bytes, repeats) {
+                    Ok(ev) => self.out.emit(&ev),
+                    Err(e) => self.error(format!("single-descriptor reference: {e}")),
+                }
+            }
+            Command::CeilingEnd => {
+                let mut landed = true;
+                if let Some(c) = self.ceiling.take() {
+                    if self.role == Role::Decode {
+                        let len = c.region.len;
+                        let (mut a, mut b) = ([0u8; 1], [0u8; 1]);
+                        landed = c.buffer.read_at(0, &mut a).is_ok()
+                            && c.buffer.read_at(len - 1, &mut b).is_ok()
+                            && a[0] == CEILING_BYTE
+                            && b[0] == CEILING_BYTE;
+                    }
+                    let _ = c.transport.deregister(&c.region);
+                    drop(c.transport);
+                    drop(c.buffer);
+                }
+                self.out.emit(&Event::CeilingClosed { landed });
+            }
+        }
+    }
+
+    fn connect(&mut self, ports: &[u16]) {
+        if self.role != Role::Decode {
+            return self.error("connect: only the decode worker dials".into());
+        }
+        let mut errors = Vec::new();
+        let mut handshakes = 0;
+        for (r, w) in self.workers.iter().enumerate() {
+            for &port in ports {
+                let addr = format!("{}:{port}", self.spec.host);
+                match w.side.connect(addr.as_str()) {
+                    Ok(peer) => {
+                        tracing::info!(rank = r, %peer, %addr, "handshake done");
+                        handshakes += 1;
+                    }
+                    Err(e) => errors.push(format!("decode worker {r} -> {addr}: {e}")),
+                }
+            }
+        }
+        if errors.is_empty() {
+            self.out.emit(&Event::Connected { handshakes });
+        } else {
+            self.error(errors.join("; "));
+        }
+    }
+
+    fn prefill(&mut self, req: u64, key: Key, tokens: u64, seed: u64, delay_ns: Option<u64>) {
+        if self.role != Role::Prefill {
+            return self.error("prefill: this is the decode worker".into());
+        }
+        let n = blocks_for(tokens, self.spec.p_block) as usize;
+        if self.pool.free.len() < n * self.groups {
+            let free = self.pool.free.len();
+            return self.error(format!("request {req}: {} blocks needed, {free} free", n * self.groups));
+        }
+        let blocks: BlockLists = (0..self.groups).filter_map(|_| self.pool.take(n)).collect();
+        let _ = self.jobs.send((req, blocks.clone(), tokens, seed));
+        self.by_key.insert(key, req);
+        self.reqs.insert(
+            req,
+            Req {
+                key,
+                tokens,
+                seed,
+                blocks,
+                delay_ns,
+                engine_ns: 0,
+                released: 0,
+                expected: self.workers.len(),
+                reported: 0,
+                failure: None,
+                hold_verify: false,
+            },
+        );
+    }
+
+    /// P: `request_finished` on every worker; returns the ready timestamp.
+    fn finish(&mut self, req: u64) -> Option<Event> {
+        let r = self.reqs.get_mut(&req)?;
+        // The lists are built before the clock starts: an engine hands over lists it owns.
+        let lists: Vec<BlockLists> = self.workers.iter().map(|_| r.blocks.clone()).collect();
+        let at_us = now_us();
+        let t0 = Instant::now();
+        let mut err = None;
+        for (w, ids) in self.workers.iter().zip(lists) {
+            if let Err(e) = w.engine.request_finished(r.key, ids, r.tokens) {
+                err = Some(format!("request {req}: request_finished: {e}"));
+            }
+        }
+        r.engine_ns += t0.elapsed().as_nanos() as u64;
+        let engine_ns = std::mem::take(&mut r.engine_ns);
+        let blocks = r.blocks.clone();
+        if let Some(e) = err {
+            self.error(e);
+            return None;
+        }
+        Some(Event::Ready { req, at_us, engine_ns, blocks })
+    }
+
+    fn go(&mut self, registrations: u64, timeout_ms: u64) {
+        let count = |s: &Self| s.workers.iter().map(|w| w.engine.stats().counters.registrations).sum::<u64>();
+        let deadline = Instant::now() + Duration::from_millis(timeout_ms);
+        while count(self) < registrations && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        // Registrations to more ranks than counted may still be on their way: let them settle.
+        let mut last = count(self);
+        loop {
+            std::thread::sleep(Duration::from_millis(2));
+            let now = count(self);
+            if now == last || Instant::now() > deadline {
+                break;
+            }
+            last = now;
+        }
+        let held = std::mem::take(&mut self.held);
+        let events: Vec<Event> = held.into_iter().filter_map(|req| self.finish(req)).collect();
+        for ev in &events {
+            self.out.emit(ev);
+        }
+    }
+
+    fn decode(
+        &mut self,
+        req: u64,
+        key: Key,
+        tokens: u64,
+        seed: u64,
+        remote_blocks: Option<BlockLists>,
+        hold_verify: bool,
+    ) {
+        if self.role != Role::Decode {
+            return self.error("decode: this is the prefill worker".into());
+        }
+        let n = blocks_for(tokens, self.spec.d_block) as usize;
+        if self.pool.free.len() < n * self.groups {
+            let free = self.pool.free.len();
+            return self.error(format!("request {req}: {} blocks needed, {free} free", n * self.groups));
+        }
+        let blocks: BlockLists = (0..self.groups).filter_map(|_| self.pool.take(n)).collect();
+        let lists: Vec<(BlockLists, Option<BlockLists>)> =
+            self.workers.iter().map(|_| (blocks.clone(), remote_blocks.clone())).collect();
+        let t0 = Instant::now();
+        let (mut expected, mut failure) = (0, None);
+        for (w, (local, remote)) in self.workers.iter().zip(lists) {
+            let r = match (self.mode, remote) {
+                (Mode::Push, _) => w.engine.blocks_allocated(key, "prefill", local, tokens),
+                (Mode::Pull, Some(remote)) => w.engine.start_pull(key, "prefill", remote, local, tokens),
+                (Mode::Pull, None) => {
+                    failure = Some("pull mode needs the prefill block ids".to_string());
+                    continue;
+                }
+            };
+            match r {
+                Ok(()) => expected += 1,
+                Err(e) => failure = Some(format!("{}: {e}", w.engine.addr())),
+            }
+        }
+        let engine_ns = t0.elapsed().as_nanos() as u64;
+        self.by_key.insert(key, req);
+        self.reqs.insert(
+            req,
+            Req {
+                key,
+                tokens,
+                seed,
+                blocks,
+                delay_ns: None,
+                engine_ns,
+                released: 0,
+                expected,
+                reported: 0,
+                failure,
+                hold_verify,
+            },
+        );
+        if hold_verify {
+            self.hold_open += 1;
+        }
+        self.out.emit(&Event::Registered { req });
+        if expected == 0 {
+            self.d_outcome(req);
+        }
+    }
+
+    /// D: every worker reported the request; verify it or report the failure.
+    fn d_outcome(&mut self, req: u64) {
+        let at_us = now_us();
+        let Some(r) = self.reqs.get(&req) else { return };
+        if r.hold_verify {
+            self.hold_open -= 1;
+        }
+        if let Some(reason) = r.failure.clone() {
+            let r = self.reqs.remove(&req).expect("present");
+            self.by_key.remove(&r.key);
+            self.pool.give(r.blocks.into_iter().flatten());
+            self.out.emit(&Event::Failed { req, at_us, reason, engine_ns: r.engine_ns });
+        } else if r.hold_verify {
+            self.hold_done.push((req, at_us));
+        } else {
+            self.arrived.insert(req, at_us);
+            let _ = self.jobs.send((req, r.blocks.clone(), r.tokens, r.seed));
+        }
+        if self.hold_open == 0 && !self.hold_done.is_empty() {
+            for (req, at) in std::mem::take(&mut self.hold_done) {
+                if let Some(r) = self.reqs.get(&req) {
+                    self.arrived.insert(req, at);
+                    let _ = self.jobs.send((req, r.blocks.clone(), r.tokens, r.seed));
+                }
+            }
+        }
+    }
+
+    /// Timed events, engine results, helper results, reference progress.
+    fn step(&mut self) {
+        // Fills (P) and verifications (D).
+        while let Ok((req, res)) = self.results.try_recv() {
+            match self.role {
+                Role::Prefill => {
+                    if let Err(e) = res {
+                        self.error(format!("prefill of request {req} failed: {e}"));
+                        continue;
+                    }
+                    match self.reqs.get(&req).map(|r| r.delay_ns) {
+                        Some(Some(ns)) => {
+                            self.due.push(std::cmp::Reverse((Instant::now() + Duration::from_nanos(ns), req)))
+                        }
+                        Some(None) => {
+                            self.held.push(req);
+                            self.out.emit(&Event::Filled { req });
+                        }
+                        None => {}
+                    }
+                }
+                Role::Decode => {
+                    let Some(r) = self.reqs.remove(&req) else { continue };
+                    self.by_key.remove(&r.key);
+                    let at_us = self.arrived.remove(&req).unwrap_or_else(now_us);
+                    self.pool.give(r.blocks.into_iter().flatten());
+                    let ev = match res {
+                        Ok(v) => Event::Received {
+                            req,
+                            at_us,
+                            verified_bytes: v.bytes,
+                            ok: v.ok(),
+                            detail: (!v.ok()).then(|| {
+                                format!(
+                                    "{} of the elements differ (checksum {:#x}, expected {:#x})",
+                                    v.mismatched_elements, v.found, v.expected
+                                )
+                            }),
+                            engine_ns: r.engine_ns,
+                        },
+                        Err(e) => Event::Received {
+                            req,
+                            at_us,
+                            verified_bytes: 0,
+                            ok: false,
+                            detail: Some(format!("cannot verify: {e}")),
+                            engine_ns: r.engine_ns,
+                        },
+                    };
+                    self.out.emit(&ev);
+                }
+            }
+        }
+        // Prefills whose time came.
+        while let Some(std::cmp::Reverse((at, req))) = self.due.peek().copied() {
+            if at > Instant::now() {
+                break;
+            }
+            self.due.pop();
+            if let Some(ev) = self.finish(req) {
+                self.out.emit(&ev);
+            }
+        }
+        // Engine results.
+        let workers = Arc::clone(&self.workers);
+        for w in workers.iter() {
+            self.finished.clear();
+            let t0 = Instant::now();
+            let n = w.engine.poll(&mut self.finished);
+            if n == 0 {
+                continue;
+            }
+            let share = t0.elapsed().as_nanos() as u64 / n as u64;
+            for f in std::mem::take(&mut self.finished) {
+                self.finished_one(f, share);
+            }
+        }
+        // The reference agent, while D serves it (no progress thread: it must be polled).
+        if let Some(c) = self.ceiling.as_ref().filter(|c| c.serving) {
+            let mut v = Vec::new();
+            let _ = c.transport.take_notifications(&mut v);
+        }
+    }
+
+    fn finished_one(&mut self, f: Finished, share: u64) {
+        let key = match &f {
+            Finished::Sent { key, .. }
+            | Finished::Received { key }
+            | Finished::Failed { key, .. }
+            | Finished::Ended { key } => *key,
+        };
+        let Some(&req) = self.by_key.get(&key) else {
+            tracing::debug!(%key, "result for an unknown request");
+            return;
+        };
+        let workers = self.workers.len();
+        let Some(r) = self.reqs.get_mut(&req) else { return };
+        r.engine_ns += share;
+        match f {
+            Finished::Sent { reason, .. } if self.role == Role::Prefill => {
+                r.released += 1;
+                if r.released == workers {
+                    let r = self.reqs.remove(&req).expect("present");
+                    self.by_key.remove(&key);
+                    self.pool.give(r.blocks.into_iter().flatten());
+                    self.out.emit(&Event::Sent { req, reason: format!("{reason:?}"), engine_ns: r.engine_ns });
+                }
+            }
+            Finished::Received { .. } if self.role == Role::Decode => {
+                r.reported += 1;
+                if r.reported == r.expected {
+                    self.d_outcome(req);
+                }
+            }
+            Finished::Failed { reason, .. } if self.role == Role::Decode => {
+                r.reported += 1;
+                r.failure.get_or_insert(reason);
+                if r.reported == r.expected {
+                    self.d_outcome(req);
+                }
+            }
+            Finished::Ended { .. } if self.role == Role::Decode => {
+                r.reported += 1;
+                r.failure.get_or_insert_with(|| "ended without data".into());
+                if r.reported == r.expected {
+                    self.d_outcome(req);
+                }
+            }
+            other => tracing::warn!(role = %self.role, ?other, "unexpected engine result"),
+        }
+    }
+
+    fn ceiling_setup(&mut self, bytes: u64) -> Result<Event, String> {
+        if bytes == 0 || bytes > CEILING_MAX_BYTES {
+            return Err(format!("{bytes} bytes: must be 1..={CEILING_MAX_BYTES}"));
+        }
+        if let Some(c) = self.ceiling.take() {
+            let _ = c.transport.deregister(&c.region);
+        }
+        let agent = format!("{}/ceiling", self.role.engine_id());
+        let cfg = NixlConfig { agent_name: agent.clone(), backend: self.spec.backend.clone(), params: vec![] };
+        let transport = NixlTransport::new(&cfg).map_err(|e| e.to_string())?;
+        let buffer = self.dev.alloc(bytes).map_err(|e| e.to_string())?;
+        // Resident pages on both sides, and P's bytes recognisable on D.
+        let byte = if self.role == Role::Prefill { CEILING_BYTE } else { 0 };
+        pretouch(std::slice::from_ref(&buffer), byte)?;
+        let region = self.dev.describe(buffer.region().addr, bytes).map_err(|e| e.to_string())?;
+        // SAFETY: `buffer` is owned by the `Ceiling` that also owns `transport`; `CeilingEnd` (and
+        // `shutdown`) deregister the region before the buffer is dropped. Only the reference WRITE
+        // touches it while it is registered.
+        unsafe { transport.register(&region) }.map_err(|e| e.to_string())?;
+        let metadata = hex(&transport.local_metadata().map_err(|e| e.to_string())?);
+        self.ceiling = Some(Ceiling { transport, region, buffer, serving: false });
+        Ok(Event::CeilingReady { agent, metadata, addr: region.addr })
+    }
+
+    fn ceiling_run(&mut self, metadata: &str, remote_addr: u64, bytes: u64, repeats: u32) -> Result<Event, String> {
+        let c = self.ceiling.as_ref().ok_or("no reference agent (ceiling_setup first)")?;
+        if bytes > c.region.len {
+            return Err(format!("{bytes} bytes asked, the buffer has {}", c.region.len));
+        }
+        let peer = c.transport.load_remote(&unhex(metadata)?).map_err(|e| e.to_string())?;
+        let desc = [Desc { local: c.region.addr, remote: remote_addr, len: bytes }];
+        let mut seconds = Vec::new();
+        for i in 0..repeats.max(1) {
+            let t0 = Instant::now();
+            let id = c.transport.post(Op::Write, &peer, &desc, Some(b"kvpush-ceiling")).map_err(|e| e.to_string())?;
+            loop {
+                match c.transport.poll(id).map_err(|e| e.to_string())? {
+                    XferState::Done => break,
+                    XferState::Pending => {}
+                }
+                if t0.elapsed() > Duration::from_secs(120) {
+                    return Err(format!("WRITE {i} of {bytes} bytes did not finish in 120 s"));
+                }
+                std::hint::spin_loop();
+            }
+            seconds.push(t0.elapsed().as_secs_f64());
+        }
+        let best = seconds.iter().copied().fold(f64::INFINITY, f64::min);
+        Ok(Event::CeilingResult { gbps: bytes as f64 / best / 1e9, seconds })
+    }
+
+    fn shutdown(mut self) {
+        if let Some(c) = self.ceiling.take() {
+            let _ = c.transport.deregister(&c.region);
+        }
+        let (tx, _) = unbounded();
+        drop(std::mem::replace(&mut self.jobs, tx));
+        if let Some(h) = self.helper.take() {
+            let _ = h.join();
+        }
+        // Engines stop (writer threads joined, memory deregistered) before their buffers are unmapped.
+        drop(self.workers);
+    }
+}
+
+/// The byte P's reference buffer holds (D checks it arrived).
+const CEILING_BYTE: u8 = 0xa5;
