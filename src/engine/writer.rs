@@ -24,9 +24,8 @@ use crate::transport::{Desc, Notification, Op, XferId, XferState};
 
 /// Longest sleep when idle (bounds the reaction to a missed wake to this).
 const IDLE_WAIT: Duration = Duration::from_millis(100);
-/// First and last polling interval while transfers are in flight on a polled transport.
+/// First polling interval while waiting for a peer on a polled transport.
 const POLL_MIN: Duration = Duration::from_micros(10);
-const POLL_MAX: Duration = Duration::from_micros(25);
 /// Longest polling interval while only waiting for a peer's notification (a polled transport).
 const POLL_WAITING_MAX: Duration = Duration::from_millis(1);
 
@@ -115,10 +114,21 @@ impl Writer {
         }
         loop {
             let wait = self.next_wait();
-            let first = match self.rx.recv_timeout(wait) {
-                Ok(cmd) => Some(cmd),
-                Err(RecvTimeoutError::Timeout) => None,
-                Err(RecvTimeoutError::Disconnected) => return,
+            let first = if wait.is_zero() {
+                // Our transfers are moving on a polled transport: every poll moves them along, so
+                // poll back to back (yielding the core) until they finish; never when idle.
+                std::thread::yield_now();
+                match self.rx.try_recv() {
+                    Ok(cmd) => Some(cmd),
+                    Err(crossbeam_channel::TryRecvError::Empty) => None,
+                    Err(crossbeam_channel::TryRecvError::Disconnected) => return,
+                }
+            } else {
+                match self.rx.recv_timeout(wait) {
+                    Ok(cmd) => Some(cmd),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
             };
             // Clear before looking for work: a completion after this point rings again.
             self.shared.shards[self.index].wake.clear();
@@ -154,12 +164,12 @@ impl Writer {
         }
         if self.shared.transport.needs_polling() {
             // A polled transport (NIXL without a progress thread) moves data and delivers
-            // notifications only when asked. While our own transfers are in flight, poll at most
-            // POLL_MAX apart (each poll is what moves a large transfer along); while we merely wait
-            // for a peer's notification or read, back off to POLL_WAITING_MAX. With nothing
-            // expected, sleep until the next deadline.
+            // notifications only when asked. While our own transfers are in flight, poll back to
+            // back (each poll is what moves a large transfer along; measured: a 25 µs gap between
+            // polls halves the bandwidth); while we merely wait for a peer's notification or read,
+            // back off up to POLL_WAITING_MAX. With nothing expected, sleep until the next deadline.
             if self.inflight.values().any(|f| !f.orphaned) {
-                wait = wait.min(self.poll_interval.min(POLL_MAX));
+                wait = Duration::ZERO;
             } else if !self.inflight.is_empty() || self.comp.pending() > 0 || !self.grants.is_empty() {
                 wait = wait.min(self.poll_interval);
             }
