@@ -11,4 +11,5 @@ pub mod doctor;
 pub mod engine;
 pub mod pool;
 pub mod proto;
+pub mod router;
 pub mod transport;

@@ -29,6 +29,9 @@ enum Command {
     /// Print what kvpush finds on this machine (NIXL and its plugins, the backends that start, the
     /// device KVPUSH_DEVICE resolves to, the side-channel port, EFA) and what to fix.
     Doctor(DoctorArgs),
+    /// Serve an OpenAI-compatible P/D router in front of prefill and decode servers: in push mode it sends
+    /// both legs of every request at once (docs/router.md).
+    Router(kvpush::router::RouterArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -158,6 +161,7 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     match cli.command {
+        Command::Router(a) => kvpush::router::run(a),
         Command::Doctor(a) => {
             let opts = kvpush::doctor::DoctorOptions { host: a.host, port: a.port, backends: a.backends };
             let findings = kvpush::doctor::run(&opts);

@@ -1,0 +1,273 @@
+//! The body the router sends to clients: either a small body it made itself (errors, /health, /metrics)
+//! or the decode leg's body relayed frame by frame as it arrives ([`Relay`]).
+//!
+//! The relay is also where the push-mode request ends: it watches the prefill leg still running beside
+//! the decode stream (a prefill failure before D's first byte ends the stream with an error), times D's
+//! silences, records TTFT and the decode leg's duration, and — when the client goes away and hyper drops
+//! the body — aborts the prefill leg and, by dropping D's body, closes the decode connection.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use serde_json::Value;
+use tokio::task::JoinHandle;
+use tokio::time::Sleep;
+use tracing::warn;
+
+use super::metrics::ErrorKind;
+use super::upstream::{Lease, LegError};
+use super::Shared;
+
+/// Error type of [`ProxyBody`]: ends the client's connection abruptly (used only where no in-band error
+/// can be sent).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What the prefill task returns: P's parsed JSON response, or why the leg failed.
+pub(crate) type PrefillResult = Result<Value, LegError>;
+
+/// The response body type of every router response.
+#[derive(Debug)]
+pub struct ProxyBody(Inner);
+
+#[derive(Debug)]
+enum Inner {
+    Full(Option<Bytes>),
+    Relay(Box<Relay>),
+}
+
+impl ProxyBody {
+    pub(crate) fn full(b: impl Into<Bytes>) -> Self {
+        let b = b.into();
+        ProxyBody(Inner::Full(if b.is_empty() { None } else { Some(b) }))
+    }
+
+    pub(crate) fn relay(r: Relay) -> Self {
+        ProxyBody(Inner::Relay(Box::new(r)))
+    }
+
+    /// Keeps `flight` alive as long as a relayed body is (a small body drops it at once).
+    pub(crate) fn hold(&mut self, flight: InFlight) {
+        if let Inner::Relay(r) = &mut self.0 {
+            r.flight = Some(flight);
+        }
+    }
+}
+
+/// Counts a client request in `kvpush_router_in_flight` while alive.
+#[derive(Debug)]
+pub(crate) struct InFlight(Arc<Shared>);
+
+impl InFlight {
+    pub(crate) fn new(s: Arc<Shared>) -> Self {
+        s.metrics.in_flight(1);
+        InFlight(s)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.metrics.in_flight(-1);
+    }
+}
+
+impl Body for ProxyBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match &mut self.0 {
+            Inner::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            Inner::Relay(r) => r.poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.0 {
+            Inner::Full(b) => b.is_none(),
+            Inner::Relay(r) => r.state == State::Done,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.0 {
+            Inner::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
+            Inner::Relay(r) if !r.sse => r.upstream.size_hint(),
+            Inner::Relay(_) => SizeHint::default(),
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum State {
+    Streaming,
+    Done,
+}
+
+/// The decode leg's body on its way to the client.
+#[derive(Debug)]
+pub(crate) struct Relay {
+    shared: Arc<Shared>,
+    upstream: Incoming,
+    /// The response is an SSE stream: errors are sent in band as a `data: {"error": ...}` event.
+    sse: bool,
+    /// When the router received the client's request (TTFT is measured from here).
+    received: Instant,
+    /// When the decode leg was sent.
+    decode_sent: Instant,
+    first_byte: bool,
+    idle: Duration,
+    idle_timer: Pin<Box<Sleep>>,
+    /// The prefill leg still running (push mode, D answered first).
+    prefill: Option<JoinHandle<PrefillResult>>,
+    /// D's outstanding count, held until the body ends or is dropped.
+    lease: Option<Lease>,
+    /// Whether D's 2xx response counts toward the decode leg histogram.
+    success: bool,
+    state: State,
+    /// The body ended (normally or with an error already counted): dropping it is no disconnect.
+    finished: bool,
+    flight: Option<InFlight>,
+}
+
+impl Relay {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        upstream: Incoming,
+        sse: bool,
+        received: Instant,
+        decode_sent: Instant,
+        prefill: Option<JoinHandle<PrefillResult>>,
+        lease: Lease,
+        success: bool,
+    ) -> Self {
+        let idle = shared.config.stream_idle_timeout;
+        Relay {
+            shared,
+            upstream,
+            sse,
+            received,
+            decode_sent,
+            first_byte: false,
+            idle,
+            idle_timer: Box::pin(tokio::time::sleep(idle)),
+            prefill,
+            lease: Some(lease),
+            success,
+            state: State::Streaming,
+            finished: false,
+            flight: None,
+        }
+    }
+
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.state == State::Done {
+            return Poll::Ready(None);
+        }
+        if let Some(task) = &mut self.prefill {
+            if let Poll::Ready(joined) = Pin::new(task).poll(cx) {
+                self.prefill = None;
+                let result = joined.unwrap_or_else(|e| {
+                    Err(LegError::Broken { url: "prefill task".to_owned(), detail: e.to_string() })
+                });
+                if let Err(e) = result {
+                    if self.first_byte {
+                        warn!(error = ?e, "prefill leg failed after the decode leg's first byte; stream kept");
+                    } else {
+                        let (_, message) = super::proxy::leg_error_message(super::proxy::Leg::Prefill, &e);
+                        return self.fail(None, format!("{message}; the decode leg was cancelled"));
+                    }
+                }
+            }
+        }
+        match Pin::new(&mut self.upstream).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                let idle = self.idle;
+                self.idle_timer.as_mut().reset(tokio::time::Instant::now() + idle);
+                if let Some(data) = frame.data_ref() {
+                    if !data.is_empty() && !self.first_byte {
+                        self.first_byte = true;
+                        self.shared.metrics.ttft.observe(self.received.elapsed());
+                    }
+                }
+                return Poll::Ready(Some(Ok(frame)));
+            }
+            Poll::Ready(Some(Err(e))) => {
+                let url = self.lease.as_ref().map(|l| l.instance().base.clone()).unwrap_or_default();
+                let detail = super::upstream::error_chain(&e);
+                return self.fail(Some(ErrorKind::DecodeBroken), format!("decode stream from {url} broke: {detail}"));
+            }
+            Poll::Ready(None) => {
+                if self.success {
+                    self.shared.metrics.decode_leg.observe(self.decode_sent.elapsed());
+                }
+                self.finished = true;
+                self.state = State::Done;
+                self.lease = None;
+                self.flight = None;
+                return Poll::Ready(None);
+            }
+            Poll::Pending => {}
+        }
+        if self.idle_timer.as_mut().poll(cx).is_ready() {
+            let secs = self.idle.as_secs_f64();
+            let url = match &self.lease {
+                Some(l) => {
+                    l.instance().mark_down(&format!("decode stream silent for {secs:.1} s"));
+                    l.instance().base.clone()
+                }
+                None => String::new(),
+            };
+            return self
+                .fail(Some(ErrorKind::DecodeStreamIdle), format!("decode stream from {url} silent for {secs:.1} s"));
+        }
+        Poll::Pending
+    }
+
+    /// Ends the stream with an error: an SSE error event (then `[DONE]`) for an event stream, an aborted
+    /// connection otherwise. Counts `kind` (a prefill failure was counted by its leg).
+    fn fail(&mut self, kind: Option<ErrorKind>, message: String) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(k) = kind {
+            self.shared.metrics.error(k);
+        }
+        warn!(%message, "decode stream ended with an error");
+        self.finished = true;
+        self.lease = None;
+        self.flight = None;
+        self.state = State::Done;
+        if let Some(task) = self.prefill.take() {
+            task.abort();
+        }
+        if self.sse {
+            let code = kind.map_or("prefill_failed", ErrorKind::as_str);
+            let err = super::proxy::error_json(&message, "server_error", code);
+            let mut event = Vec::with_capacity(err.len() + 32);
+            event.extend_from_slice(b"data: ");
+            event.extend_from_slice(&err);
+            event.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))))
+        } else {
+            Poll::Ready(Some(Err(message.into())))
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        if !self.finished {
+            // The client went away mid-body: the decode leg closes as `upstream` drops with us.
+            self.shared.metrics.error(ErrorKind::ClientDisconnect);
+            if let Some(task) = self.prefill.take() {
+                task.abort();
+            }
+        }
+        // A prefill leg still running after a complete decode response is left to finish on its own: its
+        // KV was already used, and it ends within the prefill timeout.
+    }
+}

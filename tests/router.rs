@@ -1,0 +1,1002 @@
+//! `kvpush router` against fake P and D servers (real HTTP on 127.0.0.1, ephemeral ports): push and pull
+//! mode, both legs provably concurrent in push mode, kv_transfer_params on both legs, SSE passthrough
+//! chunk by chunk, status and error passthrough, a failed leg cancelling the other, client disconnects
+//! aborting both legs, dead and hung servers leaving the rotation and coming back, least-outstanding
+//! selection, /health, /metrics, the startup mode check, the configuration and the CLI help.
+
+#![allow(clippy::unwrap_used)]
+
+#[path = "router/fake.rs"]
+mod fake;
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use fake::*;
+use http_body_util::BodyExt;
+use kvpush::router::{self, Config, InstanceConfig, RouterArgs, RouterError, RouterHandle, TransferMode};
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, Notify, Semaphore};
+
+/// Transfer ids whose decode leg reached the fake D, so a fake P can wait for its D.
+#[derive(Default)]
+struct Arrivals {
+    ids: Mutex<HashSet<String>>,
+    notify: Notify,
+}
+
+impl Arrivals {
+    fn arrive(&self, s: &Seen) {
+        self.ids.lock().unwrap().insert(tid(s));
+        self.notify.notify_waiters();
+    }
+
+    /// Waits until D saw `id` (false after 5 s).
+    async fn wait(&self, id: &str) -> bool {
+        let fut = async {
+            loop {
+                let n = self.notify.notified();
+                if self.ids.lock().unwrap().contains(id) {
+                    return;
+                }
+                n.await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), fut).await.is_ok()
+    }
+}
+
+fn tid(s: &Seen) -> String {
+    s.json["kv_transfer_params"]["transfer_id"].as_str().unwrap_or_default().to_owned()
+}
+
+fn p_instance(f: &Fake) -> InstanceConfig {
+    InstanceConfig {
+        url: f.url.clone(),
+        engine_id: Some("p-engine-0".into()),
+        side_channel_host: Some("p0.example".into()),
+        side_channel_port: Some(5601),
+        tp_size: Some(2),
+        pp_size: Some(1),
+    }
+}
+
+fn config(mode: TransferMode, p: &[&Fake], d: &[&Fake]) -> Config {
+    let mut c = Config::new(
+        mode,
+        p.iter().map(|f| p_instance(f)).collect(),
+        d.iter().map(|f| InstanceConfig::new(f.url.clone())).collect(),
+    );
+    c.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    c.health_interval = Duration::from_millis(100);
+    c.probe_timeout = Duration::from_millis(500);
+    c.connect_timeout = Duration::from_millis(500);
+    c
+}
+
+async fn start(c: Config) -> (RouterHandle, String) {
+    let h = router::start(c).await.expect("router starts");
+    let base = format!("http://{}", h.local_addr());
+    (h, base)
+}
+
+fn body_json(b: &Bytes) -> Value {
+    serde_json::from_slice(b).unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(b)))
+}
+
+/// A fake P that answers only after the fake D saw the same transfer id (500 after 5 s otherwise), and
+/// records when it answered.
+fn waiting_prefill(arrivals: Arc<Arrivals>, answered: Arc<Mutex<Vec<Instant>>>) -> Handler {
+    handler(move |s: Seen| {
+        let (arrivals, answered) = (arrivals.clone(), answered.clone());
+        async move {
+            if !arrivals.wait(&tid(&s)).await {
+                return json_reply(500, &json!({"error": {"message": "the decode leg never arrived"}}));
+            }
+            answered.lock().unwrap().push(Instant::now());
+            json_reply(200, &json!({"choices": [{"text": "x"}], "kv_transfer_params": null}))
+        }
+    })
+}
+
+/// A fake D that records arrivals and answers a completion.
+fn recording_decode(arrivals: Arc<Arrivals>, text: &'static str) -> Handler {
+    handler(move |s: Seen| {
+        let arrivals = arrivals.clone();
+        async move {
+            arrivals.arrive(&s);
+            json_reply(200, &completion(text))
+        }
+    })
+}
+
+async fn metrics(base: &str) -> String {
+    get(&client(), &format!("{base}/metrics")).await.2
+}
+
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("no series {series} in\n{text}"))
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_sends_both_legs_at_once_with_their_kv_transfer_params() {
+    let arrivals = Arc::new(Arrivals::default());
+    let answered = Arc::new(Mutex::new(Vec::new()));
+    let p = Fake::start(None, waiting_prefill(arrivals.clone(), answered.clone())).await;
+    let d = Fake::start(None, recording_decode(arrivals.clone(), "decoded")).await;
+    let (_r, base) = start(config(TransferMode::Push, &[&p], &[&d])).await;
+    let c = client();
+
+    for (path, req) in [
+        ("/v1/completions", json!({"model": "m", "prompt": "hello", "max_tokens": 20, "min_tokens": 2})),
+        (
+            "/v1/chat/completions",
+            json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 20}),
+        ),
+    ] {
+        let resp = within(10.0, "the response", post(&c, &format!("{base}{path}"), req.to_string())).await;
+        let (status, _, body) = read_all(resp).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(body_json(&body), completion("decoded"), "the client gets D's response");
+    }
+
+    let (ps, ds) = (p.requests(), d.requests());
+    assert_eq!((ps.len(), ds.len()), (2, 2));
+    let answered = answered.lock().unwrap().clone();
+    for i in 0..2 {
+        let (pr, dr) = (&ps[i], &ds[i]);
+        assert_eq!(pr.path, dr.path);
+        // Concurrency: D received its request before P answered (P waited for exactly that).
+        assert!(dr.at < answered[i], "D's request arrived after P answered");
+        let id = tid(pr);
+        assert_eq!(id.len(), 32, "128-bit hex transfer id: {id}");
+        assert!(id.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_eq!(pr.json["kv_transfer_params"], json!({"do_remote_decode": true, "transfer_id": id}));
+        assert_eq!(pr.json["max_tokens"], 1);
+        assert_eq!(pr.json["stream"], false);
+        assert_eq!(
+            dr.json["kv_transfer_params"],
+            json!({
+                "do_remote_prefill": true, "transfer_id": id, "remote_engine_id": "p-engine-0",
+                "remote_host": "p0.example", "remote_port": 5601, "tp_size": 2, "pp_size": 1,
+            })
+        );
+        // Both legs carry the same X-Request-Id (stock vLLM pairs push legs by it).
+        assert_eq!(pr.headers["x-request-id"], dr.headers["x-request-id"]);
+    }
+    assert_eq!(ps[0].json["prompt"], "hello");
+    assert!(ps[0].json.get("min_tokens").is_none(), "min_tokens would conflict with max_tokens 1 on P");
+    assert_eq!(ds[0].json["max_tokens"], 20);
+    assert_eq!(ds[0].json["min_tokens"], 2);
+    assert_eq!(ps[1].json["max_completion_tokens"], 1);
+    assert_eq!(ds[1].json["max_completion_tokens"], 20);
+    assert_ne!(tid(&ps[0]), tid(&ps[1]), "a fresh transfer id per request");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_streams_sse_chunks_through_as_they_arrive() {
+    let arrivals = Arc::new(Arrivals::default());
+    let answered = Arc::new(Mutex::new(Vec::new()));
+    let p = Fake::start(None, waiting_prefill(arrivals.clone(), answered)).await;
+    // D sends chunk i, then waits for the test to confirm the client got it before sending chunk i+1.
+    let (ack_tx, ack_rx) = mpsc::unbounded_channel::<usize>();
+    let ack_rx = Arc::new(tokio::sync::Mutex::new(ack_rx));
+    let d = Fake::start(
+        None,
+        handler(move |s: Seen| {
+            let (arrivals, ack_rx) = (arrivals.clone(), ack_rx.clone());
+            async move {
+                arrivals.arrive(&s);
+                let (reply, tx) = sse_reply();
+                tokio::spawn(async move {
+                    let mut acks = ack_rx.lock().await;
+                    for i in 0..3 {
+                        tx.send(sse_event(&json!({"choices": [{"text": format!("tok{i}")}]}))).await.unwrap();
+                        assert_eq!(acks.recv().await, Some(i));
+                    }
+                    tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await.unwrap();
+                });
+                reply
+            }
+        }),
+    )
+    .await;
+    let (_r, base) = start(config(TransferMode::Push, &[&p], &[&d])).await;
+    let req = json!({"model": "m", "prompt": "hello", "max_tokens": 3, "stream": true});
+    let resp =
+        within(10.0, "the response head", post(&client(), &format!("{base}/v1/completions"), req.to_string())).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let mut body = resp.into_body();
+    let mut text = String::new();
+    for i in 0..3 {
+        while !text.contains(&format!("tok{i}")) {
+            let frame = within(5.0, &format!("chunk {i} before D finished"), body.frame()).await.unwrap().unwrap();
+            text.push_str(&String::from_utf8_lossy(frame.data_ref().unwrap()));
+        }
+        if i == 0 {
+            assert_eq!(metric(&metrics(&base).await, "kvpush_router_in_flight"), 1.0, "a stream is in flight");
+        }
+        ack_tx.send(i).unwrap();
+    }
+    let rest = within(5.0, "the end of the stream", body.collect()).await.unwrap().to_bytes();
+    text.push_str(&String::from_utf8_lossy(&rest));
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    assert_eq!(p.requests()[0].json["stream"], false);
+    assert_eq!(d.requests()[0].json["stream"], true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_sends_prefill_first_then_decode_with_the_params_prefill_returned() {
+    let p_params = json!({
+        "do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": "p-e", "remote_block_ids": [3, 4],
+        "remote_host": "p0.example", "remote_port": 5600, "remote_request_id": "r1", "tp_size": 1,
+    });
+    let answered = Arc::new(Mutex::new(Vec::new()));
+    let answered2 = answered.clone();
+    let pp = p_params.clone();
+    let p = Fake::start(
+        None,
+        handler(move |_s| {
+            let (answered, pp) = (answered2.clone(), pp.clone());
+            async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                answered.lock().unwrap().push(Instant::now());
+                json_reply(200, &json!({"choices": [{"text": "x"}], "kv_transfer_params": pp}))
+            }
+        }),
+    )
+    .await;
+    let d = Fake::start(
+        None,
+        handler(|s: Seen| async move {
+            if s.json["stream"] == true {
+                let (reply, tx) = sse_reply();
+                tokio::spawn(async move {
+                    tx.send(sse_event(&json!({"choices": [{"text": "a"}]}))).await.unwrap();
+                    tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await.unwrap();
+                });
+                reply
+            } else {
+                json_reply(200, &completion("pulled"))
+            }
+        }),
+    )
+    .await;
+    let (_r, base) = start(config(TransferMode::Pull, &[&p], &[&d])).await;
+    let c = client();
+    let req = json!({"model": "m", "prompt": "hello", "max_tokens": 20});
+    let (status, _, body) = read_all(post(&c, &format!("{base}/v1/completions"), req.to_string()).await).await;
+    assert_eq!(status, 200);
+    assert_eq!(body_json(&body), completion("pulled"));
+    let (pr, dr) = (&p.requests()[0], &d.requests()[0]);
+    assert!(dr.at > answered.lock().unwrap()[0], "pull: D only after P answered");
+    let id = tid(pr);
+    assert_eq!(pr.json["kv_transfer_params"], json!({"do_remote_decode": true, "transfer_id": id}));
+    assert_eq!(pr.json["max_tokens"], 1);
+    let mut expected = p_params.clone();
+    expected["transfer_id"] = json!(id);
+    assert_eq!(dr.json["kv_transfer_params"], expected, "D gets what P returned");
+    assert_eq!(dr.json["max_tokens"], 20);
+
+    let req = json!({"model": "m", "prompt": "hello", "stream": true});
+    let (status, headers, body) = read_all(post(&c, &format!("{base}/v1/completions"), req.to_string()).await).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["content-type"], "text/event-stream");
+    assert!(String::from_utf8_lossy(&body).ends_with("data: [DONE]\n\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_without_kv_transfer_params_from_prefill_is_a_clear_error() {
+    let p = Fake::start(None, handler(|_s| async { json_reply(200, &json!({"choices": [{"text": "x"}]})) })).await;
+    let d = Fake::start(None, handler(|_s| async { json_reply(200, &completion("never")) })).await;
+    let (_r, base) = start(config(TransferMode::Pull, &[&p], &[&d])).await;
+    let (status, headers, body) =
+        read_all(post(&client(), &format!("{base}/v1/completions"), r#"{"prompt":"x"}"#).await).await;
+    assert_eq!(status, 502);
+    assert_eq!(headers["x-kvpush-failed-leg"], "prefill");
+    let v = body_json(&body);
+    assert!(v["error"]["message"].as_str().unwrap().contains("no kv_transfer_params"), "{v}");
+    assert_eq!(v["error"]["code"], "prefill_bad_response");
+    assert_eq!(d.count(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_error_status_and_body_pass_through_and_cancel_prefill() {
+    let (cancel_tx, mut cancel_rx) = mpsc::unbounded_channel();
+    // D answers only once P has the request, so that there is a P request to cancel.
+    let p_arrivals = Arc::new(Arrivals::default());
+    let pa = p_arrivals.clone();
+    let p = Fake::start(
+        None,
+        handler(move |s: Seen| {
+            pa.arrive(&s);
+            let probe = DropProbe::new(cancel_tx.clone());
+            async move {
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                probe.done();
+                json_reply(200, &json!({}))
+            }
+        }),
+    )
+    .await;
+    let err = json!({"object": "error", "message": "This model's maximum context length is 16 tokens",
+                     "type": "BadRequestError", "param": null, "code": 400});
+    let err2 = err.clone();
+    let d = Fake::start(
+        None,
+        handler(move |s: Seen| {
+            let (err, p_arrivals) = (err2.clone(), p_arrivals.clone());
+            async move {
+                p_arrivals.wait(&tid(&s)).await;
+                json_reply(400, &err)
+            }
+        }),
+    )
+    .await;
+    let (_r, base) = start(config(TransferMode::Push, &[&p], &[&d])).await;
+    let resp = within(10.0, "response", post(&client(), &format!("{base}/v1/completions"), r#"{"prompt":"x"}"#)).await;
+    let (status, _, body) = read_all(resp).await;
+    assert_eq!(status, 400);
+    assert_eq!(body_json(&body), err, "D's error body passes through unchanged");
+    assert_eq!(within(5.0, "P's request cancelled", cancel_rx.recv()).await, Some(true));
+    assert!(metric(&metrics(&base).await, "kvpush_router_errors_total{kind=\"decode_status\"}") >= 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_prefill_cancels_decode_with_a_clear_error() {
+    let arrivals = Arc::new(Arrivals::default());
+    let a2 = arrivals.clone();
+    let p = Fake::start(
+        None,
+        handler(move |s: Seen| {
+            let arrivals = a2.clone();
+            async move {
+                arrivals.wait(&tid(&s)).await;
+                if s.json["prompt"] == "json" {
+                    json_reply(500, &json!({"error": {"message": "prefill exploded", "type": "InternalServerError"}}))
+                } else {
+                    text_reply(503, "overloaded")
+                }
+            }
+        }),
+    )
+    .await;
+    let (cancel_tx, mut cancel_rx) = mpsc::unbounded_channel();
+    let d = Fake::start(
+        None,
+        handler(move |s: Seen| {
+            arrivals.arrive(&s);
+            let probe = DropProbe::new(cancel_tx.clone());
+            async move {
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                probe.done();
+                json_reply(200, &completion("late"))
+            }
+        }),
+    )
+    .await;
+    let (_r, base) = start(config(TransferMode::Push, &[&p], &[&d])).await;
+    let c = client();
+
+    let resp = within(10.0, "response", post(&c, &format!("{base}/v1/completions"), r#"{"prompt":"json"}"#)).await;
+    let (status, headers, body) = read_all(resp).await;
+    assert_eq!(status, 500);
+    assert_eq!(headers["x-kvpush-failed-leg"], "prefill");
+    assert_eq!(body_json(&body)["error"]["message"], "prefill exploded", "P's JSON error passes through");
+    assert_eq!(within(5.0, "D's request cancelled", cancel_rx.recv()).await, Some(true));
+
+    let resp = within(10.0, "response", post(&c, &format!("{base}/v1/completions"), r#"{"prompt":"text"}"#)).await;
+    let (status, _, body) = read_all(resp).await;
+    assert_eq!(status, 503);
+    let v = body_json(&body);
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("prefill leg failed") && msg.contains("overloaded"), "{v}");
+    assert_eq!(v["error"]["code"], "prefill_status");
+    assert_eq!(v["error"]["type"], "server_error");
+    assert_eq!(within(5.0, "D's request cancelled", cancel_rx.recv()).await, Some(true));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_failing_after_the_decode_stream_started_ends_it_with_an_sse_error() {
+    // P fails only once the client holds D's response head (the router relays it as soon as it has it).
+    let fail_now = Arc::new(Notify::new());
+    let f2 = fail_now.clone();
+    let p = Fake::start(
+        None,
+        handler(move |_s| {
+            let fail_now = f2.clone();
+            async move {
+                fail_now.notified().await;
+                text_reply(500, "prefill worker died")
+            }
+        }),
+    )
+    .await;
+    let (closed_tx, mut closed_rx) = mpsc::unbounded_channel();
+    let d = Fake::start(
+        None,
+        handler(move |_s| {
+            let closed_tx = closed_tx.clone();
+            async move {
+                let (reply, tx) = sse_reply();
+                tokio::spawn(async move {
+                    tx.closed().await;
+                    let _ = closed_tx.send(());
+                });
+                reply
+            }
+        }),
+    )
+    .await;
+    let (_r, base) = start(config(TransferMode::Push, &[&p], &[&d])).await;
+    let req = r#"{"prompt":"x","stream":true}"#;
+    let resp = within(10.0, "response", post(&client(), &format!("{base}/v1/completions"), req)).await;
+    assert_eq!(resp.status(), 200);
+    eventually(5.0, "P has the request", || p.count() == 1).await;
+    fail_now.notify_one();
+    let (_, _, body) = within(10.0, "the stream's end", read_all(resp)).await;
+    let text = String::from_utf8_lossy(&body);
+    assert!(text.starts_with("data: {\"error\""), "{text}");
+    assert!(text.contains("prefill leg failed") && text.contains("the decode leg was cancelled"), "{text}");
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    within(5.0, "D's stream closed", closed_rx.recv()).await;
+}
+
+/// Sends a raw HTTP/1.1 POST and returns the open socket.
+async fn raw_post(base_addr: SocketAddr, body: &str) -> TcpStream {
+    let mut s = TcpStream::connect(base_addr).await.unwrap();
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_mid_stream_aborts_both_legs() {
+    let (p_tx, mut p_rx) = mpsc::unbounded_channel();
+    let p = Fake::start(
+        None,
+        handler(move |_s| {
+            let probe = DropProbe::new(p_tx.clone());
+            async move {
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                probe.done();
+                json_reply(200, &json!({}))
+            }
+        }),
+    )
+    .await;
+    let (d_tx, mut d_rx) = mpsc::unbounded_channel();
+    let d = Fake::start(
+        None,
+        handler(move |_s| {
+            let d_tx = d_tx.clone();
+            async move {
+                let (reply, tx) = sse_reply();
+                tokio::spawn(async move {
+                    for i in 0..1000 {
+                        if tx.send(sse_event(&json!({"choices": [{"text": i}]}))).await.is_err() {
+                            let _ = d_tx.send(i);
+                            return;
+                        }
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                });
+                reply
+            }
+        }),
+    )
+    .await;
+    let (r, base) = start(config(TransferMode::Push, &[&p], &[&d])).await;
+    let mut s = raw_post(r.local_addr(), r#"{"prompt":"x","stream":true}"#).await;
+    let mut buf = vec![0u8; 4096];
+    let mut got = String::new();
+    while !got.contains("data:") {
+        let n = within(5.0, "the first chunk", s.read(&mut buf)).await.unwrap();
+        assert!(n > 0);
+        got.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    eventually(5.0, "P has the request", || p.count() == 1).await;
+    drop(s);
+    assert_eq!(within(5.0, "P's request dropped", p_rx.recv()).await, Some(true));
+    let sent = within(5.0, "D's stream closed", d_rx.recv()).await.unwrap();
+    assert!(sent < 500, "D kept streaming to nobody ({sent} chunks)");
+    let m = metrics(&base).await;
+    assert!(metric(&m, "kvpush_router_errors_total{kind=\"client_disconnect\"}") >= 1.0, "{m}");
+    let mut ok = false;
+    for _ in 0..100 {
+        let m = metrics(&base).await;
+        if m.lines().filter(|l| l.starts_with("kvpush_router_upstream_outstanding")).all(|l| l.ends_with(" 0"))
+            && metric(&m, "kvpush_router_in_flight") == 0.0
+        {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(ok, "outstanding counts and in-flight requests return to 0");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_before_any_answer_aborts_both_legs() {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let hang = |tx: mpsc::UnboundedSender<bool>| {
+        handler(move |_s| {
+            let probe = DropProbe::new(tx.clone());
+            async move {
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                probe.done();
+                json_reply(200, &json!({}))
+            }
+        })
+    };
+    let p = Fake::start(None, hang(tx.clone())).await;
+    let d = Fake::start(None, hang(tx)).await;
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        let (r, _base) = start(config(mode, &[&p], &[&d])).await;
+        let before = p.count() + d.count();
+        let legs = if mode == TransferMode::Push { 2 } else { 1 };
+        let s = raw_post(r.local_addr(), r#"{"prompt":"x"}"#).await;
+        eventually(5.0, "the legs arrive", || p.count() + d.count() == before + legs).await;
+        drop(s);
+        for _ in 0..legs {
+            assert_eq!(within(5.0, "a leg dropped", rx.recv()).await, Some(true), "{mode}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_requests_get_400_and_send_no_leg() {
+    let p = Fake::start(None, handler(|_s| async { json_reply(200, &json!({})) })).await;
+    let d = Fake::start(None, handler(|_s| async { json_reply(200, &completion("x")) })).await;
+    let mut cfg = config(TransferMode::Push, &[&p], &[&d]);
+    cfg.max_body_bytes = 1024;
+    let (_r, base) = start(cfg).await;
+    let c = client();
+    let url = format!("{base}/v1/completions");
+    for (body, needle) in [
+        ("{\"prompt\": ", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object, not an array"),
+        ("\"text\"", "not a string"),
+        ("", "not valid JSON"),
+    ] {
+        let (status, _, b) = read_all(post(&c, &url, body.to_owned()).await).await;
+        assert_eq!(status, 400, "{body}");
+        let v = body_json(&b);
+        assert!(v["error"]["message"].as_str().unwrap().contains(needle), "{body}: {v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+    let (status, _, b) = read_all(post(&c, &url, vec![0xffu8, 0x00, 0x7b]).await).await;
+    assert_eq!(status, 400, "{}", String::from_utf8_lossy(&b));
+    let big = format!("{{\"prompt\": \"{}\"}}", "a".repeat(2000));
+    let (status, _, b) = read_all(post(&c, &url, big).await).await;
+    assert_eq!(status, 413);
+    assert_eq!(body_json(&b)["error"]["code"], "payload_too_large");
+    let (status, _, body) = get(&c, &url).await;
+    assert_eq!(status, 405, "{body}");
+    let (status, _, body) = get(&c, &format!("{base}/v2/nothing")).await;
+    assert_eq!(status, 404);
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["error"]["code"], "not_found");
+    assert_eq!(p.count() + d.count(), 0, "no leg was sent");
+    let m = metrics(&base).await;
+    assert_eq!(metric(&m, "kvpush_router_errors_total{kind=\"bad_request\"}"), 5.0, "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_decode_server_leaves_the_rotation_and_is_probed_back_in() {
+    let p = Fake::start(None, handler(|_s| async { json_reply(200, &json!({})) })).await;
+    let ok = || handler(|_s| async { json_reply(200, &completion("ok")) });
+    let d0 = Fake::start(None, ok()).await;
+    let d1 = Fake::start(None, ok()).await;
+    let d1_addr = d1.addr;
+    let mut cfg = config(TransferMode::Push, &[&p], &[&d0, &d1]);
+    cfg.health_interval = Duration::from_millis(1500);
+    let (_r, base) = start(cfg).await;
+    let c = client();
+    drop(d1);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    for _ in 0..4 {
+        let (status, _, body) = read_all(post(&c, &format!("{base}/v1/completions"), r#"{"prompt":"x"}"#).await).await;
+        assert_eq!(status, 200, "requests keep succeeding: {}", String::from_utf8_lossy(&body));
+    }
+    assert_eq!(d0.count(), 4);
+    let m = metrics(&base).await;
+    assert!(metric(&m, "kvpush_router_errors_total{kind=\"decode_connect\"}") >= 1.0, "{m}");
+    assert!(metric(&m, "kvpush_router_retries_total") >= 1.0, "{m}");
+    let d1_series = format!("kvpush_router_upstream_up{{role=\"decode\",url=\"http://{d1_addr}\"}}");
+    assert_eq!(metric(&m, &d1_series), 0.0);
+    let (status, _, health) = get(&c, &format!("{base}/health")).await;
+    assert_eq!(status, 200, "one D is enough to serve");
+    let h: Value = serde_json::from_str(&health).unwrap();
+    assert_eq!(h["decode"][1]["up"], false);
+    assert!(h["decode"][1]["reason"].as_str().unwrap().contains("connect"), "{h}");
+
+    // Bring it back on the same port: the health probe puts it back in rotation.
+    let d1 = Fake::start_at(d1_addr, None, ok()).await;
+    let start_wait = Instant::now();
+    loop {
+        let (_, _, health) = get(&c, &format!("{base}/health")).await;
+        if serde_json::from_str::<Value>(&health).unwrap()["decode"][1]["up"] == true {
+            break;
+        }
+        assert!(start_wait.elapsed() < Duration::from_secs(5), "not probed back in: {health}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for _ in 0..4 {
+        let (status, _, _) = read_all(post(&c, &format!("{base}/v1/completions"), r#"{"prompt":"x"}"#).await).await;
+        assert_eq!(status, 200);
+    }
+    assert!(d1.count() >= 1, "the revived server gets traffic again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_prefill_server_times_out_leaves_the_rotation_and_comes_back() {
+    // Like real push, D finishes only after P answered the same transfer id.
+    let p_done = Arc::new(Arrivals::default());
+    let hung = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let prefill = |hung: Option<Arc<std::sync::atomic::AtomicBool>>, done: Arc<Arrivals>| {
+        handler(move |s: Seen| {
+            let (hung, done) = (hung.clone(), done.clone());
+            async move {
+                if hung.is_some_and(|h| h.load(std::sync::atomic::Ordering::SeqCst)) {
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                }
+                done.arrive(&s);
+                json_reply(200, &json!({}))
+            }
+        })
+    };
+    let p0 = Fake::start(None, prefill(Some(hung.clone()), p_done.clone())).await;
+    p0.health.store(HEALTH_HANG, std::sync::atomic::Ordering::SeqCst);
+    let p1 = Fake::start(None, prefill(None, p_done.clone())).await;
+    let d = Fake::start(
+        None,
+        handler(move |s: Seen| {
+            let p_done = p_done.clone();
+            async move {
+                p_done.wait(&tid(&s)).await;
+                json_reply(200, &completion("ok"))
+            }
+        }),
+    )
+    .await;
+    let mut cfg = config(TransferMode::Push, &[&p0, &p1], &[&d]);
+    cfg.prefill_timeout = Duration::from_millis(300);
+    cfg.probe_timeout = Duration::from_millis(200);
+    cfg.health_interval = Duration::from_millis(2000);
+    // The hung server answers /v1/kvpush/info (404) at start, then neither completions nor /health.
+    let (_r, base) = start(cfg).await;
+    let c = client();
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        let resp = within(10.0, "response", post(&c, &format!("{base}/v1/completions"), r#"{"prompt":"x"}"#)).await;
+        let (status, headers, body) = read_all(resp).await;
+        if status == 504 {
+            assert_eq!(headers["x-kvpush-failed-leg"], "prefill");
+            let v = body_json(&body);
+            assert_eq!(v["error"]["code"], "prefill_timeout", "{v}");
+            assert!(v["error"]["message"].as_str().unwrap().contains(&p0.url), "{v}");
+        }
+        statuses.push(status.as_u16());
+    }
+    assert_eq!(statuses.iter().filter(|s| **s == 504).count(), 1, "one request hit the hung server: {statuses:?}");
+    assert_eq!(metric(&metrics(&base).await, "kvpush_router_errors_total{kind=\"prefill_timeout\"}"), 1.0);
+    let (_, _, health) = get(&c, &format!("{base}/health")).await;
+    assert_eq!(serde_json::from_str::<Value>(&health).unwrap()["prefill"][0]["up"], false, "{health}");
+
+    hung.store(false, std::sync::atomic::Ordering::SeqCst);
+    p0.health.store(HEALTH_OK, std::sync::atomic::Ordering::SeqCst);
+    let before = p0.count();
+    let t = Instant::now();
+    loop {
+        let (status, _, _) = read_all(post(&c, &format!("{base}/v1/completions"), r#"{"prompt":"x"}"#).await).await;
+        assert_eq!(status, 200);
+        if p0.count() > before {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(8), "P0 never came back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_are_chosen_by_least_outstanding_requests() {
+    let p = Fake::start(None, handler(|_s| async { json_reply(200, &json!({})) })).await;
+    let gated = |gate: Arc<Semaphore>| {
+        handler(move |_s| {
+            let gate = gate.clone();
+            async move {
+                gate.acquire().await.unwrap().forget();
+                json_reply(200, &completion("ok"))
+            }
+        })
+    };
+    let (g0, g1) = (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));
+    let d0 = Fake::start(None, gated(g0.clone())).await;
+    let d1 = Fake::start(None, gated(g1.clone())).await;
+    let (_r, base) = start(config(TransferMode::Push, &[&p], &[&d0, &d1])).await;
+    let c = client();
+    let url = format!("{base}/v1/completions");
+    let send = |n: usize| {
+        let (c, url) = (c.clone(), url.clone());
+        tokio::spawn(async move {
+            let (status, _, _) = read_all(post(&c, &url, format!("{{\"prompt\":\"{n}\"}}")).await).await;
+            status
+        })
+    };
+    let mut tasks = Vec::new();
+    for n in 0..4 {
+        tasks.push(send(n));
+        eventually(5.0, "the request reaches a D", || d0.count() + d1.count() == n + 1).await;
+        let (a, b) = (d0.count(), d1.count());
+        assert!(a.abs_diff(b) <= 1, "balanced while all are outstanding: {a} vs {b}");
+    }
+    assert_eq!((d0.count(), d1.count()), (2, 2));
+    // D1 finishes its two; D0 still holds two: the next two both go to D1.
+    g1.add_permits(2);
+    // Wait until D1's responses are fully relayed (its outstanding count drops to 0).
+    let d1_series = format!("kvpush_router_upstream_outstanding{{role=\"decode\",url=\"{}\"}}", d1.url);
+    let t = Instant::now();
+    while metric(&metrics(&base).await, &d1_series) != 0.0 {
+        assert!(t.elapsed() < Duration::from_secs(5));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let t5 = send(5);
+    eventually(5.0, "request 5 arrives", || d0.count() + d1.count() == 5).await;
+    let t6 = send(6);
+    eventually(5.0, "request 6 arrives", || d0.count() + d1.count() == 6).await;
+    assert_eq!((d0.count(), d1.count()), (2, 4), "both new requests went to the less loaded D1");
+    g0.add_permits(10);
+    g1.add_permits(10);
+    for t in tasks {
+        assert_eq!(within(5.0, "a request completes", t).await.unwrap(), 200);
+    }
+    assert_eq!(t5.await.unwrap(), 200);
+    assert_eq!(t6.await.unwrap(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_and_metrics_report_the_router_and_its_servers() {
+    let arrivals = Arc::new(Arrivals::default());
+    let p = Fake::start(None, waiting_prefill(arrivals.clone(), Arc::new(Mutex::new(Vec::new())))).await;
+    let d = Fake::start(None, recording_decode(arrivals, "ok")).await;
+    let (_r, base) = start(config(TransferMode::Push, &[&p], &[&d])).await;
+    let c = client();
+    let (status, headers, body) = get(&c, &format!("{base}/health")).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["content-type"], "application/json");
+    let h: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(h["status"], "ok");
+    assert_eq!(h["mode"], "push");
+    assert_eq!(h["prefill"][0]["url"], p.url.as_str());
+    assert_eq!(h["decode"][0]["up"], true);
+
+    let (status, _, _) = read_all(post(&c, &format!("{base}/v1/completions"), r#"{"prompt":"x"}"#).await).await;
+    assert_eq!(status, 200);
+    let (status, _, _) = read_all(post(&c, &format!("{base}/v1/chat/completions"), "nope").await).await;
+    assert_eq!(status, 400);
+
+    let (status, headers, m) = get(&c, &format!("{base}/metrics")).await;
+    assert_eq!(status, 200);
+    assert!(headers["content-type"].to_str().unwrap().starts_with("text/plain; version=0.0.4"));
+    assert_eq!(metric(&m, "kvpush_router_requests_total{endpoint=\"/v1/completions\"}"), 1.0);
+    assert_eq!(metric(&m, "kvpush_router_requests_total{endpoint=\"/v1/chat/completions\"}"), 1.0);
+    assert_eq!(metric(&m, "kvpush_router_responses_total{code=\"200\"}"), 2.0, "{m}"); // + the /health above
+    assert_eq!(metric(&m, "kvpush_router_responses_total{code=\"400\"}"), 1.0);
+    assert_eq!(metric(&m, "kvpush_router_errors_total{kind=\"bad_request\"}"), 1.0);
+    assert_eq!(metric(&m, "kvpush_router_errors_total{kind=\"prefill_timeout\"}"), 0.0);
+    assert_eq!(metric(&m, "kvpush_router_leg_duration_seconds_count{leg=\"prefill\"}"), 1.0);
+    assert_eq!(metric(&m, "kvpush_router_leg_duration_seconds_count{leg=\"decode\"}"), 1.0);
+    assert_eq!(metric(&m, "kvpush_router_leg_duration_seconds_bucket{leg=\"decode\",le=\"+Inf\"}"), 1.0);
+    assert_eq!(metric(&m, "kvpush_router_ttft_seconds_count"), 1.0);
+    assert!(metric(&m, "kvpush_router_ttft_seconds_sum") > 0.0);
+    assert_eq!(metric(&m, "kvpush_router_in_flight"), 0.0);
+    let up = format!("kvpush_router_upstream_up{{role=\"prefill\",url=\"{}\"}}", p.url);
+    assert_eq!(metric(&m, &up), 1.0);
+    for family in ["requests_total", "errors_total", "leg_duration_seconds", "ttft_seconds", "upstream_up"] {
+        assert!(m.contains(&format!("# TYPE kvpush_router_{family} ")), "{family}");
+    }
+
+    // With every D failing its health probe, /health turns 503 and requests get a clear 503.
+    d.health.store(HEALTH_503, std::sync::atomic::Ordering::SeqCst);
+    let t = Instant::now();
+    loop {
+        let (status, _, body) = get(&c, &format!("{base}/health")).await;
+        if status == 503 {
+            assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["status"], "unavailable");
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(5));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, _, body) = read_all(post(&c, &format!("{base}/v1/completions"), r#"{"prompt":"x"}"#).await).await;
+    assert_eq!(status, 503);
+    let v = body_json(&body);
+    assert_eq!(v["error"]["code"], "no_decode_instance");
+    assert!(v["error"]["message"].as_str().unwrap().contains("health probe answered 503"), "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn startup_checks_the_mode_and_takes_push_coordinates_from_the_info_endpoint() {
+    let ok = || handler(|_s| async { json_reply(200, &json!({})) });
+    let d = Fake::start(Some(json!({"mode": "push"})), handler(|_s| async { json_reply(200, &completion("x")) })).await;
+
+    // A P that reports pull mode: refused at start, naming the server and both modes.
+    let p_pull = Fake::start(Some(json!({"mode": "pull"})), ok()).await;
+    let err = router::start(config(TransferMode::Push, &[&p_pull], &[&d])).await.unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, RouterError::Startup(_)), "{msg}");
+    assert!(msg.contains("mode mismatch") && msg.contains(&p_pull.url) && msg.contains("`pull`"), "{msg}");
+
+    // A push-mode P with no engine id configured and no info endpoint: refused.
+    let p_bare = Fake::start(None, ok()).await;
+    let mut cfg = config(TransferMode::Push, &[&p_bare], &[&d]);
+    cfg.prefill[0].engine_id = None;
+    let msg = router::start(cfg).await.unwrap_err().to_string();
+    assert!(msg.contains("no engine id") && msg.contains("engine_id=ID"), "{msg}");
+
+    // The same P is fine in pull mode (the engine id travels in P's response there); D says push -> refused.
+    let msg = router::start(config(TransferMode::Pull, &[&p_bare], &[&d])).await.unwrap_err().to_string();
+    assert!(msg.contains("decode server") && msg.contains("`push`"), "{msg}");
+
+    // Coordinates from the info endpoint when the configuration has none.
+    let info = json!({"mode": "push", "engine_id": "from-info", "side_channel_host": "p9.example",
+                      "side_channel_port": 7777, "tp_size": 4, "pp_size": 2});
+    let p_info = Fake::start(Some(info), ok()).await;
+    let mut cfg = config(TransferMode::Push, &[&p_info], &[&d]);
+    cfg.prefill[0] = InstanceConfig::new(p_info.url.clone());
+    let (_r, base) = start(cfg).await;
+    let (status, _, _) = read_all(post(&client(), &format!("{base}/v1/completions"), r#"{"prompt":"x"}"#).await).await;
+    assert_eq!(status, 200);
+    let params = &d.requests()[0].json["kv_transfer_params"];
+    assert_eq!(params["remote_engine_id"], "from-info");
+    assert_eq!(params["remote_host"], "p9.example");
+    assert_eq!(params["remote_port"], 7777);
+    assert_eq!((params["tp_size"].clone(), params["pp_size"].clone()), (json!(4), json!(2)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_down_at_start_joins_later_only_if_its_mode_matches() {
+    let reserve = |()| async {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        l.local_addr().unwrap()
+    };
+    let (a_addr, b_addr) = (reserve(()).await, reserve(()).await);
+    let d = Fake::start(None, handler(|_s| async { json_reply(200, &completion("x")) })).await;
+    let mut cfg = config(TransferMode::Pull, &[], &[&d]);
+    cfg.prefill =
+        vec![InstanceConfig::new(format!("http://{a_addr}")), InstanceConfig::new(format!("http://{b_addr}"))];
+    let (_r, base) = start(cfg).await;
+    let c = client();
+    let (status, _, body) = get(&c, &format!("{base}/health")).await;
+    assert_eq!(status, 503, "no P reachable yet: {body}");
+
+    let ok = || handler(|_s| async { json_reply(200, &json!({"kv_transfer_params": {"remote_block_ids": [1]}})) });
+    let _a = Fake::start_at(a_addr, Some(json!({"mode": "push"})), ok()).await;
+    let _b = Fake::start_at(b_addr, Some(json!({"mode": "pull"})), ok()).await;
+    let t = Instant::now();
+    let h = loop {
+        let (_, _, body) = get(&c, &format!("{base}/health")).await;
+        let h: Value = serde_json::from_str(&body).unwrap();
+        if h["prefill"][1]["up"] == true && h["prefill"][0]["reason"].as_str().unwrap_or("").contains("mismatch") {
+            break h;
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "{h}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(h["prefill"][0]["up"], false, "the push-mode server stays out of a pull router: {h}");
+}
+
+#[test]
+fn config_file_and_flags_resolve_with_flags_winning() {
+    let dir = std::env::temp_dir().join(format!("kvpush-router-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("router.json");
+    std::fs::write(
+        &path,
+        r#"{"listen": "0.0.0.0:9000", "mode": "pull", "health_interval_s": 2.5, "connect_retries": 5,
+            "prefill": [{"url": "http://p0.example:8100", "engine_id": "p0", "side_channel_port": 5601, "tp_size": 8},
+                        "http://p1.example:8100,engine_id=p1"],
+            "decode": ["http://d0.example:8200"]}"#,
+    )
+    .unwrap();
+    let args = RouterArgs { config: Some(path.clone()), ..Default::default() };
+    let c = Config::from_args(&args).unwrap();
+    assert_eq!(c.listen, "0.0.0.0:9000".parse().unwrap());
+    assert_eq!(c.mode, TransferMode::Pull);
+    assert_eq!(c.health_interval, Duration::from_millis(2500));
+    assert_eq!(c.connect_retries, 5);
+    assert_eq!(c.prefill[0].tp_size, Some(8));
+    assert_eq!(c.prefill[1].engine_id.as_deref(), Some("p1"));
+    assert_eq!(c.decode[0].url, "http://d0.example:8200");
+    assert_eq!(c.prefill_timeout, Duration::from_secs(600), "default");
+
+    let args = RouterArgs {
+        config: Some(path.clone()),
+        mode: Some(TransferMode::Push),
+        listen: Some("127.0.0.1:8001".parse().unwrap()),
+        decode: vec!["http://127.0.0.1:8300".into(), "http://127.0.0.1:8301/".into()],
+        health_interval_s: Some(0.25),
+        ..Default::default()
+    };
+    let c = Config::from_args(&args).unwrap();
+    assert_eq!((c.mode, c.listen.port(), c.health_interval), (TransferMode::Push, 8001, Duration::from_millis(250)));
+    assert_eq!(c.decode.len(), 2, "flags replace the file's list");
+    assert_eq!(c.prefill.len(), 2, "the file's list stays where no flag is given");
+
+    let spec = InstanceConfig::parse_spec("http://[::1]:8100,engine_id=e,host=h,port=7,tp=2,pp=3").unwrap();
+    assert_eq!(
+        (
+            spec.engine_id.as_deref(),
+            spec.side_channel_host.as_deref(),
+            spec.side_channel_port,
+            spec.tp_size,
+            spec.pp_size
+        ),
+        (Some("e"), Some("h"), Some(7), Some(2), Some(3))
+    );
+    for (bad, needle) in [
+        ("http://h:1,port=x", "not a port"),
+        ("http://h:1,color=red", "unknown key"),
+        ("http://h:1,tp", "not key=value"),
+        ("https://h:1", "only http"),
+        ("h:1", "scheme"),
+        ("http://h:1,tp=0", "at least 1"),
+    ] {
+        let e = InstanceConfig::parse_spec(bad).unwrap_err().to_string();
+        assert!(e.contains(needle), "{bad}: {e}");
+    }
+
+    std::fs::write(&path, r#"{"mode": "push", "prefil": []}"#).unwrap();
+    let e = Config::from_args(&RouterArgs { config: Some(path.clone()), ..Default::default() }).unwrap_err();
+    assert!(e.to_string().contains("unknown field `prefil`"), "{e}");
+    std::fs::write(&path, "{not json").unwrap();
+    let e = Config::from_args(&RouterArgs { config: Some(path.clone()), ..Default::default() }).unwrap_err();
+    assert!(e.to_string().contains("router.json"), "{e}");
+    let e = Config::from_args(&RouterArgs { decode: vec!["http://h:1".into()], ..Default::default() }).unwrap_err();
+    assert!(e.to_string().contains("no prefill server"), "{e}");
+    let e = Config::from_args(&RouterArgs {
+        prefill: vec!["http://h:1".into()],
+        decode: vec!["http://h:2".into()],
+        health_interval_s: Some(-1.0),
+        ..Default::default()
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("health_interval_s"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn every_cli_option_is_explained_in_help() {
+    use clap::{CommandFactory, Parser};
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: RouterArgs,
+    }
+    let cmd = Cli::command();
+    for arg in cmd.get_arguments() {
+        let id = arg.get_id().as_str();
+        if id == "help" {
+            continue;
+        }
+        let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+        assert!(help.len() > 20, "--{id} has no real help text: {help:?}");
+    }
+    let help = Cli::command().render_long_help().to_string();
+    for flag in ["--config", "--mode", "--prefill", "--decode", "--health-interval-s", "--listen"] {
+        assert!(help.contains(flag), "{flag}");
+    }
+}
