@@ -72,6 +72,7 @@ fn main() {
 
     let (mut p_side, mut d_side, mut total) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
     let mut empty_polls = Vec::new();
+    let (mut enq_p, mut enq_d, mut drains) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::new());
     let mut out = Vec::new();
     for i in 0..n {
         // 64 tokens (4 blocks); registration first, as a concurrent router makes it.
@@ -81,10 +82,12 @@ fn main() {
         let t = Instant::now();
         d.blocks_allocated(key, "p", d_ids, 64).expect("register");
         let mut d_ns = t.elapsed().as_nanos() as f64;
+        enq_d.push(d_ns / 1000.0);
         std::thread::sleep(Duration::from_micros(200));
         let t = Instant::now();
         p.request_finished(key, p_ids, 64).expect("ready");
         let mut p_ns = t.elapsed().as_nanos() as f64;
+        enq_p.push(p_ns / 1000.0);
         let (mut sent, mut received) = (false, false);
         let deadline = Instant::now() + Duration::from_secs(10);
         while !(sent && received) {
@@ -98,6 +101,7 @@ fn main() {
                     empty_polls.push(ns);
                     continue;
                 }
+                drains.push(ns / 1000.0);
                 for f in &out {
                     match f {
                         Finished::Sent { key: k, .. } if *k == key => sent = true,
@@ -125,6 +129,15 @@ fn main() {
     ] {
         println!("  {name:<38} p50 {:6.2} us   p99 {:6.2} us   max {:8.2} us", pct(v, 0.5), pct(v, 0.99), pct(v, 1.0));
     }
+    println!(
+        "  request_finished alone p50 {:.2} / p99 {:.2} us; blocks_allocated alone p50 {:.2} / p99 {:.2} us; a poll with results p50 {:.2} / p99 {:.2} us",
+        pct(&mut enq_p, 0.5),
+        pct(&mut enq_p, 0.99),
+        pct(&mut enq_d, 0.5),
+        pct(&mut enq_d, 0.99),
+        pct(&mut drains, 0.5),
+        pct(&mut drains, 0.99)
+    );
     println!(
         "  empty poll                              p50 {:6.3} us   p99 {:6.3} us",
         pct(&mut empty_polls, 0.5) / 1000.0,

@@ -27,8 +27,8 @@ cargo test --all-targets
 step "cargo test --doc"
 cargo test --doc
 
-step "loom model of the pool's hand-off primitives (--cfg loom, own target dir)"
-RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom_pool
+step "loom model of the pool's hand-off primitives (--cfg kvpush_loom, own target dir)"
+RUSTFLAGS="--cfg kvpush_loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom_pool
 
 step "kvpush demo (the main job) on a small workload"
 cargo run --release --quiet -- demo --requests 40 --quiet --json target/demo-ci.json

@@ -1,8 +1,8 @@
 //! Loom models of the pool's hand-off primitives (`kvpush::pool::handoff`).
 //!
-//! Run with `RUSTFLAGS="--cfg loom" cargo test --release --test loom_pool` (scripts/test.sh does);
-//! without `--cfg loom` this file compiles to nothing.
-#![cfg(loom)]
+//! Run with `RUSTFLAGS="--cfg kvpush_loom" cargo test --release --test loom_pool` (scripts/test.sh does);
+//! without `--cfg kvpush_loom` this file compiles to nothing.
+#![cfg(kvpush_loom)]
 
 use kvpush::pool::handoff::{Outbox, WakeFlag};
 use loom::sync::atomic::{AtomicUsize, Ordering};

@@ -14,7 +14,7 @@
 //! | `Outbox` | `ready` | pusher, after its item is in the queue | drainer, before it takes the queue | the queue may hold items |
 //! | `WakeFlag` | `rung` | a ringer (the one that flips it sends the wake) | the writer, before it looks for work | a wake message is in flight |
 //!
-//! Both are model-checked with loom in `tests/loom_pool.rs` (`RUSTFLAGS="--cfg loom"`).
+//! Both are model-checked with loom in `tests/loom_pool.rs` (`RUSTFLAGS="--cfg kvpush_loom"`).
 
 use super::sync::{lock, AtomicBool, Mutex, Ordering};
 
@@ -93,7 +93,7 @@ impl WakeFlag {
     }
 }
 
-#[cfg(all(test, not(loom)))]
+#[cfg(all(test, not(kvpush_loom)))]
 mod tests {
     use super::*;
 

@@ -1,25 +1,25 @@
 //! The synchronization primitives the pool's own atomic protocols use, swapped for loom's under
-//! `--cfg loom` so `tests/loom_pool.rs` can model-check every interleaving (tokio's `loom` module
+//! `--cfg kvpush_loom` so `tests/loom_pool.rs` can model-check every interleaving (tokio's `loom` module
 //! does the same). Only [`super::handoff`] uses these; everything else uses crossbeam.
 
-#[cfg(loom)]
+#[cfg(kvpush_loom)]
 pub(crate) use loom::sync::atomic::{AtomicBool, Ordering};
-#[cfg(loom)]
+#[cfg(kvpush_loom)]
 pub(crate) use loom::sync::Mutex;
 
-#[cfg(not(loom))]
+#[cfg(not(kvpush_loom))]
 pub(crate) use std::sync::atomic::{AtomicBool, Ordering};
-#[cfg(not(loom))]
+#[cfg(not(kvpush_loom))]
 pub(crate) use std::sync::Mutex;
 
 /// Locks `m`, recovering the data if a holder panicked (the data is plain queues, always valid).
-#[cfg(not(loom))]
+#[cfg(not(kvpush_loom))]
 pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Locks `m` (loom's mutex does not poison).
-#[cfg(loom)]
+#[cfg(kvpush_loom)]
 pub(crate) fn lock<T>(m: &Mutex<T>) -> loom::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
