@@ -64,3 +64,33 @@ fn wake_flag_never_loses_a_ring() {
         }
     });
 }
+
+/// The inbox never strands an item: the engine pushes while the writer prepares to sleep; either the
+/// writer's last look sees the item, or the push rings the doorbell (a wake message is sent).
+#[test]
+fn inbox_push_racing_sleep_is_seen_or_rung() {
+    use kvpush::pool::handoff::Inbox;
+    loom::model(|| {
+        let inbox = Arc::new(Inbox::new());
+        let rung = Arc::new(AtomicUsize::new(0));
+        let engine = {
+            let (inbox, rung) = (Arc::clone(&inbox), Arc::clone(&rung));
+            thread::spawn(move || {
+                if inbox.push(7u32) {
+                    rung.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        };
+        let mut got = Vec::new();
+        inbox.drain_into(&mut got);
+        let blocks = got.is_empty() && inbox.prepare_sleep();
+        engine.join().expect("engine");
+        if blocks {
+            // The writer blocks: the item must have rung it awake.
+            assert_eq!(rung.load(Ordering::Relaxed), 1, "item stranded with the writer asleep");
+            inbox.woke();
+        }
+        inbox.drain_into(&mut got);
+        assert_eq!(got, vec![7]);
+    });
+}

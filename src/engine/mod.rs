@@ -24,7 +24,7 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{unbounded, Sender};
 
 use crate::device::{Device, DeviceError, MemRegion};
-use crate::pool::handoff::{Outbox, WakeFlag};
+use crate::pool::handoff::{Inbox, Outbox, WakeFlag};
 use crate::proto::codec::{self, DecodeError, PROTOCOL_VERSION};
 use crate::proto::compat::{self, compat_hash, Incompatible};
 use crate::proto::completion::CompletionConfig;
@@ -192,6 +192,8 @@ pub(crate) enum Cmd {
 #[derive(Debug)]
 pub(crate) struct ShardHandle {
     pub(crate) tx: Sender<Cmd>,
+    /// The engine loop's commands (no wake-up while the writer works or lingers).
+    pub(crate) inbox: Arc<Inbox<Cmd>>,
     pub(crate) wake: Arc<WakeFlag>,
     pub(crate) stats: Arc<Mutex<Stats>>,
 }
@@ -226,6 +228,16 @@ impl Shared {
 
     pub(crate) fn send(&self, key: Key, cmd: Cmd) -> Result<(), EngineError> {
         self.shards[self.shard_of(key)].tx.send(cmd).map_err(|_| EngineError::Closed(self.config.engine_id.clone()))
+    }
+
+    /// Hands an engine-loop command to the shard owning `key`: into its inbox, waking the writer
+    /// only if it sleeps.
+    pub(crate) fn send_local(&self, key: Key, cmd: Cmd) -> Result<(), EngineError> {
+        let shard = &self.shards[self.shard_of(key)];
+        if shard.inbox.push(cmd) {
+            shard.tx.send(Cmd::Wake).map_err(|_| EngineError::Closed(self.config.engine_id.clone()))?;
+        }
+        Ok(())
     }
 
     pub(crate) fn peer_by_addr(&self, addr: &PeerAddr) -> Option<Arc<Peer>> {
@@ -379,6 +391,7 @@ impl Engine {
             receivers.push(rx);
             shards.push(ShardHandle {
                 tx,
+                inbox: Arc::new(Inbox::new()),
                 wake: Arc::new(WakeFlag::new()),
                 stats: Arc::new(Mutex::new(Stats::default())),
             });
@@ -457,7 +470,7 @@ impl Engine {
     pub fn request_finished(&self, key: Key, block_ids: Vec<Vec<u32>>, num_tokens: u64) -> Result<(), EngineError> {
         check_block_lists(&block_ids, num_tokens, &self.shared.layout)
             .map_err(|source| EngineError::Blocks { key, source })?;
-        self.shared.send(key, Cmd::BlocksReady { key, blocks: SourceBlocks { block_ids, num_tokens } })
+        self.shared.send_local(key, Cmd::BlocksReady { key, blocks: SourceBlocks { block_ids, num_tokens } })
     }
 
     /// Consumer, push mode: blocks for `key` are allocated; registers them with every worker of
@@ -475,7 +488,7 @@ impl Engine {
         }
         check_block_lists(&block_ids, num_tokens, &self.shared.layout)
             .map_err(|source| EngineError::Blocks { key, source })?;
-        self.shared.send(key, Cmd::Register { key, producer: producer.to_owned(), block_ids, num_tokens })
+        self.shared.send_local(key, Cmd::Register { key, producer: producer.to_owned(), block_ids, num_tokens })
     }
 
     /// Consumer, pull mode: read `key` from engine `producer`, whose blocks (per KV group, as the
@@ -494,12 +507,12 @@ impl Engine {
         check_block_lists(&local_blocks, num_tokens, &self.shared.layout)
             .map_err(|source| EngineError::Blocks { key, source })?;
         let cmd = Cmd::Pull { key, producer: producer.to_owned(), remote_blocks, local_blocks, num_tokens };
-        self.shared.send(key, cmd)
+        self.shared.send_local(key, cmd)
     }
 
     /// Aborts `key` on this worker, in whatever state it is; peers are told.
     pub fn abort(&self, key: Key) -> Result<(), EngineError> {
-        self.shared.send(key, Cmd::Abort { key })
+        self.shared.send_local(key, Cmd::Abort { key })
     }
 
     /// Moves finished results into `out`; returns how many. Costs one atomic load when there are none.

@@ -18,6 +18,19 @@ pub(crate) fn batch_current_thread() -> bool {
     rc == 0
 }
 
+/// Asks for 1 µs timer slack on the calling thread (Linux), so the writer's short lingering sleeps
+/// last about what they ask for instead of the default 50 µs more.
+#[cfg(target_os = "linux")]
+pub(crate) fn fine_timer_slack() {
+    // SAFETY: PR_SET_TIMERSLACK takes one integer argument (nanoseconds) and only changes the calling
+    // thread's timer slack; the unused arguments are ignored. Failure leaves the default slack.
+    let _ = unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong, 0, 0, 0) };
+}
+
+/// Asks for fine timer slack (no-op off Linux).
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn fine_timer_slack() {}
+
 /// Marks the calling thread as a batch thread (no-op off Linux).
 #[cfg(not(target_os = "linux"))]
 pub(crate) fn batch_current_thread() -> bool {

@@ -26,6 +26,10 @@ use crate::transport::{Desc, Notification, Op, XferId, XferState};
 const IDLE_WAIT: Duration = Duration::from_millis(100);
 /// First polling interval while waiting for a peer on a polled transport.
 const POLL_MIN: Duration = Duration::from_micros(10);
+/// How long a writer keeps looking at its inbox after work before it sleeps for real.
+const LINGER: Duration = Duration::from_millis(2);
+/// How often a lingering writer looks at its inbox.
+const LINGER_TICK: Duration = Duration::from_micros(20);
 /// Longest polling interval while only waiting for a peer's notification (a polled transport).
 const POLL_WAITING_MAX: Duration = Duration::from_millis(1);
 
@@ -71,6 +75,8 @@ pub(super) struct Writer {
     /// Producer: which consumer workers registered each live request (for peer loss).
     registered_by: HashMap<Key, Vec<PeerAddr>>,
     poll_interval: Duration,
+    /// When this writer last did work (for lingering).
+    last_active: StdInstant,
 }
 
 impl Writer {
@@ -97,6 +103,7 @@ impl Writer {
             producers: HashMap::new(),
             registered_by: HashMap::new(),
             poll_interval: POLL_MIN,
+            last_active: StdInstant::now(),
         }
     }
 
@@ -109,11 +116,20 @@ impl Writer {
     }
 
     pub(super) fn run(mut self) {
+        super::sched::fine_timer_slack();
         if !super::sched::batch_current_thread() {
             tracing::debug!(worker = %self.shared.me, "SCHED_BATCH not applied to the writer thread");
         }
+        let inbox = Arc::clone(&self.shared.shards[self.index].inbox);
+        let mut commands = Vec::new();
         loop {
-            let wait = self.next_wait();
+            let mut wait = self.next_wait();
+            // Right after work the writer lingers, looking at its inbox every LINGER_TICK: the engine
+            // loop's next call then costs no wake-up. Only past LINGER does it sleep for real.
+            let lingering = self.last_active.elapsed() < LINGER;
+            if lingering {
+                wait = wait.min(LINGER_TICK);
+            }
             let first = if wait.is_zero() {
                 // Our transfers are moving on a polled transport: every poll moves them along, so
                 // poll back to back (yielding the core) until they finish; never when idle.
@@ -123,6 +139,9 @@ impl Writer {
                     Err(crossbeam_channel::TryRecvError::Empty) => None,
                     Err(crossbeam_channel::TryRecvError::Disconnected) => return,
                 }
+            } else if !lingering && !inbox.prepare_sleep() {
+                // Commands arrived while we were about to sleep: look at them instead.
+                None
             } else {
                 match self.rx.recv_timeout(wait) {
                     Ok(cmd) => Some(cmd),
@@ -130,9 +149,17 @@ impl Writer {
                     Err(RecvTimeoutError::Disconnected) => return,
                 }
             };
+            // Awake: the engine loop's pushes no longer ring until we prepare to sleep again.
+            inbox.woke();
             // Clear before looking for work: a completion after this point rings again.
             self.shared.shards[self.index].wake.clear();
             let mut progressed = false;
+            commands.clear();
+            inbox.drain_into(&mut commands);
+            for cmd in commands.drain(..) {
+                progressed = true;
+                self.handle(cmd);
+            }
             let mut next = first;
             let mut budget = 4096;
             while let Some(cmd) = next {
@@ -151,6 +178,9 @@ impl Writer {
             self.expire_grants(now);
             self.drain_outputs();
             self.poll_interval = if progressed { POLL_MIN } else { (self.poll_interval * 2).min(POLL_WAITING_MAX) };
+            if progressed {
+                self.last_active = StdInstant::now();
+            }
         }
     }
 

@@ -14,9 +14,15 @@
 //! | `Outbox` | `ready` | pusher, after its item is in the queue | drainer, before it takes the queue | the queue may hold items |
 //! | `WakeFlag` | `rung` | a ringer (the one that flips it sends the wake) | the writer, before it looks for work | a wake message is in flight |
 //!
-//! Both are model-checked with loom in `tests/loom_pool.rs` (`RUSTFLAGS="--cfg kvpush_loom"`).
+//! * [`Inbox`]: the engine loop's commands to a writer. A push costs a lock and a fence, and rings
+//!   the writer's doorbell only when the writer is asleep: while it works or lingers after work it
+//!   finds the commands itself, so the engine loop pays no wake-up (a futex call) on the hot path.
+//!
+//! | `Inbox` | `awake` | the writer, when it wakes | the writer, before it blocks | it will look at the inbox again without a doorbell |
+//!
+//! All three are model-checked with loom in `tests/loom_pool.rs` (`RUSTFLAGS="--cfg kvpush_loom"`).
 
-use super::sync::{lock, AtomicBool, Mutex, Ordering};
+use super::sync::{fence, lock, AtomicBool, Mutex, Ordering};
 
 /// A multi-producer, single-consumer hand-off queue with a lock-free empty check.
 #[derive(Debug)]
@@ -93,6 +99,64 @@ impl WakeFlag {
     }
 }
 
+/// Commands from the engine loop to one writer, with a doorbell rung only when the writer sleeps.
+///
+/// Protocol (a store-buffering pair closed by two `SeqCst` fences): the pusher stores its item, then
+/// fences, then reads `awake`; the writer clears `awake`, then fences, then looks at the items. At
+/// least one of them sees the other's store, so an item pushed while the writer goes to sleep is
+/// either seen by the writer's last look or answered by a ring.
+#[derive(Debug)]
+pub struct Inbox<T> {
+    items: Outbox<T>,
+    awake: AtomicBool,
+    flag: WakeFlag,
+}
+
+impl<T> Default for Inbox<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T> Inbox<T> {
+    /// An empty inbox whose writer counts as awake (it looks before it first blocks).
+    pub fn new() -> Self {
+        Self { items: Outbox::new(), awake: AtomicBool::new(true), flag: WakeFlag::new() }
+    }
+
+    /// Engine loop: hands `item` over; returns `true` if the caller must send the wake message.
+    pub fn push(&self, item: T) -> bool {
+        self.items.push(item);
+        if self.awake.load(Ordering::Relaxed) {
+            return false;
+        }
+        self.flag.ring()
+    }
+
+    /// Writer: moves every pushed item into `out`; returns how many.
+    pub fn drain_into(&self, out: &mut Vec<T>) -> usize {
+        self.items.drain_into(out)
+    }
+
+    /// Writer, before blocking: marks itself asleep; returns `false` if items arrived meanwhile (then
+    /// it must not block, and counts as awake again).
+    pub fn prepare_sleep(&self) -> bool {
+        self.awake.store(false, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        if self.items.maybe_ready() {
+            self.awake.store(true, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// Writer, after waking: marks itself awake and clears the doorbell (before looking for work).
+    pub fn woke(&self) {
+        self.awake.store(true, Ordering::Relaxed);
+        self.flag.clear();
+    }
+}
+
 #[cfg(all(test, not(kvpush_loom)))]
 mod tests {
     use super::*;
@@ -109,6 +173,21 @@ mod tests {
         assert_eq!(out, vec![1, 2]);
         assert!(!o.maybe_ready());
         assert_eq!(o.drain_into(&mut out), 0);
+    }
+
+    #[test]
+    fn inbox_rings_only_a_sleeping_writer() {
+        let i = Inbox::new();
+        assert!(!i.push(1), "an awake writer needs no doorbell");
+        assert!(!i.prepare_sleep(), "items arrived: the writer must not block");
+        let mut out = Vec::new();
+        assert_eq!(i.drain_into(&mut out), 1);
+        assert!(i.prepare_sleep());
+        assert!(i.push(2), "a sleeping writer is rung");
+        assert!(!i.push(3), "once");
+        i.woke();
+        assert_eq!(i.drain_into(&mut out), 2);
+        assert_eq!(out, vec![1, 2, 3]);
     }
 
     #[test]

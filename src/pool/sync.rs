@@ -3,12 +3,12 @@
 //! does the same). Only [`super::handoff`] uses these; everything else uses crossbeam.
 
 #[cfg(kvpush_loom)]
-pub(crate) use loom::sync::atomic::{AtomicBool, Ordering};
+pub(crate) use loom::sync::atomic::{fence, AtomicBool, Ordering};
 #[cfg(kvpush_loom)]
 pub(crate) use loom::sync::Mutex;
 
 #[cfg(not(kvpush_loom))]
-pub(crate) use std::sync::atomic::{AtomicBool, Ordering};
+pub(crate) use std::sync::atomic::{fence, AtomicBool, Ordering};
 #[cfg(not(kvpush_loom))]
 pub(crate) use std::sync::Mutex;
 
