@@ -127,6 +127,9 @@ impl<T> Inbox<T> {
     /// Engine loop: hands `item` over; returns `true` if the caller must send the wake message.
     pub fn push(&self, item: T) -> bool {
         self.items.push(item);
+        // Pairs with the fence in `prepare_sleep`: the item is visible to the writer's last look, or
+        // the writer's "asleep" is visible here (loom: the model fails without this fence).
+        fence(Ordering::SeqCst);
         if self.awake.load(Ordering::Relaxed) {
             return false;
         }
