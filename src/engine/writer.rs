@@ -29,7 +29,7 @@ const POLL_MIN: Duration = Duration::from_micros(10);
 /// How long a writer keeps looking at its inbox after work before it sleeps for real.
 const LINGER: Duration = Duration::from_millis(2);
 /// How often a lingering writer looks at its inbox.
-const LINGER_TICK: Duration = Duration::from_micros(20);
+const LINGER_TICK: Duration = Duration::from_micros(100);
 /// Longest polling interval while only waiting for a peer's notification (a polled transport).
 const POLL_WAITING_MAX: Duration = Duration::from_millis(1);
 
