@@ -144,7 +144,6 @@ pub struct NixlTransport {
     xfers: Mutex<HashMap<u64, Posted>>,
     next: AtomicU64,
     peers: Mutex<Vec<String>>,
-    waker: Mutex<Option<Waker>>,
 }
 
 impl fmt::Debug for NixlTransport {
@@ -199,7 +198,6 @@ impl NixlTransport {
             xfers: Mutex::new(HashMap::new()),
             next: AtomicU64::new(1),
             peers: Mutex::new(Vec::new()),
-            waker: Mutex::new(None),
         })
     }
 
@@ -376,9 +374,8 @@ impl Transport for NixlTransport {
             .map_err(|e| call_err("genNotif", Some(peer), &e, format!("{} bytes", msg.len())))
     }
 
-    fn set_waker(&self, waker: Waker) {
-        // NIXL has no completion callback: the writer polls with backoff while transfers are in flight.
-        *lock(&self.waker) = Some(waker);
+    fn set_waker(&self, _waker: Waker) {
+        // NIXL has no completion callback: nothing to keep. `needs_polling` makes the writer poll.
     }
 
     fn needs_polling(&self) -> bool {
