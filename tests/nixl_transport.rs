@@ -6,8 +6,9 @@
 use std::time::{Duration, Instant};
 
 use kvpush::device::{MemKind, MemRegion};
+use kvpush::transport::nixl::PostCounts;
 use kvpush::transport::nixl::{self, NixlConfig, NixlTransport};
-use kvpush::transport::{Desc, Notification, Op, Transport, TransportError, XferState};
+use kvpush::transport::{Desc, Notification, Op, Transport, TransportError, Units, XferState};
 
 fn nixl_or_skip() -> bool {
     if nixl::available() {
@@ -117,6 +118,75 @@ fn write_and_read_with_notifications_over_ucx() {
     assert!(matches!(e, TransportError::NotRegistered { side: "local", .. }), "{e}");
     let e = d.load_remote(b"garbage").expect_err("bad metadata");
     assert!(e.to_string().contains("loadRemoteMD"), "{e}");
+}
+
+/// Descriptor lists prepared once: single-unit descriptors go by index, merged runs are built per
+/// post, a restarted peer's old list is never used, and the bytes land either way.
+#[test]
+fn prepared_lists_post_single_units_by_index() {
+    if !nixl_or_skip() {
+        return;
+    }
+    const UNIT: u64 = 4096;
+    let p = NixlTransport::new(&NixlConfig::new("t-prep-p")).expect("prefill agent");
+    let d = NixlTransport::new(&NixlConfig::new("t-prep-d")).expect("decode agent");
+    let mut src: Vec<u8> = (0..64 * UNIT as usize).map(|i| (i * 13 % 253) as u8).collect();
+    let mut dst = vec![0u8; 64 * UNIT as usize];
+    // SAFETY: both buffers outlive the agents (dropped at the end of the test, before the buffers);
+    // the test reads them only when no transfer is in flight.
+    unsafe {
+        p.register(&region(&mut src)).expect("register src");
+        d.register(&region(&mut dst)).expect("register dst");
+    }
+    let (s, t) = (src.as_ptr() as u64, dst.as_ptr() as u64);
+    // Two spans per side (like a layer's K and V regions), 32 units each.
+    let spans =
+        |base: u64| [Units { base, unit: UNIT, count: 32 }, Units { base: base + 32 * UNIT, unit: UNIT, count: 32 }];
+    p.prepare(None, &spans(s)).expect("prepare local");
+    let name_d = p.load_remote(&d.local_metadata().expect("md")).expect("load d");
+    d.load_remote(&p.local_metadata().expect("md")).expect("load p");
+    p.prepare(Some(&name_d), &spans(t)).expect("prepare remote");
+
+    // Scattered single units across both spans: by index.
+    let singles: Vec<Desc> = [(3, 40), (40, 3), (63, 0), (0, 63), (17, 17)]
+        .iter()
+        .map(|&(a, b)| Desc { local: s + a * UNIT, remote: t + b * UNIT, len: UNIT })
+        .collect();
+    let mut seen = Vec::new();
+    let id = p.post(Op::Write, &name_d, &singles, Some(b"prepped")).expect("post by index");
+    wait_done(&p, id, &d, &mut seen).expect("write completes");
+    assert_eq!(wait_notif(&d, &p, &mut seen).msg, b"prepped");
+    assert_eq!(p.post_counts(), PostCounts { prepared: 1, built: 0 });
+    for d in &singles {
+        let (a, b) = ((d.local - s) as usize, (d.remote - t) as usize);
+        assert_eq!(&dst[b..b + UNIT as usize], &src[a..a + UNIT as usize], "unit {a} -> {b}");
+    }
+
+    // A merged run (4 units) and an unaligned piece: built for the post.
+    let merged = [
+        Desc { local: s + 4 * UNIT, remote: t + 8 * UNIT, len: 4 * UNIT },
+        Desc { local: s + 100, remote: t + 60 * UNIT, len: 10 },
+    ];
+    let id = p.post(Op::Write, &name_d, &merged, Some(b"built")).expect("post built");
+    wait_done(&p, id, &d, &mut seen).expect("write completes");
+    assert_eq!(wait_notif(&d, &p, &mut seen).msg, b"built");
+    assert_eq!(p.post_counts(), PostCounts { prepared: 1, built: 1 });
+    assert_eq!(&dst[8 * UNIT as usize..12 * UNIT as usize], &src[4 * UNIT as usize..8 * UNIT as usize]);
+    assert_eq!(&dst[60 * UNIT as usize..60 * UNIT as usize + 10], &src[100..110]);
+
+    // Reloading the peer's metadata (a restart) drops its prepared list: built again until re-prepared.
+    p.load_remote(&d.local_metadata().expect("md")).expect("reload d");
+    let id = p.post(Op::Write, &name_d, &singles[..1], None).expect("post after reload");
+    wait_done(&p, id, &d, &mut seen).expect("write completes");
+    assert_eq!(p.post_counts(), PostCounts { prepared: 1, built: 2 });
+
+    // Bad spans are refused with the call named.
+    let e = p
+        .prepare(None, &[Units { base: s, unit: UNIT, count: 8 }, Units { base: s + 4 * UNIT, unit: UNIT, count: 8 }])
+        .expect_err("overlap");
+    assert!(e.to_string().contains("prepXferDlist") && e.to_string().contains("overlap"), "{e}");
+    let e = p.prepare(None, &[Units { base: 0x1000, unit: UNIT, count: 8 }]).expect_err("unregistered");
+    assert!(matches!(e, TransportError::NotRegistered { side: "local", .. }), "{e}");
 }
 
 #[test]

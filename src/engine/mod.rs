@@ -32,7 +32,7 @@ use crate::proto::layout::{KvLayout, LayoutError};
 use crate::proto::msg::{check_block_lists, Handshake, Message, Mode, RangeError};
 use crate::proto::rendezvous::{ReleaseReason, RendezvousConfig, SourceBlocks};
 use crate::proto::{Key, Rank};
-use crate::transport::{Transport, TransportError};
+use crate::transport::{Transport, TransportError, Units};
 
 pub mod link;
 mod sched;
@@ -288,6 +288,9 @@ impl Shared {
         compat::check(&mine, peer)?;
         peer.layout.validate()?;
         let agent = self.transport.load_remote(&peer.agent_metadata)?;
+        if let Err(e) = self.transport.prepare(Some(&agent), &units(&peer.layout)) {
+            tracing::warn!(worker = %self.me, peer = %agent, error = %e, "cannot prepare the peer's descriptor list");
+        }
         let addr = PeerAddr { engine: peer.engine_id.clone(), rank: peer.layout.parallel.rank() };
         let p = Arc::new(Peer { addr: addr.clone(), layout: Arc::new(peer.layout.clone()), agent: agent.clone() });
         let mut peers = self.peers.write().unwrap_or_else(|p| p.into_inner());
@@ -343,6 +346,15 @@ impl FrameSink for Shared {
     }
 }
 
+/// The blocks of every region of `layout`, as a transport prepares them.
+fn units(layout: &KvLayout) -> Vec<Units> {
+    layout
+        .region_bases
+        .iter()
+        .map(|&base| Units { base, unit: layout.block_stride, count: u64::from(layout.num_blocks) })
+        .collect()
+}
+
 /// One worker of a producer and/or consumer engine. See the module docs.
 #[derive(Debug)]
 pub struct Engine {
@@ -381,6 +393,10 @@ impl Engine {
             // this region, which `describe` also checked is memory of `device`.
             unsafe { transport.register(&region) }?;
             regions.push(region);
+        }
+        if let Err(e) = transport.prepare(None, &units(&layout)) {
+            // Posts still work from lists built per post.
+            tracing::warn!(error = %e, "cannot prepare the local descriptor list");
         }
         let me = PeerAddr { engine: config.engine_id.clone(), rank: layout.parallel.rank() };
         let writers = config.writers.max(1);

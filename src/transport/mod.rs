@@ -39,6 +39,19 @@ pub struct Desc {
     pub len: u64,
 }
 
+/// `count` equal units of `unit` bytes from `base`, in registered memory: typically the blocks of one
+/// KV region. Transports that can index fixed descriptors prepare lists of these once
+/// ([`Transport::prepare`]) and post transfers as lists of indices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Units {
+    /// Address of unit 0.
+    pub base: u64,
+    /// Bytes of each unit (and the distance between consecutive units).
+    pub unit: u64,
+    /// Number of units.
+    pub count: u64,
+}
+
 /// Handle of a posted transfer, valid until [`Transport::poll`] reports it finished.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct XferId(pub u64);
@@ -163,6 +176,15 @@ pub trait Transport: Send + Sync + fmt::Debug {
     fn load_remote(&self, metadata: &[u8]) -> Result<String, TransportError>;
     /// Forgets a peer (it went away or restarted).
     fn drop_peer(&self, peer: &str);
+    /// Prepares descriptor lists of `units` once, for this endpoint's memory (`peer` is `None`, after
+    /// [`Transport::register`]) or for a peer's (after [`Transport::load_remote`]; dropped with the
+    /// peer). A later [`Transport::post`] whose descriptors are each exactly one unit on both sides
+    /// may then be posted by index instead of building descriptor lists. Transports without such
+    /// lists do nothing (the default).
+    fn prepare(&self, peer: Option<&str>, units: &[Units]) -> Result<(), TransportError> {
+        let _ = (peer, units);
+        Ok(())
+    }
     /// Posts a transfer of `descs` with `peer`; `notif`, if any, is delivered to the peer after every
     /// byte landed. Returns at once.
     fn post(&self, op: Op, peer: &str, descs: &[Desc], notif: Option<&[u8]>) -> Result<XferId, TransportError>;

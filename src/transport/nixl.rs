@@ -4,9 +4,15 @@
 //! Read [`NixlTransport::new`] first: it refuses to start when the real library cannot be loaded
 //! (nixl-sys would otherwise abort the process at the first call), creates the agent without a
 //! progress thread (the writer thread drives progress by polling) and one backend (UCX by default,
-//! LIBFABRIC for EFA, parameters passed through). Memory is registered once per region; descriptor
-//! lists are built into lists kept per peer and reused; each WRITE or READ carries the notification
-//! the remote agent receives after the data.
+//! LIBFABRIC for EFA, parameters passed through). Memory is registered once per region. Descriptor
+//! lists of fixed units (a KV region's blocks) are prepared once (`prepXferDlist`): ours after
+//! registration, each peer's when its metadata is loaded, reused until the peer goes. A post whose
+//! descriptors are each exactly one unit on both sides — a fragmented request, where merging found
+//! nothing to merge — is made from index lists (`makeXferReq`) with no per-descriptor lookup; merged
+//! runs longer than a unit are built into lists for that post (`createXferReq`), since one large
+//! descriptor beats many prepared ones. Each WRITE or READ carries the notification the remote agent
+//! receives after the data. The agent is created with NIXL's reader-writer thread sync, so a
+//! handshake thread may load metadata while a writer thread posts.
 //!
 //! nixl-sys reports errors without NIXL's numeric status; [`status_of`] maps them back to NIXL's
 //! codes so every error names the call, the status, the peer and the transfer. No NIXL type leaves
@@ -17,12 +23,14 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
+use std::sync::Arc;
+
 use nixl_sys::{
     Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap, OptArgs,
-    RegistrationHandle, XferDescList, XferOp, XferRequest, XferStatus,
+    RegistrationHandle, ThreadSync, XferDescList, XferDlistHandle, XferOp, XferRequest, XferStatus,
 };
 
-use super::{Desc, Notification, Op, Transport, TransportError, Waker, XferId, XferState};
+use super::{Desc, Notification, Op, Transport, TransportError, Units, Waker, XferId, XferState};
 use crate::device::{MemKind, MemRegion};
 
 /// NIXL status codes (nixl_types.h), for errors and failure notifications.
@@ -129,15 +137,67 @@ fn mem_type(kind: MemKind) -> MemType {
     }
 }
 
+/// Most units one prepared list holds (NIXL indexes them with `int`; a list costs tens of bytes per
+/// unit inside NIXL). Larger layouts are posted from lists built per post.
+pub const MAX_PREPARED_UNITS: u64 = 1 << 22;
+
+/// A NIXL prepared descriptor list.
+struct DlistHandle(XferDlistHandle);
+
+// SAFETY: the handle is an opaque pointer to a NIXL object that only NIXL calls touch; the agent is
+// created with `ThreadSync::Rw`, under which NIXL serialises its own state, and kvpush never uses a
+// handle from two threads at once without holding `NixlTransport`'s locks (posts read it, only
+// `prepare`/`drop_peer` replace it). It is released before the agent (see `Drop for NixlTransport`).
+unsafe impl Send for DlistHandle {}
+// SAFETY: as for `Send`: shared references only pass the handle to NIXL calls that take it as input.
+unsafe impl Sync for DlistHandle {}
+
+/// A prepared list of units and how to find a unit's index in it.
+struct Prepared {
+    handle: DlistHandle,
+    /// Each span with the index of its first unit, sorted by base.
+    spans: Vec<(Units, i32)>,
+}
+
+impl Prepared {
+    /// The index of the unit that is exactly `[addr, addr + len)`, if there is one.
+    fn index(&self, addr: u64, len: u64) -> Option<i32> {
+        let i = self.spans.partition_point(|(u, _)| u.base <= addr).checked_sub(1)?;
+        let (u, first) = self.spans[i];
+        let off = addr - u.base;
+        if len != u.unit || off % u.unit != 0 || off / u.unit >= u.count {
+            return None;
+        }
+        // Fits: the total unit count is at most MAX_PREPARED_UNITS < i32::MAX.
+        Some(first + (off / u.unit) as i32)
+    }
+}
+
+/// How transfers were posted (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PostCounts {
+    /// Posted from prepared lists by index.
+    pub prepared: u64,
+    /// Posted from descriptor lists built for the post.
+    pub built: u64,
+}
+
 /// A posted transfer.
 struct Posted {
     req: XferRequest,
     peer: String,
+    /// The prepared lists it was made from, kept alive until it finishes.
+    _lists: Option<(Arc<Prepared>, Arc<Prepared>)>,
 }
 
 /// A NIXL agent with one backend. See the module docs.
 pub struct NixlTransport {
     name: String,
+    /// Our prepared list, then each peer's (by agent name). Released before the agent (`Drop`).
+    prepared_local: Mutex<Option<Arc<Prepared>>>,
+    prepared_remote: Mutex<HashMap<String, Arc<Prepared>>>,
+    posted_prepared: AtomicU64,
+    posted_built: AtomicU64,
     agent: Agent,
     backend: Backend,
     regs: Mutex<Vec<(MemRegion, RegistrationHandle)>>,
@@ -169,7 +229,8 @@ impl NixlTransport {
             });
         }
         // No progress thread: the writer thread that owns this agent polls, and sleeps when idle.
-        let cfg = AgentConfig { enable_prog_thread: false, ..AgentConfig::default() };
+        // Reader-writer sync: handshakes (metadata) and writer threads (posts) share the agent.
+        let cfg = AgentConfig { enable_prog_thread: false, thread_sync: ThreadSync::Rw, ..AgentConfig::default() };
         let agent = Agent::new_configured(&config.agent_name, &cfg)
             .map_err(|e| call_err("createAgent", None, &e, format!("agent {}", config.agent_name)))?;
         let (_, mut params) = agent.get_plugin_params(&config.backend).map_err(|e| {
@@ -192,6 +253,10 @@ impl NixlTransport {
             .map_err(|e| call_err("createBackend", None, &e, format!("backend {}", config.backend)))?;
         Ok(Self {
             name: config.agent_name.clone(),
+            prepared_local: Mutex::new(None),
+            prepared_remote: Mutex::new(HashMap::new()),
+            posted_prepared: AtomicU64::new(0),
+            posted_built: AtomicU64::new(0),
             agent,
             backend,
             regs: Mutex::new(Vec::new()),
@@ -207,6 +272,31 @@ impl NixlTransport {
             .get_available_plugins()
             .map(|l| l.iter().filter_map(|s| s.ok()).map(str::to_owned).collect())
             .unwrap_or_default()
+    }
+
+    /// How many transfers were posted from prepared lists and from lists built per post.
+    pub fn post_counts(&self) -> PostCounts {
+        PostCounts {
+            prepared: self.posted_prepared.load(Ordering::Relaxed),
+            built: self.posted_built.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Our prepared list and `peer`'s, when both exist.
+    fn prepared_pair(&self, peer: &str) -> Option<(Arc<Prepared>, Arc<Prepared>)> {
+        let local = lock(&self.prepared_local).clone()?;
+        let remote = lock(&self.prepared_remote).get(peer).cloned()?;
+        Some((local, remote))
+    }
+
+    /// Index lists for `descs` when each is exactly one unit of `lists` on both sides.
+    fn indices(lists: &(Arc<Prepared>, Arc<Prepared>), descs: &[Desc]) -> Option<(Vec<i32>, Vec<i32>)> {
+        let (mut li, mut ri) = (Vec::with_capacity(descs.len()), Vec::with_capacity(descs.len()));
+        for d in descs {
+            li.push(lists.0.index(d.local, d.len)?);
+            ri.push(lists.1.index(d.remote, d.len)?);
+        }
+        Some((li, ri))
     }
 
     /// The registered region holding `[addr, addr + len)`, for its memory type and device.
@@ -264,6 +354,8 @@ impl Transport for NixlTransport {
             .agent
             .load_remote_md(metadata)
             .map_err(|e| call_err("loadRemoteMD", None, &e, format!("{} bytes of metadata", metadata.len())))?;
+        // A peer that restarted has new memory: its old prepared list must not be used.
+        lock(&self.prepared_remote).remove(&name);
         let mut peers = lock(&self.peers);
         if !peers.contains(&name) {
             peers.push(name.clone());
@@ -273,14 +365,102 @@ impl Transport for NixlTransport {
 
     fn drop_peer(&self, peer: &str) {
         lock(&self.peers).retain(|p| p != peer);
+        lock(&self.prepared_remote).remove(peer);
         if let Err(e) = self.agent.invalidate_remote_md(peer) {
             tracing::debug!(agent = %self.name, %peer, error = %e, "invalidateRemoteMD failed");
         }
     }
 
+    fn prepare(&self, peer: Option<&str>, units: &[Units]) -> Result<(), TransportError> {
+        let who = peer.unwrap_or("local memory");
+        let total: u64 = units.iter().map(|u| u.count).sum();
+        if total == 0 || total > MAX_PREPARED_UNITS {
+            tracing::debug!(agent = %self.name, peer = %who, total, "not preparing a descriptor list of this size");
+            return Ok(());
+        }
+        let invalid = |detail: String| TransportError::Call {
+            call: "prepXferDlist",
+            peer: peer.map(str::to_owned),
+            status: status::ERR_INVALID_PARAM,
+            status_text: status_text(status::ERR_INVALID_PARAM).into(),
+            detail,
+        };
+        let mut spans: Vec<Units> = units.iter().copied().filter(|u| u.count > 0).collect();
+        spans.sort_by_key(|u| u.base);
+        for w in spans.windows(2) {
+            if w[0].base + w[0].unit * w[0].count > w[1].base {
+                return Err(invalid(format!("unit spans at {:#x} and {:#x} overlap", w[0].base, w[1].base)));
+            }
+        }
+        // Memory kind and device: our registered regions say; a peer's memory is of the same kind
+        // (as for posts, see `post`).
+        let (kind, dev_id) = {
+            let regs = lock(&self.regs);
+            let first = regs.first().map(|(r, _)| *r).ok_or_else(|| invalid("no memory registered".into()))?;
+            if peer.is_none() {
+                for (i, u) in spans.iter().enumerate() {
+                    let len = u.unit * u.count;
+                    if !regs.iter().any(|(r, _)| r.contains(u.base, len) && r.kind == first.kind) {
+                        return Err(TransportError::NotRegistered { index: i, addr: u.base, len, side: "local" });
+                    }
+                }
+            }
+            (first.kind, first.dev_id)
+        };
+        let err = |call, e: NixlError| call_err(call, peer, &e, format!("{total} units of {who}"));
+        let mut list = XferDescList::new(mem_type(kind)).map_err(|e| err("createXferDList", e))?;
+        let mut indexed = Vec::with_capacity(spans.len());
+        let mut next = 0i32;
+        for u in spans {
+            for i in 0..u.count {
+                list.add_desc((u.base + i * u.unit) as usize, u.unit as usize, u64::from(dev_id));
+            }
+            indexed.push((u, next));
+            // At most MAX_PREPARED_UNITS in all.
+            next += u.count as i32;
+        }
+        let args = self.opt_args(None).map_err(|e| err("optArgs", e))?;
+        // NIXL names our own memory with the empty agent name (NIXL_INIT_AGENT).
+        let handle = self
+            .agent
+            .prepare_xfer_dlist(peer.unwrap_or(""), &list, Some(&args))
+            .map_err(|e| err("prepXferDlist", e))?;
+        let prepared = Arc::new(Prepared { handle: DlistHandle(handle), spans: indexed });
+        match peer {
+            None => *lock(&self.prepared_local) = Some(prepared),
+            Some(p) => {
+                lock(&self.prepared_remote).insert(p.to_owned(), prepared);
+            }
+        }
+        tracing::debug!(agent = %self.name, peer = %who, total, "descriptor list prepared");
+        Ok(())
+    }
+
     fn post(&self, op: Op, peer: &str, descs: &[Desc], notif: Option<&[u8]>) -> Result<XferId, TransportError> {
         if !lock(&self.peers).iter().any(|p| p == peer) {
             return Err(TransportError::UnknownPeer(peer.to_owned()));
+        }
+        let xop = match op {
+            Op::Write => XferOp::Write,
+            Op::Read => XferOp::Read,
+        };
+        if let Some(lists) = self.prepared_pair(peer) {
+            if let Some((li, ri)) = Self::indices(&lists, descs) {
+                let args =
+                    self.opt_args(notif).map_err(|e| call_err("optArgs", Some(peer), &e, "notification".into()))?;
+                let what = || format!("{op:?} of {} prepared descriptors", descs.len());
+                let req = self
+                    .agent
+                    .make_xfer_req(xop, &lists.0.handle.0, &li, &lists.1.handle.0, &ri, Some(&args))
+                    .map_err(|e| call_err("makeXferReq", Some(peer), &e, what()))?;
+                self.agent
+                    .post_xfer_req(&req, Some(&args))
+                    .map_err(|e| call_err("postXferReq", Some(peer), &e, what()))?;
+                self.posted_prepared.fetch_add(1, Ordering::Relaxed);
+                let id = self.next.fetch_add(1, Ordering::Relaxed);
+                lock(&self.xfers).insert(id, Posted { req, peer: peer.to_owned(), _lists: Some(lists) });
+                return Ok(XferId(id));
+            }
         }
         let first = descs.first().ok_or_else(|| TransportError::Call {
             call: "createXferReq",
@@ -313,10 +493,6 @@ impl Transport for NixlTransport {
                 remote.add_desc(d.remote as usize, d.len as usize, u64::from(r.dev_id));
             }
         }
-        let xop = match op {
-            Op::Write => XferOp::Write,
-            Op::Read => XferOp::Read,
-        };
         let args = self.opt_args(notif).map_err(|e| call_err("optArgs", Some(peer), &e, "notification".into()))?;
         let req = self
             .agent
@@ -325,8 +501,9 @@ impl Transport for NixlTransport {
         self.agent
             .post_xfer_req(&req, Some(&args))
             .map_err(|e| call_err("postXferReq", Some(peer), &e, format!("{op:?} of {} descriptors", descs.len())))?;
+        self.posted_built.fetch_add(1, Ordering::Relaxed);
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        lock(&self.xfers).insert(id, Posted { req, peer: peer.to_owned() });
+        lock(&self.xfers).insert(id, Posted { req, peer: peer.to_owned(), _lists: None });
         Ok(XferId(id))
     }
 
@@ -380,5 +557,15 @@ impl Transport for NixlTransport {
 
     fn needs_polling(&self) -> bool {
         true
+    }
+}
+
+impl Drop for NixlTransport {
+    fn drop(&mut self) {
+        // Prepared lists hold the agent's raw handle, not a reference to it: release them (and the
+        // requests made from them) while the agent is alive.
+        lock(&self.xfers).clear();
+        lock(&self.prepared_remote).clear();
+        *lock(&self.prepared_local) = None;
     }
 }
