@@ -9,6 +9,7 @@ pub mod demo;
 pub mod device;
 pub mod doctor;
 pub mod engine;
+pub mod ffi;
 pub mod pool;
 pub mod proto;
 pub mod router;

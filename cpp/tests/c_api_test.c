@@ -1,0 +1,476 @@
+/*
+ * C API test of kvpush, built and run by tests/ffi_c.rs (cc -std=c11 ... -lkvpush).
+ *
+ *   c_api_test loopback   push and pull transfers between a producer and a consumer in this
+ *                         process (loopback transport), every byte verified; aborts; error paths
+ *   c_api_test nixl       push transfers over real NIXL (UCX) and the TCP side channel
+ *   c_api_test abi        prints struct sizes and offsets, compared with Rust's by the test
+ *
+ * Prints one line per check; exits 0 when all passed, 1 at the first failure (with the library's
+ * error message).
+ */
+#define _POSIX_C_SOURCE 200809L
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvpush.h"
+
+#define LAYERS 4
+#define HEADS 2
+#define HEAD_DIM 16
+#define BLOCK 16
+#define NUM_BLOCKS 64
+#define REGIONS (2 * LAYERS)
+#define DTYPE_BYTES 2
+#define PART_BYTES ((size_t)BLOCK * HEADS * HEAD_DIM * DTYPE_BYTES)
+#define REGION_BYTES ((size_t)NUM_BLOCKS * PART_BYTES)
+#define MAX_REQ_BLOCKS 8
+
+static void fail(const char *file, int line, const char *what, int rc) {
+  fprintf(stderr, "FAILED %s:%d: %s -> %s: %s\n", file, line, what, kvpush_status_name(rc), kvpush_last_error());
+  exit(1);
+}
+
+#define CHECK(call)                                          \
+  do {                                                       \
+    int rc_ = (call);                                        \
+    if (rc_ != KVPUSH_OK) fail(__FILE__, __LINE__, #call, rc_); \
+  } while (0)
+
+#define EXPECT(cond)                                                         \
+  do {                                                                       \
+    if (!(cond)) {                                                           \
+      fprintf(stderr, "FAILED %s:%d: expected %s\n", __FILE__, __LINE__, #cond); \
+      exit(1);                                                               \
+    }                                                                        \
+  } while (0)
+
+/* The call must fail with `code` and a message containing `needle`. */
+#define EXPECT_ERR(call, code, needle)                                                           \
+  do {                                                                                           \
+    int rc_ = (call);                                                                            \
+    if (rc_ != (code) || strstr(kvpush_last_error(), (needle)) == NULL) {                        \
+      fprintf(stderr, "FAILED %s:%d: %s returned %s (\"%s\"), expected %s with \"%s\"\n", __FILE__, \
+              __LINE__, #call, kvpush_status_name(rc_), kvpush_last_error(), kvpush_status_name(code), \
+              (needle));                                                                         \
+      exit(1);                                                                                   \
+    }                                                                                            \
+    printf("error ok: %s: %s\n", kvpush_status_name(rc_), kvpush_last_error());                   \
+  } while (0)
+
+typedef struct worker {
+  kvpush_engine *engine;
+  uint8_t *regions[REGIONS];
+  uint64_t bases[REGIONS];
+  uint64_t lens[REGIONS];
+  kvpush_layout layout;
+} worker;
+
+static void sleep_ms(long ms) {
+  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+static void alloc_regions(worker *w, uint8_t fill) {
+  for (int r = 0; r < REGIONS; r++) {
+    w->regions[r] = aligned_alloc(4096, REGION_BYTES);
+    EXPECT(w->regions[r] != NULL);
+    memset(w->regions[r], fill, REGION_BYTES);
+    w->bases[r] = (uint64_t)(uintptr_t)w->regions[r];
+    w->lens[r] = REGION_BYTES;
+  }
+  CHECK(kvpush_layout_init(&w->layout));
+  w->layout.total_layers = LAYERS;
+  w->layout.kv_heads = HEADS;
+  w->layout.head_dim = HEAD_DIM;
+  w->layout.dtype = KVPUSH_DTYPE_BF16;
+  w->layout.kv_kind = KVPUSH_KV_KEY_VALUE;
+  w->layout.block_tokens = BLOCK;
+  w->layout.num_blocks = NUM_BLOCKS;
+  w->layout.order = KVPUSH_ORDER_HND;
+  w->layout.placement = KVPUSH_PLACEMENT_SEPARATE;
+  w->layout.region_bases = w->bases;
+  w->layout.num_regions = REGIONS;
+  w->layout.region_lens = w->lens;
+}
+
+static void create_loopback(worker *w, const char *id, uint32_t mode, kvpush_hub *hub) {
+  alloc_regions(w, 0xEE);
+  kvpush_engine_config cfg;
+  CHECK(kvpush_engine_config_init(&cfg));
+  cfg.engine_id = id;
+  cfg.mode = mode;
+  cfg.transport = KVPUSH_TRANSPORT_LOOPBACK;
+  cfg.hub = hub;
+  cfg.device = "host";
+  cfg.timeout_ms = 20000;
+  CHECK(kvpush_engine_create(&cfg, &w->layout, &w->engine));
+}
+
+static void create_nixl(worker *w, const char *id) {
+  alloc_regions(w, 0xEE);
+  kvpush_engine_config cfg;
+  CHECK(kvpush_engine_config_init(&cfg));
+  cfg.engine_id = id;
+  cfg.transport = KVPUSH_TRANSPORT_NIXL;
+  cfg.device = "host";
+  cfg.listen = "127.0.0.1:0";
+  cfg.timeout_ms = 20000;
+  CHECK(kvpush_engine_create(&cfg, &w->layout, &w->engine));
+}
+
+static void destroy(worker *w) {
+  CHECK(kvpush_engine_destroy(w->engine));
+  for (int r = 0; r < REGIONS; r++) free(w->regions[r]);
+}
+
+/* Byte `o` of block part number `i` of request `req` in region `g`. */
+static uint8_t pattern(int req, int g, int i, size_t o) {
+  return (uint8_t)(req * 131 + g * 31 + i * 7 + (int)(o % 251) * 3 + 1);
+}
+
+typedef struct request {
+  kvpush_key key;
+  uint64_t tokens;
+  uint32_t p_ids[MAX_REQ_BLOCKS];
+  uint32_t d_ids[MAX_REQ_BLOCKS];
+  size_t nblocks;
+} request;
+
+static void prefill(worker *p, const request *rq, int req) {
+  for (int g = 0; g < REGIONS; g++)
+    for (size_t i = 0; i < rq->nblocks; i++) {
+      uint8_t *blk = p->regions[g] + (size_t)rq->p_ids[i] * PART_BYTES;
+      for (size_t o = 0; o < PART_BYTES; o++) blk[o] = pattern(req, g, (int)i, o);
+    }
+}
+
+/* Checks every byte of the request's valid tokens on D ([heads, tokens, head_dim] per part). */
+static size_t verify(const worker *d, const request *rq, int req) {
+  size_t checked = 0;
+  for (int g = 0; g < REGIONS; g++)
+    for (size_t i = 0; i < rq->nblocks; i++) {
+      const uint8_t *blk = d->regions[g] + (size_t)rq->d_ids[i] * PART_BYTES;
+      for (size_t o = 0; o < PART_BYTES; o++) {
+        size_t token = (o / (HEAD_DIM * DTYPE_BYTES)) % BLOCK;
+        if (i * BLOCK + token >= rq->tokens) continue;
+        if (blk[o] != pattern(req, g, (int)i, o)) {
+          fprintf(stderr, "FAILED: request %d region %d block %zu byte %zu: got %u, want %u\n", req, g, i, o,
+                  blk[o], pattern(req, g, (int)i, o));
+          exit(1);
+        }
+        checked++;
+      }
+    }
+  return checked;
+}
+
+static kvpush_block_list one_group(const uint32_t *ids, size_t n) {
+  kvpush_block_list l = {ids, n};
+  return l;
+}
+
+/* Polls `w` (two results at a time, to exercise partial drains) until `want` results arrived. */
+static size_t poll_until(worker *w, kvpush_completion *acc, size_t have, size_t want) {
+  for (int waited = 0; have < want; waited++) {
+    size_t n = 0;
+    CHECK(kvpush_poll(w->engine, acc + have, want - have < 2 ? want - have : 2, &n));
+    have += n;
+    if (n == 0) {
+      EXPECT(waited < 20000);
+      sleep_ms(1);
+    }
+  }
+  return have;
+}
+
+static const kvpush_completion *find(const kvpush_completion *c, size_t n, kvpush_key k) {
+  for (size_t i = 0; i < n; i++)
+    if (c[i].key.id_hi == k.id_hi && c[i].key.id_lo == k.id_lo && c[i].key.attempt == k.attempt) return &c[i];
+  return NULL;
+}
+
+/* Pushes `count` requests from p to d (half registered first, half prefilled first) and checks
+ * outcomes, bytes and counters. */
+static void push_requests(worker *p, worker *d, const char *producer, int count, uint64_t id_hi) {
+  static const uint64_t tokens[] = {64, 40, 16, 100, 1, 33};
+  request rq[6];
+  EXPECT(count <= 6);
+  for (int r = 0; r < count; r++) {
+    rq[r].key.id_hi = id_hi;
+    rq[r].key.id_lo = (uint64_t)r + 1;
+    rq[r].key.attempt = 1;
+    rq[r].tokens = tokens[r];
+    rq[r].nblocks = (size_t)((tokens[r] + BLOCK - 1) / BLOCK);
+    for (size_t i = 0; i < rq[r].nblocks; i++) {
+      rq[r].p_ids[i] = (uint32_t)(r * MAX_REQ_BLOCKS + i);                        /* contiguous */
+      /* first three contiguous, then descending: some runs merge, some do not */
+      rq[r].d_ids[i] = (uint32_t)(NUM_BLOCKS - (r + 1) * MAX_REQ_BLOCKS + (i < 3 ? i : 10 - i));
+    }
+    prefill(p, &rq[r], r);
+  }
+  for (int r = 0; r < count; r++) {
+    kvpush_block_list pg = one_group(rq[r].p_ids, rq[r].nblocks);
+    kvpush_block_list dg = one_group(rq[r].d_ids, rq[r].nblocks);
+    if (r % 2 == 0) {
+      CHECK(kvpush_blocks_allocated(d->engine, rq[r].key, producer, &dg, 1, rq[r].tokens));
+      CHECK(kvpush_request_finished(p->engine, rq[r].key, &pg, 1, rq[r].tokens));
+    } else {
+      CHECK(kvpush_request_finished(p->engine, rq[r].key, &pg, 1, rq[r].tokens));
+      CHECK(kvpush_blocks_allocated(d->engine, rq[r].key, producer, &dg, 1, rq[r].tokens));
+    }
+  }
+  kvpush_completion pc[6], dc[6];
+  size_t np = poll_until(p, pc, 0, (size_t)count);
+  size_t nd = poll_until(d, dc, 0, (size_t)count);
+  size_t bytes = 0;
+  for (int r = 0; r < count; r++) {
+    const kvpush_completion *s = find(pc, np, rq[r].key);
+    const kvpush_completion *v = find(dc, nd, rq[r].key);
+    EXPECT(s != NULL && v != NULL);
+    if (v->outcome != KVPUSH_OUTCOME_RECEIVED) {
+      fprintf(stderr, "FAILED: request %d: consumer outcome %u: %s\n", r, v->outcome, v->message);
+      exit(1);
+    }
+    EXPECT(s->outcome == KVPUSH_OUTCOME_SENT && s->release == KVPUSH_RELEASE_SENT);
+    bytes += verify(d, &rq[r], r);
+  }
+  kvpush_stats ps, ds;
+  CHECK(kvpush_engine_stats(p->engine, &ps));
+  CHECK(kvpush_engine_stats(d->engine, &ds));
+  EXPECT(ds.received >= (uint64_t)count);
+  EXPECT(ps.posts >= (uint64_t)count && ps.bytes >= bytes);
+  EXPECT(ps.descriptors_posted <= ps.descriptors_unmerged);
+  printf("push ok: %d requests, %zu bytes verified, producer posted %llu bytes in %llu descriptors (%llu before "
+         "merging)\n",
+         count, bytes, (unsigned long long)ps.bytes, (unsigned long long)ps.descriptors_posted,
+         (unsigned long long)ps.descriptors_unmerged);
+}
+
+static void pull_request(kvpush_hub *hub) {
+  worker p, d;
+  create_loopback(&p, "prefill-pull", KVPUSH_MODE_PULL, hub);
+  create_loopback(&d, "decode-pull", KVPUSH_MODE_PULL, hub);
+  CHECK(kvpush_engine_connect(d.engine, p.engine));
+  request rq = {{0, 0xBEEF, 2}, 48, {10, 11, 12}, {3, 7, 5}, 3};
+  prefill(&p, &rq, 9);
+  kvpush_block_list pg = one_group(rq.p_ids, rq.nblocks), dg = one_group(rq.d_ids, rq.nblocks);
+  EXPECT_ERR(kvpush_blocks_allocated(d.engine, rq.key, "prefill-pull", &dg, 1, rq.tokens), KVPUSH_ERR_WRONG_MODE,
+             "pull mode");
+  CHECK(kvpush_request_finished(p.engine, rq.key, &pg, 1, rq.tokens));
+  CHECK(kvpush_start_pull(d.engine, rq.key, "prefill-pull", &pg, 1, &dg, 1, rq.tokens));
+  kvpush_completion pc[1], dc[1];
+  poll_until(&d, dc, 0, 1);
+  poll_until(&p, pc, 0, 1);
+  EXPECT(dc[0].outcome == KVPUSH_OUTCOME_RECEIVED && dc[0].key.id_lo == 0xBEEF && dc[0].key.attempt == 2);
+  EXPECT(pc[0].outcome == KVPUSH_OUTCOME_SENT);
+  printf("pull ok: %zu bytes verified\n", verify(&d, &rq, 9));
+  destroy(&d);
+  destroy(&p);
+}
+
+static void aborts(worker *p, worker *d) {
+  /* Consumer registers, then aborts before any prefill: it ends without data. */
+  uint32_t d_ids[2] = {40, 41}, p_ids[2] = {50, 51};
+  kvpush_key kd = {7, 1, 1}, kp = {7, 2, 1};
+  kvpush_block_list dg = one_group(d_ids, 2), pg = one_group(p_ids, 2);
+  CHECK(kvpush_blocks_allocated(d->engine, kd, "prefill", &dg, 1, 32));
+  CHECK(kvpush_abort(d->engine, kd));
+  /* Producer finishes prefill, nobody registers, it aborts: its blocks come back. */
+  CHECK(kvpush_request_finished(p->engine, kp, &pg, 1, 32));
+  CHECK(kvpush_abort(p->engine, kp));
+  kvpush_completion c[1];
+  poll_until(d, c, 0, 1);
+  EXPECT(c[0].key.id_lo == 1 && c[0].outcome == KVPUSH_OUTCOME_ENDED);
+  printf("abort ok: consumer outcome %u (%s)\n", c[0].outcome, c[0].message);
+  poll_until(p, c, 0, 1);
+  EXPECT(c[0].key.id_lo == 2 && c[0].outcome == KVPUSH_OUTCOME_SENT && c[0].release == KVPUSH_RELEASE_ABORTED);
+  printf("abort ok: producer released with %s\n", c[0].message);
+}
+
+static void error_paths(kvpush_hub *hub, worker *p, worker *d) {
+  kvpush_engine_config cfg;
+  CHECK(kvpush_engine_config_init(&cfg));
+  cfg.engine_id = "bad";
+  cfg.hub = hub;
+  cfg.device = "host";
+  kvpush_layout l = p->layout;
+  kvpush_engine *e = NULL;
+
+  l.kv_heads = 0;
+  EXPECT_ERR(kvpush_engine_create(&cfg, &l, &e), KVPUSH_ERR_LAYOUT, "kv_heads");
+  l = p->layout;
+  l.dtype = 42;
+  EXPECT_ERR(kvpush_engine_create(&cfg, &l, &e), KVPUSH_ERR_LAYOUT, "`dtype` = 42");
+  l = p->layout;
+  uint64_t short_lens[REGIONS];
+  for (int r = 0; r < REGIONS; r++) short_lens[r] = REGION_BYTES;
+  short_lens[5] = REGION_BYTES - 1;
+  l.region_lens = short_lens;
+  EXPECT_ERR(kvpush_engine_create(&cfg, &l, &e), KVPUSH_ERR_LAYOUT, "region 5");
+  l = p->layout;
+  l.num_regions = 3;
+  EXPECT_ERR(kvpush_engine_create(&cfg, &l, &e), KVPUSH_ERR_LAYOUT, "3 region bases given, 8 expected");
+  EXPECT(e == NULL);
+  EXPECT_ERR(kvpush_engine_create(NULL, &p->layout, &e), KVPUSH_ERR_NULL, "config");
+  cfg.engine_id = "\xff\xfe";
+  EXPECT_ERR(kvpush_engine_create(&cfg, &p->layout, &e), KVPUSH_ERR_INVALID_ARGUMENT, "UTF-8");
+  cfg.engine_id = "bad";
+  cfg.hub = NULL;
+  EXPECT_ERR(kvpush_engine_create(&cfg, &p->layout, &e), KVPUSH_ERR_NULL, "hub");
+  cfg.hub = hub;
+  cfg.mode = 7;
+  EXPECT_ERR(kvpush_engine_create(&cfg, &p->layout, &e), KVPUSH_ERR_INVALID_ARGUMENT, "mode");
+  cfg.mode = KVPUSH_MODE_PUSH;
+  cfg.device = "tpu";
+  EXPECT_ERR(kvpush_engine_create(&cfg, &p->layout, &e), KVPUSH_ERR_DEVICE, "tpu");
+  cfg.device = "host";
+  /* Memory that is not mapped: the host device refuses it before anything is registered. */
+  uint64_t unmapped[REGIONS];
+  for (int r = 0; r < REGIONS; r++) unmapped[r] = 0x10000 + (uint64_t)r * REGION_BYTES;
+  l = p->layout;
+  l.region_bases = unmapped;
+  l.region_lens = NULL;
+  EXPECT_ERR(kvpush_engine_create(&cfg, &l, &e), KVPUSH_ERR_DEVICE, "not memory of this device");
+  EXPECT(e == NULL);
+
+  /* Block lists that do not fit the layout. */
+  uint32_t far[1] = {9999};
+  kvpush_block_list g = one_group(far, 1);
+  kvpush_key k = {0, 99, 1};
+  EXPECT_ERR(kvpush_blocks_allocated(d->engine, k, "prefill", &g, 1, 16), KVPUSH_ERR_BLOCKS, "9999");
+  EXPECT_ERR(kvpush_blocks_allocated(d->engine, k, "prefill", NULL, 1, 16), KVPUSH_ERR_NULL, "groups");
+  EXPECT_ERR(kvpush_blocks_allocated(d->engine, k, NULL, &g, 1, 16), KVPUSH_ERR_NULL, "producer");
+  EXPECT_ERR(kvpush_start_pull(d->engine, k, "prefill", &g, 1, &g, 1, 16), KVPUSH_ERR_WRONG_MODE, "start_pull");
+
+  /* Handshakes: a short buffer, garbage, an incompatible peer. */
+  uint8_t small[4];
+  size_t len = 0;
+  EXPECT_ERR(kvpush_engine_handshake(p->engine, small, sizeof small, &len), KVPUSH_ERR_BUFFER_TOO_SMALL,
+             "too small");
+  EXPECT(len > sizeof small);
+  uint8_t garbage[16] = "not a handshake";
+  EXPECT_ERR(kvpush_engine_add_peer(d->engine, garbage, sizeof garbage), KVPUSH_ERR_DECODE, "handshake");
+  worker pull;
+  create_loopback(&pull, "prefill-pull-mode", KVPUSH_MODE_PULL, hub);
+  len = 0;
+  EXPECT(kvpush_engine_handshake(pull.engine, NULL, 0, &len) == KVPUSH_ERR_BUFFER_TOO_SMALL && len > 0);
+  uint8_t *hs = malloc(len);
+  CHECK(kvpush_engine_handshake(pull.engine, hs, len, &len));
+  EXPECT(strcmp(kvpush_last_error(), "") == 0);
+  EXPECT_ERR(kvpush_engine_add_peer(d->engine, hs, len), KVPUSH_ERR_INCOMPATIBLE, "mode differs");
+  EXPECT_ERR(kvpush_engine_connect(d->engine, d->engine), KVPUSH_ERR_INVALID_ARGUMENT, "itself");
+  free(hs);
+  destroy(&pull);
+
+  /* Handles: null, destroyed, made up; out-pointers. */
+  EXPECT_ERR(kvpush_abort(pull.engine, k), KVPUSH_ERR_UNKNOWN_HANDLE, "unknown");
+  EXPECT_ERR(kvpush_engine_destroy(pull.engine), KVPUSH_ERR_UNKNOWN_HANDLE, "already destroyed");
+  EXPECT_ERR(kvpush_abort((kvpush_engine *)hub, k), KVPUSH_ERR_UNKNOWN_HANDLE, "engine handle");
+  EXPECT_ERR(kvpush_poll(d->engine, NULL, 0, NULL), KVPUSH_ERR_NULL, "`n`");
+  EXPECT_ERR(kvpush_engine_listen_port(d->engine, NULL), KVPUSH_ERR_INVALID_ARGUMENT, "no side channel");
+  size_t n = 1;
+  CHECK(kvpush_poll(d->engine, NULL, 0, &n));
+  EXPECT(n == 0);
+}
+
+static void run_loopback(void) {
+  EXPECT(kvpush_abi_version() == KVPUSH_ABI_VERSION);
+  printf("kvpush %s, ABI %u\n", kvpush_version(), kvpush_abi_version());
+  kvpush_hub *hub = NULL;
+  CHECK(kvpush_hub_create(&hub));
+  worker p, d;
+  create_loopback(&p, "prefill", KVPUSH_MODE_PUSH, hub);
+  create_loopback(&d, "decode", KVPUSH_MODE_PUSH, hub);
+  /* Connect through handshake bytes, as engines in different address spaces would. */
+  size_t len = 0;
+  EXPECT(kvpush_engine_handshake(p.engine, NULL, 0, &len) == KVPUSH_ERR_BUFFER_TOO_SMALL);
+  uint8_t *hp = malloc(len);
+  CHECK(kvpush_engine_handshake(p.engine, hp, len, &len));
+  CHECK(kvpush_engine_add_peer(d.engine, hp, len));
+  free(hp);
+  EXPECT(kvpush_engine_handshake(d.engine, NULL, 0, &len) == KVPUSH_ERR_BUFFER_TOO_SMALL);
+  uint8_t *hd = malloc(len);
+  CHECK(kvpush_engine_handshake(d.engine, hd, len, &len));
+  CHECK(kvpush_engine_add_peer(p.engine, hd, len));
+  free(hd);
+
+  push_requests(&p, &d, "prefill", 6, 0xC0FFEE);
+  aborts(&p, &d);
+  error_paths(hub, &p, &d);
+  pull_request(hub);
+
+  /* Statistics as JSON. */
+  size_t jlen = 0;
+  EXPECT(kvpush_engine_stats_json(d.engine, NULL, 0, &jlen) == KVPUSH_ERR_BUFFER_TOO_SMALL);
+  char *json = malloc(jlen + 1);
+  CHECK(kvpush_engine_stats_json(d.engine, json, jlen + 1, &jlen));
+  EXPECT(strlen(json) == jlen && strstr(json, "\"received\":6") != NULL);
+  printf("stats ok: %.80s...\n", json);
+  free(json);
+
+  /* The hub may go before its engines. */
+  CHECK(kvpush_hub_destroy(hub));
+  EXPECT_ERR(kvpush_hub_destroy(hub), KVPUSH_ERR_UNKNOWN_HANDLE, "hub handle");
+  push_requests(&p, &d, "prefill", 2, 0xD00D);
+  destroy(&d);
+  destroy(&p);
+  printf("all C API checks passed\n");
+}
+
+static void run_nixl(void) {
+  if (!kvpush_nixl_available()) {
+    fprintf(stderr, "FAILED: NIXL is not available (LD_LIBRARY_PATH must hold libnixl_capi.so)\n");
+    exit(1);
+  }
+  worker p, d;
+  create_nixl(&p, "prefill");
+  create_nixl(&d, "decode");
+  uint16_t port = 0;
+  CHECK(kvpush_engine_listen_port(p.engine, &port));
+  EXPECT(port != 0);
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
+  CHECK(kvpush_engine_connect_addr(d.engine, addr));
+  uint8_t hs[1];
+  size_t len = 0;
+  EXPECT(kvpush_engine_handshake(p.engine, hs, 0, &len) == KVPUSH_ERR_BUFFER_TOO_SMALL);
+  EXPECT_ERR(kvpush_engine_add_peer(d.engine, hs, 1), KVPUSH_ERR_INVALID_ARGUMENT, "side channel");
+  push_requests(&p, &d, "prefill", 4, 0xA11CE);
+  destroy(&d);
+  destroy(&p);
+  printf("all NIXL checks passed (side channel port %u)\n", port);
+}
+
+static void print_abi(void) {
+  printf("kvpush_key %zu %zu\n", sizeof(kvpush_key), offsetof(kvpush_key, attempt));
+  printf("kvpush_block_list %zu %zu\n", sizeof(kvpush_block_list), offsetof(kvpush_block_list, len));
+  printf("kvpush_kv_group %zu %zu\n", sizeof(kvpush_kv_group), offsetof(kvpush_kv_group, num_layers));
+  printf("kvpush_layout %zu %zu\n", sizeof(kvpush_layout), offsetof(kvpush_layout, block_stride));
+  printf("kvpush_layout.pp_size %zu %zu\n", sizeof(uint16_t), offsetof(kvpush_layout, pp_size));
+  printf("kvpush_layout.region_lens %zu %zu\n", sizeof(void *), offsetof(kvpush_layout, region_lens));
+  printf("kvpush_engine_config %zu %zu\n", sizeof(kvpush_engine_config), offsetof(kvpush_engine_config, lease_ms));
+  printf("kvpush_engine_config.secret %zu %zu\n", sizeof(void *), offsetof(kvpush_engine_config, secret));
+  printf("kvpush_completion %zu %zu\n", sizeof(kvpush_completion), offsetof(kvpush_completion, message));
+  printf("kvpush_stats %zu %zu\n", sizeof(kvpush_stats), offsetof(kvpush_stats, receive));
+}
+
+int main(int argc, char **argv) {
+  const char *mode = argc > 1 ? argv[1] : "loopback";
+  if (strcmp(mode, "loopback") == 0) {
+    run_loopback();
+  } else if (strcmp(mode, "nixl") == 0) {
+    run_nixl();
+  } else if (strcmp(mode, "abi") == 0) {
+    print_abi();
+  } else {
+    fprintf(stderr, "usage: %s [loopback|nixl|abi]\n", argv[0]);
+    return 2;
+  }
+  return 0;
+}

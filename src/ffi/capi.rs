@@ -1,0 +1,1104 @@
+//! The C ABI: `extern "C"` functions over opaque handles, declared in `cpp/include/kvpush.h`.
+//!
+//! Read the header first; this file mirrors it. Every function returns a status code
+//! ([`super::status`]) and leaves a message with context in a thread-local buffer that
+//! [`kvpush_last_error`] returns. Every body runs inside [`guard`], which catches panics, so no
+//! unwinding crosses into C: a caught panic is `KVPUSH_ERR_PANIC`.
+//!
+//! Handles are not pointers to Rust objects: a `kvpush_engine *` or `kvpush_hub *` is a number
+//! minted from one counter and looked up in a registry before every use, so a null, stale (destroyed)
+//! or made-up handle is answered with `KVPUSH_ERR_UNKNOWN_HANDLE` instead of undefined behaviour, and
+//! numbers are never reused. A call holds its own reference to the engine for its duration;
+//! [`kvpush_engine_destroy`] unregisters the handle, waits for such calls to end, then stops the
+//! engine, so memory may be freed as soon as it returns.
+//!
+//! Raw pointers from C (arrays, strings, out-parameters) are checked for null, alignment, length
+//! and UTF-8 before they become Rust values; what cannot be checked (that they point to live memory
+//! of the stated size) is each function's `# Safety` contract.
+
+#![allow(non_camel_case_types)]
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, CStr, CString};
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock, RwLock};
+use std::time::Duration;
+
+use super::{
+    key_of, key_parts, panic_message, status, EngineSpec, FfiEngine, FfiError, GroupSpec, Hub, LayoutSpec,
+    TransportSpec,
+};
+use crate::engine::stats::LatencySummary;
+use crate::proto::layout::Parallel;
+use crate::proto::Key;
+
+/// Version of this ABI (`KVPUSH_ABI_VERSION` in the header); grows when a struct or signature changes.
+pub const ABI_VERSION: u32 = 1;
+/// Bytes of [`kvpush_completion::message`], NUL included.
+pub const MESSAGE_LEN: usize = 256;
+
+/// Opaque handle of an engine worker.
+#[repr(C)]
+#[derive(Debug)]
+pub struct kvpush_engine {
+    _private: [u8; 0],
+}
+
+/// Opaque handle of an in-process hub (loopback transport and control link).
+#[repr(C)]
+#[derive(Debug)]
+pub struct kvpush_hub {
+    _private: [u8; 0],
+}
+
+/// `(transfer_id, attempt)`; the transfer id is 128 bits, split in two halves.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct kvpush_key {
+    /// High 64 bits of the transfer id.
+    pub id_hi: u64,
+    /// Low 64 bits of the transfer id.
+    pub id_lo: u64,
+    /// Attempt number.
+    pub attempt: u32,
+}
+
+impl kvpush_key {
+    fn key(self) -> Key {
+        key_of(self.id_hi, self.id_lo, self.attempt)
+    }
+}
+
+/// Block ids of one KV group.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvpush_block_list {
+    /// `len` block ids (may be null when `len` is 0).
+    pub ids: *const u32,
+    /// Number of ids.
+    pub len: usize,
+}
+
+/// One KV cache group of a layout.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvpush_kv_group {
+    /// 0: full attention; N: sliding window of N tokens.
+    pub window_tokens: u32,
+    /// Global layer indices, strictly increasing.
+    pub layers: *const u32,
+    /// Number of layers.
+    pub num_layers: usize,
+}
+
+/// A worker's KV layout. See [`LayoutSpec`] for each field.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvpush_layout {
+    /// Layers of the whole model.
+    pub total_layers: u32,
+    /// KV heads of the whole model.
+    pub kv_heads: u32,
+    /// Elements per head.
+    pub head_dim: u32,
+    /// `kvpush_dtype`.
+    pub dtype: u32,
+    /// `kvpush_kv_kind`.
+    pub kv_kind: u32,
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// Blocks in every region.
+    pub num_blocks: u32,
+    /// `kvpush_block_order`.
+    pub order: u32,
+    /// `kvpush_placement`.
+    pub placement: u32,
+    /// Tensor-parallel rank.
+    pub tp_rank: u16,
+    /// Tensor-parallel size.
+    pub tp_size: u16,
+    /// Pipeline-parallel rank.
+    pub pp_rank: u16,
+    /// Pipeline-parallel size.
+    pub pp_size: u16,
+    /// Bytes from one block to the next (0: packed).
+    pub block_stride: u64,
+    /// KV cache groups (null with 0: one full-attention group with every layer).
+    pub groups: *const kvpush_kv_group,
+    /// Number of groups.
+    pub num_groups: usize,
+    /// Region base addresses.
+    pub region_bases: *const u64,
+    /// Number of regions.
+    pub num_regions: usize,
+    /// Bytes at each base (`num_regions` of them), or null: exactly `num_blocks × block_stride`.
+    pub region_lens: *const u64,
+}
+
+/// An engine's configuration. Strings are UTF-8, NUL-terminated; null or empty optional strings
+/// take the default.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvpush_engine_config {
+    /// Engine id (required).
+    pub engine_id: *const c_char,
+    /// `kvpush_mode`.
+    pub mode: u32,
+    /// `kvpush_transport`.
+    pub transport: u32,
+    /// Loopback: the hub (required); NIXL: null.
+    pub hub: *mut kvpush_hub,
+    /// Device backend (`host`, `mock`, `cuda`, `neuron`, `auto`); null: `KVPUSH_DEVICE` or auto.
+    pub device: *const c_char,
+    /// Writer threads (0: 1).
+    pub writers: u32,
+    /// Producer lease in ms (0: 30 s).
+    pub lease_ms: u64,
+    /// Consumer timeout in ms (0: 120 s).
+    pub timeout_ms: u64,
+    /// NIXL agent name (null: `"<engine_id>/<tp_rank>.<pp_rank>"`).
+    pub agent_name: *const c_char,
+    /// NIXL backend plugin (null: `"UCX"`).
+    pub nixl_backend: *const c_char,
+    /// Side-channel listen address (null: `0.0.0.0:<5600 + tp_rank>`; port 0 picks a free one).
+    pub listen: *const c_char,
+    /// Side-channel shared secret (null: none).
+    pub secret: *const c_char,
+}
+
+/// One finished result.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvpush_completion {
+    /// The request.
+    pub key: kvpush_key,
+    /// `kvpush_outcome`.
+    pub outcome: u32,
+    /// `kvpush_release` (producer outcomes), else 0.
+    pub release: u32,
+    /// What happened (failure reason, release reason), NUL-terminated, truncated to fit.
+    pub message: [c_char; MESSAGE_LEN],
+}
+
+/// Percentiles of a latency histogram (µs).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvpush_latency {
+    /// Values recorded.
+    pub count: u64,
+    /// Median.
+    pub p50_us: u64,
+    /// 90th percentile.
+    pub p90_us: u64,
+    /// 99th percentile.
+    pub p99_us: u64,
+    /// Largest.
+    pub max_us: u64,
+}
+
+impl From<LatencySummary> for kvpush_latency {
+    fn from(l: LatencySummary) -> Self {
+        Self { count: l.count, p50_us: l.p50_us, p90_us: l.p90_us, p99_us: l.p99_us, max_us: l.max_us }
+    }
+}
+
+/// Counters, failures and latencies of an engine (see `crate::engine::stats`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvpush_stats {
+    /// Registrations sent (consumer) or received (producer).
+    pub registrations: u64,
+    /// Transfers matched by the rendezvous.
+    pub matches: u64,
+    /// Transfers posted.
+    pub posts: u64,
+    /// Copies before merging.
+    pub descriptors_unmerged: u64,
+    /// Descriptors posted.
+    pub descriptors_posted: u64,
+    /// Bytes posted.
+    pub bytes: u64,
+    /// Producer: requests whose blocks were released.
+    pub released: u64,
+    /// Consumer: requests received.
+    pub received: u64,
+    /// Consumer: requests failed.
+    pub failed: u64,
+    /// Aborts handled.
+    pub aborted: u64,
+    /// Failures: posting a transfer.
+    pub fail_post: u64,
+    /// Failures: a posted transfer.
+    pub fail_transfer: u64,
+    /// Failures: planning.
+    pub fail_plan: u64,
+    /// Failures: leases or registration waits that ran out.
+    pub fail_lease_expired: u64,
+    /// Failures: requests that timed out.
+    pub fail_timeout: u64,
+    /// Failures: failure notifications from peers.
+    pub fail_remote: u64,
+    /// Failures: malformed frames.
+    pub fail_malformed: u64,
+    /// Failures: unknown peers.
+    pub fail_unknown_peer: u64,
+    /// Failures: control-link sends.
+    pub fail_link: u64,
+    /// Producer: registration waiting for prefill.
+    pub wait_registration_first: kvpush_latency,
+    /// Producer: finished blocks waiting for the registration.
+    pub wait_blocks_first: kvpush_latency,
+    /// Time to post one transfer.
+    pub post: kvpush_latency,
+    /// Post to transfer done.
+    pub transfer: kvpush_latency,
+    /// Consumer: registration to every part received.
+    pub receive: kvpush_latency,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors and the panic guard.
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_last_error(msg: String) {
+    let c = CString::new(msg.replace('\0', "\\0")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+/// Runs `f` for the C function `call`: catches panics, records the error message with the call's
+/// name, returns the status code.
+fn guard(call: &'static str, f: impl FnOnce() -> Result<(), FfiError>) -> c_int {
+    let result = panic::catch_unwind(AssertUnwindSafe(f))
+        .unwrap_or_else(|payload| Err(FfiError::Panic(panic_message(payload.as_ref()))));
+    match result {
+        Ok(()) => {
+            set_last_error(String::new());
+            status::OK
+        }
+        Err(e) => {
+            set_last_error(format!("{call}: {e}"));
+            e.code()
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Handles.
+
+enum Handle {
+    Hub(Arc<Hub>),
+    Engine(Arc<FfiEngine>),
+}
+
+fn registry() -> &'static RwLock<HashMap<usize, Handle>> {
+    static REGISTRY: OnceLock<RwLock<HashMap<usize, Handle>>> = OnceLock::new();
+    REGISTRY.get_or_init(|| RwLock::new(HashMap::new()))
+}
+
+/// Handle numbers: never 0, never reused, spaced so a handle is never a small integer by accident.
+fn mint(h: Handle) -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(1);
+    let id = 0x6b70_0000 + NEXT.fetch_add(1, Ordering::Relaxed) * 16;
+    registry().write().unwrap_or_else(|p| p.into_inner()).insert(id, h);
+    id
+}
+
+fn engine_of(h: *const kvpush_engine) -> Result<Arc<FfiEngine>, FfiError> {
+    if h.is_null() {
+        return Err(FfiError::Null("engine"));
+    }
+    match registry().read().unwrap_or_else(|p| p.into_inner()).get(&(h as usize)) {
+        Some(Handle::Engine(e)) => Ok(Arc::clone(e)),
+        _ => Err(FfiError::UnknownHandle { kind: "engine", handle: h as usize }),
+    }
+}
+
+fn hub_of(h: *const kvpush_hub) -> Result<Arc<Hub>, FfiError> {
+    if h.is_null() {
+        return Err(FfiError::Null("hub"));
+    }
+    match registry().read().unwrap_or_else(|p| p.into_inner()).get(&(h as usize)) {
+        Some(Handle::Hub(hub)) => Ok(Arc::clone(hub)),
+        _ => Err(FfiError::UnknownHandle { kind: "hub", handle: h as usize }),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checked conversions of C arguments.
+
+/// A slice from a C array; `ptr` may be null only when `len` is 0.
+///
+/// # Safety
+///
+/// 1. When `ptr` is not null, it points to `len` initialized values of `T` that stay valid and
+///    unmodified for `'a`.
+unsafe fn slice<'a, T>(arg: &'static str, ptr: *const T, len: usize) -> Result<&'a [T], FfiError> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    if ptr.is_null() {
+        return Err(FfiError::Null(arg));
+    }
+    if !ptr.is_aligned() {
+        return Err(FfiError::invalid(arg, format!("pointer {ptr:p} is not aligned for its element type")));
+    }
+    if len > isize::MAX as usize / std::mem::size_of::<T>().max(1) {
+        return Err(FfiError::invalid(arg, format!("length {len} is too large")));
+    }
+    // SAFETY: non-null, aligned, length bounded; validity for `len` elements is the caller's
+    // contract (1).
+    Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
+}
+
+/// A required UTF-8 string.
+///
+/// # Safety
+///
+/// 1. When `ptr` is not null, it points to a NUL-terminated string that stays valid for `'a`.
+unsafe fn required_str<'a>(arg: &'static str, ptr: *const c_char) -> Result<&'a str, FfiError> {
+    if ptr.is_null() {
+        return Err(FfiError::Null(arg));
+    }
+    // SAFETY: non-null; NUL termination and validity are the caller's contract (1).
+    let c = unsafe { CStr::from_ptr(ptr) };
+    c.to_str().map_err(|e| FfiError::invalid(arg, format!("is not valid UTF-8: {e}")))
+}
+
+/// An optional UTF-8 string: null or empty is `None`.
+///
+/// # Safety
+///
+/// As [`required_str`].
+unsafe fn optional_str(arg: &'static str, ptr: *const c_char) -> Result<Option<String>, FfiError> {
+    if ptr.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: forwarded contract.
+    let s = unsafe { required_str(arg, ptr) }?;
+    Ok((!s.is_empty()).then(|| s.to_owned()))
+}
+
+/// Block lists per KV group.
+///
+/// # Safety
+///
+/// 1. `groups` is null or points to `n` lists, each with `ids` valid for `len` elements.
+unsafe fn block_lists(
+    arg: &'static str,
+    groups: *const kvpush_block_list,
+    n: usize,
+) -> Result<Vec<Vec<u32>>, FfiError> {
+    // SAFETY: the caller's contract (1).
+    let lists = unsafe { slice(arg, groups, n) }?;
+    lists
+        .iter()
+        // SAFETY: each list's `ids` is valid for `len` elements, the caller's contract (1).
+        .map(|l| unsafe { slice(arg, l.ids, l.len) }.map(<[u32]>::to_vec))
+        .collect()
+}
+
+/// # Safety
+///
+/// 1. Every pointer in `l` is null or valid for the number of elements its count field says.
+unsafe fn layout_spec(l: &kvpush_layout) -> Result<LayoutSpec, FfiError> {
+    // SAFETY: the caller's contract (1) for `groups`.
+    let groups = unsafe { slice("layout.groups", l.groups, l.num_groups) }?;
+    let groups = groups
+        .iter()
+        .map(|g| {
+            // SAFETY: the caller's contract (1) for each group's `layers`.
+            let layers = unsafe { slice("layout.groups[].layers", g.layers, g.num_layers) }?;
+            Ok(GroupSpec { window_tokens: g.window_tokens, layers: layers.to_vec() })
+        })
+        .collect::<Result<Vec<_>, FfiError>>()?;
+    if l.num_regions == 0 {
+        return Err(FfiError::invalid("layout.num_regions", "is 0: a layout needs its region base addresses"));
+    }
+    // SAFETY: the caller's contract (1) for `region_bases`.
+    let region_bases = unsafe { slice("layout.region_bases", l.region_bases, l.num_regions) }?.to_vec();
+    let region_lens = if l.region_lens.is_null() {
+        Vec::new()
+    } else {
+        // SAFETY: the caller's contract (1): `region_lens` holds `num_regions` lengths.
+        unsafe { slice("layout.region_lens", l.region_lens, l.num_regions) }?.to_vec()
+    };
+    Ok(LayoutSpec {
+        total_layers: l.total_layers,
+        kv_heads: l.kv_heads,
+        head_dim: l.head_dim,
+        dtype: l.dtype,
+        kv_kind: l.kv_kind,
+        block_tokens: l.block_tokens,
+        num_blocks: l.num_blocks,
+        order: l.order,
+        placement: l.placement,
+        parallel: Parallel { tp_rank: l.tp_rank, tp_size: l.tp_size, pp_rank: l.pp_rank, pp_size: l.pp_size },
+        block_stride: l.block_stride,
+        groups,
+        region_bases,
+        region_lens,
+    })
+}
+
+/// Writes `value` through a required out-pointer.
+///
+/// # Safety
+///
+/// 1. `out` is null or valid for a write of `T`.
+unsafe fn put<T>(arg: &'static str, out: *mut T, value: T) -> Result<(), FfiError> {
+    if out.is_null() {
+        return Err(FfiError::Null(arg));
+    }
+    if !out.is_aligned() {
+        return Err(FfiError::invalid(arg, format!("pointer {out:p} is not aligned")));
+    }
+    // SAFETY: non-null and aligned; valid for a write by the caller's contract (1).
+    unsafe { out.write(value) };
+    Ok(())
+}
+
+/// Copies `bytes` into a caller's buffer of `cap` bytes and writes the length to `len`; a buffer
+/// too small (or null) gets nothing but the needed length.
+///
+/// # Safety
+///
+/// 1. `buf` is null or valid for writes of `cap` bytes; `len` is valid for a write.
+unsafe fn put_bytes(bytes: &[u8], nul: bool, buf: *mut u8, cap: usize, len: *mut usize) -> Result<(), FfiError> {
+    // SAFETY: the caller's contract (1) for `len`.
+    unsafe { put("len", len, bytes.len()) }?;
+    let needed = bytes.len() + usize::from(nul);
+    if buf.is_null() || cap < needed {
+        return Err(FfiError::BufferTooSmall { needed, cap: if buf.is_null() { 0 } else { cap } });
+    }
+    // SAFETY: `buf` holds `cap >= needed` bytes (caller's contract (1)); the source is a Rust slice
+    // that cannot overlap the caller's buffer.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf, bytes.len());
+        if nul {
+            buf.add(bytes.len()).write(0);
+        }
+    }
+    Ok(())
+}
+
+fn message_bytes(msg: &str) -> [c_char; MESSAGE_LEN] {
+    let mut out = [0 as c_char; MESSAGE_LEN];
+    let mut end = msg.len().min(MESSAGE_LEN - 1);
+    while !msg.is_char_boundary(end) {
+        end -= 1;
+    }
+    for (o, &b) in out.iter_mut().zip(&msg.as_bytes()[..end]) {
+        *o = b as c_char;
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// The functions of kvpush.h.
+
+/// The kvpush version, a static NUL-terminated string.
+#[no_mangle]
+pub extern "C" fn kvpush_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+/// [`ABI_VERSION`]: compare it with `KVPUSH_ABI_VERSION` from the header you compiled against.
+#[no_mangle]
+pub extern "C" fn kvpush_abi_version() -> u32 {
+    ABI_VERSION
+}
+
+/// The message of the last failed call on this thread ("" after a successful one). Valid until the
+/// next kvpush call on this thread.
+#[no_mangle]
+pub extern "C" fn kvpush_last_error() -> *const c_char {
+    LAST_ERROR.try_with(|e| e.borrow().as_ptr()).unwrap_or(c"thread is exiting".as_ptr())
+}
+
+/// The name of a status code (`"KVPUSH_ERR_LAYOUT"`), a static string.
+#[no_mangle]
+pub extern "C" fn kvpush_status_name(code: c_int) -> *const c_char {
+    status_cstr(code).as_ptr()
+}
+
+fn status_cstr(code: c_int) -> &'static CStr {
+    match code {
+        status::OK => c"KVPUSH_OK",
+        status::NULL => c"KVPUSH_ERR_NULL",
+        status::INVALID_ARGUMENT => c"KVPUSH_ERR_INVALID_ARGUMENT",
+        status::UNKNOWN_HANDLE => c"KVPUSH_ERR_UNKNOWN_HANDLE",
+        status::LAYOUT => c"KVPUSH_ERR_LAYOUT",
+        status::DEVICE => c"KVPUSH_ERR_DEVICE",
+        status::TRANSPORT => c"KVPUSH_ERR_TRANSPORT",
+        status::INCOMPATIBLE => c"KVPUSH_ERR_INCOMPATIBLE",
+        status::BLOCKS => c"KVPUSH_ERR_BLOCKS",
+        status::WRONG_MODE => c"KVPUSH_ERR_WRONG_MODE",
+        status::SIDE_CHANNEL => c"KVPUSH_ERR_SIDE_CHANNEL",
+        status::DECODE => c"KVPUSH_ERR_DECODE",
+        status::BUFFER_TOO_SMALL => c"KVPUSH_ERR_BUFFER_TOO_SMALL",
+        status::CLOSED => c"KVPUSH_ERR_CLOSED",
+        status::PANIC => c"KVPUSH_ERR_PANIC",
+        _ => c"unknown status",
+    }
+}
+
+/// 1 if the NIXL library can be loaded in this process, else 0 (never aborts).
+#[no_mangle]
+pub extern "C" fn kvpush_nixl_available() -> c_int {
+    panic::catch_unwind(crate::transport::nixl::available).map(c_int::from).unwrap_or(0)
+}
+
+/// Fills `layout` with defaults: everything zero, `tp_size` and `pp_size` 1.
+///
+/// # Safety
+///
+/// 1. `layout` is null or valid for a write of a `kvpush_layout`.
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_layout_init(layout: *mut kvpush_layout) -> c_int {
+    guard("kvpush_layout_init", || {
+        let l = kvpush_layout {
+            total_layers: 0,
+            kv_heads: 0,
+            head_dim: 0,
+            dtype: 0,
+            kv_kind: 0,
+            block_tokens: 0,
+            num_blocks: 0,
+            order: 0,
+            placement: 0,
+            tp_rank: 0,
+            tp_size: 1,
+            pp_rank: 0,
+            pp_size: 1,
+            block_stride: 0,
+            groups: std::ptr::null(),
+            num_groups: 0,
+            region_bases: std::ptr::null(),
+            num_regions: 0,
+            region_lens: std::ptr::null(),
+        };
+        // SAFETY: the caller's contract (1).
+        unsafe { put("layout", layout, l) }
+    })
+}
+
+/// Fills `config` with defaults: push mode, loopback, one writer, every string null.
+///
+/// # Safety
+///
+/// 1. `config` is null or valid for a write of a `kvpush_engine_config`.
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_engine_config_init(config: *mut kvpush_engine_config) -> c_int {
+    guard("kvpush_engine_config_init", || {
+        let c = kvpush_engine_config {
+            engine_id: std::ptr::null(),
+            mode: super::mode::PUSH,
+            transport: super::transport::LOOPBACK,
+            hub: std::ptr::null_mut(),
+            device: std::ptr::null(),
+            writers: 1,
+            lease_ms: 0,
+            timeout_ms: 0,
+            agent_name: std::ptr::null(),
+            nixl_backend: std::ptr::null(),
+            listen: std::ptr::null(),
+            secret: std::ptr::null(),
+        };
+        // SAFETY: the caller's contract (1).
+        unsafe { put("config", config, c) }
+    })
+}
+
+/// Creates a hub: the medium loopback engines of this process share.
+///
+/// # Safety
+///
+/// 1. `out` is null or valid for a write of a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_hub_create(out: *mut *mut kvpush_hub) -> c_int {
+    guard("kvpush_hub_create", || {
+        if out.is_null() {
+            return Err(FfiError::Null("out"));
+        }
+        let id = mint(Handle::Hub(Hub::new()));
+        // SAFETY: the caller's contract (1).
+        unsafe { put("out", out, id as *mut kvpush_hub) }
+    })
+}
+
+/// Destroys a hub handle. Engines created on it keep what they need; it may go before them.
+///
+/// # Safety
+///
+/// None beyond the handle's being any value: unknown handles are answered with an error.
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_hub_destroy(hub: *mut kvpush_hub) -> c_int {
+    guard("kvpush_hub_destroy", || {
+        if hub.is_null() {
+            return Err(FfiError::Null("hub"));
+        }
+        let mut reg = registry().write().unwrap_or_else(|p| p.into_inner());
+        match reg.get(&(hub as usize)) {
+            Some(Handle::Hub(_)) => {
+                reg.remove(&(hub as usize));
+                Ok(())
+            }
+            _ => Err(FfiError::UnknownHandle { kind: "hub", handle: hub as usize }),
+        }
+    })
+}
+
+/// Creates an engine worker: validates the layout, checks and registers its memory, starts the
+/// writer threads (and, for NIXL, the agent and the side-channel listener).
+///
+/// # Safety
+///
+/// 1. `config` and `layout` are null or valid, with every pointer inside them null or valid for
+///    its stated length (strings NUL-terminated); `out` is null or valid for a write.
+/// 2. Every region of the layout is memory of the device, valid for reads and writes until
+///    [`kvpush_engine_destroy`] returns.
+/// 3. A request's blocks are not written by the caller while the engine reads them (producer: from
+///    `kvpush_request_finished` until its `KVPUSH_OUTCOME_SENT`) nor read or reused while peers
+///    write them (consumer: from `kvpush_blocks_allocated` / `kvpush_start_pull` until its outcome).
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_engine_create(
+    config: *const kvpush_engine_config,
+    layout: *const kvpush_layout,
+    out: *mut *mut kvpush_engine,
+) -> c_int {
+    guard("kvpush_engine_create", || {
+        if out.is_null() {
+            return Err(FfiError::Null("out"));
+        }
+        // SAFETY: the caller's contract (1).
+        let c = unsafe { config.as_ref() }.ok_or(FfiError::Null("config"))?;
+        // SAFETY: the caller's contract (1).
+        let l = unsafe { layout.as_ref() }.ok_or(FfiError::Null("layout"))?;
+        // SAFETY: the caller's contract (1) for every string of `config`.
+        let (engine_id, device, agent_name, backend, listen, secret) = unsafe {
+            (
+                required_str("config.engine_id", c.engine_id)?.to_owned(),
+                optional_str("config.device", c.device)?,
+                optional_str("config.agent_name", c.agent_name)?,
+                optional_str("config.nixl_backend", c.nixl_backend)?,
+                optional_str("config.listen", c.listen)?,
+                optional_str("config.secret", c.secret)?,
+            )
+        };
+        let transport = match c.transport {
+            super::transport::LOOPBACK => TransportSpec::Loopback(hub_of(c.hub).map_err(|e| match e {
+                FfiError::Null(_) => FfiError::NullFor {
+                    arg: "config.hub",
+                    why: "a loopback engine needs the hub its peers share (kvpush_hub_create)",
+                },
+                e => e,
+            })?),
+            super::transport::NIXL => {
+                if !c.hub.is_null() {
+                    return Err(FfiError::invalid("config.hub", "must be null for a NIXL engine"));
+                }
+                TransportSpec::Nixl { agent_name, backend, listen, secret: secret.map(String::into_bytes) }
+            }
+            other => {
+                return Err(FfiError::invalid(
+                    "config.transport",
+                    format!("{other} is neither loopback (0) nor nixl (1)"),
+                ))
+            }
+        };
+        let spec = EngineSpec {
+            engine_id,
+            mode: c.mode,
+            device,
+            writers: c.writers,
+            lease_ms: c.lease_ms,
+            timeout_ms: c.timeout_ms,
+            transport,
+        };
+        // SAFETY: the caller's contract (1) for the layout's arrays.
+        let layout = unsafe { layout_spec(l) }?;
+        // SAFETY: the caller's contracts (2) and (3) are `FfiEngine::new`'s.
+        let engine = unsafe { FfiEngine::new(&spec, &layout) }?;
+        let id = mint(Handle::Engine(Arc::new(engine)));
+        // SAFETY: the caller's contract (1) for `out`.
+        unsafe { put("out", out, id as *mut kvpush_engine) }
+    })
+}
+
+/// Destroys an engine: unregisters the handle, waits for calls in progress on it, stops the writer
+/// threads and deregisters the memory. In-flight transfers are abandoned.
+///
+/// # Safety
+///
+/// None beyond the handle's being any value: unknown handles are answered with an error.
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_engine_destroy(engine: *mut kvpush_engine) -> c_int {
+    guard("kvpush_engine_destroy", || {
+        if engine.is_null() {
+            return Err(FfiError::Null("engine"));
+        }
+        let removed = {
+            let mut reg = registry().write().unwrap_or_else(|p| p.into_inner());
+            match reg.get(&(engine as usize)) {
+                Some(Handle::Engine(_)) => reg.remove(&(engine as usize)),
+                _ => None,
+            }
+        };
+        let Some(Handle::Engine(mut arc)) = removed else {
+            return Err(FfiError::UnknownHandle { kind: "engine", handle: engine as usize });
+        };
+        // Calls in progress hold clones for their duration only; wait for them so the memory is
+        // no longer used when this returns.
+        loop {
+            match Arc::try_unwrap(arc) {
+                Ok(e) => {
+                    drop(e);
+                    return Ok(());
+                }
+                Err(still_shared) => {
+                    arc = still_shared;
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            }
+        }
+    })
+}
+
+/// Writes this worker's encoded handshake into `buf` (`cap` bytes) and its length into `*len`. With
+/// a null or short buffer, only `*len` is written and `KVPUSH_ERR_BUFFER_TOO_SMALL` returned.
+///
+/// # Safety
+///
+/// 1. `buf` is null or valid for writes of `cap` bytes; `len` is null or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_engine_handshake(
+    engine: *const kvpush_engine,
+    buf: *mut u8,
+    cap: usize,
+    len: *mut usize,
+) -> c_int {
+    guard("kvpush_engine_handshake", || {
+        let bytes = engine_of(engine)?.handshake()?;
+        // SAFETY: the caller's contract (1).
+        unsafe { put_bytes(&bytes, false, buf, cap, len) }
+    })
+}
+
+/// Accepts a peer from its encoded handshake (loopback engines): checks compatibility, refusing
+/// with every differing field named, and loads its transport metadata.
+///
+/// # Safety
+///
+/// 1. `handshake` is null or valid for reads of `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_engine_add_peer(engine: *mut kvpush_engine, handshake: *const u8, len: usize) -> c_int {
+    guard("kvpush_engine_add_peer", || {
+        let e = engine_of(engine)?;
+        if len == 0 {
+            return Err(FfiError::invalid("len", "is 0: a handshake is never empty"));
+        }
+        // SAFETY: the caller's contract (1).
+        let bytes = unsafe { slice("handshake", handshake, len) }?;
+        e.add_peer(bytes)
+    })
+}
+
+/// Connects two engines of this process both ways (same hub for loopback; side channel for NIXL).
+///
+/// # Safety
+///
+/// None beyond the handles' being any value: unknown handles are answered with an error.
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_engine_connect(a: *mut kvpush_engine, b: *mut kvpush_engine) -> c_int {
+    guard("kvpush_engine_connect", || engine_of(a)?.connect(&*engine_of(b)?))
+}
+
+/// NIXL: dials the side channel of a peer worker at `addr` (`"host:port"`) and handshakes both
+/// ways. Blocks up to 10 s: call it off the engine loop.
+///
+/// # Safety
+///
+/// 1. `addr` is null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_engine_connect_addr(engine: *mut kvpush_engine, addr: *const c_char) -> c_int {
+    guard("kvpush_engine_connect_addr", || {
+        let e = engine_of(engine)?;
+        // SAFETY: the caller's contract (1).
+        let addr = unsafe { required_str("addr", addr) }?;
+        if addr.is_empty() {
+            return Err(FfiError::invalid("addr", "is empty"));
+        }
+        e.connect_addr(addr).map(drop)
+    })
+}
+
+/// NIXL: the port the side channel listens on (give it to peers). Loopback engines have none:
+/// `KVPUSH_ERR_INVALID_ARGUMENT`.
+///
+/// # Safety
+///
+/// 1. `port` is null or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_engine_listen_port(engine: *const kvpush_engine, port: *mut u16) -> c_int {
+    guard("kvpush_engine_listen_port", || {
+        let p = engine_of(engine)?
+            .listen_port()
+            .ok_or_else(|| FfiError::invalid("engine", "a loopback engine has no side channel"))?;
+        // SAFETY: the caller's contract (1).
+        unsafe { put("port", port, p) }
+    })
+}
+
+/// Producer: prefill of `key` finished; its KV is in `groups` (block ids per KV group) and stays
+/// there until the request's `KVPUSH_OUTCOME_SENT`.
+///
+/// # Safety
+///
+/// 1. `groups` is null or points to `num_groups` lists, each valid for its `len` ids.
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_request_finished(
+    engine: *mut kvpush_engine,
+    key: kvpush_key,
+    groups: *const kvpush_block_list,
+    num_groups: usize,
+    num_tokens: u64,
+) -> c_int {
+    guard("kvpush_request_finished", || {
+        let e = engine_of(engine)?;
+        // SAFETY: the caller's contract (1).
+        let blocks = unsafe { block_lists("groups", groups, num_groups) }?;
+        e.request_finished(key.key(), blocks, num_tokens)
+    })
+}
+
+/// Consumer, push mode: blocks for `key` are allocated (`groups`, per KV group); registers them with
+/// every worker of engine `producer` that writes into this one. `RECEIVED` or `FAILED` follows.
+///
+/// # Safety
+///
+/// 1. `producer` is null or NUL-terminated; `groups` as in [`kvpush_request_finished`].
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_blocks_allocated(
+    engine: *mut kvpush_engine,
+    key: kvpush_key,
+    producer: *const c_char,
+    groups: *const kvpush_block_list,
+    num_groups: usize,
+    num_tokens: u64,
+) -> c_int {
+    guard("kvpush_blocks_allocated", || {
+        let e = engine_of(engine)?;
+        // SAFETY: the caller's contract (1).
+        let (producer, blocks) =
+            unsafe { (required_str("producer", producer)?, block_lists("groups", groups, num_groups)?) };
+        e.blocks_allocated(key.key(), producer, blocks, num_tokens)
+    })
+}
+
+/// Consumer, pull mode: read `key` from engine `producer`, whose blocks are `remote` (as the router
+/// relayed them), into `local`.
+///
+/// # Safety
+///
+/// 1. `producer` is null or NUL-terminated; `remote` and `local` as `groups` in
+///    [`kvpush_request_finished`].
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_start_pull(
+    engine: *mut kvpush_engine,
+    key: kvpush_key,
+    producer: *const c_char,
+    remote: *const kvpush_block_list,
+    num_remote: usize,
+    local: *const kvpush_block_list,
+    num_local: usize,
+    num_tokens: u64,
+) -> c_int {
+    guard("kvpush_start_pull", || {
+        let e = engine_of(engine)?;
+        // SAFETY: the caller's contract (1).
+        let (producer, remote, local) = unsafe {
+            (
+                required_str("producer", producer)?,
+                block_lists("remote", remote, num_remote)?,
+                block_lists("local", local, num_local)?,
+            )
+        };
+        e.start_pull(key.key(), producer, remote, local, num_tokens)
+    })
+}
+
+/// Aborts `key` on this worker, in whatever state it is; peers are told. Its outcome follows.
+///
+/// # Safety
+///
+/// None beyond the handle's being any value: unknown handles are answered with an error.
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_abort(engine: *mut kvpush_engine, key: kvpush_key) -> c_int {
+    guard("kvpush_abort", || engine_of(engine)?.abort(key.key()))
+}
+
+/// Moves at most `cap` finished results into `out` and their number into `*n`; the rest stay queued
+/// for the next call. Cheap when there are none.
+///
+/// # Safety
+///
+/// 1. `out` is null (only with `cap` 0) or valid for writes of `cap` completions; `n` is valid for a
+///    write.
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_poll(
+    engine: *mut kvpush_engine,
+    out: *mut kvpush_completion,
+    cap: usize,
+    n: *mut usize,
+) -> c_int {
+    guard("kvpush_poll", || {
+        let e = engine_of(engine)?;
+        if n.is_null() {
+            return Err(FfiError::Null("n"));
+        }
+        if cap > 0 && out.is_null() {
+            return Err(FfiError::Null("out"));
+        }
+        if cap > 0 && !out.is_aligned() {
+            return Err(FfiError::invalid("out", "is not aligned for kvpush_completion"));
+        }
+        let mut i = 0;
+        let count = e.poll(cap, |o| {
+            let (id_hi, id_lo, attempt) = key_parts(o.key);
+            let c = kvpush_completion {
+                key: kvpush_key { id_hi, id_lo, attempt },
+                outcome: o.outcome,
+                release: o.release,
+                message: message_bytes(&o.message),
+            };
+            // SAFETY: `i < cap` (poll hands out at most `cap` results) and `out` is valid for `cap`
+            // writes, the caller's contract (1).
+            unsafe { out.add(i).write(c) };
+            i += 1;
+        });
+        // SAFETY: the caller's contract (1) for `n`.
+        unsafe { put("n", n, count) }
+    })
+}
+
+/// Writes the engine's counters, failures and latency percentiles into `*out`.
+///
+/// # Safety
+///
+/// 1. `out` is null or valid for a write of a `kvpush_stats`.
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_engine_stats(engine: *const kvpush_engine, out: *mut kvpush_stats) -> c_int {
+    guard("kvpush_engine_stats", || {
+        let s = engine_of(engine)?.stats();
+        let (c, f) = (s.counters, s.failures);
+        let v = kvpush_stats {
+            registrations: c.registrations,
+            matches: c.matches,
+            posts: c.posts,
+            descriptors_unmerged: c.descriptors_unmerged,
+            descriptors_posted: c.descriptors_posted,
+            bytes: c.bytes,
+            released: c.released,
+            received: c.received,
+            failed: c.failed,
+            aborted: c.aborted,
+            fail_post: f.post,
+            fail_transfer: f.transfer,
+            fail_plan: f.plan,
+            fail_lease_expired: f.lease_expired,
+            fail_timeout: f.timeout,
+            fail_remote: f.remote,
+            fail_malformed: f.malformed,
+            fail_unknown_peer: f.unknown_peer,
+            fail_link: f.link,
+            wait_registration_first: s.wait_registration_first.into(),
+            wait_blocks_first: s.wait_blocks_first.into(),
+            post: s.post.into(),
+            transfer: s.transfer.into(),
+            receive: s.receive.into(),
+        };
+        // SAFETY: the caller's contract (1).
+        unsafe { put("out", out, v) }
+    })
+}
+
+/// Writes the engine's statistics as JSON (NUL-terminated) into `buf` and the length without the
+/// NUL into `*len`; a null or short buffer gets only `*len` and `KVPUSH_ERR_BUFFER_TOO_SMALL`.
+///
+/// # Safety
+///
+/// 1. `buf` is null or valid for writes of `cap` bytes; `len` is null or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_engine_stats_json(
+    engine: *const kvpush_engine,
+    buf: *mut c_char,
+    cap: usize,
+    len: *mut usize,
+) -> c_int {
+    guard("kvpush_engine_stats_json", || {
+        let s = engine_of(engine)?.stats();
+        let json = serde_json::to_string(&s).map_err(|e| FfiError::Panic(format!("serializing stats: {e}")))?;
+        // SAFETY: the caller's contract (1).
+        unsafe { put_bytes(json.as_bytes(), true, buf.cast(), cap, len) }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn last_error() -> String {
+        // SAFETY: kvpush_last_error returns a valid NUL-terminated string owned by this thread.
+        unsafe { CStr::from_ptr(kvpush_last_error()) }.to_string_lossy().into_owned()
+    }
+
+    #[test]
+    fn unknown_and_null_handles_are_errors_not_crashes() {
+        let fake = 0x1234usize as *mut kvpush_engine;
+        // SAFETY: the handle is any value by contract.
+        assert_eq!(unsafe { kvpush_abort(fake, kvpush_key::default()) }, status::UNKNOWN_HANDLE);
+        assert!(last_error().contains("engine handle 0x1234 is unknown"), "{}", last_error());
+        // SAFETY: as above.
+        assert_eq!(unsafe { kvpush_engine_destroy(std::ptr::null_mut()) }, status::NULL);
+        assert_eq!(last_error(), "kvpush_engine_destroy: argument `engine` is null");
+    }
+
+    #[test]
+    fn hub_handles_are_not_engines_and_die_once() {
+        let mut hub = std::ptr::null_mut();
+        // SAFETY: `hub` is a valid out-pointer.
+        assert_eq!(unsafe { kvpush_hub_create(&mut hub) }, status::OK);
+        assert_eq!(last_error(), "");
+        // SAFETY: any handle value is allowed.
+        assert_eq!(unsafe { kvpush_abort(hub.cast(), kvpush_key::default()) }, status::UNKNOWN_HANDLE);
+        // SAFETY: as above.
+        assert_eq!(unsafe { kvpush_hub_destroy(hub) }, status::OK);
+        // SAFETY: as above.
+        assert_eq!(unsafe { kvpush_hub_destroy(hub) }, status::UNKNOWN_HANDLE);
+    }
+
+    #[test]
+    fn messages_are_truncated_on_a_char_boundary() {
+        let long = "é".repeat(200);
+        let m = message_bytes(&long);
+        let end = m.iter().position(|&c| c == 0).expect("NUL");
+        assert!(end < MESSAGE_LEN);
+        let bytes: Vec<u8> = m[..end].iter().map(|&c| c as u8).collect();
+        assert!(std::str::from_utf8(&bytes).is_ok());
+        assert_eq!(end % 2, 0);
+    }
+
+    #[test]
+    fn status_names_match_the_table() {
+        for code in 0..=15 {
+            // SAFETY: the returned pointer is a static NUL-terminated string.
+            let name = unsafe { CStr::from_ptr(kvpush_status_name(code)) }.to_str().expect("ascii");
+            assert_eq!(name, status::name(code));
+        }
+    }
+}

@@ -1,0 +1,154 @@
+//! The cxx bridge: the declarations C++ sees (`kvpush::bridge` in the generated header
+//! `kvpush/src/ffi/cxx.rs.h`).
+//!
+//! This file holds declarations only; the functions live in `src/ffi/cpp.rs`, and the public C++
+//! API is the shim classes of `cpp/include/kvpush.hpp` (`kvpush::Engine`, `kvpush::Hub`), which wrap
+//! these in RAII types and turn `rust::Error` into `kvpush::Error`. `build.rs` runs cxx-build on this
+//! file, so editing it rebuilds the C++ side. Every fallible function returns `Result` (a C++
+//! exception) and catches panics itself, so none reaches cxx's abort-on-panic guard.
+
+pub use self::bridge::{Completion, Counters, EngineSpec, GroupSpec, Key, LayoutSpec};
+use super::cpp::{new_hub, new_loopback_engine, new_nixl_engine, take_error_code, RustEngine, RustHub};
+
+// `start_pull` passes two flattened block lists: eight arguments.
+#[allow(clippy::too_many_arguments)]
+#[::cxx::bridge(namespace = "kvpush::bridge")]
+mod bridge {
+    /// `(transfer_id, attempt)`; the 128-bit transfer id in two halves.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    struct Key {
+        id_hi: u64,
+        id_lo: u64,
+        attempt: u32,
+    }
+
+    /// One KV cache group (`window_tokens` 0: full attention).
+    #[derive(Clone, Debug)]
+    struct GroupSpec {
+        window_tokens: u32,
+        layers: Vec<u32>,
+    }
+
+    /// A worker's KV layout; codes as in `kvpush.h`.
+    #[derive(Clone, Debug)]
+    struct LayoutSpec {
+        total_layers: u32,
+        kv_heads: u32,
+        head_dim: u32,
+        dtype: u32,
+        kv_kind: u32,
+        block_tokens: u32,
+        num_blocks: u32,
+        order: u32,
+        placement: u32,
+        tp_rank: u16,
+        tp_size: u16,
+        pp_rank: u16,
+        pp_size: u16,
+        block_stride: u64,
+        groups: Vec<GroupSpec>,
+        region_bases: Vec<u64>,
+        region_lens: Vec<u64>,
+    }
+
+    /// An engine's configuration; empty strings take the default.
+    #[derive(Clone, Debug)]
+    struct EngineSpec {
+        engine_id: String,
+        mode: u32,
+        device: String,
+        writers: u32,
+        lease_ms: u64,
+        timeout_ms: u64,
+        agent_name: String,
+        nixl_backend: String,
+        listen: String,
+        secret: String,
+    }
+
+    /// One finished result.
+    #[derive(Clone, Debug)]
+    struct Completion {
+        key: Key,
+        outcome: u32,
+        release: u32,
+        message: String,
+    }
+
+    /// Counters and failures of an engine.
+    #[derive(Clone, Copy, Debug, Default)]
+    struct Counters {
+        registrations: u64,
+        matches: u64,
+        posts: u64,
+        descriptors_unmerged: u64,
+        descriptors_posted: u64,
+        bytes: u64,
+        released: u64,
+        received: u64,
+        failed: u64,
+        aborted: u64,
+        fail_post: u64,
+        fail_transfer: u64,
+        fail_plan: u64,
+        fail_lease_expired: u64,
+        fail_timeout: u64,
+        fail_remote: u64,
+        fail_malformed: u64,
+        fail_unknown_peer: u64,
+        fail_link: u64,
+    }
+
+    extern "Rust" {
+        type RustHub;
+        type RustEngine;
+
+        fn new_hub() -> Box<RustHub>;
+        /// # Safety
+        ///
+        /// The regions of `layout` obey `kvpush::Engine`'s memory contract (docs/ffi.md).
+        unsafe fn new_loopback_engine(spec: &EngineSpec, layout: &LayoutSpec, hub: &RustHub)
+            -> Result<Box<RustEngine>>;
+        /// # Safety
+        ///
+        /// As `new_loopback_engine`.
+        unsafe fn new_nixl_engine(spec: &EngineSpec, layout: &LayoutSpec) -> Result<Box<RustEngine>>;
+        /// The status code of the last error this thread saw from the bridge (then reset to 0).
+        fn take_error_code() -> i32;
+
+        fn handshake(self: &RustEngine) -> Result<Vec<u8>>;
+        fn add_peer(self: &RustEngine, handshake: &[u8]) -> Result<()>;
+        fn connect(self: &RustEngine, other: &RustEngine) -> Result<()>;
+        fn connect_addr(self: &RustEngine, addr: &str) -> Result<()>;
+        fn listen_port(self: &RustEngine) -> Result<u16>;
+        fn request_finished(
+            self: &RustEngine,
+            key: &Key,
+            block_ids: &[u32],
+            group_lens: &[usize],
+            num_tokens: u64,
+        ) -> Result<()>;
+        fn blocks_allocated(
+            self: &RustEngine,
+            key: &Key,
+            producer: &str,
+            block_ids: &[u32],
+            group_lens: &[usize],
+            num_tokens: u64,
+        ) -> Result<()>;
+        fn start_pull(
+            self: &RustEngine,
+            key: &Key,
+            producer: &str,
+            remote_ids: &[u32],
+            remote_lens: &[usize],
+            local_ids: &[u32],
+            local_lens: &[usize],
+            num_tokens: u64,
+        ) -> Result<()>;
+        fn abort(self: &RustEngine, key: &Key) -> Result<()>;
+        fn poll(self: &RustEngine, out: &mut Vec<Completion>, max: usize) -> Result<usize>;
+        fn counters(self: &RustEngine) -> Result<Counters>;
+        fn stats_json(self: &RustEngine) -> Result<String>;
+    }
+}

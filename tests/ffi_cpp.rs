@@ -1,0 +1,53 @@
+//! The C++ API from C++: compiles `cpp/tests/cpp_api_test.cc` with the system C++ compiler (`c++`,
+//! or `$CXX`, `-std=c++17 -Wall -Wextra -Werror`) against `libkvpush_cxx.a` (the cxx bridge and the
+//! `kvpush::Engine` shims that build.rs compiles) and the `libkvpush.so` built for this test run,
+//! and runs it: push transfers between a producer and a consumer in one process with every byte
+//! verified, an abort, and Rust errors arriving as `kvpush::Error` exceptions with their status and
+//! message; then the same push over real NIXL and the TCP side channel.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+
+mod ffi_support;
+use ffi_support::{cdylib, compile, nixl_or_skip, root, run_ok, stage, tool};
+
+/// The test program, built once per test binary.
+fn program() -> &'static PathBuf {
+    static EXE: OnceLock<PathBuf> = OnceLock::new();
+    EXE.get_or_init(|| {
+        let archive = PathBuf::from(env!("KVPUSH_CXX_LIB"));
+        let dir = stage("ffi-cpp", &[cdylib(), archive]);
+        let exe = dir.join("cpp_api_test");
+        let mut cxx = Command::new(tool("CXX", "c++"));
+        cxx.args(["-std=c++17", "-Wall", "-Wextra", "-Werror", "-g", "-pthread", "-I"])
+            .arg(root().join("cpp/include"))
+            .arg(root().join("cpp/tests/cpp_api_test.cc"))
+            .arg(dir.join("libkvpush_cxx.a"))
+            .arg("-L")
+            .arg(&dir)
+            .arg("-lkvpush")
+            .arg(format!("-Wl,-rpath,{}", dir.display()))
+            .arg("-o")
+            .arg(&exe);
+        compile(cxx, "cpp/tests/cpp_api_test.cc");
+        exe
+    })
+}
+
+#[test]
+fn loopback_push_abort_and_exceptions() {
+    let out = run_ok(program(), &["loopback"], "all C++ API checks passed");
+    assert!(out.contains("push ok: 4 requests"), "{out}");
+    assert!(out.contains("error ok: bad layout: status 4"), "{out}");
+    assert!(out.contains("error ok: incompatible peer: status 7"), "{out}");
+}
+
+#[test]
+fn nixl_push_through_the_side_channel() {
+    if !nixl_or_skip() {
+        return;
+    }
+    let out = run_ok(program(), &["nixl"], "all C++ NIXL checks passed");
+    assert!(out.contains("push ok: 3 requests"), "{out}");
+}

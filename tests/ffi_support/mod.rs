@@ -1,0 +1,114 @@
+//! Shared by tests/ffi_c.rs and tests/ffi_cpp.rs: finds the `libkvpush.so` cargo built for this test
+//! run, stages it (and anything else to link) in a private directory under `CARGO_TARGET_TMPDIR` so a
+//! concurrent rebuild cannot swap it mid-test, compiles a test program with the system compiler and
+//! runs it under a time limit.
+//!
+//! A missing compiler is a failure, never a skip: CI has gcc and g++, and so must a developer
+//! machine (or set `CC` / `CXX`).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The repository root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The cdylib built with this test: next to the test executable (target/<profile>/deps) or one
+/// directory up (target/<profile>).
+pub fn cdylib() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let deps = exe.parent().expect("the test executable has a directory");
+    let candidates = [deps.join("libkvpush.so"), deps.join("../libkvpush.so")];
+    candidates.iter().find(|p| p.is_file()).cloned().unwrap_or_else(|| {
+        panic!("libkvpush.so not found at {candidates:?}: the crate's cdylib must be built with the tests")
+    })
+}
+
+/// A fresh directory for `name` holding copies of `files` (the cdylib first).
+pub fn stage(name: &str, files: &[PathBuf]) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create the staging directory");
+    for f in files {
+        let to = dir.join(f.file_name().expect("a file name"));
+        std::fs::copy(f, &to).unwrap_or_else(|e| panic!("copy {} to {}: {e}", f.display(), to.display()));
+    }
+    dir
+}
+
+/// Runs a compiler command line; panics with its output if it fails or cannot start.
+pub fn compile(mut cmd: Command, what: &str) {
+    let program = cmd.get_program().to_string_lossy().into_owned();
+    let out = cmd.output().unwrap_or_else(|e| {
+        panic!("cannot run the compiler `{program}` for {what}: {e} (install gcc and g++, or set CC / CXX)")
+    });
+    assert!(
+        out.status.success(),
+        "compiling {what} failed: {cmd:?}\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The compiler named by `var` (e.g. `CC`), else `default`.
+pub fn tool(var: &str, default: &str) -> String {
+    std::env::var(var).ok().filter(|s| !s.is_empty()).unwrap_or_else(|| default.to_owned())
+}
+
+/// Runs `exe args`, killing it after `limit`; returns its output.
+pub fn run(exe: &Path, args: &[&str], limit: Duration) -> Output {
+    let mut child = Command::new(exe)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", exe.display()));
+    let started = Instant::now();
+    loop {
+        if child.try_wait().expect("wait for the test program").is_some() {
+            break;
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("collect output");
+            panic!(
+                "{} {args:?} ran past {limit:?}\nstdout:\n{}\nstderr:\n{}",
+                exe.display(),
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("collect output")
+}
+
+/// Runs `exe args` and asserts it succeeded and printed `marker`; returns its stdout.
+pub fn run_ok(exe: &Path, args: &[&str], marker: &str) -> String {
+    let out = run(exe, args, Duration::from_secs(180));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains(marker),
+        "{} {args:?} failed ({}):\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        exe.display(),
+        out.status
+    );
+    print!("{stdout}");
+    stdout
+}
+
+/// Whether the NIXL tests must run: NIXL loads, or we are under CI (where its absence is a failure).
+pub fn nixl_or_skip() -> bool {
+    if kvpush::transport::nixl::available() {
+        return true;
+    }
+    let msg = "NIXL is not available: run `. scripts/nixl.sh` first (scripts/test.sh does)";
+    if std::env::var("CI").is_ok_and(|v| v == "true" || v == "1") {
+        panic!("{msg}");
+    }
+    eprintln!("SKIPPED (not under CI): {msg}");
+    false
+}
