@@ -4,8 +4,9 @@
 //! ([`Device::describe`]: which kind of memory, which device ordinal), allocates memory kvpush owns
 //! (benches and the demo: [`Device::alloc`] returns an RAII [`Buffer`]), and copies bytes in and out of
 //! its memory for verification. Backends: [`host`] (DRAM through memmap2: anonymous or file-backed
-//! mappings) and [`mock`] (host memory presented as device memory, with fault injection, for tests).
-//! Neuron and CUDA backends live in `neuron/` and `cuda/` when built in.
+//! mappings), [`mock`] (host memory presented as device memory, with fault injection, for tests) and
+//! [`neuron`] (AWS Neuron device memory through libnrt, loaded at run time by `neuron/neuron-sys`).
+//! The CUDA backend lives in `cuda/` when built in.
 //!
 //! [`select`] picks a backend from `KVPUSH_DEVICE=auto|neuron|cuda|host|mock`; an unknown value or a
 //! backend that is not available is an error naming everything that was tried and why it failed.
@@ -16,6 +17,7 @@ use std::sync::Arc;
 
 pub mod host;
 pub mod mock;
+pub mod neuron;
 
 /// Kind of memory, as a transport registers it (NIXL's DRAM_SEG / VRAM_SEG).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -185,7 +187,7 @@ fn open(name: &str) -> Result<Arc<dyn Device>, String> {
     match name {
         "host" => Ok(Arc::new(host::HostDevice::new())),
         "mock" => Ok(Arc::new(mock::MockDevice::new())),
-        "neuron" => Err("the Neuron backend is not part of this build (neuron/ is not built in yet)".into()),
+        "neuron" => neuron::open_for_select(),
         "cuda" => Err("the CUDA backend is not part of this build (cuda/ is not built in yet)".into()),
         other => Err(format!("no backend named {other}")),
     }

@@ -1,0 +1,689 @@
+//! The Neuron backend and neuron-sys against a fake libnrt (tests/neuron_fake/fake_nrt.c), which
+//! this test builds with the C compiler (`$CC`, else `cc`) into cargo's temporary directory.
+//!
+//! Every test loads its own copy of the fake (a distinct file is a distinct library, so each test
+//! has its own "runtime" and counters), controls it with `fake_nrt_set` and reads its counters with
+//! `fake_nrt_get`. Tests that need environment variables (`KVPUSH_DEVICE`, `KVPUSH_LIBNRT`, the
+//! fake's `FAKE_NRT_*` knobs read at load time) run as child processes of this test binary, so no
+//! test changes the environment of this process.
+//!
+//! Covered: loading (explicit path, the default search and its error), symbol probing (optional
+//! missing: "not supported"; required missing: named), runtime ownership (own: one init, one close;
+//! attach: none), tensor allocation and frees (no leak), `describe` (inside, outside, other core,
+//! registered framework tensors), the device-address check (NEURON_RT_MAP_HBM), the dma-buf path and
+//! its failure, selection through `KVPUSH_DEVICE`, loopback transfers between two fake tensors, and
+//! the demo's engines on fake Neuron memory. Registering Neuron memory with NIXL is not covered: UCX
+//! on this CPU machine has no Neuron memory type (see neuron/README.md).
+
+#![allow(clippy::unwrap_used)]
+
+use std::ffi::{c_char, c_int, c_long, c_void, CString};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use kvpush::device::neuron::{NeuronConfig, NeuronDevice, NeuronError, RuntimeMode};
+use kvpush::device::{select, Buffer, Device, DeviceError, DeviceKind, MemKind};
+use kvpush::transport::loopback::Fabric;
+use kvpush::transport::{Desc, Op, Transport, XferState};
+use neuron_sys::{Lib, Placement, Runtime};
+
+// ---- the fake ----
+
+/// Which build of the fake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Variant {
+    /// Every symbol.
+    Full,
+    /// Without `nrt_get_dmabuf_fd` (optional).
+    NoDmabuf,
+    /// Without `nrt_tensor_free` (required).
+    NoTensorFree,
+}
+
+impl Variant {
+    fn tag(self) -> &'static str {
+        match self {
+            Variant::Full => "full",
+            Variant::NoDmabuf => "no-dmabuf",
+            Variant::NoTensorFree => "no-tensor-free",
+        }
+    }
+
+    fn define(self) -> Option<&'static str> {
+        match self {
+            Variant::Full => None,
+            Variant::NoDmabuf => Some("-DFAKE_NRT_NO_DMABUF"),
+            Variant::NoTensorFree => Some("-DFAKE_NRT_NO_TENSOR_FREE"),
+        }
+    }
+}
+
+/// Where this process builds and copies fakes.
+fn work_dir() -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("neuron-fake-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Compiles `variant` once per process; a missing or failing compiler fails the test.
+fn built(variant: Variant) -> &'static Path {
+    static BUILT: [OnceLock<PathBuf>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    let slot = &BUILT[variant as usize];
+    slot.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/neuron_fake");
+        let out = work_dir().join(format!("libfake_nrt-{}.so", variant.tag()));
+        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+        let mut cmd = Command::new(&cc);
+        cmd.args(["-shared", "-fPIC", "-O1", "-std=c11", "-Wall", "-Wextra", "-Werror", "-I"])
+            .arg(root.join("include"))
+            .args(variant.define())
+            .arg(root.join("fake_nrt.c"))
+            .arg("-o")
+            .arg(&out)
+            .arg("-lpthread");
+        let res = cmd.output().unwrap_or_else(|e| panic!("cannot run the C compiler {cc:?} (set CC): {e}"));
+        assert!(
+            res.status.success(),
+            "building the fake libnrt failed: {cmd:?}\n{}",
+            String::from_utf8_lossy(&res.stderr)
+        );
+        out
+    })
+}
+
+/// A private copy of the fake, with a handle on its test controls. A copy made by [`Fake::new`] is
+/// removed on drop.
+struct Fake {
+    path: PathBuf,
+    handle: *mut c_void,
+    owns_file: bool,
+}
+
+impl Fake {
+    fn new(variant: Variant) -> Fake {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let path = work_dir().join(format!("libnrt-{}-{n}.so", variant.tag()));
+        std::fs::copy(built(variant), &path).unwrap();
+        Fake { handle: dlopen(&path), path, owns_file: true }
+    }
+
+    /// The controls of a copy another process made (child processes).
+    fn existing(path: PathBuf) -> Fake {
+        Fake { handle: dlopen(&path), path, owns_file: false }
+    }
+
+    fn symbol(&self, name: &str) -> *mut c_void {
+        let c = CString::new(name).unwrap();
+        // SAFETY: `handle` is a live dlopen handle; dlsym only looks the name up.
+        let f = unsafe { libc::dlsym(self.handle, c.as_ptr()) };
+        assert!(!f.is_null(), "the fake has no {name}");
+        f
+    }
+
+    /// Sets a knob of this copy (`FAKE_NRT_*`).
+    fn set(&self, knob: &str, value: c_long) {
+        let k = CString::new(knob).unwrap();
+        // SAFETY: fake_nrt_set has this C signature (tests/neuron_fake/fake_nrt.c).
+        let f: extern "C" fn(*const c_char, c_long) -> c_int =
+            unsafe { std::mem::transmute(self.symbol("fake_nrt_set")) };
+        assert_eq!(f(k.as_ptr(), value), 0, "unknown knob {knob}");
+    }
+
+    /// Reads a counter (or knob) of this copy.
+    fn get(&self, counter: &str) -> c_long {
+        let k = CString::new(counter).unwrap();
+        // SAFETY: fake_nrt_get has this C signature (tests/neuron_fake/fake_nrt.c).
+        let f: extern "C" fn(*const c_char) -> c_long = unsafe { std::mem::transmute(self.symbol("fake_nrt_get")) };
+        let v = f(k.as_ptr());
+        assert!(v >= 0 || counter.starts_with("FAKE_NRT_VISIBLE"), "unknown counter {counter}");
+        v
+    }
+
+    fn config(&self, mode: RuntimeMode) -> NeuronConfig {
+        NeuronConfig { library: Some(self.path.clone()), mode, core: 0 }
+    }
+
+    fn open(&self, mode: RuntimeMode) -> Result<NeuronDevice, NeuronError> {
+        NeuronDevice::open(&self.config(mode))
+    }
+}
+
+impl Drop for Fake {
+    fn drop(&mut self) {
+        // SAFETY: `handle` came from dlopen and is closed once; the library stays loaded while a `Lib`
+        // still holds it.
+        unsafe { libc::dlclose(self.handle) };
+        if self.owns_file {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// A dlopen handle of the fake at `path`.
+fn dlopen(path: &Path) -> *mut c_void {
+    let c = CString::new(path.to_str().unwrap()).unwrap();
+    // SAFETY: loads a fake built by this test (its constructor only reads environment variables).
+    let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    assert!(!handle.is_null(), "cannot dlopen {}", path.display());
+    handle
+}
+
+// ---- loading and symbols ----
+
+#[test]
+fn loads_from_a_path_and_reports_what_it_found() {
+    let fake = Fake::new(Variant::Full);
+    let lib = Lib::open_path(&fake.path).unwrap();
+    assert_eq!(lib.path(), std::fs::canonicalize(&fake.path).unwrap(), "the file the loader mapped");
+    assert!(lib.missing_optional().is_empty(), "{:?}", lib.missing_optional());
+    assert_eq!(lib.total_nc_count().unwrap(), 2);
+    fake.set("FAKE_NRT_VISIBLE_NC", 1);
+    assert_eq!(lib.visible_nc_count().unwrap(), 1);
+    let v = lib.version().unwrap();
+    assert_eq!((v.major, v.minor, v.patch), (2, 99, 7));
+    assert_eq!(v.to_string(), "2.99.7.0 (fake libnrt for kvpush tests)");
+    assert_eq!(fake.get("init_calls"), 0, "loading and queries never start the runtime");
+}
+
+#[test]
+fn default_search_lists_every_path_tried() {
+    // No test in this process sets KVPUSH_LIBNRT; the machine has no libnrt.
+    let candidates = Lib::candidates();
+    let err = Lib::open().unwrap_err();
+    let neuron_sys::Error::Load { tried } = &err else { panic!("{err:?}") };
+    assert_eq!(tried.iter().map(|(p, _)| p.clone()).collect::<Vec<_>>(), candidates);
+    if std::env::var_os("KVPUSH_LIBNRT").is_none() {
+        assert_eq!(candidates, ["libnrt.so.1", "/opt/aws/neuron/lib/libnrt.so.1"]);
+    }
+    let msg = err.to_string();
+    for (path, why) in tried {
+        assert!(msg.contains(path.as_str()) && msg.contains(why.as_str()), "{msg}");
+        assert!(!why.is_empty(), "the loader's message is kept");
+    }
+
+    // Selection: an explicit neuron is an error naming the paths; auto falls back quietly.
+    let err = select("neuron").unwrap_err();
+    let DeviceError::Unavailable { tried, .. } = &err else { panic!("{err:?}") };
+    assert_eq!(tried.len(), 1);
+    assert!(tried[0].1.contains(candidates[0].as_str()), "{err}");
+    assert_ne!(select("auto").unwrap().kind(), DeviceKind::Neuron);
+}
+
+#[test]
+fn a_missing_optional_symbol_is_not_supported() {
+    let fake = Fake::new(Variant::NoDmabuf);
+    let lib = Lib::open_path(&fake.path).unwrap();
+    assert_eq!(lib.missing_optional(), ["nrt_get_dmabuf_fd"]);
+    assert!(!lib.supports("nrt_get_dmabuf_fd") && lib.supports("nrt_tensor_free"));
+    let dev = fake.open(RuntimeMode::Own).unwrap();
+    assert_eq!(dev.info().missing_optional, ["nrt_get_dmabuf_fd"]);
+    let buf = dev.alloc_tensor(4096).unwrap();
+    let r = buf.region();
+    let err = dev.dmabuf_fd(r.addr, r.len).unwrap_err();
+    assert!(matches!(err, NeuronError::NotSupported { symbol: "nrt_get_dmabuf_fd", .. }), "{err:?}");
+    assert!(err.to_string().contains("nrt_get_dmabuf_fd is not supported by this libnrt"), "{err}");
+    // Everything else still works.
+    buf.write_at(0, b"still fine").unwrap();
+    let mut out = [0u8; 10];
+    buf.read_at(0, &mut out).unwrap();
+    assert_eq!(&out, b"still fine");
+}
+
+#[test]
+fn a_missing_required_symbol_is_named() {
+    let fake = Fake::new(Variant::NoTensorFree);
+    let err = Lib::open_path(&fake.path).unwrap_err();
+    assert!(matches!(err, neuron_sys::Error::MissingSymbol { symbol: "nrt_tensor_free", .. }), "{err:?}");
+    let msg = err.to_string();
+    assert!(msg.contains("required libnrt symbol nrt_tensor_free is missing"), "{msg}");
+    assert!(msg.contains(fake.path.file_name().unwrap().to_str().unwrap()), "names the library: {msg}");
+    let err = fake.open(RuntimeMode::Own).unwrap_err();
+    assert!(matches!(&err, NeuronError::Library { reason } if reason.contains("nrt_tensor_free")), "{err:?}");
+    assert_eq!(fake.get("init_calls"), 0, "nothing is called on a library that failed the check");
+}
+
+// ---- runtime ownership ----
+
+#[test]
+fn own_mode_inits_once_and_closes_after_the_last_buffer() {
+    let fake = Fake::new(Variant::Full);
+    let dev = fake.open(RuntimeMode::Own).unwrap();
+    assert_eq!(dev.mode(), RuntimeMode::Own);
+    assert_eq!((fake.get("init_calls"), fake.get("initialized")), (1, 1));
+    // A second owner of the same runtime is refused before it calls nrt_init.
+    let err = fake.open(RuntimeMode::Own).unwrap_err();
+    assert!(matches!(err, NeuronError::Init { .. }) && err.to_string().contains("already initialised"), "{err}");
+    assert_eq!(fake.get("init_calls"), 1);
+
+    let buf = dev.alloc(8192).unwrap();
+    drop(dev);
+    assert_eq!(fake.get("close_calls"), 0, "a live buffer keeps the runtime open");
+    buf.write_at(0, &[1, 2, 3]).unwrap();
+    drop(buf);
+    assert_eq!((fake.get("close_calls"), fake.get("initialized")), (1, 0));
+    assert_eq!(fake.get("live_tensors"), 0);
+    assert_eq!(fake.get("allocs"), fake.get("frees"));
+    // The runtime can be owned again once closed.
+    let again = fake.open(RuntimeMode::Own).unwrap();
+    drop(again);
+    assert_eq!((fake.get("init_calls"), fake.get("close_calls")), (2, 2));
+}
+
+#[test]
+fn attach_mode_never_inits_or_closes() {
+    let fake = Fake::new(Variant::Full);
+    // Before the framework started the runtime: a clear error, and still no init.
+    let err = fake.open(RuntimeMode::Attach).unwrap_err();
+    assert!(matches!(err, NeuronError::NotRunning { .. }), "{err:?}");
+    let msg = err.to_string();
+    assert!(msg.contains("NRT_UNINITIALIZED (13)") && msg.contains("KVPUSH_NEURON_RUNTIME=own"), "{msg}");
+    assert_eq!(fake.get("init_calls"), 0);
+
+    // The framework starts it (here: through neuron-sys, as torch-neuronx would through libnrt).
+    let framework = Runtime::init(Lib::open_path(&fake.path).unwrap()).unwrap();
+    assert_eq!(fake.get("init_calls"), 1);
+    let dev = fake.open(RuntimeMode::Attach).unwrap();
+    assert_eq!(dev.mode(), RuntimeMode::Attach);
+    let buf = dev.alloc(4096).unwrap();
+    buf.write_at(4095, &[9]).unwrap();
+    drop(buf);
+    drop(dev);
+    assert_eq!((fake.get("init_calls"), fake.get("close_calls")), (1, 0), "attach never inits nor closes");
+    assert_eq!(fake.get("initialized"), 1);
+    assert_eq!(fake.get("live_tensors"), 0, "kvpush's tensors are freed even when attached");
+    drop(framework);
+    assert_eq!(fake.get("close_calls"), 1);
+
+    // After the framework closed the runtime, attaching says so.
+    let err = fake.open(RuntimeMode::Attach).unwrap_err();
+    assert!(err.to_string().contains("NRT_CLOSED (14)"), "{err}");
+}
+
+#[test]
+fn a_failing_nrt_init_is_reported_with_its_status() {
+    let fake = Fake::new(Variant::Full);
+    fake.set("FAKE_NRT_FAIL_INIT", 1);
+    let err = fake.open(RuntimeMode::Own).unwrap_err();
+    assert!(matches!(err, NeuronError::Init { .. }), "{err:?}");
+    assert!(err.to_string().contains("nrt_init failed with NRT_FAILURE (1)"), "{err}");
+    assert_eq!((fake.get("init_calls"), fake.get("close_calls")), (1, 0), "nothing to close after a failed init");
+    fake.set("FAKE_NRT_FAIL_INIT", 0);
+    drop(fake.open(RuntimeMode::Own).unwrap());
+    assert_eq!(fake.get("close_calls"), 1);
+}
+
+#[test]
+fn no_device_and_bad_cores_are_refused() {
+    let fake = Fake::new(Variant::Full);
+    fake.set("FAKE_NRT_NC_COUNT", 0);
+    let err = fake.open(RuntimeMode::Own).unwrap_err();
+    assert!(matches!(err, NeuronError::NoDevice { .. }) && err.is_absent(), "{err:?}");
+    assert!(err.to_string().contains("0 NeuronCores"), "{err}");
+    fake.set("FAKE_NRT_NC_COUNT", 2);
+    let err = NeuronDevice::open(&NeuronConfig { core: 2, ..fake.config(RuntimeMode::Own) }).unwrap_err();
+    assert_eq!(err, NeuronError::BadCore { core: 2, visible: 2, total: 2 });
+    assert!(!err.is_absent(), "a Neuron machine with a wrong core is not 'no Neuron'");
+    assert_eq!(fake.get("init_calls"), 0, "refused before starting anything");
+    let dev = NeuronDevice::open(&NeuronConfig { core: 1, ..fake.config(RuntimeMode::Own) }).unwrap();
+    assert_eq!(dev.alloc(64).unwrap().region().dev_id, 1);
+}
+
+// ---- tensors ----
+
+#[test]
+fn tensors_are_zeroed_copied_and_freed() {
+    let fake = Fake::new(Variant::Full);
+    let dev = fake.open(RuntimeMode::Own).unwrap();
+    let probe_allocs = fake.get("allocs");
+    assert_eq!(probe_allocs, 1, "one probe tensor at open");
+    assert_eq!(fake.get("live_tensors"), 0, "and it is freed");
+
+    let bufs: Vec<Box<dyn Buffer>> = (1..=4).map(|i| dev.alloc(i * 10_000).unwrap()).collect();
+    assert_eq!(fake.get("live_tensors"), 4);
+    assert_eq!(fake.get("live_bytes"), 100_000);
+    assert_eq!(dev.stats().allocated, 4);
+    assert_eq!(fake.get("memsets"), 4, "alloc zeroes with nrt_tensor_memset");
+    for (i, b) in bufs.iter().enumerate() {
+        let r = b.region();
+        assert_eq!((r.kind, r.dev_id, r.len), (MemKind::Vram, 0, (i as u64 + 1) * 10_000));
+        let mut out = vec![0xffu8; r.len as usize];
+        b.read_at(0, &mut out).unwrap();
+        assert!(out.iter().all(|&x| x == 0), "zeroed");
+        let data: Vec<u8> = (0..1000u32).map(|x| (x * 7 + i as u32) as u8).collect();
+        b.write_at(r.len - 1000, &data).unwrap();
+        let mut back = vec![0u8; 1000];
+        b.read_at(r.len - 1000, &mut back).unwrap();
+        assert_eq!(back, data);
+    }
+    // Out of range: refused before libnrt is called.
+    let writes = fake.get("writes");
+    let err = bufs[0].write_at(9_999, &[1, 2]).unwrap_err();
+    assert!(matches!(err, DeviceError::Copy { device: DeviceKind::Neuron, offset: 9_999, len: 2, .. }), "{err:?}");
+    assert!(err.to_string().contains("10000 bytes"), "{err}");
+    assert_eq!(fake.get("writes"), writes);
+
+    // An allocation libnrt refuses: the status in the error, nothing leaked.
+    fake.set("FAKE_NRT_FAIL_ALLOCS", 1);
+    let err = dev.alloc(4096).unwrap_err();
+    assert!(matches!(err, DeviceError::Alloc { device: DeviceKind::Neuron, len: 4096, .. }), "{err:?}");
+    assert!(err.to_string().contains("nrt_tensor_allocate failed with NRT_RESOURCE (4)"), "{err}");
+    assert!(matches!(dev.alloc(0), Err(DeviceError::Alloc { len: 0, .. })));
+
+    drop(bufs);
+    assert_eq!(fake.get("live_tensors"), 0);
+    assert_eq!(fake.get("live_bytes"), 0);
+    assert_eq!(fake.get("allocs"), fake.get("frees"));
+    assert_eq!(dev.stats().allocated, 0);
+}
+
+#[test]
+fn describe_accepts_known_tensors_only_and_attributes_their_core() {
+    let fake = Fake::new(Variant::Full);
+    let framework = Runtime::init(Lib::open_path(&fake.path).unwrap()).unwrap();
+    let dev = fake.open(RuntimeMode::Attach).unwrap();
+    let buf = dev.alloc(1 << 16).unwrap();
+    let r = buf.region();
+
+    // Inside a tensor kvpush allocated.
+    assert_eq!(dev.describe(r.addr, r.len).unwrap(), r);
+    let inner = dev.describe(r.addr + 100, 200).unwrap();
+    assert_eq!((inner.addr, inner.len, inner.kind, inner.dev_id), (r.addr + 100, 200, MemKind::Vram, 0));
+    assert!(dev.describe(r.addr + r.len - 10, 11).unwrap_err().to_string().contains("runs past the end"));
+    assert!(dev.describe(r.addr, 0).is_err());
+    assert!(dev.describe(u64::MAX - 4, 10).unwrap_err().to_string().contains("wraps"));
+    // Host memory, and memory next to the tensor, are refused.
+    let host = vec![0u8; 4096];
+    let err = dev.describe(host.as_ptr() as u64, 16).unwrap_err();
+    assert!(matches!(err, DeviceError::NotDeviceMemory { device: DeviceKind::Neuron, .. }), "{err:?}");
+    assert!(err.to_string().contains("not inside any Neuron tensor this device knows (1 allocated"), "{err}");
+    assert!(dev.describe(r.addr + r.len, 1).is_err());
+    // Another core than claimed.
+    assert_eq!(dev.describe_on(r.addr, 8, 0).unwrap().dev_id, 0);
+    let err = dev.describe_on(r.addr, 8, 1).unwrap_err();
+    assert!(err.to_string().contains("on NeuronCore 0, not on the claimed NeuronCore 1"), "{err}");
+
+    // A framework tensor on core 1: unknown until registered, then attributed to core 1.
+    let kv = framework.allocate(Placement::Device, 1, 32 << 10, "framework-kv").unwrap();
+    let va = kv.va().unwrap().unwrap();
+    assert!(dev.describe(va, 64).is_err());
+    let handle = NonNull::new(kv.as_raw().as_ptr().cast::<c_void>()).unwrap();
+    // SAFETY: `kv` is a live tensor of this libnrt on core 1 and outlives the registration.
+    let reg = unsafe { dev.register_tensor(handle, 1) }.unwrap();
+    assert_eq!((reg.region().addr, reg.region().len, reg.region().dev_id), (va, 32 << 10, 1));
+    assert_eq!(dev.describe(va + 64, 64).unwrap().dev_id, 1);
+    assert!(dev.describe_on(va, 64, 0).unwrap_err().to_string().contains("on NeuronCore 1"));
+    assert_eq!(dev.stats().registered, 1);
+    // SAFETY: as above.
+    let err = unsafe { dev.register_tensor(handle, 1) }.unwrap_err();
+    assert!(err.to_string().contains("overlaps the known tensor"), "{err}");
+    // SAFETY: as above (refused before libnrt is asked anything).
+    let err = unsafe { dev.register_tensor(handle, 7) }.unwrap_err();
+    assert!(matches!(err, NeuronError::BadCore { core: 7, .. }), "{err:?}");
+    drop(reg);
+    assert!(dev.describe(va, 64).is_err(), "forgotten once the registration is dropped");
+    drop(buf);
+    assert!(dev.describe(r.addr, 8).is_err(), "forgotten once the buffer is freed");
+    drop(kv);
+    drop(dev);
+    drop(framework);
+    assert_eq!((fake.get("live_tensors"), fake.get("close_calls")), (0, 1));
+}
+
+// ---- device addresses, dma-buf, EFA ----
+
+#[test]
+fn unmapped_device_addresses_fail_clearly() {
+    let fake = Fake::new(Variant::Full);
+    fake.set("FAKE_NRT_NO_MAP_HBM", 1);
+    let err = fake.open(RuntimeMode::Own).unwrap_err();
+    assert!(matches!(err, NeuronError::AddressesNotMapped { core: 0, .. }), "{err:?}");
+    let msg = err.to_string();
+    assert!(msg.contains("nrt_tensor_get_va returned NULL") && msg.contains("set NEURON_RT_MAP_HBM=1"), "{msg}");
+    assert_eq!(fake.get("live_tensors"), 0, "the probe is freed");
+    assert_eq!((fake.get("init_calls"), fake.get("close_calls")), (1, 1), "the owned runtime is closed again");
+
+    // A framework tensor registered while device memory is not mapped.
+    fake.set("FAKE_NRT_NO_MAP_HBM", 0);
+    let framework = Runtime::init(Lib::open_path(&fake.path).unwrap()).unwrap();
+    let dev = fake.open(RuntimeMode::Attach).unwrap();
+    let kv = framework.allocate(Placement::Device, 0, 4096, "kv").unwrap();
+    fake.set("FAKE_NRT_NO_MAP_HBM", 1);
+    assert_eq!(kv.va().unwrap(), None);
+    let handle = NonNull::new(kv.as_raw().as_ptr().cast::<c_void>()).unwrap();
+    // SAFETY: `kv` is a live tensor of this libnrt on core 0 and outlives the call.
+    let err = unsafe { dev.register_tensor(handle, 0) }.unwrap_err();
+    assert!(err.to_string().contains("NEURON_RT_MAP_HBM=1"), "{err}");
+    assert!(matches!(dev.alloc(64), Err(DeviceError::Alloc { reason, .. }) if reason.contains("NEURON_RT_MAP_HBM")));
+    assert_eq!(dev.stats(), Default::default(), "nothing half-registered");
+}
+
+#[test]
+fn dmabuf_fd_and_its_failure() {
+    let fake = Fake::new(Variant::Full);
+    let dev = fake.open(RuntimeMode::Own).unwrap();
+    let buf = dev.alloc_tensor(1 << 20).unwrap();
+    let r = buf.region();
+    let fd = dev.dmabuf_fd(r.addr + 4096, 8192).unwrap();
+    let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap();
+    assert!(link.to_string_lossy().contains("fake-nrt-dmabuf"), "{link:?}");
+    let whole = buf.dmabuf_fd().unwrap();
+    assert_ne!(whole.as_raw_fd(), fd.as_raw_fd());
+    assert_eq!(fake.get("dmabuf_calls"), 2);
+
+    // Unknown ranges are refused before libnrt is asked.
+    let err = dev.dmabuf_fd(r.addr + r.len - 10, 20).unwrap_err();
+    assert!(matches!(err, NeuronError::Range { .. }) && err.to_string().contains("runs past the end"), "{err}");
+    assert_eq!(fake.get("dmabuf_calls"), 2);
+
+    // libnrt refusing: the call and its status, as text and number.
+    fake.set("FAKE_NRT_FAIL_DMABUF", 1);
+    let err = dev.dmabuf_fd(r.addr, r.len).unwrap_err();
+    assert!(matches!(err, NeuronError::Call { call: "nrt_get_dmabuf_fd", status: Some(1), .. }), "{err:?}");
+    assert!(err.to_string().contains("nrt_get_dmabuf_fd failed with NRT_FAILURE (1)"), "{err}");
+    assert!(err.to_string().contains(&format!("{:#x}", r.addr)), "names the range: {err}");
+    drop((fd, whole));
+}
+
+#[test]
+fn efa_device_and_info() {
+    let fake = Fake::new(Variant::Full);
+    let dev = NeuronDevice::open(&NeuronConfig { core: 1, ..fake.config(RuntimeMode::Own) }).unwrap();
+    let buf = dev.alloc(4096).unwrap();
+    assert_eq!(dev.attached_efa_bdf(buf.region().addr + 10).unwrap(), "0000:10:1c.0");
+    assert!(dev.attached_efa_bdf(buf.region().addr + 4096).is_err(), "outside known memory");
+    let info = dev.info();
+    assert_eq!((info.mode, info.core, info.total_cores, info.visible_cores), (RuntimeMode::Own, 1, 2, 2));
+    assert_eq!(info.library, std::fs::canonicalize(&fake.path).unwrap());
+    assert!(info.version.as_deref().unwrap().starts_with("2.99.7.0"), "{info:?}");
+    assert!(format!("{dev:?}").contains("Own"));
+}
+
+// ---- transports ----
+
+#[test]
+fn loopback_moves_bytes_between_two_neuron_tensors() {
+    let fake = Fake::new(Variant::Full);
+    let dev = fake.open(RuntimeMode::Own).unwrap();
+    let src = dev.alloc(1 << 20).unwrap();
+    let dst = dev.alloc(1 << 20).unwrap();
+    let data: Vec<u8> = (0..256 * 1024u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+    src.write_at(4096, &data).unwrap();
+
+    let fabric = Fabric::new();
+    let p = fabric.endpoint("prefill").unwrap();
+    let d = fabric.endpoint("decode").unwrap();
+    p.load_remote(&d.local_metadata().unwrap()).unwrap();
+    d.load_remote(&p.local_metadata().unwrap()).unwrap();
+    let (rs, rd) = (dev.describe(src.region().addr, src.region().len).unwrap(), dst.region());
+    assert_eq!((rs.kind, rd.kind), (MemKind::Vram, MemKind::Vram));
+    // SAFETY: both regions are device tensors alive until after `deregister` below; the test reads and
+    // writes them only while no transfer is in flight.
+    unsafe {
+        p.register(&rs).unwrap();
+        d.register(&rd).unwrap();
+    }
+    let descs = [
+        Desc { local: rs.addr + 4096, remote: rd.addr, len: 128 * 1024 },
+        Desc { local: rs.addr + 4096 + 128 * 1024, remote: rd.addr + 512 * 1024, len: 128 * 1024 },
+    ];
+    let id = p.post(Op::Write, "decode", &descs, Some(b"kv landed")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while p.poll(id).unwrap() == XferState::Pending {
+        assert!(Instant::now() < deadline, "transfer never completed");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    let mut got = vec![0u8; 128 * 1024];
+    dst.read_at(0, &mut got).unwrap();
+    assert_eq!(got, data[..128 * 1024]);
+    dst.read_at(512 * 1024, &mut got).unwrap();
+    assert_eq!(got, data[128 * 1024..]);
+    let mut notes = Vec::new();
+    while notes.is_empty() {
+        assert!(Instant::now() < deadline, "no notification");
+        d.take_notifications(&mut notes).unwrap();
+    }
+    assert_eq!(notes[0].msg, b"kv landed");
+    p.deregister(&rs).unwrap();
+    d.deregister(&rd).unwrap();
+}
+
+// ---- selection and the engines, in child processes (they need environment variables) ----
+
+/// Runs the ignored test `name` of this binary in a child process with `env`; returns its output.
+fn child(name: &str, env: &[(&str, &str)]) -> String {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", name, "--ignored", "--test-threads=1", "--nocapture"]);
+    for var in ["KVPUSH_DEVICE", "KVPUSH_LIBNRT", "KVPUSH_NEURON_RUNTIME", "KVPUSH_NEURON_CORE", "NEURON_RT_MAP_HBM"] {
+        cmd.env_remove(var);
+    }
+    cmd.envs(env.iter().copied());
+    let out = cmd.output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("1 passed"), "child {name} with {env:?} failed:\n{text}");
+    text
+}
+
+#[test]
+fn kvpush_device_selects_neuron_and_auto_prefers_it() {
+    let fake = Fake::new(Variant::Full);
+    let lib = fake.path.to_str().unwrap();
+    child("child_select", &[("KVPUSH_LIBNRT", lib), ("KVPUSH_NEURON_RUNTIME", "own"), ("EXPECT", "neuron")]);
+    child(
+        "child_select",
+        &[("KVPUSH_LIBNRT", lib), ("KVPUSH_NEURON_RUNTIME", "own"), ("FAKE_NRT_NC_COUNT", "0"), ("EXPECT", "absent")],
+    );
+    child("child_select", &[("KVPUSH_LIBNRT", lib), ("EXPECT", "not-running")]);
+    child("child_select", &[("KVPUSH_LIBNRT", lib), ("KVPUSH_NEURON_RUNTIME", "bogus"), ("EXPECT", "bad-config")]);
+    child(
+        "child_select",
+        &[
+            ("KVPUSH_LIBNRT", lib),
+            ("KVPUSH_NEURON_RUNTIME", "own"),
+            ("FAKE_NRT_FAIL_DMABUF", "1"),
+            ("EXPECT", "env-knob"),
+        ],
+    );
+}
+
+#[test]
+#[ignore = "run by kvpush_device_selects_neuron_and_auto_prefers_it in a child process"]
+fn child_select() {
+    let expect = std::env::var("EXPECT").expect("run by the parent test, which sets EXPECT");
+    match expect.as_str() {
+        "neuron" => {
+            for spec in ["neuron", "auto", " Neuron "] {
+                let dev = select(spec).unwrap();
+                assert_eq!(dev.kind(), DeviceKind::Neuron, "{spec}");
+                let buf = dev.alloc(4096).unwrap();
+                assert_eq!(dev.describe(buf.region().addr, 4096).unwrap().kind, MemKind::Vram);
+            }
+        }
+        "absent" => {
+            let err = select("neuron").unwrap_err();
+            assert!(err.to_string().contains("no Neuron device"), "{err}");
+            assert_ne!(select("auto").unwrap().kind(), DeviceKind::Neuron, "auto falls back");
+        }
+        "not-running" => {
+            // Attach (the default) without a framework: explicit selection says what to do.
+            let err = select("neuron").unwrap_err();
+            assert!(err.to_string().contains("KVPUSH_NEURON_RUNTIME=own"), "{err}");
+        }
+        "bad-config" => {
+            let err = select("neuron").unwrap_err();
+            assert!(err.to_string().contains("KVPUSH_NEURON_RUNTIME=\"bogus\" is not valid"), "{err}");
+        }
+        "env-knob" => {
+            // FAKE_NRT_FAIL_DMABUF=1 in the environment reaches the fake when it loads.
+            let dev = NeuronDevice::from_env().unwrap();
+            let buf = dev.alloc_tensor(4096).unwrap();
+            let err = buf.dmabuf_fd().unwrap_err();
+            assert!(err.to_string().contains("NRT_FAILURE (1)"), "{err}");
+        }
+        other => panic!("unknown EXPECT={other}"),
+    }
+}
+
+#[test]
+fn demo_engines_run_on_fake_neuron_memory() {
+    let fake = Fake::new(Variant::Full);
+    let out = child(
+        "child_demo",
+        &[
+            ("KVPUSH_DEVICE", "neuron"),
+            ("KVPUSH_LIBNRT", fake.path.to_str().unwrap()),
+            ("KVPUSH_NEURON_RUNTIME", "own"),
+        ],
+    );
+    assert!(out.contains("bytes verified on fake Neuron memory"), "{out}");
+    for line in out.lines().filter(|l| l.contains("verified on fake Neuron")) {
+        println!("child: {line}");
+    }
+}
+
+#[test]
+#[ignore = "run by demo_engines_run_on_fake_neuron_memory in a child process"]
+fn child_demo() {
+    use kvpush::demo::{self, Topology, Workload};
+    use kvpush::proto::Mode;
+
+    let lib = std::env::var("KVPUSH_LIBNRT").expect("run by the parent test, which sets KVPUSH_LIBNRT");
+    assert_eq!(std::env::var("KVPUSH_DEVICE").as_deref(), Ok("neuron"));
+    // Loaded before the demo and kept, so its counters survive the demo's own unloading.
+    let fake = Fake::existing(PathBuf::from(lib));
+    let t = Topology {
+        layers: 2,
+        kv_heads: 2,
+        head_dim: 16,
+        p_tp: 2,
+        d_tp: 1,
+        p_block: 16,
+        d_block: 32,
+        num_blocks: 128,
+        ..Topology::default()
+    };
+    let w = Workload {
+        requests: 8,
+        min_tokens: 1,
+        max_tokens: 200,
+        concurrency: 4,
+        prefill_ns_per_token: 1000,
+        relay_us: 100,
+        seed: 11,
+    };
+    let report = demo::run(&t, &w, &[Mode::Push, Mode::Pull], &|| {}).unwrap();
+    for (name, m) in [("push", report.push.as_ref().unwrap()), ("pull", report.pull.as_ref().unwrap())] {
+        assert_eq!((m.requests, m.failed), (8, 0), "{name}: {m:?}");
+        assert!(m.verified_bytes > 0, "{name}: nothing verified");
+        println!("{name}: {} requests, {} bytes verified on fake Neuron memory", m.requests, m.verified_bytes);
+    }
+    // The demo's device (an owned runtime) is gone: one init, one close, no tensor left.
+    assert_eq!((fake.get("init_calls"), fake.get("close_calls")), (1, 1));
+    assert_eq!(fake.get("live_tensors"), 0);
+    assert!(fake.get("writes") > 0 && fake.get("reads") > 0);
+}
