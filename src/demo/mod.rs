@@ -140,14 +140,21 @@ pub struct ModeReport {
     /// Bytes moved over wall time (GB/s).
     pub gbps: f64,
     /// Two-process NIXL runs: one single-descriptor NIXL WRITE of the bytes this mode moved (capped at
-    /// 1 GiB), best of 3 (GB/s) — the ceiling through NIXL on this machine.
+    /// 1 GiB), the median of the rounds (GB/s) — the ceiling through NIXL on this machine.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ceiling_gbps: Option<f64>,
+    /// Each round's ceiling WRITE (GB/s), interleaved with `push_gbps_rounds`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ceiling_gbps_rounds: Vec<f64>,
     /// Two-process NIXL runs, push: the same requests pushed with every one ready at once (registrations
     /// first, no simulated prefill, as many in flight as the pools hold): bytes over the time from the
-    /// first blocks-ready to the last received, summed over the waves the pools allow (GB/s).
+    /// first blocks-ready to the last received, summed over the waves the pools allow; the median of
+    /// the rounds (GB/s).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub push_gbps: Option<f64>,
+    /// Each round's push bandwidth (GB/s), interleaved with `ceiling_gbps_rounds`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub push_gbps_rounds: Vec<f64>,
 }
 
 /// Results of the demo: one report per mode played.
@@ -327,6 +334,17 @@ pub(crate) fn pct<T: Copy + Default>(sorted: &[T], q: f64) -> T {
     }
     let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
     sorted[i.min(sorted.len() - 1)]
+}
+
+/// The median of `values` (the mean of the middle two for an even count); `None` when empty.
+pub(crate) fn median(values: &[f64]) -> Option<f64> {
+    let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
 }
 
 /// Runs the demo: each mode in `modes` on the same workload. `tick` is called once per finished
@@ -733,4 +751,17 @@ pub fn table(r: &Report) -> String {
         s.push('\n');
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median;
+
+    #[test]
+    fn median_of_odd_even_and_empty() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), Some(2.5));
+        assert_eq!(median(&[f64::NAN, 5.0]), Some(5.0));
+        assert_eq!(median(&[]), None);
+    }
 }

@@ -18,9 +18,11 @@
 //! [`pattern::verify`]). Latency is D's `received` minus P's `ready` on the wall clock both processes
 //! share; a request's engine time is the sum of both children's engine-thread time for it.
 //!
-//! After the workload of a mode the parent measures two references for the docs: `ceiling_gbps`, one
-//! single-descriptor NIXL WRITE of the bytes the mode moved (capped at 1 GiB) between two extra agents
-//! (best of 3), and, in push mode, `push_gbps`: the same requests pushed with every one ready at once.
+//! After the workload of a mode the parent measures two references for the docs, side by side in
+//! [`BANDWIDTH_ROUNDS`] interleaved rounds: `ceiling_gbps`, one single-descriptor NIXL WRITE of the
+//! bytes the mode moved (capped at 1 GiB) between two extra agents, and, in push mode, `push_gbps`:
+//! the same requests pushed with every one ready at once. Each is the median of its rounds; every
+//! round's figure is kept in the report.
 //!
 //! Children exit when their stdin closes (the parent exited or died); the parent kills and reaps them
 //! on any error ([`WorkerProc`] does so when dropped).
@@ -46,6 +48,9 @@ use crate::proto::msg::{blocks_for, Mode};
 use crate::proto::Key;
 use crate::transport::nixl::{self, NixlConfig, NixlTransport};
 use crate::transport::{Desc, Op, Transport, XferState};
+
+/// Rounds of the bandwidth references (a ceiling WRITE, then a push of the workload, per round).
+pub const BANDWIDTH_ROUNDS: usize = 5;
 
 /// Largest buffer of the single-descriptor reference.
 pub const CEILING_MAX_BYTES: u64 = 1 << 30;
@@ -413,6 +418,9 @@ pub enum Event {
         reason: String,
         /// Engine-thread time since [`Event::Ready`] (ns).
         engine_ns: u64,
+        /// When the last worker released them (µs since the UNIX epoch).
+        #[serde(default)]
+        at_us: u64,
     },
     /// D: every worker received the request, and it was verified; its blocks are free again.
     Received {
@@ -946,14 +954,20 @@ struct Tracked {
 fn run_mode(t: &Topology, w: &Workload, mode: Mode, opts: &Options, tick: &dyn Fn()) -> Result<ModeReport, ProcsError> {
     let mut pair = start(t, mode, opts)?;
     let mut report = play(&mut pair, t, w, mode, tick)?;
-    if opts.references {
-        let bytes = report.bytes.min(CEILING_MAX_BYTES);
-        if bytes > 0 {
-            report.ceiling_gbps = Some(ceiling(&mut pair, bytes)?);
+    let bytes = report.bytes.min(CEILING_MAX_BYTES);
+    if opts.references && bytes > 0 {
+        // Interleaved, so that both references see the same machine: a ceiling WRITE, then (push)
+        // the workload pushed all ready, per round.
+        let target = ceiling_open(&mut pair, bytes)?;
+        for round in 0..BANDWIDTH_ROUNDS {
+            report.ceiling_gbps_rounds.push(ceiling_once(&mut pair, &target, bytes)?);
+            if mode == Mode::Push {
+                report.push_gbps_rounds.push(bandwidth(&mut pair, t, w, round)?);
+            }
         }
-        if mode == Mode::Push {
-            report.push_gbps = Some(bandwidth(&mut pair, t, w)?);
-        }
+        ceiling_close(&mut pair)?;
+        report.ceiling_gbps = super::median(&report.ceiling_gbps_rounds);
+        report.push_gbps = super::median(&report.push_gbps_rounds);
     }
     pair.close();
     Ok(report)
@@ -1142,8 +1156,15 @@ fn play(pair: &mut Pair, t: &Topology, w: &Workload, mode: Mode, tick: &dyn Fn()
     Ok(report)
 }
 
-/// One single-descriptor NIXL WRITE of `bytes` between two fresh agents, P → D, best of 3 (GB/s).
-fn ceiling(pair: &mut Pair, bytes: u64) -> Result<f64, ProcsError> {
+/// Where the single-descriptor reference writes: D's reference agent (metadata, hex) and buffer.
+struct CeilingTarget {
+    metadata: String,
+    addr: u64,
+}
+
+/// Sets up the single-descriptor reference: one fresh agent and buffer of `bytes` on each side, D
+/// serving P's.
+fn ceiling_open(pair: &mut Pair, bytes: u64) -> Result<CeilingTarget, ProcsError> {
     let ready = |ev: Event| match ev {
         Event::CeilingReady { metadata, addr, .. } => Some((metadata, addr)),
         _ => None,
@@ -1152,19 +1173,32 @@ fn ceiling(pair: &mut Pair, bytes: u64) -> Result<f64, ProcsError> {
     pair.send(Role::Prefill, &Command::CeilingSetup { bytes })?;
     let (p_md, _) = pair.expect(Role::Prefill, "ceiling_ready", limit, ready)?;
     pair.send(Role::Decode, &Command::CeilingSetup { bytes })?;
-    let (d_md, d_addr) = pair.expect(Role::Decode, "ceiling_ready", limit, ready)?;
+    let (metadata, addr) = pair.expect(Role::Decode, "ceiling_ready", limit, ready)?;
     pair.send(Role::Decode, &Command::CeilingServe { metadata: p_md })?;
     pair.expect(Role::Decode, "ceiling_serving", limit, |ev| matches!(ev, Event::CeilingServing).then_some(()))?;
-    pair.send(Role::Prefill, &Command::CeilingRun { metadata: d_md, remote_addr: d_addr, bytes, repeats: 3 })?;
+    // A first WRITE faults D's fresh buffer in; it is not a measurement.
+    ceiling_once(pair, &CeilingTarget { metadata: metadata.clone(), addr }, bytes)?;
+    Ok(CeilingTarget { metadata, addr })
+}
+
+/// One single-descriptor NIXL WRITE of `bytes`, P → D (GB/s).
+fn ceiling_once(pair: &mut Pair, target: &CeilingTarget, bytes: u64) -> Result<f64, ProcsError> {
+    let run = Command::CeilingRun { metadata: target.metadata.clone(), remote_addr: target.addr, bytes, repeats: 1 };
+    pair.send(Role::Prefill, &run)?;
     let (gbps, seconds) = pair.expect(Role::Prefill, "ceiling_result", Duration::from_secs(300), |ev| match ev {
         Event::CeilingResult { gbps, seconds } => Some((gbps, seconds)),
         _ => None,
     })?;
     tracing::info!(bytes, gbps, ?seconds, "single-descriptor NIXL WRITE");
+    Ok(gbps)
+}
+
+/// Tears the reference down; fails if its WRITEs did not land on D.
+fn ceiling_close(pair: &mut Pair) -> Result<(), ProcsError> {
     let mut landed = true;
     for role in [Role::Prefill, Role::Decode] {
         pair.send(role, &Command::CeilingEnd)?;
-        landed &= pair.expect(role, "ceiling_closed", limit, |ev| match ev {
+        landed &= pair.expect(role, "ceiling_closed", Duration::from_secs(60), |ev| match ev {
             Event::CeilingClosed { landed } => Some(landed),
             _ => None,
         })?;
@@ -1172,16 +1206,17 @@ fn ceiling(pair: &mut Pair, bytes: u64) -> Result<f64, ProcsError> {
     if !landed {
         return Err(pair.fail(Role::Decode, "the single-descriptor reference WRITE did not land".into()));
     }
-    Ok(gbps)
+    Ok(())
 }
 
 /// `push_gbps`: the workload's requests again, every one ready at once, in as few waves as the pools
 /// allow; total bytes over the summed first-ready → last-received windows.
-fn bandwidth(pair: &mut Pair, t: &Topology, w: &Workload) -> Result<f64, ProcsError> {
+fn bandwidth(pair: &mut Pair, t: &Topology, w: &Workload, round: usize) -> Result<f64, ProcsError> {
     let groups = super::model(t).groups.len();
     let specs = requests(w);
-    let mut rng = Rng(w.seed ^ 0xba4d_0000);
-    let base = specs.len() as u64;
+    // Fresh request numbers and keys every round.
+    let mut rng = Rng(w.seed ^ 0xba4d_0000 ^ ((round as u64) << 40));
+    let base = (specs.len() * (round + 1)) as u64;
     let (mut bytes, mut window_us) = (0u64, 0u64);
     let limit = Duration::from_secs(120);
     let mut i = 0;
@@ -1231,12 +1266,15 @@ fn bandwidth(pair: &mut Pair, t: &Topology, w: &Workload) -> Result<f64, ProcsEr
         // Every request ready at once.
         let expected = regs_before + (wave.len() * usize::from(t.d_tp)) as u64;
         pair.send(Role::Prefill, &Command::Go { registrations: expected, timeout_ms: 10_000 })?;
-        let (mut first_ready, mut last_received) = (u64::MAX, 0u64);
+        let (mut first_ready, mut last_received, mut last_sent) = (u64::MAX, 0u64, 0u64);
         let (mut sent, mut outcomes) = (0, 0);
         while sent < wave.len() || outcomes < wave.len() {
             match pair.next(limit)? {
                 Some((_, Event::Ready { at_us, .. })) => first_ready = first_ready.min(at_us),
-                Some((_, Event::Sent { .. })) => sent += 1,
+                Some((_, Event::Sent { at_us, .. })) => {
+                    sent += 1;
+                    last_sent = last_sent.max(at_us);
+                }
                 Some((_, Event::Received { at_us, ok, detail, .. })) => {
                     if !ok {
                         let d = detail.unwrap_or_default();
@@ -1257,7 +1295,13 @@ fn bandwidth(pair: &mut Pair, t: &Topology, w: &Workload) -> Result<f64, ProcsEr
         let (bytes_after, ..) = pair.stats(Role::Prefill)?;
         bytes += bytes_after - bytes_before;
         window_us += last_received.saturating_sub(first_ready).max(1);
-        tracing::info!(requests = wave.len(), bytes = bytes_after - bytes_before, window_us, "bandwidth wave");
+        tracing::info!(
+            requests = wave.len(),
+            bytes = bytes_after - bytes_before,
+            received_us = last_received.saturating_sub(first_ready),
+            sent_us = last_sent.saturating_sub(first_ready),
+            "bandwidth wave"
+        );
     }
     Ok(bytes as f64 / (window_us as f64 / 1e6) / 1e9)
 }
@@ -1918,7 +1962,12 @@ impl WorkerState {
                     let r = self.reqs.remove(&req).expect("present");
                     self.by_key.remove(&key);
                     self.pool.give(r.blocks.into_iter().flatten());
-                    self.out.emit(&Event::Sent { req, reason: format!("{reason:?}"), engine_ns: r.engine_ns });
+                    self.out.emit(&Event::Sent {
+                        req,
+                        reason: format!("{reason:?}"),
+                        engine_ns: r.engine_ns,
+                        at_us: now_us(),
+                    });
                 }
             }
             Finished::Received { .. } if self.role == Role::Decode => {
