@@ -63,9 +63,10 @@ impl Variant {
     }
 }
 
-/// Where this process builds and copies fakes.
+/// Where fakes are built and copied (shared by test processes: every file name written here is
+/// either unique to this process or replaced atomically).
 fn work_dir() -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("neuron-fake-{}", std::process::id()));
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("neuron-fake");
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
@@ -77,6 +78,7 @@ fn built(variant: Variant) -> &'static Path {
     slot.get_or_init(|| {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/neuron_fake");
         let out = work_dir().join(format!("libfake_nrt-{}.so", variant.tag()));
+        let tmp = work_dir().join(format!("libfake_nrt-{}.so.{}", variant.tag(), std::process::id()));
         let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
         let mut cmd = Command::new(&cc);
         cmd.args(["-shared", "-fPIC", "-O1", "-std=c11", "-Wall", "-Wextra", "-Werror", "-I"])
@@ -84,7 +86,7 @@ fn built(variant: Variant) -> &'static Path {
             .args(variant.define())
             .arg(root.join("fake_nrt.c"))
             .arg("-o")
-            .arg(&out)
+            .arg(&tmp)
             .arg("-lpthread");
         let res = cmd.output().unwrap_or_else(|e| panic!("cannot run the C compiler {cc:?} (set CC): {e}"));
         assert!(
@@ -92,6 +94,7 @@ fn built(variant: Variant) -> &'static Path {
             "building the fake libnrt failed: {cmd:?}\n{}",
             String::from_utf8_lossy(&res.stderr)
         );
+        std::fs::rename(&tmp, &out).unwrap();
         out
     })
 }
@@ -108,7 +111,7 @@ impl Fake {
     fn new(variant: Variant) -> Fake {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let path = work_dir().join(format!("libnrt-{}-{n}.so", variant.tag()));
+        let path = work_dir().join(format!("libnrt-{}-{}-{n}.so", variant.tag(), std::process::id()));
         std::fs::copy(built(variant), &path).unwrap();
         Fake { handle: dlopen(&path), path, owns_file: true }
     }
@@ -195,7 +198,15 @@ fn loads_from_a_path_and_reports_what_it_found() {
 fn default_search_lists_every_path_tried() {
     // No test in this process sets KVPUSH_LIBNRT; the machine has no libnrt.
     let candidates = Lib::candidates();
-    let err = Lib::open().unwrap_err();
+    let err = match Lib::open() {
+        Err(e) => e,
+        Ok(lib) => {
+            // A machine with the Neuron runtime installed: nothing to test about a missing one.
+            assert!(std::env::var_os("CI").is_none(), "CI machines have no libnrt, yet {lib:?} loaded");
+            eprintln!("a real libnrt is installed ({lib:?}): the missing-library path is not checked here");
+            return;
+        }
+    };
     let neuron_sys::Error::Load { tried } = &err else { panic!("{err:?}") };
     assert_eq!(tried.iter().map(|(p, _)| p.clone()).collect::<Vec<_>>(), candidates);
     if std::env::var_os("KVPUSH_LIBNRT").is_none() {
