@@ -203,6 +203,26 @@ def _wait_ready(server: Server, path: str, timeout_s: float, ok: Any = None) -> 
     )
 
 
+def without_dev_nixl(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without what scripts/nixl.sh exports for the Rust build and tests (``NIXL_PLUGIN_DIR``,
+    ``NIXL_LIB_DIR``, the nixl-cu12 wheel's folders on ``LD_LIBRARY_PATH``).
+
+    A vLLM server imports Python's ``nixl`` (the cu13 wheel, with its own UCX); with those variables set it
+    would load the cu12 wheel's plugins and UCX libraries into the same process (seen in /proc/PID/maps).
+    One process, one NIXL and one UCX: a server gets them back only through ``extra_env``.
+    """
+    env = dict(env)
+    for key in ("NIXL_PLUGIN_DIR", "NIXL_LIB_DIR"):
+        env.pop(key, None)
+    if env.get("LD_LIBRARY_PATH"):
+        keep = [p for p in env["LD_LIBRARY_PATH"].split(os.pathsep) if p and "/nixl-cu12-" not in p]
+        if keep:
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(keep)
+        else:
+            env.pop("LD_LIBRARY_PATH")
+    return env
+
+
 def vllm_python() -> str:
     """The interpreter that has vLLM: ``KVPUSH_VLLM_PYTHON``, else this one."""
     return os.environ.get("KVPUSH_VLLM_PYTHON", sys.executable)
@@ -268,7 +288,7 @@ def start_vllm(
     if not prefix_caching:
         argv.append("--no-enable-prefix-caching")
     argv += list(extra_args)
-    env = dict(os.environ)
+    env = without_dev_nixl(dict(os.environ))
     env.update(
         {
             "VLLM_CPU_KVCACHE_SPACE": "1",
