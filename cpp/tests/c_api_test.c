@@ -5,6 +5,7 @@
  *                         process (loopback transport), every byte verified; aborts; error paths
  *   c_api_test nixl       push transfers over real NIXL (UCX) and the TCP side channel
  *   c_api_test abi        prints struct sizes and offsets, compared with Rust's by the test
+ *   c_api_test bench [N]  engine-thread time per request through the C ABI (see run_bench)
  *
  * Prints one line per check; exits 0 when all passed, 1 at the first failure (with the library's
  * error message).
@@ -71,10 +72,12 @@ typedef struct worker {
   kvpush_layout layout;
 } worker;
 
-static void sleep_ms(long ms) {
-  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+static void sleep_us(long us) {
+  struct timespec ts = {us / 1000000, (us % 1000000) * 1000L};
   nanosleep(&ts, NULL);
 }
+
+static void sleep_ms(long ms) { sleep_us(ms * 1000); }
 
 static void alloc_regions(worker *w, uint8_t fill) {
   for (int r = 0; r < REGIONS; r++) {
@@ -447,6 +450,140 @@ static void run_nixl(void) {
   printf("all NIXL checks passed (side channel port %u)\n", port);
 }
 
+/* ---- bench: engine-thread time per request through the C ABI ------------------------------------
+ * The same workload as `cargo bench --bench engine_thread` (16 layers, 1 KV head of 128, bf16,
+ * 16-token blocks, requests of 64 tokens, registration first, one at a time with short pauses so
+ * the writers are asleep when a call arrives), timing on this thread every kvpush call made for a
+ * request: kvpush_blocks_allocated, kvpush_request_finished and each kvpush_poll that returns the
+ * request's result. Empty polls are timed apart. */
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static int cmp_u64(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+static double pct_us(uint64_t *v, size_t n, double q) {
+  qsort(v, n, sizeof *v, cmp_u64);
+  return (double)v[(size_t)((double)(n - 1) * q + 0.5)] / 1000.0;
+}
+
+#define B_LAYERS 16
+#define B_REGIONS (2 * B_LAYERS)
+#define B_BLOCKS 1024
+#define B_PART ((size_t)16 * 128 * 2)
+
+static kvpush_engine *bench_engine(const char *id, kvpush_hub *hub, uint8_t **mem, uint64_t *bases) {
+  for (int r = 0; r < B_REGIONS; r++) {
+    mem[r] = aligned_alloc(4096, B_BLOCKS * B_PART);
+    EXPECT(mem[r] != NULL);
+    memset(mem[r], 0, B_BLOCKS * B_PART);
+    bases[r] = (uint64_t)(uintptr_t)mem[r];
+  }
+  kvpush_layout l;
+  CHECK(kvpush_layout_init(&l));
+  l.total_layers = B_LAYERS;
+  l.kv_heads = 1;
+  l.head_dim = 128;
+  l.dtype = KVPUSH_DTYPE_BF16;
+  l.block_tokens = 16;
+  l.num_blocks = B_BLOCKS;
+  l.region_bases = bases;
+  l.num_regions = B_REGIONS;
+  kvpush_engine_config c;
+  CHECK(kvpush_engine_config_init(&c));
+  c.engine_id = id;
+  c.hub = hub;
+  c.device = "host";
+  kvpush_engine *e = NULL;
+  CHECK(kvpush_engine_create(&c, &l, &e));
+  return e;
+}
+
+static void run_bench(size_t n) {
+  kvpush_hub *hub = NULL;
+  CHECK(kvpush_hub_create(&hub));
+  uint8_t *pm[B_REGIONS], *dm[B_REGIONS];
+  uint64_t pb[B_REGIONS], db[B_REGIONS];
+  kvpush_engine *p = bench_engine("p", hub, pm, pb), *d = bench_engine("d", hub, dm, db);
+  CHECK(kvpush_engine_connect(d, p));
+  uint64_t *p_side = calloc(n, 8), *d_side = calloc(n, 8), *total = calloc(n, 8), *enq_p = calloc(n, 8),
+           *enq_d = calloc(n, 8), *drains = calloc(2 * n, 8), *empty = calloc(64 * n, 8);
+  size_t ndrains = 0, nempty = 0;
+  kvpush_completion out[4];
+  for (size_t i = 0; i < n; i++) {
+    kvpush_key key = {0, i + 1, 1};
+    uint32_t ids[4];
+    for (uint32_t b = 0; b < 4; b++) ids[b] = (uint32_t)((i * 4 + b) % B_BLOCKS);
+    kvpush_block_list g = {ids, 4};
+    uint64_t t = now_ns();
+    CHECK(kvpush_blocks_allocated(d, key, "p", &g, 1, 64));
+    uint64_t d_ns = now_ns() - t;
+    enq_d[i] = d_ns;
+    sleep_us(200);
+    t = now_ns();
+    CHECK(kvpush_request_finished(p, key, &g, 1, 64));
+    uint64_t p_ns = now_ns() - t;
+    enq_p[i] = p_ns;
+    int sent = 0, received = 0;
+    uint64_t deadline = now_ns() + 10000000000u;
+    while (!(sent && received)) {
+      EXPECT(now_ns() < deadline);
+      for (int side = 0; side < 2; side++) {
+        size_t got = 0;
+        t = now_ns();
+        CHECK(kvpush_poll(side == 0 ? p : d, out, 4, &got));
+        uint64_t ns = now_ns() - t;
+        if (got == 0) {
+          if (nempty < 64 * n) empty[nempty++] = ns;
+          continue;
+        }
+        drains[ndrains++] = ns;
+        for (size_t k = 0; k < got; k++) {
+          EXPECT(out[k].key.id_lo == i + 1);
+          if (out[k].outcome == KVPUSH_OUTCOME_SENT) sent = 1;
+          else if (out[k].outcome == KVPUSH_OUTCOME_RECEIVED) received = 1;
+          else EXPECT(!"unexpected outcome");
+        }
+        if (side == 0) p_ns += ns;
+        else d_ns += ns;
+      }
+      sleep_us(20);
+    }
+    p_side[i] = p_ns;
+    d_side[i] = d_ns;
+    total[i] = p_ns + d_ns;
+  }
+  printf("engine-thread time per request through the C ABI, push, loopback, %zu requests of 64 tokens x 16 layers:\n",
+         n);
+  printf("  producer (request_finished + polls)    p50 %6.2f us   p99 %6.2f us   max %8.2f us\n",
+         pct_us(p_side, n, 0.5), pct_us(p_side, n, 0.99), pct_us(p_side, n, 1.0));
+  printf("  consumer (blocks_allocated + polls)    p50 %6.2f us   p99 %6.2f us   max %8.2f us\n",
+         pct_us(d_side, n, 0.5), pct_us(d_side, n, 0.99), pct_us(d_side, n, 1.0));
+  printf("  both sides                             p50 %6.2f us   p99 %6.2f us   max %8.2f us\n",
+         pct_us(total, n, 0.5), pct_us(total, n, 0.99), pct_us(total, n, 1.0));
+  printf("  request_finished alone p50 %.2f / p99 %.2f us; blocks_allocated alone p50 %.2f / p99 %.2f us; a poll "
+         "with results p50 %.2f / p99 %.2f us\n",
+         pct_us(enq_p, n, 0.5), pct_us(enq_p, n, 0.99), pct_us(enq_d, n, 0.5), pct_us(enq_d, n, 0.99),
+         pct_us(drains, ndrains, 0.5), pct_us(drains, ndrains, 0.99));
+  printf("  empty poll                             p50 %6.3f us   p99 %6.3f us\n", pct_us(empty, nempty, 0.5),
+         pct_us(empty, nempty, 0.99));
+  CHECK(kvpush_engine_destroy(d));
+  CHECK(kvpush_engine_destroy(p));
+  CHECK(kvpush_hub_destroy(hub));
+  for (int r = 0; r < B_REGIONS; r++) {
+    free(pm[r]);
+    free(dm[r]);
+  }
+  free(p_side), free(d_side), free(total), free(enq_p), free(enq_d), free(drains), free(empty);
+  printf("bench done\n");
+}
+
 static void print_abi(void) {
   printf("kvpush_key %zu %zu\n", sizeof(kvpush_key), offsetof(kvpush_key, attempt));
   printf("kvpush_block_list %zu %zu\n", sizeof(kvpush_block_list), offsetof(kvpush_block_list, len));
@@ -468,8 +605,10 @@ int main(int argc, char **argv) {
     run_nixl();
   } else if (strcmp(mode, "abi") == 0) {
     print_abi();
+  } else if (strcmp(mode, "bench") == 0) {
+    run_bench(argc > 2 ? (size_t)strtoul(argv[2], NULL, 10) : 5000);
   } else {
-    fprintf(stderr, "usage: %s [loopback|nixl|abi]\n", argv[0]);
+    fprintf(stderr, "usage: %s [loopback|nixl|abi|bench [N]]\n", argv[0]);
     return 2;
   }
   return 0;

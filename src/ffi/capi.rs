@@ -5,12 +5,13 @@
 //! [`kvpush_last_error`] returns. Every body runs inside [`guard`], which catches panics, so no
 //! unwinding crosses into C: a caught panic is `KVPUSH_ERR_PANIC`.
 //!
-//! Handles are not pointers to Rust objects: a `kvpush_engine *` or `kvpush_hub *` is a number
-//! minted from one counter and looked up in a registry before every use, so a null, stale (destroyed)
-//! or made-up handle is answered with `KVPUSH_ERR_UNKNOWN_HANDLE` instead of undefined behaviour, and
-//! numbers are never reused. A call holds its own reference to the engine for its duration;
-//! [`kvpush_engine_destroy`] unregisters the handle, waits for such calls to end, then stops the
-//! engine, so memory may be freed as soon as it returns.
+//! Handles are not pointers to Rust objects: a `kvpush_engine *` or `kvpush_hub *` is a number that
+//! names a slot of a fixed table and that slot's generation. It is checked before every use, so a
+//! null, destroyed or made-up handle is answered with `KVPUSH_ERR_UNKNOWN_HANDLE` instead of undefined
+//! behaviour, and a destroyed handle never becomes valid again. A call holds its slot's read lock for
+//! its duration (one uncontended atomic, one cache line); [`kvpush_engine_destroy`] takes the write
+//! lock, so it waits for calls in progress, then stops the engine: memory may be freed as soon as it
+//! returns.
 //!
 //! Raw pointers from C (arrays, strings, out-parameters) are checked for null, alignment, length
 //! and UTF-8 before they become Rust values; what cannot be checked (that they point to live memory
@@ -19,12 +20,9 @@
 #![allow(non_camel_case_types)]
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::ffi::{c_char, c_int, CStr, CString};
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::{
     key_of, key_parts, panic_message, status, EngineSpec, FfiEngine, FfiError, GroupSpec, Hub, LayoutSpec,
@@ -267,7 +265,17 @@ thread_local! {
 
 fn set_last_error(msg: String) {
     let c = CString::new(msg.replace('\0', "\\0")).unwrap_or_default();
-    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+    // `try_with`: a call from a thread whose locals are being destroyed loses its message, never panics.
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = c);
+}
+
+/// Empties the message without allocating when it is empty already (the hot path).
+fn clear_last_error() {
+    let _ = LAST_ERROR.try_with(|e| {
+        if !e.borrow().as_bytes().is_empty() {
+            *e.borrow_mut() = CString::default();
+        }
+    });
 }
 
 /// Runs `f` for the C function `call`: catches panics, records the error message with the call's
@@ -277,7 +285,7 @@ fn guard(call: &'static str, f: impl FnOnce() -> Result<(), FfiError>) -> c_int 
         .unwrap_or_else(|payload| Err(FfiError::Panic(panic_message(payload.as_ref()))));
     match result {
         Ok(()) => {
-            set_last_error(String::new());
+            clear_last_error();
             status::OK
         }
         Err(e) => {
@@ -290,42 +298,145 @@ fn guard(call: &'static str, f: impl FnOnce() -> Result<(), FfiError>) -> c_int 
 // ---------------------------------------------------------------------------------------------
 // Handles.
 
-enum Handle {
+/// What a slot holds.
+enum Item {
     Hub(Arc<Hub>),
-    Engine(Arc<FfiEngine>),
+    Engine(FfiEngine),
 }
 
-fn registry() -> &'static RwLock<HashMap<usize, Handle>> {
-    static REGISTRY: OnceLock<RwLock<HashMap<usize, Handle>>> = OnceLock::new();
-    REGISTRY.get_or_init(|| RwLock::new(HashMap::new()))
+impl Item {
+    fn kind(&self) -> usize {
+        match self {
+            Item::Engine(_) => KIND_ENGINE,
+            Item::Hub(_) => KIND_HUB,
+        }
+    }
 }
 
-/// Handle numbers: never 0, never reused, spaced so a handle is never a small integer by accident.
-fn mint(h: Handle) -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(1);
-    let id = 0x6b70_0000 + NEXT.fetch_add(1, Ordering::Relaxed) * 16;
-    registry().write().unwrap_or_else(|p| p.into_inner()).insert(id, h);
-    id
+/// One slot of the handle table: its generation (bumped when its handle is destroyed) and item.
+/// Aligned to a cache line so a call touches one line of the table.
+#[repr(align(64))]
+#[derive(Default)]
+struct Slot {
+    state: RwLock<SlotState>,
 }
 
-fn engine_of(h: *const kvpush_engine) -> Result<Arc<FfiEngine>, FfiError> {
+#[derive(Default)]
+struct SlotState {
+    generation: usize,
+    item: Option<Item>,
+}
+
+/// Most handles alive at once (engines and hubs together).
+const MAX_HANDLES: usize = 1024;
+const KIND_ENGINE: usize = 1;
+const KIND_HUB: usize = 2;
+const INDEX_SHIFT: u32 = 2;
+const GENERATION_SHIFT: u32 = 16;
+
+/// The handle table. A handle is `generation << 16 | index << 2 | kind`: never 0, never a valid
+/// pointer by accident, and never valid again once destroyed (the slot's generation moves on).
+struct Table {
+    slots: Box<[Slot]>,
+    free: Mutex<Vec<usize>>,
+}
+
+fn table() -> &'static Table {
+    static TABLE: OnceLock<Table> = OnceLock::new();
+    TABLE.get_or_init(|| Table {
+        slots: (0..MAX_HANDLES).map(|_| Slot::default()).collect(),
+        free: Mutex::new((0..MAX_HANDLES).rev().collect()),
+    })
+}
+
+fn read(slot: &Slot) -> RwLockReadGuard<'_, SlotState> {
+    slot.state.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write(slot: &Slot) -> RwLockWriteGuard<'_, SlotState> {
+    slot.state.write().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Registers `item`; returns its handle.
+fn insert(item: Item) -> Result<usize, FfiError> {
+    let t = table();
+    let index = t.free.lock().unwrap_or_else(|p| p.into_inner()).pop().ok_or_else(|| {
+        FfiError::invalid("handles", format!("{MAX_HANDLES} kvpush handles are alive: destroy some first"))
+    })?;
+    let kind = item.kind();
+    let mut st = write(&t.slots[index]);
+    st.generation = (st.generation + 1) & (usize::MAX >> GENERATION_SHIFT);
+    st.item = Some(item);
+    Ok(st.generation << GENERATION_SHIFT | index << INDEX_SHIFT | kind)
+}
+
+/// The slot a handle names, if its number is well formed and of `kind`.
+fn slot_of(handle: usize, kind: usize) -> Option<(&'static Slot, usize)> {
+    let index = (handle >> INDEX_SHIFT) & ((1 << (GENERATION_SHIFT - INDEX_SHIFT)) - 1);
+    (handle & ((1 << INDEX_SHIFT) - 1) == kind && index < MAX_HANDLES)
+        .then(|| (&table().slots[index], handle >> GENERATION_SHIFT))
+}
+
+fn unknown(kind: usize, handle: usize) -> FfiError {
+    let name = if kind == KIND_ENGINE { "engine" } else { "hub" };
+    FfiError::UnknownHandle { kind: name, handle }
+}
+
+/// A live engine, borrowed for one call. While it exists the engine cannot be destroyed:
+/// [`kvpush_engine_destroy`] waits for it.
+struct EngineRef(RwLockReadGuard<'static, SlotState>);
+
+impl std::ops::Deref for EngineRef {
+    type Target = FfiEngine;
+    fn deref(&self) -> &FfiEngine {
+        match &self.0.item {
+            Some(Item::Engine(e)) => e,
+            // `engine_of` only builds an EngineRef over a slot holding an engine, and the read
+            // guard keeps it there.
+            _ => unreachable!("an EngineRef always guards an engine"),
+        }
+    }
+}
+
+fn engine_of(h: *const kvpush_engine) -> Result<EngineRef, FfiError> {
     if h.is_null() {
         return Err(FfiError::Null("engine"));
     }
-    match registry().read().unwrap_or_else(|p| p.into_inner()).get(&(h as usize)) {
-        Some(Handle::Engine(e)) => Ok(Arc::clone(e)),
-        _ => Err(FfiError::UnknownHandle { kind: "engine", handle: h as usize }),
+    let handle = h as usize;
+    let (slot, generation) = slot_of(handle, KIND_ENGINE).ok_or_else(|| unknown(KIND_ENGINE, handle))?;
+    let st = read(slot);
+    if st.generation != generation || !matches!(st.item, Some(Item::Engine(_))) {
+        return Err(unknown(KIND_ENGINE, handle));
     }
+    Ok(EngineRef(st))
 }
 
 fn hub_of(h: *const kvpush_hub) -> Result<Arc<Hub>, FfiError> {
     if h.is_null() {
         return Err(FfiError::Null("hub"));
     }
-    match registry().read().unwrap_or_else(|p| p.into_inner()).get(&(h as usize)) {
-        Some(Handle::Hub(hub)) => Ok(Arc::clone(hub)),
-        _ => Err(FfiError::UnknownHandle { kind: "hub", handle: h as usize }),
+    let handle = h as usize;
+    let (slot, generation) = slot_of(handle, KIND_HUB).ok_or_else(|| unknown(KIND_HUB, handle))?;
+    match &*read(slot) {
+        SlotState { generation: g, item: Some(Item::Hub(hub)) } if *g == generation => Ok(Arc::clone(hub)),
+        _ => Err(unknown(KIND_HUB, handle)),
     }
+}
+
+/// Unregisters a handle of `kind` and returns its item. Takes the slot's write lock, so it waits
+/// for calls in progress on the handle; later calls find it unknown.
+fn remove(handle: usize, kind: usize) -> Result<Item, FfiError> {
+    let (slot, generation) = slot_of(handle, kind).ok_or_else(|| unknown(kind, handle))?;
+    let item = {
+        let mut st = write(slot);
+        if st.generation != generation || st.item.as_ref().map(Item::kind) != Some(kind) {
+            return Err(unknown(kind, handle));
+        }
+        st.generation = (st.generation + 1) & (usize::MAX >> GENERATION_SHIFT);
+        st.item.take()
+    };
+    table().free.lock().unwrap_or_else(|p| p.into_inner()).push((handle >> INDEX_SHIFT) & (MAX_HANDLES - 1));
+    item.ok_or_else(|| unknown(kind, handle))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -625,7 +736,7 @@ pub unsafe extern "C" fn kvpush_hub_create(out: *mut *mut kvpush_hub) -> c_int {
         if out.is_null() {
             return Err(FfiError::Null("out"));
         }
-        let id = mint(Handle::Hub(Hub::new()));
+        let id = insert(Item::Hub(Hub::new()))?;
         // SAFETY: the caller's contract (1).
         unsafe { put("out", out, id as *mut kvpush_hub) }
     })
@@ -642,14 +753,7 @@ pub unsafe extern "C" fn kvpush_hub_destroy(hub: *mut kvpush_hub) -> c_int {
         if hub.is_null() {
             return Err(FfiError::Null("hub"));
         }
-        let mut reg = registry().write().unwrap_or_else(|p| p.into_inner());
-        match reg.get(&(hub as usize)) {
-            Some(Handle::Hub(_)) => {
-                reg.remove(&(hub as usize));
-                Ok(())
-            }
-            _ => Err(FfiError::UnknownHandle { kind: "hub", handle: hub as usize }),
-        }
+        remove(hub as usize, KIND_HUB).map(drop)
     })
 }
 
@@ -724,7 +828,7 @@ pub unsafe extern "C" fn kvpush_engine_create(
         let layout = unsafe { layout_spec(l) }?;
         // SAFETY: the caller's contracts (2) and (3) are `FfiEngine::new`'s.
         let engine = unsafe { FfiEngine::new(&spec, &layout) }?;
-        let id = mint(Handle::Engine(Arc::new(engine)));
+        let id = insert(Item::Engine(engine))?;
         // SAFETY: the caller's contract (1) for `out`.
         unsafe { put("out", out, id as *mut kvpush_engine) }
     })
@@ -742,30 +846,9 @@ pub unsafe extern "C" fn kvpush_engine_destroy(engine: *mut kvpush_engine) -> c_
         if engine.is_null() {
             return Err(FfiError::Null("engine"));
         }
-        let removed = {
-            let mut reg = registry().write().unwrap_or_else(|p| p.into_inner());
-            match reg.get(&(engine as usize)) {
-                Some(Handle::Engine(_)) => reg.remove(&(engine as usize)),
-                _ => None,
-            }
-        };
-        let Some(Handle::Engine(mut arc)) = removed else {
-            return Err(FfiError::UnknownHandle { kind: "engine", handle: engine as usize });
-        };
-        // Calls in progress hold clones for their duration only; wait for them so the memory is
-        // no longer used when this returns.
-        loop {
-            match Arc::try_unwrap(arc) {
-                Ok(e) => {
-                    drop(e);
-                    return Ok(());
-                }
-                Err(still_shared) => {
-                    arc = still_shared;
-                    std::thread::sleep(Duration::from_micros(200));
-                }
-            }
-        }
+        // The engine stops here, after the calls in progress on it ended: its memory is no longer
+        // used once this returns.
+        remove(engine as usize, KIND_ENGINE).map(drop)
     })
 }
 
@@ -815,7 +898,12 @@ pub unsafe extern "C" fn kvpush_engine_add_peer(engine: *mut kvpush_engine, hand
 /// None beyond the handles' being any value: unknown handles are answered with an error.
 #[no_mangle]
 pub unsafe extern "C" fn kvpush_engine_connect(a: *mut kvpush_engine, b: *mut kvpush_engine) -> c_int {
-    guard("kvpush_engine_connect", || engine_of(a)?.connect(&*engine_of(b)?))
+    guard("kvpush_engine_connect", || {
+        if a == b && !a.is_null() {
+            return Err(FfiError::invalid("b", "an engine cannot connect to itself"));
+        }
+        engine_of(a)?.connect(&*engine_of(b)?)
+    })
 }
 
 /// NIXL: dials the side channel of a peer worker at `addr` (`"host:port"`) and handshakes both

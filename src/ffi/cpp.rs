@@ -20,7 +20,7 @@ thread_local! {
 
 /// The status code of the last error the bridge returned on this thread; resets it to 0.
 pub(super) fn take_error_code() -> i32 {
-    ERROR_CODE.with(|c| c.replace(0))
+    ERROR_CODE.try_with(|c| c.replace(0)).unwrap_or(0)
 }
 
 /// Runs `f` for the bridge function `call`: catches panics, records the error's code, and returns
@@ -30,11 +30,11 @@ fn run<T>(call: &'static str, f: impl FnOnce() -> Result<T, FfiError>) -> Result
         .unwrap_or_else(|payload| Err(FfiError::Panic(panic_message(payload.as_ref()))));
     match r {
         Ok(v) => {
-            ERROR_CODE.with(|c| c.set(0));
+            let _ = ERROR_CODE.try_with(|c| c.set(0));
             Ok(v)
         }
         Err(e) => {
-            ERROR_CODE.with(|c| c.set(e.code()));
+            let _ = ERROR_CODE.try_with(|c| c.set(e.code()));
             Err(format!("{call}: {e}"))
         }
     }
@@ -250,7 +250,7 @@ impl RustEngine {
                     key: Key { id_hi, id_lo, attempt },
                     outcome: o.outcome,
                     release: o.release,
-                    message: o.message,
+                    message: o.message.into_owned(),
                 });
             }))
         })

@@ -12,6 +12,7 @@
 //! This module only calls [`crate::engine`]; it must never let a panic cross the boundary (each front
 //! end catches them) nor trust a number from the caller before checking it.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -256,16 +257,17 @@ pub mod release {
     pub const REFUSED: u32 = 8;
 }
 
-fn release_code(r: ReleaseReason) -> u32 {
+/// The code and the text of a release reason.
+fn release_of(r: ReleaseReason) -> (u32, &'static str) {
     match r {
-        ReleaseReason::Sent => release::SENT,
-        ReleaseReason::Failed => release::FAILED,
-        ReleaseReason::LeaseExpired => release::LEASE_EXPIRED,
-        ReleaseReason::Aborted => release::ABORTED,
-        ReleaseReason::Superseded => release::SUPERSEDED,
-        ReleaseReason::Stale => release::STALE,
-        ReleaseReason::Duplicate => release::DUPLICATE,
-        ReleaseReason::Refused => release::REFUSED,
+        ReleaseReason::Sent => (release::SENT, "sent"),
+        ReleaseReason::Failed => (release::FAILED, "some transfers failed"),
+        ReleaseReason::LeaseExpired => (release::LEASE_EXPIRED, "lease expired before every registration came"),
+        ReleaseReason::Aborted => (release::ABORTED, "aborted"),
+        ReleaseReason::Superseded => (release::SUPERSEDED, "superseded by a newer attempt"),
+        ReleaseReason::Stale => (release::STALE, "stale attempt"),
+        ReleaseReason::Duplicate => (release::DUPLICATE, "duplicate blocks-ready for this key"),
+        ReleaseReason::Refused => (release::REFUSED, "refused: too many transfers pending"),
     }
 }
 
@@ -278,29 +280,25 @@ pub struct Outcome {
     pub outcome: u32,
     /// One of [`release`] (producer outcomes), else [`release::NONE`].
     pub release: u32,
-    /// What happened, for logs: the failure reason, or the release reason.
-    pub message: String,
+    /// What happened, for logs: the failure reason, or the release reason (static text: polling
+    /// allocates only for failures).
+    pub message: Cow<'static, str>,
 }
 
 impl From<Finished> for Outcome {
     fn from(f: Finished) -> Self {
-        match f {
+        let (key, outcome, release, message) = match f {
             Finished::Sent { key, reason } => {
-                Outcome { key, outcome: outcome::SENT, release: release_code(reason), message: format!("{reason:?}") }
+                let (code, text) = release_of(reason);
+                (key, outcome::SENT, code, Cow::Borrowed(text))
             }
-            Finished::Received { key } => {
-                Outcome { key, outcome: outcome::RECEIVED, release: release::NONE, message: String::new() }
+            Finished::Received { key } => (key, outcome::RECEIVED, release::NONE, Cow::Borrowed("")),
+            Finished::Failed { key, reason, .. } => (key, outcome::FAILED, release::NONE, Cow::Owned(reason)),
+            Finished::Ended { key } => {
+                (key, outcome::ENDED, release::NONE, Cow::Borrowed("ended without data (aborted or superseded)"))
             }
-            Finished::Failed { key, reason, .. } => {
-                Outcome { key, outcome: outcome::FAILED, release: release::NONE, message: reason }
-            }
-            Finished::Ended { key } => Outcome {
-                key,
-                outcome: outcome::ENDED,
-                release: release::NONE,
-                message: "ended without data (aborted or superseded)".to_owned(),
-            },
-        }
+        };
+        Outcome { key, outcome, release, message }
     }
 }
 
