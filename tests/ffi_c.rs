@@ -58,6 +58,16 @@ fn nixl_push_through_the_side_channel() {
 }
 
 #[test]
+fn bench_mode_measures_every_request() {
+    // A short run of the engine-thread bench (docs/benchmarks.md has the full one): each request
+    // must finish (the program checks every outcome) and every figure must be printed.
+    let out = run_ok(program(), &["bench", "50"], "bench done");
+    for line in ["producer (request_finished + polls)", "consumer (blocks_allocated + polls)", "empty poll"] {
+        assert!(out.contains(line), "{line} missing: {out}");
+    }
+}
+
+#[test]
 fn c_structs_have_the_rust_layout() {
     let out = run_ok(program(), &["abi"], "kvpush_stats ");
     let rust: Vec<(&str, usize, usize)> = vec![
