@@ -3,7 +3,8 @@
 //! Read the header first; this file mirrors it. Every function returns a status code
 //! ([`super::status`]) and leaves a message with context in a thread-local buffer that
 //! [`kvpush_last_error`] returns. Every body runs inside [`guard`], which catches panics, so no
-//! unwinding crosses into C: a caught panic is `KVPUSH_ERR_PANIC`.
+//! unwinding crosses into C: a caught panic is `KVPUSH_ERR_PANIC`. (The four getters that return a
+//! value instead — version, ABI version, last error, status name — have no path that can panic.)
 //!
 //! Handles are not pointers to Rust objects: a `kvpush_engine *` or `kvpush_hub *` is a number that
 //! names a slot of a fixed table and that slot's generation. It is checked before every use, so a
@@ -1187,6 +1188,76 @@ mod tests {
             // SAFETY: the returned pointer is a static NUL-terminated string.
             let name = unsafe { CStr::from_ptr(kvpush_status_name(code)) }.to_str().expect("ascii");
             assert_eq!(name, status::name(code));
+        }
+    }
+
+    /// A host-memory engine on `hub`: 1 layer, 1 KV head of 8, bf16, 4-token blocks, 4 blocks.
+    fn small_engine(hub: *mut kvpush_hub, id: &CStr, mem: &mut [Vec<u8>; 2]) -> *mut kvpush_engine {
+        let bases: Vec<u64> = mem.iter_mut().map(|m| m.as_mut_ptr() as u64).collect();
+        let mut l = std::mem::MaybeUninit::<kvpush_layout>::uninit();
+        // SAFETY: `l` is valid for a write.
+        assert_eq!(unsafe { kvpush_layout_init(l.as_mut_ptr()) }, status::OK);
+        // SAFETY: initialized by kvpush_layout_init.
+        let mut l = unsafe { l.assume_init() };
+        (l.total_layers, l.kv_heads, l.head_dim, l.dtype, l.block_tokens, l.num_blocks) = (1, 1, 8, 1, 4, 4);
+        (l.region_bases, l.num_regions) = (bases.as_ptr(), bases.len());
+        let mut c = std::mem::MaybeUninit::<kvpush_engine_config>::uninit();
+        // SAFETY: `c` is valid for a write.
+        assert_eq!(unsafe { kvpush_engine_config_init(c.as_mut_ptr()) }, status::OK);
+        // SAFETY: initialized by kvpush_engine_config_init.
+        let mut c = unsafe { c.assume_init() };
+        (c.engine_id, c.hub, c.device) = (id.as_ptr(), hub, c"host".as_ptr());
+        let mut e = std::ptr::null_mut();
+        // SAFETY: every pointer is valid; the regions (`mem`, 256 bytes each) outlive the engine in
+        // the callers, which destroy it before dropping `mem` and never touch the memory meanwhile.
+        let rc = unsafe { kvpush_engine_create(&c, &l, &mut e) };
+        assert_eq!(rc, status::OK, "{}", last_error());
+        e
+    }
+
+    #[test]
+    fn destroy_waits_for_calls_in_progress_and_the_handle_stays_dead() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let mut hub = std::ptr::null_mut();
+        // SAFETY: `hub` is a valid out-pointer.
+        assert_eq!(unsafe { kvpush_hub_create(&mut hub) }, status::OK);
+        let mut mem = [vec![0u8; 256], vec![0u8; 256]];
+        let handle = small_engine(hub, c"t", &mut mem) as usize;
+        let ok = Arc::new(AtomicUsize::new(0));
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let ok = Arc::clone(&ok);
+                std::thread::spawn(move || loop {
+                    let mut out = std::mem::MaybeUninit::<[kvpush_completion; 2]>::uninit();
+                    let mut n = 0;
+                    // SAFETY: `out` holds 2 completions, `n` is valid; the handle is any value.
+                    match unsafe { kvpush_poll(handle as *mut _, out.as_mut_ptr().cast(), 2, &mut n) } {
+                        status::OK => ok.fetch_add(1, Ordering::Relaxed),
+                        status::UNKNOWN_HANDLE => return,
+                        other => panic!("poll returned {other}: {}", last_error()),
+                    };
+                })
+            })
+            .collect();
+        while ok.load(Ordering::Relaxed) < 1000 {
+            std::thread::yield_now();
+        }
+        // SAFETY: any handle value is allowed.
+        assert_eq!(unsafe { kvpush_engine_destroy(handle as *mut _) }, status::OK);
+        for t in threads {
+            t.join().expect("poller");
+        }
+        // The slot is reused by the next engine, the old handle stays unknown.
+        let mut mem2 = [vec![0u8; 256], vec![0u8; 256]];
+        let again = small_engine(hub, c"t2", &mut mem2);
+        assert_ne!(again as usize, handle);
+        // SAFETY: any handle value is allowed.
+        unsafe {
+            assert_eq!(kvpush_abort(handle as *mut _, kvpush_key::default()), status::UNKNOWN_HANDLE);
+            assert_eq!(kvpush_abort(again, kvpush_key::default()), status::OK);
+            assert_eq!(kvpush_engine_destroy(handle as *mut _), status::UNKNOWN_HANDLE);
+            assert_eq!(kvpush_engine_destroy(again), status::OK);
+            assert_eq!(kvpush_hub_destroy(hub), status::OK);
         }
     }
 }
