@@ -26,14 +26,27 @@ pub fn cdylib() -> PathBuf {
     })
 }
 
-/// A fresh directory for `name` holding copies of `files` (the cdylib first).
+/// A fresh directory for `name` holding `files` (the cdylib first): hard links where possible (a
+/// rebuild writes a new file, the link keeps the one this run built), copies otherwise. Directories
+/// left by earlier runs whose process is gone are removed.
 pub fn stage(name: &str, files: &[PathBuf]) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let prefix = format!("{name}-");
+    for entry in std::fs::read_dir(tmp).into_iter().flatten().flatten() {
+        let file_name = entry.file_name();
+        let Some(pid) = file_name.to_str().and_then(|n| n.strip_prefix(&prefix)) else { continue };
+        if pid.parse::<u32>().is_ok() && !Path::new("/proc").join(pid).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+    let dir = tmp.join(format!("{prefix}{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("create the staging directory");
     for f in files {
         let to = dir.join(f.file_name().expect("a file name"));
-        std::fs::copy(f, &to).unwrap_or_else(|e| panic!("copy {} to {}: {e}", f.display(), to.display()));
+        if std::fs::hard_link(f, &to).is_err() {
+            std::fs::copy(f, &to).unwrap_or_else(|e| panic!("copy {} to {}: {e}", f.display(), to.display()));
+        }
     }
     dir
 }
