@@ -12,5 +12,7 @@ pub mod engine;
 pub mod ffi;
 pub mod pool;
 pub mod proto;
+#[cfg(feature = "python")]
+pub mod python;
 pub mod router;
 pub mod transport;

@@ -100,12 +100,14 @@ fn element_addr(l: &KvLayout, layer: u32, part: u32, block: u32, tok: u64, head:
     let (regions_per_layer, region_in_layer, part_offset) = match l.placement {
         KvPlacement::Separate => (2, u64::from(part), 0),
         KvPlacement::Joint => (1, 0, u64::from(part) * part_bytes),
-        KvPlacement::Single => (1, 0, 0),
+        KvPlacement::Single | KvPlacement::HeadJoint => (1, 0, 0),
     };
     let region = (local_layer * regions_per_layer + region_in_layer) as usize;
-    let within = match l.order {
-        BlockOrder::Hnd => (head * bt + tok) * elem,
-        BlockOrder::Nhd => (tok * local_heads + head) * elem,
+    let within = match (l.order, l.placement) {
+        // [heads, {K, V}, tokens, head_dim]
+        (BlockOrder::Hnd, KvPlacement::HeadJoint) => ((head * 2 + u64::from(part)) * bt + tok) * elem,
+        (BlockOrder::Hnd, _) => (head * bt + tok) * elem,
+        (BlockOrder::Nhd, _) => (tok * local_heads + head) * elem,
     };
     (region, l.region_bases[region] + u64::from(block) * l.block_stride + part_offset + within)
 }
@@ -367,7 +369,8 @@ struct SideParams {
     tp_log: u32,
     pp: u16,
     block_tokens_log: u32,
-    joint: bool,
+    /// 0: separate K and V regions, 1: joint, 2: K and V per head (joint where the order is NHD).
+    joint: u8,
     pad_elems: u64,
     extra_blocks: u32,
     regions: Regions,
@@ -460,7 +463,7 @@ fn side() -> impl Strategy<Value = SideParams> {
         0u32..4,
         prop_oneof![2 => Just(1u16), 2 => Just(2u16), 1 => Just(3u16)],
         0u32..=5,
-        any::<bool>(),
+        0u8..3,
         prop_oneof![3 => Just(0u64), 1 => 1u64..=3],
         prop_oneof![1 => Just(0u32), 1 => 1u32..=6],
         prop_oneof![Just(Regions::Adjacent), Just(Regions::AdjacentShuffled), Just(Regions::Gaps)],
@@ -533,10 +536,11 @@ fn engine_layouts(
 ) -> Result<Vec<KvLayout>, TestCaseError> {
     let tp_size = 1u16 << p.tp_log;
     let pp_size = p.pp.min(model.total_layers as u16);
-    let placement = match (model.kind, p.joint) {
-        (KvKind::Latent, _) => KvPlacement::Single,
-        (KvKind::KeyValue, false) => KvPlacement::Separate,
-        (KvKind::KeyValue, true) => KvPlacement::Joint,
+    let placement = match (model.kind, p.joint, order) {
+        (KvKind::Latent, ..) => KvPlacement::Single,
+        (KvKind::KeyValue, 0, _) => KvPlacement::Separate,
+        (KvKind::KeyValue, 2, BlockOrder::Hnd) => KvPlacement::HeadJoint,
+        (KvKind::KeyValue, ..) => KvPlacement::Joint,
     };
     let elem = elem_bytes(model);
     let mut out = Vec::new();
@@ -554,7 +558,7 @@ fn engine_layouts(
                 region_bases: Vec::new(),
             };
             let heads = u64::from(l.head_range().end - l.head_range().start);
-            let parts_in_block = if placement == KvPlacement::Joint { 2 } else { 1 };
+            let parts_in_block = u64::from(placement.parts_in_block());
             l.block_stride = u64::from(l.block_tokens) * heads * elem * parts_in_block + p.pad_elems * elem;
             let regions_per_layer = if placement == KvPlacement::Separate { 2 } else { 1 };
             let n = l.layer_range().len() * regions_per_layer;

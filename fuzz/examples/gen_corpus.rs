@@ -666,7 +666,7 @@ fn handshakes(c: &mut Corpus) {
         (dtype_at + 1, 2, "kv_kind_2", "unknown KvKind 2"),
         (group_at, 2, "group_kind_2", "unknown GroupKind 2"),
         (order_at, 2, "order_2", "unknown BlockOrder 2"),
-        (order_at + 1, 3, "placement_3", "unknown KvPlacement 3"),
+        (order_at + 1, 4, "placement_4", "unknown KvPlacement 4"),
     ] {
         let mut b = p.clone();
         b[at] = value;

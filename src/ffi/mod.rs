@@ -330,7 +330,8 @@ pub struct LayoutSpec {
     pub num_blocks: u32,
     /// 0 HND (`[heads, tokens, head_dim]`), 1 NHD.
     pub order: u32,
-    /// 0 separate K and V regions, 1 joint (K then V in each block), 2 single (latent).
+    /// 0 separate K and V regions, 1 joint (K then V in each block), 2 single (latent), 3 K then V
+    /// per head in each block (vLLM's CPU layout).
     pub placement: u32,
     /// TP and PP position.
     pub parallel: Parallel,
@@ -379,8 +380,11 @@ impl LayoutSpec {
             code("dtype", self.dtype, &[DType::F16, DType::Bf16, DType::F32, DType::F8E4M3, DType::F8E5M2, DType::U8])?;
         let kind = code("kv_kind", self.kv_kind, &[KvKind::KeyValue, KvKind::Latent])?;
         let order = code("order", self.order, &[BlockOrder::Hnd, BlockOrder::Nhd])?;
-        let placement =
-            code("placement", self.placement, &[KvPlacement::Separate, KvPlacement::Joint, KvPlacement::Single])?;
+        let placement = code(
+            "placement",
+            self.placement,
+            &[KvPlacement::Separate, KvPlacement::Joint, KvPlacement::Single, KvPlacement::HeadJoint],
+        )?;
         let groups = if self.groups.is_empty() {
             vec![KvGroup {
                 kind: GroupKind::Full,
@@ -416,7 +420,7 @@ impl LayoutSpec {
             region_bases: self.region_bases.clone(),
         };
         if layout.block_stride == 0 {
-            let parts = if placement == KvPlacement::Joint { u64::from(layout.parts()) } else { 1 };
+            let parts = u64::from(placement.parts_in_block());
             layout.block_stride = layout.part_bytes().saturating_mul(parts);
         }
         layout.validate()?;

@@ -90,14 +90,26 @@ pub enum KvPlacement {
     Joint,
     /// One region per layer with one part per block ([`KvKind::Latent`] only).
     Single,
+    /// One region per layer; within a block each KV head holds its K tokens, then its V tokens
+    /// (`[num_blocks, kv_heads, 2, block_tokens, head_dim]`, vLLM's CPU backend). [`BlockOrder::Hnd`]
+    /// only.
+    HeadJoint,
 }
 
 impl KvPlacement {
+    /// Number of parts (K, V) each block of a region holds.
+    pub const fn parts_in_block(self) -> u32 {
+        match self {
+            KvPlacement::Joint | KvPlacement::HeadJoint => 2,
+            KvPlacement::Separate | KvPlacement::Single => 1,
+        }
+    }
+
     /// Number of memory regions each layer has.
     pub const fn regions_per_layer(self) -> u32 {
         match self {
             KvPlacement::Separate => 2,
-            KvPlacement::Joint | KvPlacement::Single => 1,
+            KvPlacement::Joint | KvPlacement::Single | KvPlacement::HeadJoint => 1,
         }
     }
 }
@@ -236,6 +248,16 @@ pub enum LayoutError {
         placement: KvPlacement,
         /// KV kind.
         kind: KvKind,
+    },
+    /// The placement needs another block order.
+    #[error("placement {placement:?} needs block order {needs:?}, the layout has {order:?}")]
+    PlacementOrder {
+        /// Placement.
+        placement: KvPlacement,
+        /// The order it needs.
+        needs: BlockOrder,
+        /// The layout's order.
+        order: BlockOrder,
     },
     /// A latent (MLA) model must declare exactly one KV head.
     #[error("latent KV must declare 1 KV head, got {0}")]
@@ -439,6 +461,11 @@ impl KvLayout {
             KvPlacement::Separate => (local_layer * per + part, 0),
             KvPlacement::Joint => (local_layer, u64::from(part) * self.part_bytes()),
             KvPlacement::Single => (local_layer, 0),
+            // Head 0's part; the other heads follow every 2 parts' worth of one head.
+            KvPlacement::HeadJoint => {
+                let head_part = self.part_bytes() / u64::from(self.local_heads().max(1));
+                (local_layer, u64::from(part) * head_part)
+            }
         }
     }
 
@@ -473,9 +500,16 @@ impl KvLayout {
             return Err(LayoutError::RankOutOfRange { what: "pp", rank: p.pp_rank, size: p.pp_size });
         }
         match (m.kind, self.placement) {
-            (KvKind::KeyValue, KvPlacement::Separate | KvPlacement::Joint) => {}
+            (KvKind::KeyValue, KvPlacement::Separate | KvPlacement::Joint | KvPlacement::HeadJoint) => {}
             (KvKind::Latent, KvPlacement::Single) => {}
             (kind, placement) => return Err(LayoutError::PlacementMismatch { placement, kind }),
+        }
+        if self.placement == KvPlacement::HeadJoint && self.order != BlockOrder::Hnd {
+            return Err(LayoutError::PlacementOrder {
+                placement: self.placement,
+                needs: BlockOrder::Hnd,
+                order: self.order,
+            });
         }
         if m.kind == KvKind::Latent && m.kv_heads != 1 {
             return Err(LayoutError::LatentHeads(m.kv_heads));
@@ -487,7 +521,7 @@ impl KvLayout {
             return Err(LayoutError::HeadsNotDivisible { kv_heads: m.kv_heads, tp_size: p.tp_size });
         }
         self.validate_groups()?;
-        let needed = self.part_bytes() * if self.placement == KvPlacement::Joint { 2 } else { 1 };
+        let needed = self.part_bytes() * u64::from(self.placement.parts_in_block());
         if self.block_stride < needed {
             return Err(LayoutError::StrideTooSmall { stride: self.block_stride, needed });
         }

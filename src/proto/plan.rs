@@ -121,13 +121,15 @@ impl Geo {
     /// (region part index, byte offset from the region base) of an element run's start.
     #[inline]
     fn at(&self, block: u32, part: u32, tok: u64, head: u64) -> (u32, u64) {
-        let (rp, part_off) = match self.placement {
-            KvPlacement::Separate => (part, 0),
-            KvPlacement::Joint => (0, u64::from(part) * self.part_bytes),
-            KvPlacement::Single => (0, 0),
+        let (rp, part_off, head_span) = match self.placement {
+            KvPlacement::Separate => (part, 0, 1),
+            KvPlacement::Joint => (0, u64::from(part) * self.part_bytes, 1),
+            KvPlacement::Single => (0, 0, 1),
+            // Each head holds its K tokens then its V tokens (validated: Hnd only).
+            KvPlacement::HeadJoint => (0, u64::from(part) * self.block_tokens * self.elem, 2),
         };
         let within = match self.order {
-            BlockOrder::Hnd => (head * self.block_tokens + tok) * self.elem,
+            BlockOrder::Hnd => (head * head_span * self.block_tokens + tok) * self.elem,
             BlockOrder::Nhd => (tok * self.heads + head) * self.elem,
         };
         (rp, u64::from(block) * self.stride + part_off + within)
@@ -299,7 +301,8 @@ impl Planner {
         let pieces = &self.pieces;
         // Emit in address order: when both sides keep a block's parts together, piece by piece;
         // otherwise part by part (each part is its own region on at least one side).
-        let piece_major = gs.placement == KvPlacement::Joint && gd.placement == KvPlacement::Joint;
+        let interleaved = |p: KvPlacement| matches!(p, KvPlacement::Joint | KvPlacement::HeadJoint);
+        let piece_major = interleaved(gs.placement) && interleaved(gd.placement);
         // Whole blocks with consecutive ids are one contiguous range per part on both sides when
         // a block's part is contiguous for the heads moved and parts are not interleaved.
         let dense = slice.count == gs.heads
@@ -307,8 +310,9 @@ impl Planner {
             && gs.order == gd.order
             && gs.stride == gs.part_bytes
             && gd.stride == gd.part_bytes
-            && gs.placement != KvPlacement::Joint
-            && gd.placement != KvPlacement::Joint;
+            && !interleaved(gs.placement)
+            && !interleaved(gd.placement);
+        let by_head = gs.placement == KvPlacement::HeadJoint || gd.placement == KvPlacement::HeadJoint;
         if piece_major {
             // Block by block, K then V of each (runs are expanded: parts interleave in memory).
             for p in pieces {
@@ -325,6 +329,11 @@ impl Planner {
                     emitted += emit(rel, gs, gd, slice, p, part, dense);
                 }
             }
+        }
+        if by_head {
+            // A head's K and V (and the next head's) follow each other in memory but are emitted
+            // part by part: put them in address order and merge what is contiguous on both sides.
+            crate::proto::merge::merge_unordered(rel);
         }
         emitted
     }

@@ -1,0 +1,715 @@
+"""kvpush as a vLLM KV connector: ``KVPushConnector`` (``KVConnectorBase_V1``, hybrid-KV aware).
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVPushConnector", "kv_connector_module_path": "kvpush.vllm",
+                           "kv_role": "kv_producer", "engine_id": "prefill-0",
+                           "kv_connector_extra_config": {"mode": "push", "side_channel_port": 5600}}'
+
+This module is glue. The scheduler half turns vLLM's request life cycle into four lists carried to the
+workers in the step's metadata — blocks ready on P, registrations (push) or reads (pull) on D, aborts —
+and frees blocks when the workers report outcomes. The worker half hands those lists to the native
+engine (``kvpush._native.Worker``: rendezvous, leases, planning, descriptor merging, NIXL posts and
+completion counting all happen there, on Rust writer threads) and turns its outcomes into vLLM's finished
+sets and invalid-block reports. Requests are matched across P and D by the router's ``transfer_id``.
+docs/vllm.md documents every ``kv_connector_extra_config`` key.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+# Extra-config keys and their defaults (docs/vllm.md explains each).
+DEFAULTS: dict[str, Any] = {
+    "mode": "push",
+    "side_channel_host": "127.0.0.1",
+    "side_channel_listen": "0.0.0.0",
+    "side_channel_port": 5600,
+    "nixl_backend": "UCX",
+    "lease_ms": 0,
+    "timeout_ms": 0,
+    "writers": 1,
+    "secret": None,
+    "device": None,
+}
+
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+
+
+@dataclass
+class KVPushConfig:
+    """The connector's settings, from ``kv_connector_extra_config``."""
+
+    mode: str
+    side_channel_host: str
+    side_channel_listen: str
+    side_channel_port: int
+    nixl_backend: str
+    lease_ms: int
+    timeout_ms: int
+    writers: int
+    secret: str | None
+    device: str | None
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig) -> KVPushConfig:
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        extra = dict(ktc.kv_connector_extra_config or {})
+        unknown = sorted(set(extra) - set(DEFAULTS))
+        if unknown:
+            raise ValueError(
+                f"kvpush: unknown kv_connector_extra_config keys {unknown}; known: {sorted(DEFAULTS)}"
+            )
+        values = {k: extra.get(k, v) for k, v in DEFAULTS.items()}
+        if values["mode"] not in ("push", "pull"):
+            raise ValueError(f"kvpush: mode must be 'push' or 'pull', got {values['mode']!r}")
+        if values["secret"] is None:
+            values["secret"] = os.environ.get("KVPUSH_SECRET")
+        return cls(
+            mode=values["mode"],
+            side_channel_host=str(values["side_channel_host"]),
+            side_channel_listen=str(values["side_channel_listen"]),
+            side_channel_port=int(values["side_channel_port"]),
+            nixl_backend=str(values["nixl_backend"]),
+            lease_ms=int(values["lease_ms"]),
+            timeout_ms=int(values["timeout_ms"]),
+            writers=int(values["writers"]),
+            secret=values["secret"],
+            device=values["device"],
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Scheduler → worker metadata.
+
+
+@dataclass
+class Finished:
+    """P: prefill of ``req_id`` finished; its blocks hold the transfer's KV."""
+
+    req_id: str
+    transfer_id: str
+    attempt: int
+    block_ids: list[list[int]]
+    num_tokens: int
+
+
+@dataclass
+class Receive:
+    """D: blocks allocated for ``req_id``; register them (push) or read into them (pull)."""
+
+    req_id: str
+    transfer_id: str
+    attempt: int
+    producer: str
+    host: str
+    port: int
+    producer_tp: int
+    block_ids: list[list[int]]
+    num_tokens: int
+    remote_block_ids: list[list[int]] | None = None
+
+
+@dataclass
+class Abort:
+    """Either side: the request ended early; the transfer must stop and release its blocks."""
+
+    req_id: str
+    transfer_id: str
+    attempt: int
+
+
+@dataclass
+class KVPushMetadata(KVConnectorMetadata):
+    finished: list[Finished] = field(default_factory=list)
+    receives: list[Receive] = field(default_factory=list)
+    aborts: list[Abort] = field(default_factory=list)
+
+
+def _transfer(params: dict[str, Any] | None) -> tuple[str, int] | None:
+    """The router's transfer id and attempt in ``kv_transfer_params``, if any."""
+    if not params or "transfer_id" not in params:
+        return None
+    tid = str(params["transfer_id"]).lower()
+    if not _HEX32.match(tid):
+        raise ValueError(f"kvpush: transfer_id {tid!r} is not 32 hex digits (is kvpush router in front?)")
+    return tid, int(params.get("attempt", 1))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Scheduler:
+    """The scheduler half. Every method runs in vLLM's scheduler; none blocks."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: KVPushConfig):
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        self.cfg = cfg
+        self.engine_id = str(ktc.engine_id)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        pc = vllm_config.parallel_config
+        self.tp_size = int(pc.tensor_parallel_size)
+        self.pp_size = int(pc.pipeline_parallel_size)
+        self.meta = KVPushMetadata()
+        # P: req_id -> transfer (blocks held until the workers report them sent).
+        self.sending: dict[str, tuple[str, int]] = {}
+        # D: req_id -> transfer (waiting for the KV, or aborted and draining).
+        self.receiving: dict[str, tuple[str, int]] = {}
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill") and _transfer(params):
+            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or num_external_tokens <= 0:
+            return
+        transfer = _transfer(params)
+        if transfer is None:
+            return
+        tid, attempt = transfer
+        local = [list(g) for g in blocks.get_unhashed_block_ids_all_groups()]
+        remote = None
+        if self.cfg.mode == "pull":
+            remote = [list(g) for g in (params.get("remote_block_ids") or ())]
+            if not remote:
+                raise ValueError(f"kvpush pull: request {request.request_id} has no remote_block_ids")
+        self.meta.receives.append(
+            Receive(
+                req_id=request.request_id,
+                transfer_id=tid,
+                attempt=attempt,
+                producer=str(params["remote_engine_id"]),
+                host=str(params["remote_host"]),
+                port=int(params["remote_port"]),
+                producer_tp=int(params.get("tp_size", 1)),
+                block_ids=local,
+                num_tokens=len(request.prompt_token_ids or ()),
+                remote_block_ids=remote,
+            )
+        )
+        self.receiving[request.request_id] = transfer
+        # Registered once: a re-entry (preemption, reschedule) must not register again.
+        params["do_remote_prefill"] = False
+
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        rid = request.request_id
+        if rid in self.receiving:
+            # D: a request still waiting for its KV can only finish by being aborted. Peers may still
+            # be writing into its blocks: they are freed when the workers report the transfer over.
+            tid, attempt = self.receiving[rid]
+            self.meta.aborts.append(Abort(rid, tid, attempt))
+            return True, None
+        if not params or not params.get("do_remote_decode"):
+            return False, None
+        transfer = _transfer(params)
+        if transfer is None:
+            return False, None
+        tid, attempt = transfer
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            # P: aborted before its KV was complete; D is told and fails or recomputes at once.
+            self.meta.aborts.append(Abort(rid, tid, attempt))
+            return False, None
+        num_tokens = len(request.prompt_token_ids or ())
+        needed = _cdiv(num_tokens, self.block_size)
+        groups = [list(g)[:needed] for g in block_ids]
+        if not any(groups):
+            return False, None
+        self.meta.finished.append(Finished(rid, tid, attempt, groups, num_tokens))
+        self.sending[rid] = transfer
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_id": tid,
+            "attempt": attempt,
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.cfg.side_channel_host,
+            "remote_port": self.cfg.side_channel_port,
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+            "remote_block_ids": groups,
+            "remote_num_tokens": num_tokens,
+            "transfer_mode": self.cfg.mode,
+        }
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
+        meta, self.meta = self.meta, KVPushMetadata()
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for rid in output.finished_sending or ():
+            self.sending.pop(rid, None)
+        for rid in output.finished_recving or ():
+            self.receiving.pop(rid, None)
+
+    def has_pending_push_work(self) -> bool:
+        # Keep the engine stepping while P holds blocks for D or D waits: outcomes arrive only
+        # through get_finished, which runs in a step.
+        return bool(self.sending or self.receiving or self.meta.finished or self.meta.receives or self.meta.aborts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The worker half.
+
+_nixl_lock = threading.Lock()
+_nixl_loaded: str | None = None
+
+
+def _load_nixl() -> str | None:
+    """Makes sure this process has one libnixl_capi.so (the one Python's nixl would use) before the
+    engine's first NIXL call; sets NIXL_PLUGIN_DIR next to it unless set. Returns its path."""
+    global _nixl_loaded
+    with _nixl_lock:
+        if _nixl_loaded is not None:
+            return _nixl_loaded
+        candidates = []
+        override = os.environ.get("KVPUSH_NIXL_LIB_DIR")
+        if override:
+            candidates.append(override)
+        site = [p for p in sys.path if p.endswith("site-packages")]
+        for s in site:
+            for name in (".nixl_cu13.mesonpy.libs", ".nixl_cu12.mesonpy.libs"):
+                candidates.append(os.path.join(s, name))
+        for d in candidates:
+            lib = os.path.join(d, "libnixl_capi.so")
+            if os.path.exists(lib):
+                ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+                plugins = os.path.join(d, "plugins")
+                if "NIXL_PLUGIN_DIR" not in os.environ and os.path.isdir(plugins):
+                    os.environ["NIXL_PLUGIN_DIR"] = plugins
+                _nixl_loaded = lib
+                return lib
+        # Else: LD_LIBRARY_PATH must find it; the engine says so clearly if not.
+        return None
+
+
+_TORCH_DTYPES = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.uint8: "uint8",
+}
+for _name, _code in (("float8_e4m3fn", "float8_e4m3fn"), ("float8_e5m2", "float8_e5m2")):
+    if hasattr(torch, _name):
+        _TORCH_DTYPES[getattr(torch, _name)] = _code
+
+
+def describe_kv_caches(
+    kv_caches: dict[str, torch.Tensor],
+    layer_groups: list[tuple[list[str], int]],
+    *,
+    total_layers: int,
+    total_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    layer_index: Any,
+) -> dict[str, Any]:
+    """The engine's layout keys for vLLM's per-layer KV cache tensors.
+
+    Recognised shapes (per layer): ``[num_blocks, heads, block_size, 2 * head_dim]`` (vLLM's CPU
+    backend: each head holds its K tokens then its V tokens: placement ``head_joint``), ``[2,
+    num_blocks, block_size, heads, head_dim]`` (K and V regions, NHD) and ``[2, num_blocks, heads,
+    block_size, head_dim]`` (K and V regions, HND). ``layer_groups`` is each KV cache group's layer
+    names with its sliding window in tokens (0: full attention).
+    """
+    names = sorted(kv_caches, key=layer_index)
+    first = kv_caches[names[0]]
+    dtype = _TORCH_DTYPES.get(first.dtype)
+    if dtype is None:
+        raise ValueError(f"kvpush: KV cache dtype {first.dtype} is not supported")
+    es = first.element_size()
+    shape = tuple(first.shape)
+    bases: list[int] = []
+    lens: list[int] = []
+    if len(shape) == 4 and shape[2] == block_size and shape[3] == 2 * head_dim:
+        placement, order = "head_joint", "hnd"
+        num_blocks, heads = shape[0], shape[1]
+        stride = first.stride(0) * es
+        for n in names:
+            t = kv_caches[n]
+            bases.append(t.data_ptr())
+            lens.append(t.shape[0] * t.stride(0) * es)
+    elif len(shape) == 5 and shape[0] == 2 and shape[4] == head_dim and block_size in (shape[2], shape[3]):
+        placement = "separate"
+        num_blocks = shape[1]
+        order, heads = ("nhd", shape[3]) if shape[2] == block_size else ("hnd", shape[2])
+        stride = first.stride(1) * es
+        for n in names:
+            t = kv_caches[n]
+            for part in (t[0], t[1]):
+                bases.append(part.data_ptr())
+                lens.append(part.shape[0] * part.stride(0) * es)
+    else:
+        raise ValueError(
+            f"kvpush: KV cache layout {shape} (block size {block_size}, head dim {head_dim}) is not one it knows"
+        )
+    groups = []
+    for layer_names, window in layer_groups:
+        layers = sorted({int(layer_index(n)) for n in layer_names if n in kv_caches})
+        if layers:
+            groups.append((layers, int(window)))
+    return {
+        "total_layers": total_layers,
+        "kv_heads": total_kv_heads,
+        "head_dim": head_dim,
+        "dtype": dtype,
+        "block_tokens": block_size,
+        "num_blocks": int(num_blocks),
+        "order": order,
+        "placement": placement,
+        "block_stride": int(stride),
+        "region_bases": bases,
+        "region_lens": lens,
+        "groups": groups,
+        "_local_heads": int(heads),
+        "_device": "cuda" if first.is_cuda else "host",
+    }
+
+
+class _Worker:
+    """The worker half: owns the native engine worker of this rank."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: KVPushConfig):
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.cfg = cfg
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        self.engine_id = str(ktc.engine_id)
+        self.native: Any = None
+        # transfer id -> (req_id, role) for outcomes; role "p" or "d".
+        self.by_transfer: dict[str, tuple[str, str]] = {}
+        self.load_errors: set[int] = set()
+        self.stats = KVPushStats()
+        # Requests the engine refused outright: reported at the next get_finished.
+        self._pending_sent: set[str] = set()
+        self._pending_failed: dict[str, list[int]] = {}
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        import kvpush
+
+        mc = self.vllm_config.model_config
+        pc = self.vllm_config.parallel_config
+        groups = []
+        for g in self.kv_cache_config.kv_cache_groups:
+            window = getattr(g.kv_cache_spec, "sliding_window", None) or 0
+            groups.append((list(g.layer_names), int(window)))
+        layout = describe_kv_caches(
+            kv_caches,
+            groups,
+            total_layers=int(mc.hf_config.num_hidden_layers),
+            total_kv_heads=int(mc.get_total_num_kv_heads()),
+            head_dim=int(mc.get_head_size()),
+            block_size=int(self.vllm_config.cache_config.block_size),
+            layer_index=extract_layer_index,
+        )
+        device = layout.pop("_device")
+        layout.pop("_local_heads")
+        config = dict(layout)
+        config.update(
+            engine_id=self.engine_id,
+            mode=self.cfg.mode,
+            tp_rank=int(get_tensor_model_parallel_rank()),
+            tp_size=int(pc.tensor_parallel_size),
+            pp_rank=int(get_pp_group().rank_in_group),
+            pp_size=int(pc.pipeline_parallel_size),
+            side_channel_host=self.cfg.side_channel_listen,
+            side_channel_port=self.cfg.side_channel_port,
+            nixl_backend=self.cfg.nixl_backend,
+            lease_ms=self.cfg.lease_ms,
+            timeout_ms=self.cfg.timeout_ms,
+            writers=self.cfg.writers,
+            secret=self.cfg.secret,
+            device=self.cfg.device or device,
+        )
+        lib = _load_nixl()
+        kvpush.init_logging()
+        self.native = kvpush.Worker(config)
+        logger.info(
+            "kvpush: %s worker of engine %s (%s mode, %s, %d layers, %d blocks of %d tokens) on side-channel "
+            "port %s, NIXL %s",
+            "tp%d" % config["tp_rank"],
+            self.engine_id,
+            self.cfg.mode,
+            layout["placement"],
+            len({l for g in layout["groups"] for l in g[0]}) or layout["total_layers"],
+            layout["num_blocks"],
+            layout["block_tokens"],
+            self.native.side_channel_port,
+            lib or "from LD_LIBRARY_PATH",
+        )
+
+    def start_load_kv(self, meta: KVPushMetadata) -> None:
+        n = self.native
+        if n is None:
+            return
+        for a in meta.aborts:
+            try:
+                n.abort(a.transfer_id, a.attempt)
+            except Exception as e:  # the engine may not know it (never registered): nothing to stop
+                logger.debug("kvpush: abort of %s: %s", a.transfer_id, e)
+        for f in meta.finished:
+            self.by_transfer[f.transfer_id] = (f.req_id, "p")
+            try:
+                n.request_finished(f.transfer_id, f.attempt, f.block_ids, f.num_tokens)
+            except Exception as e:
+                logger.error("kvpush: request %s (transfer %s) not sent: %s", f.req_id, f.transfer_id, e)
+                self._pending_sent.add(f.req_id)
+        for r in meta.receives:
+            self.by_transfer[r.transfer_id] = (r.req_id, "d")
+            try:
+                if r.remote_block_ids is None:
+                    n.blocks_allocated(
+                        r.transfer_id, r.attempt, r.producer, r.host, r.port, r.producer_tp, r.block_ids, r.num_tokens
+                    )
+                else:
+                    n.start_pull(
+                        r.transfer_id,
+                        r.attempt,
+                        r.producer,
+                        r.host,
+                        r.port,
+                        r.producer_tp,
+                        r.remote_block_ids,
+                        r.block_ids,
+                        r.num_tokens,
+                    )
+                self.stats.record("requests_registered", 1)
+            except Exception as e:
+                logger.error("kvpush: request %s (transfer %s) cannot receive: %s", r.req_id, r.transfer_id, e)
+                self._pending_failed[r.req_id] = [b for g in r.block_ids for b in g]
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        sending: set[str] = set(self._pending_sent)
+        recving: set[str] = set()
+        self._pending_sent.clear()
+        for rid, blocks in self._pending_failed.items():
+            recving.add(rid)
+            self.load_errors.update(blocks)
+        self._pending_failed.clear()
+        if self.native is None:
+            return sending, recving
+        for kind, tid, _attempt, message, invalid in self.native.poll():
+            owner = self.by_transfer.pop(tid, None)
+            if owner is None:
+                logger.debug("kvpush: outcome %s for unknown transfer %s", kind, tid)
+                continue
+            rid, role = owner
+            if role == "p":
+                sending.add(rid)
+                self.stats.record("requests_sent", 1)
+                if message not in ("Sent", ""):
+                    logger.warning("kvpush: request %s released without a transfer: %s", rid, message)
+            else:
+                recving.add(rid)
+                if kind == "received":
+                    self.stats.record("requests_received", 1)
+                elif kind == "failed":
+                    self.stats.record("requests_failed", 1)
+                    self.load_errors.update(b for g in invalid for b in g)
+                    logger.warning("kvpush: request %s (transfer %s) failed: %s", rid, tid, message)
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self.load_errors = self.load_errors, set()
+        return out
+
+    def native_stats(self) -> dict[str, Any]:
+        return dict(self.native.stats()) if self.native is not None else {}
+
+
+class KVPushStats(KVConnectorStats):
+    """Counters since the last interval, plus the engine's own figures (bytes, descriptors, latencies)."""
+
+    def record(self, key: str, value: int | float) -> None:
+        self.data[key] = self.data.get(key, 0) + value
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            if isinstance(v, (int, float)):
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: v for k, v in self.data.items() if isinstance(v, (int, float))}
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class KVPushPromMetrics(KVConnectorPromMetrics):
+    """Prometheus counters: ``vllm:kvpush_requests_{registered,sent,received,failed}_total``."""
+
+    KEYS = ("requests_registered", "requests_sent", "requests_received", "requests_failed")
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        self.counters = {}
+        for key in self.KEYS:
+            c = self._counter_cls(
+                name=f"vllm:kvpush_{key}",
+                documentation=f"kvpush: {key.replace('_', ' ')}",
+                labelnames=labelnames,
+            )
+            self.counters[key] = create_metric_per_engine(c, self.per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key in self.KEYS:
+            v = transfer_stats_data.get(key)
+            if v:
+                self.counters[key][engine_idx].inc(v)
+
+
+class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's entry point. See the module docs."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        if ktc.engine_id is None:
+            raise ValueError("kvpush: kv_transfer_config.engine_id must be set (the router names P by it)")
+        self.cfg = KVPushConfig.from_vllm(vllm_config)
+        self._scheduler: _Scheduler | None = None
+        self._worker: _Worker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _Scheduler(vllm_config, kv_cache_config, self.cfg)
+        else:
+            self._worker = _Worker(vllm_config, kv_cache_config, self.cfg)
+
+    # ---- scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        # The producer writes every group's blocks of the request.
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, (list(block_ids),))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    # ---- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPushMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        sending, recving = self._worker.get_finished()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None or self._worker.stats.is_empty():
+            return None
+        stats, self._worker.stats = self._worker.stats, KVPushStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVPushStats(data=data) if data is not None else KVPushStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any
+    ) -> KVConnectorPromMetrics | None:
+        return KVPushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.native = None
+
+
+__all__ = ["KVPushConnector", "KVPushConfig", "KVPushMetadata", "describe_kv_caches"]

@@ -1,0 +1,509 @@
+//! The native half of the Python package: `kvpush._native`, a PyO3 module (feature `python`).
+//!
+//! Read [`Worker`] first: one engine worker (one TP rank of a vLLM server) over NIXL and a TCP side
+//! channel, built from a plain `dict` config (docs/vllm.md lists every key). The vLLM connector in
+//! `python/kvpush/vllm.py` is glue around it: it hands block ids, token counts and transfer ids to
+//! these methods and turns [`Worker::poll`]'s outcomes into vLLM's finished sets. Everything the
+//! protocol decides (rendezvous, leases, planning, completion counting) happens in the engine.
+//!
+//! A consumer learns where its producer listens only from the request (`remote_host`,
+//! `remote_port`): the first request for a producer dials it on a background thread, so no call here
+//! waits on the network; requests for a producer still being dialed wait in order and go out once the
+//! handshake is done (or fail, reported by `poll`, if it is refused). Every call releases the GIL.
+//! Errors become exceptions of a small hierarchy rooted at `kvpush.KvpushError`; no panic reaches
+//! Python (PyO3 turns one into `PanicException`, and the engine never panics on bad input).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::conversion::FromPyObjectOwned;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::ffi::{self, EngineSpec, FfiEngine, FfiError, GroupSpec, LayoutSpec, TransportSpec};
+use crate::proto::layout::{tp_sources, Parallel};
+use crate::proto::Key;
+
+create_exception!(_native, KvpushError, PyException, "Base class of every kvpush error.");
+create_exception!(_native, ConfigError, KvpushError, "A configuration value or argument is invalid.");
+create_exception!(_native, TransportError, KvpushError, "NIXL or the side channel failed (or is missing).");
+create_exception!(_native, IncompatibleError, KvpushError, "A peer's handshake does not match this worker's.");
+create_exception!(_native, ClosedError, KvpushError, "The worker has shut down.");
+
+fn py_err(e: FfiError) -> PyErr {
+    let text = e.to_string();
+    match e.code() {
+        ffi::status::INCOMPATIBLE => IncompatibleError::new_err(text),
+        ffi::status::TRANSPORT | ffi::status::SIDE_CHANNEL => TransportError::new_err(text),
+        ffi::status::CLOSED => ClosedError::new_err(text),
+        ffi::status::NULL
+        | ffi::status::INVALID_ARGUMENT
+        | ffi::status::LAYOUT
+        | ffi::status::BLOCKS
+        | ffi::status::WRONG_MODE
+        | ffi::status::DEVICE => ConfigError::new_err(text),
+        _ => KvpushError::new_err(text),
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The transfer key of a router-minted transfer id (32 hex digits) and attempt.
+fn key_of(transfer_id: &str, attempt: u32) -> PyResult<Key> {
+    let id = u128::from_str_radix(transfer_id, 16)
+        .ok()
+        .filter(|_| transfer_id.len() == 32)
+        .ok_or_else(|| ConfigError::new_err(format!("transfer id {transfer_id:?} is not 32 hex digits")))?;
+    Ok(Key::new(id, attempt))
+}
+
+fn transfer_id_of(key: Key) -> String {
+    format!("{:032x}", key.transfer_id.0)
+}
+
+/// A request waiting for its producer's handshake.
+enum Queued {
+    Push { key: Key, blocks: Vec<Vec<u32>>, tokens: u64 },
+    Pull { key: Key, remote: Vec<Vec<u32>>, local: Vec<Vec<u32>>, tokens: u64 },
+}
+
+impl Queued {
+    fn key(&self) -> Key {
+        match self {
+            Queued::Push { key, .. } | Queued::Pull { key, .. } => *key,
+        }
+    }
+}
+
+/// Where a producer engine stands with this worker.
+enum ProducerState {
+    /// Being dialed; requests wait here in order.
+    Dialing(Vec<Queued>),
+    /// Handshaken with every rank that writes into this worker.
+    Ready,
+}
+
+/// An outcome for Python: (kind, transfer id, attempt, message, invalid block ids per group).
+type PyOutcome = (&'static str, String, u32, String, Vec<Vec<u32>>);
+
+struct Inner {
+    engine: FfiEngine,
+    /// This worker's TP/PP position and model (for which producer ranks write into it).
+    parallel: Parallel,
+    model: crate::proto::layout::ModelShape,
+    producers: Mutex<HashMap<String, ProducerState>>,
+    /// Outcomes produced here rather than by the engine (a producer that cannot be reached).
+    local: Mutex<VecDeque<PyOutcome>>,
+    /// Invalid blocks of failed requests, by key (the engine's `Finished::Failed` carries them).
+    scratch: Mutex<Vec<crate::engine::Finished>>,
+}
+
+impl Inner {
+    /// Hands a request to the engine now.
+    fn submit(&self, producer: &str, q: Queued) -> Result<(), FfiError> {
+        match q {
+            Queued::Push { key, blocks, tokens } => self.engine.blocks_allocated(key, producer, blocks, tokens),
+            Queued::Pull { key, remote, local, tokens } => self.engine.start_pull(key, producer, remote, local, tokens),
+        }
+    }
+
+    fn fail(&self, q: &Queued, why: String) {
+        let key = q.key();
+        let invalid = match q {
+            Queued::Push { blocks, .. } => blocks.clone(),
+            Queued::Pull { local, .. } => local.clone(),
+        };
+        lock(&self.local).push_back(("failed", transfer_id_of(key), key.attempt.0, why, invalid));
+    }
+
+    /// The producer ranks writing into this worker, as side-channel addresses: rank r of a producer
+    /// whose rank 0 listens on `port` listens on `port + r` (the side channel's default, 5600 + rank).
+    fn producer_addrs(&self, host: &str, port: u16, producer_tp: u16) -> Result<Vec<String>, FfiError> {
+        if producer_tp == 0 {
+            return Err(FfiError::invalid("remote tp_size", "is 0"));
+        }
+        let ranks = tp_sources(&self.model, producer_tp, self.parallel.tp_size, self.parallel.tp_rank);
+        let host = if host.contains(':') && !host.starts_with('[') { format!("[{host}]") } else { host.to_owned() };
+        ranks
+            .iter()
+            .map(|s| {
+                let p = u32::from(port) + u32::from(s.tp_rank);
+                u16::try_from(p)
+                    .map(|p| format!("{host}:{p}"))
+                    .map_err(|_| FfiError::invalid("remote_port", format!("{port} + rank {} > 65535", s.tp_rank)))
+            })
+            .collect()
+    }
+
+    /// Sends `q` now if `producer` is handshaken; else queues it and, the first time, dials it on a
+    /// background thread.
+    fn route(self: &Arc<Self>, producer: &str, host: &str, port: u16, producer_tp: u16, q: Queued) -> PyResult<()> {
+        let mut producers = lock(&self.producers);
+        match producers.get_mut(producer) {
+            Some(ProducerState::Ready) => {
+                drop(producers);
+                return self.submit(producer, q).map_err(py_err);
+            }
+            Some(ProducerState::Dialing(waiting)) => {
+                waiting.push(q);
+                return Ok(());
+            }
+            None => {}
+        }
+        let addrs = self.producer_addrs(host, port, producer_tp).map_err(py_err)?;
+        producers.insert(producer.to_owned(), ProducerState::Dialing(vec![q]));
+        drop(producers);
+        let me = Arc::clone(self);
+        let producer = producer.to_owned();
+        let spawned = std::thread::Builder::new().name("kvpush-dial".into()).spawn(move || me.dial(&producer, &addrs));
+        if let Err(e) = spawned {
+            return Err(TransportError::new_err(format!("cannot start a thread to dial {}: {e}", host)));
+        }
+        Ok(())
+    }
+
+    /// Dials every address of `producer`, then releases (or fails) the requests that waited.
+    fn dial(&self, producer: &str, addrs: &[String]) {
+        let mut error = None;
+        for addr in addrs {
+            match self.engine.connect_addr(addr) {
+                Ok(peer) => tracing::info!(%producer, %addr, %peer, "producer handshaken"),
+                Err(e) => {
+                    error = Some(format!("cannot reach producer {producer} at {addr}: {e}"));
+                    break;
+                }
+            }
+        }
+        let waiting = {
+            let mut producers = lock(&self.producers);
+            let waiting = match producers.remove(producer) {
+                Some(ProducerState::Dialing(w)) => w,
+                _ => Vec::new(),
+            };
+            if error.is_none() {
+                producers.insert(producer.to_owned(), ProducerState::Ready);
+            }
+            waiting
+        };
+        for q in waiting {
+            match &error {
+                Some(why) => self.fail(&q, why.clone()),
+                None => {
+                    if let Err(e) = self.submit(producer, q.clone_key_only()) {
+                        self.fail(&q, e.to_string());
+                    } else {
+                        // Submitted: the engine reports its outcome.
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Queued {
+    /// `submit` consumes a request; `dial` keeps it for the failure report. Block lists are small.
+    fn clone_key_only(&self) -> Queued {
+        match self {
+            Queued::Push { key, blocks, tokens } => Queued::Push { key: *key, blocks: blocks.clone(), tokens: *tokens },
+            Queued::Pull { key, remote, local, tokens } => {
+                Queued::Pull { key: *key, remote: remote.clone(), local: local.clone(), tokens: *tokens }
+            }
+        }
+    }
+}
+
+fn get<'py, T: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Option<T>> {
+    match d.get_item(key)? {
+        None => Ok(None),
+        Some(v) if v.is_none() => Ok(None),
+        Some(v) => v.extract::<T>().map(Some).map_err(|e| {
+            let e: PyErr = e.into();
+            ConfigError::new_err(format!("config key {key:?}: {e}"))
+        }),
+    }
+}
+
+fn need<'py, T: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<T> {
+    get(d, key)?.ok_or_else(|| ConfigError::new_err(format!("config key {key:?} is required")))
+}
+
+fn pick(key: &str, value: &str, names: &[&str]) -> PyResult<u32> {
+    names.iter().position(|n| n.eq_ignore_ascii_case(value)).map(|i| i as u32).ok_or_else(|| {
+        ConfigError::new_err(format!("config key {key:?} is {value:?}; expected one of {}", names.join(", ")))
+    })
+}
+
+/// Builds the engine and layout specs from the config dict (keys documented in docs/vllm.md).
+fn specs(d: &Bound<'_, PyDict>) -> PyResult<(EngineSpec, LayoutSpec)> {
+    let mode = pick("mode", &need::<String>(d, "mode")?, &["push", "pull"])?;
+    let dtype = pick("dtype", &need::<String>(d, "dtype")?, &["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8"])?;
+    let order = pick("order", &get::<String>(d, "order")?.unwrap_or_else(|| "hnd".into()), &["hnd", "nhd"])?;
+    let placement = pick(
+        "placement",
+        &need::<String>(d, "placement")?,
+        &["separate", "joint", "single", "head_joint"],
+    )?;
+    let kv_kind = pick("kv_kind", &get::<String>(d, "kv_kind")?.unwrap_or_else(|| "key_value".into()), &["key_value", "latent"])?;
+    let groups: Vec<(Vec<u32>, u32)> = get(d, "groups")?.unwrap_or_default();
+    let parallel = Parallel {
+        tp_rank: get(d, "tp_rank")?.unwrap_or(0),
+        tp_size: get(d, "tp_size")?.unwrap_or(1),
+        pp_rank: get(d, "pp_rank")?.unwrap_or(0),
+        pp_size: get(d, "pp_size")?.unwrap_or(1),
+    };
+    let layout = LayoutSpec {
+        total_layers: need(d, "total_layers")?,
+        kv_heads: need(d, "kv_heads")?,
+        head_dim: need(d, "head_dim")?,
+        dtype,
+        kv_kind,
+        block_tokens: need(d, "block_tokens")?,
+        num_blocks: need(d, "num_blocks")?,
+        order,
+        placement,
+        parallel,
+        block_stride: get(d, "block_stride")?.unwrap_or(0),
+        groups: groups.into_iter().map(|(layers, window_tokens)| GroupSpec { window_tokens, layers }).collect(),
+        region_bases: need(d, "region_bases")?,
+        region_lens: get(d, "region_lens")?.unwrap_or_default(),
+    };
+    let host: String = get(d, "side_channel_host")?.unwrap_or_else(|| "0.0.0.0".into());
+    let port: u32 = get(d, "side_channel_port")?.unwrap_or(5600);
+    let port = port + u32::from(parallel.tp_rank) + u32::from(parallel.pp_rank) * u32::from(parallel.tp_size);
+    if port > 65535 {
+        return Err(ConfigError::new_err(format!("side_channel_port + rank = {port} is above 65535")));
+    }
+    let listen = if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
+    let engine_id: String = need(d, "engine_id")?;
+    let spec = EngineSpec {
+        engine_id: engine_id.clone(),
+        mode,
+        device: get(d, "device")?,
+        writers: get(d, "writers")?.unwrap_or(1),
+        lease_ms: get(d, "lease_ms")?.unwrap_or(0),
+        timeout_ms: get(d, "timeout_ms")?.unwrap_or(0),
+        transport: TransportSpec::Nixl {
+            agent_name: get(d, "agent_name")?,
+            backend: get(d, "nixl_backend")?,
+            listen: Some(listen),
+            secret: get::<String>(d, "secret")?.map(String::into_bytes),
+        },
+    };
+    Ok((spec, layout))
+}
+
+/// One engine worker (one rank) over NIXL. See the module docs.
+#[pyclass(module = "kvpush._native", frozen)]
+pub struct Worker {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker").field("engine", &self.inner.engine).finish_non_exhaustive()
+    }
+}
+
+#[pymethods]
+impl Worker {
+    /// Starts a worker: validates the layout, registers its regions with NIXL and listens on its
+    /// side channel (`side_channel_port` + rank).
+    ///
+    /// The regions must stay allocated (and be left alone while transfers use them, as the
+    /// connector's contract with vLLM ensures) until `close()`.
+    #[new]
+    fn new(py: Python<'_>, config: &Bound<'_, PyDict>) -> PyResult<Self> {
+        let (spec, layout) = specs(config)?;
+        let built = layout.build().map_err(py_err)?;
+        let (parallel, model) = (built.parallel, built.model.clone());
+        let engine = py
+            .detach(|| {
+                // SAFETY: the caller (the vLLM connector) passes the KV cache tensors' memory, which
+                // vLLM keeps allocated for the worker's life and closes this worker before freeing;
+                // vLLM reads or writes a request's blocks only outside the windows the engine's
+                // contract names (the connector holds P's blocks until `sent`, and D's request
+                // waits in WAITING_FOR_REMOTE_KVS until `received` or `failed`).
+                unsafe { FfiEngine::new(&spec, &layout) }
+            })
+            .map_err(py_err)?;
+        let inner = Inner {
+            engine,
+            parallel,
+            model,
+            producers: Mutex::new(HashMap::new()),
+            local: Mutex::new(VecDeque::new()),
+            scratch: Mutex::new(Vec::new()),
+        };
+        Ok(Worker { inner: Arc::new(inner) })
+    }
+
+    /// The side channel's port.
+    #[getter]
+    fn side_channel_port(&self) -> Option<u16> {
+        self.inner.engine.listen_port()
+    }
+
+    /// Producer: prefill of the transfer finished; its KV sits in `block_ids` (per KV group) until
+    /// `poll` reports it `sent`.
+    fn request_finished(
+        &self,
+        py: Python<'_>,
+        transfer_id: &str,
+        attempt: u32,
+        block_ids: Vec<Vec<u32>>,
+        num_tokens: u64,
+    ) -> PyResult<()> {
+        let key = key_of(transfer_id, attempt)?;
+        py.detach(|| self.inner.engine.request_finished(key, block_ids, num_tokens)).map_err(py_err)
+    }
+
+    /// Consumer, push: blocks are allocated; registers them with the producer ranks that write into
+    /// this worker (dialing the producer at `host:port` the first time).
+    #[allow(clippy::too_many_arguments)]
+    fn blocks_allocated(
+        &self,
+        py: Python<'_>,
+        transfer_id: &str,
+        attempt: u32,
+        producer: &str,
+        host: &str,
+        port: u16,
+        producer_tp: u16,
+        block_ids: Vec<Vec<u32>>,
+        num_tokens: u64,
+    ) -> PyResult<()> {
+        let key = key_of(transfer_id, attempt)?;
+        let q = Queued::Push { key, blocks: block_ids, tokens: num_tokens };
+        py.detach(|| self.inner.route(producer, host, port, producer_tp, q))
+    }
+
+    /// Consumer, pull: reads the producer's `remote_block_ids` into `local_block_ids`.
+    #[allow(clippy::too_many_arguments)]
+    fn start_pull(
+        &self,
+        py: Python<'_>,
+        transfer_id: &str,
+        attempt: u32,
+        producer: &str,
+        host: &str,
+        port: u16,
+        producer_tp: u16,
+        remote_block_ids: Vec<Vec<u32>>,
+        local_block_ids: Vec<Vec<u32>>,
+        num_tokens: u64,
+    ) -> PyResult<()> {
+        let key = key_of(transfer_id, attempt)?;
+        let q = Queued::Pull { key, remote: remote_block_ids, local: local_block_ids, tokens: num_tokens };
+        py.detach(|| self.inner.route(producer, host, port, producer_tp, q))
+    }
+
+    /// Aborts the transfer on this worker, in whatever state it is; peers are told. Its outcome
+    /// (`sent` with the blocks released, or `ended`/`failed`) still comes out of `poll`.
+    fn abort(&self, py: Python<'_>, transfer_id: &str, attempt: u32) -> PyResult<()> {
+        let key = key_of(transfer_id, attempt)?;
+        // A request still waiting for its producer's handshake is dropped from the queue.
+        {
+            let mut producers = lock(&self.inner.producers);
+            for state in producers.values_mut() {
+                if let ProducerState::Dialing(w) = state {
+                    if let Some(i) = w.iter().position(|q| q.key() == key) {
+                        let q = w.remove(i);
+                        drop(producers);
+                        let tid = transfer_id_of(key);
+                        lock(&self.inner.local).push_back(("ended", tid, attempt, "aborted".into(), Vec::new()));
+                        drop(q);
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        py.detach(|| self.inner.engine.abort(key)).map_err(py_err)
+    }
+
+    /// Finished outcomes since the last call: a list of `(kind, transfer_id, attempt, message,
+    /// invalid_block_ids)` with kind one of `sent` (producer: blocks may be freed), `received`
+    /// (consumer: the KV landed), `failed` (consumer: it will not; `invalid_block_ids` per group),
+    /// `ended` (consumer: aborted or superseded).
+    fn poll<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let out: Vec<PyOutcome> = py.detach(|| {
+            let mut out: Vec<PyOutcome> = lock(&self.inner.local).drain(..).collect();
+            let mut scratch = lock(&self.inner.scratch);
+            scratch.clear();
+            self.inner.engine.engine().poll(&mut scratch);
+            for f in scratch.drain(..) {
+                use crate::engine::Finished;
+                out.push(match f {
+                    Finished::Sent { key, reason } => {
+                        ("sent", transfer_id_of(key), key.attempt.0, format!("{reason:?}"), Vec::new())
+                    }
+                    Finished::Received { key } => ("received", transfer_id_of(key), key.attempt.0, String::new(), Vec::new()),
+                    Finished::Failed { key, reason, invalid_blocks } => {
+                        ("failed", transfer_id_of(key), key.attempt.0, reason, invalid_blocks)
+                    }
+                    Finished::Ended { key } => ("ended", transfer_id_of(key), key.attempt.0, String::new(), Vec::new()),
+                });
+            }
+            out
+        });
+        PyList::new(py, out)
+    }
+
+    /// Counters of this worker (transfers, bytes, descriptors, failures, side-channel figures).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = py.detach(|| self.inner.engine.stats());
+        let value = serde_json::to_value(&s).map_err(|e| KvpushError::new_err(e.to_string()))?;
+        let d = PyDict::new(py);
+        if let serde_json::Value::Object(map) = value {
+            for (k, v) in map {
+                if let Some(n) = v.as_u64() {
+                    d.set_item(k, n)?;
+                } else if let Some(f) = v.as_f64() {
+                    d.set_item(k, f)?;
+                } else if !v.is_object() && !v.is_array() {
+                    d.set_item(k, v.to_string())?;
+                }
+            }
+        }
+        Ok(d)
+    }
+}
+
+/// Whether the NIXL library can be loaded in this process.
+#[pyfunction]
+fn nixl_available() -> bool {
+    crate::transport::nixl::available()
+}
+
+/// The kvpush version.
+#[pyfunction]
+fn version() -> &'static str {
+    env!("CARGO_PKG_VERSION")
+}
+
+/// Routes the engine's logs (`KVPUSH_LOG`, default `warn`) to stderr, once per process.
+#[pyfunction]
+fn init_logging() {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_env("KVPUSH_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+/// The module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<Worker>()?;
+    m.add_function(wrap_pyfunction!(nixl_available, m)?)?;
+    m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_function(wrap_pyfunction!(init_logging, m)?)?;
+    m.add("KvpushError", py.get_type::<KvpushError>())?;
+    m.add("ConfigError", py.get_type::<ConfigError>())?;
+    m.add("TransportError", py.get_type::<TransportError>())?;
+    m.add("IncompatibleError", py.get_type::<IncompatibleError>())?;
+    m.add("ClosedError", py.get_type::<ClosedError>())?;
+    Ok(())
+}

@@ -1,0 +1,217 @@
+"""kvpush's vLLM connector in real vLLM: P and D as two servers behind ``kvpush router``.
+
+Checked against one vLLM engine alone (same tiny seeded model, greedy, logprobs):
+  - push: 20 prompts of 30 to 900 tokens, tokens and logprobs equal; D computed none of the prompt
+    itself (vLLM's prompt-tokens-by-source: at most the one trailing token per request);
+  - the negative control: D given the KV of another prompt of the same length answers differently,
+    so the equality above could fail;
+  - 8 concurrent clients over the same prompts, equal again;
+  - a client that disconnects mid-stream leaves no KV blocks held on either server;
+  - pull: the same 20 prompts, equal;
+  - a mode mismatch (P pull, D push) is refused at the handshake with proto's message on D, and both
+    servers keep serving.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+import servers as srv
+import tiny_model
+
+LENGTHS = [30, 45, 64, 90, 128, 150, 200, 256, 300, 333, 400, 450, 512, 517, 600, 640, 700, 777, 850, 900]
+MAX_TOKENS = 12
+PROMPTS = tiny_model.make_prompts(LENGTHS, seed=11)
+
+
+def kvpush_config(role: str, mode: str, engine_id: str, side_port: int) -> dict:
+    return {
+        "kv_connector": "KVPushConnector",
+        "kv_connector_module_path": "kvpush.vllm",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "engine_id": engine_id,
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"mode": mode, "side_channel_port": side_port, "timeout_ms": 30000},
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(servers: "object", vllm_ready: str) -> list[srv.Completion]:
+    """One engine alone: the outputs P/D must reproduce."""
+    s = servers.vllm("kvp-single", prefix_caching=False)
+    try:
+        return [srv.complete(s.url, p, MAX_TOKENS) for p in PROMPTS]
+    finally:
+        servers.stop(s)
+
+
+def start_pair(servers: "object", tag: str, p_mode: str, d_mode: str) -> tuple[srv.VllmServer, srv.VllmServer]:
+    p_port, d_port = srv.free_ports(2)
+    with ThreadPoolExecutor(2) as pool:
+        p = pool.submit(
+            servers.vllm,
+            f"{tag}-P",
+            kv_transfer_config=kvpush_config("prefill", p_mode, f"{tag}-prefill", p_port),
+            side_channel_port=p_port,
+            extra_env={"KVPUSH_LOG": "info"},
+        )
+        d = pool.submit(
+            servers.vllm,
+            f"{tag}-D",
+            kv_transfer_config=kvpush_config("decode", d_mode, f"{tag}-decode", d_port),
+            side_channel_port=d_port,
+            extra_env={"KVPUSH_LOG": "info"},
+        )
+        return p.result(), d.result()
+
+
+def check_equal(got: srv.Completion, ref: srv.Completion, what: str) -> None:
+    worst = max((abs(a - b) for a, b in zip(got.logprobs, ref.logprobs)), default=0.0)
+    assert got.token_ids == ref.token_ids, f"{what}: tokens {got.token_ids} != {ref.token_ids}"
+    assert got.logprobs == ref.logprobs, f"{what}: logprobs differ by up to {worst}"
+
+
+def kv_usage(server: srv.VllmServer) -> float:
+    m = server.metrics()
+    return sum(v for k, v in m.items() if k.startswith("vllm:kv_cache_usage_perc"))
+
+
+def running(server: srv.VllmServer) -> float:
+    m = server.metrics()
+    return sum(v for k, v in m.items() if k.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+
+
+def wait_idle(server: srv.VllmServer, timeout_s: float = 60.0) -> tuple[float, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        usage, busy = kv_usage(server), running(server)
+        if (usage == 0 and busy == 0) or time.monotonic() > deadline:
+            return usage, busy
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def push_pair(servers: "object", reference: list[srv.Completion]):
+    p, d = start_pair(servers, "kvp-push", "push", "push")
+    router = servers.router("push", [p], [d], name="router-kvp-push")
+    yield p, d, router
+    for s in (router, d, p):
+        servers.stop(s)
+
+
+def test_push_matches_single_engine_and_d_computes_nothing(push_pair, reference) -> None:
+    p, d, router = push_pair
+    before = d.prompt_tokens_by_source()
+    print(f"\nkvpush push behind kvpush router: P {p.url}, D {d.url}, router {router.url}")
+    for i, (n, ref) in enumerate(zip(LENGTHS, reference)):
+        got = srv.complete(router.url, PROMPTS[i], MAX_TOKENS, stream=(i % 2 == 1))
+        print(f"  {n:4d} tokens: equal={got.token_ids == ref.token_ids and got.logprobs == ref.logprobs}"
+              f"{' TTFT %.3f s' % got.ttft_s if got.ttft_s else ''}")
+        check_equal(got, ref, f"push, {n}-token prompt")
+    after = d.prompt_tokens_by_source()
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    print(f"  D's prompt tokens by source: {delta}")
+    assert delta.get("local_compute", 0) <= len(PROMPTS), delta
+    assert delta.get("external_kv_transfer", 0) >= sum(LENGTHS) - len(PROMPTS), delta
+
+
+def test_negative_control_wrong_kv_changes_the_output(push_pair, reference) -> None:
+    """D gets, under one transfer id, the KV P computed for another prompt of the same length."""
+    p, d, _ = push_pair
+    n = 200
+    a = tiny_model.make_prompts([n], seed=101)[0]
+    b = tiny_model.make_prompts([n], seed=202)[0]
+    assert a != b
+    tid = uuid.uuid4().hex
+    p_body = srv.completion_body(a, 1, True, False)
+    p_body["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": tid}
+    d_body = srv.completion_body(b, MAX_TOKENS, True, False)
+    d_body["kv_transfer_params"] = {
+        "do_remote_prefill": True,
+        "transfer_id": tid,
+        "remote_engine_id": p.engine_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": p.side_channel_port,
+        "tp_size": 1,
+    }
+    with ThreadPoolExecutor(2) as pool:
+        d_fut = pool.submit(requests.post, d.url + "/v1/completions", json=d_body, timeout=120)
+        p_fut = pool.submit(requests.post, p.url + "/v1/completions", json=p_body, timeout=120)
+        assert p_fut.result().status_code == 200
+        d_resp = d_fut.result()
+    assert d_resp.status_code == 200, d_resp.text
+    tokens = [int(t.split(":")[1]) for t in d_resp.json()["choices"][0]["logprobs"]["tokens"]]
+    right = srv.complete(d.url, b, MAX_TOKENS)  # D alone, computing b itself
+    print(f"\n  D with a's KV for b: {tokens[:8]}..., D computing b: {right.token_ids[:8]}...")
+    assert tokens != right.token_ids, "D's output did not change with the wrong KV: the check could not fail"
+
+
+def test_push_eight_concurrent_clients(push_pair, reference) -> None:
+    p, d, router = push_pair
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda i: srv.complete(router.url, PROMPTS[i], MAX_TOKENS), range(len(PROMPTS))))
+    for n, got, ref in zip(LENGTHS, outs, reference):
+        check_equal(got, ref, f"push, 8 clients, {n}-token prompt")
+    print(f"\n  8 concurrent clients: {len(outs)} completions equal to the single engine")
+
+
+def test_client_disconnect_leaves_no_blocks_held(push_pair) -> None:
+    p, d, router = push_pair
+    body = srv.completion_body(PROMPTS[-1], 400, False, True)
+    with requests.post(router.url + "/v1/completions", json=body, stream=True, timeout=120) as r:
+        assert r.status_code == 200
+        for _ in r.iter_lines():
+            break  # the first event arrived: D is decoding; hang up
+    p_state, d_state = wait_idle(p), wait_idle(d)
+    print(f"\n  after the disconnect: P kv usage/requests {p_state}, D {d_state}")
+    assert p_state == (0, 0), f"P still holds KV blocks or requests: {p_state}"
+    assert d_state == (0, 0), f"D still holds KV blocks or requests: {d_state}"
+    # Both still serve.
+    srv.complete(router.url, PROMPTS[0], 4)
+
+
+def test_pull_matches_single_engine(servers: "object", reference) -> None:
+    p, d = start_pair(servers, "kvp-pull", "pull", "pull")
+    router = servers.router("pull", [p], [d], name="router-kvp-pull")
+    try:
+        before = d.prompt_tokens_by_source()
+        for i, (n, ref) in enumerate(zip(LENGTHS, reference)):
+            got = srv.complete(router.url, PROMPTS[i], MAX_TOKENS, stream=(i % 3 == 0))
+            check_equal(got, ref, f"pull, {n}-token prompt")
+        after = d.prompt_tokens_by_source()
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        print(f"\nkvpush pull: {len(PROMPTS)} prompts equal; D's prompt tokens by source: {delta}")
+        assert delta.get("local_compute", 0) <= len(PROMPTS), delta
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda i: srv.complete(router.url, PROMPTS[i], MAX_TOKENS), range(len(PROMPTS))))
+        for n, got, ref in zip(LENGTHS, outs, reference):
+            check_equal(got, ref, f"pull, 8 clients, {n}-token prompt")
+    finally:
+        for s in (router, d, p):
+            servers.stop(s)
+
+
+def test_mode_mismatch_is_refused_and_nobody_crashes(servers: "object") -> None:
+    p, d = start_pair(servers, "kvp-mismatch", "pull", "push")
+    router = servers.router("push", [p], [d], name="router-kvp-mismatch")
+    try:
+        try:
+            srv.complete(router.url, PROMPTS[3], 4)
+        except srv.ServerError as e:
+            print(f"\n  the request failed: {str(e)[:200]}")
+        log = d.log_tail(400)
+        assert "mode" in log and "push" in log and "pull" in log and "refused" in log.lower(), log[-3000:]
+        line = next((l for l in log.splitlines() if "refused" in l.lower()), "")
+        print(f"  D's log: {line.strip()[:300]}")
+        assert p.alive() and d.alive(), "a server exited"
+        # Each still answers on its own.
+        srv.complete(p.url, PROMPTS[0], 2)
+        srv.complete(d.url, PROMPTS[0], 2)
+    finally:
+        for s in (router, d, p):
+            servers.stop(s)
