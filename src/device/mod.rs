@@ -15,6 +15,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+pub mod cuda;
 pub mod host;
 pub mod mock;
 pub mod neuron;
@@ -188,7 +189,7 @@ fn open(name: &str) -> Result<Arc<dyn Device>, String> {
         "host" => Ok(Arc::new(host::HostDevice::new())),
         "mock" => Ok(Arc::new(mock::MockDevice::new())),
         "neuron" => neuron::open_for_select(),
-        "cuda" => Err("the CUDA backend is not part of this build (cuda/ is not built in yet)".into()),
+        "cuda" => cuda::CudaDevice::from_env().map(|d| Arc::new(d) as Arc<dyn Device>),
         other => Err(format!("no backend named {other}")),
     }
 }

@@ -1,0 +1,463 @@
+//! The CUDA backend without a GPU: pointer validation against a mock of the driver queries, staging
+//! plans and the reference gather/scatter they drive, and the errors a machine without CUDA gives.
+//!
+//! What needs a GPU (the kernels, the real driver's answers) runs in benches/gpu_push.rs on the GPU
+//! machine; its driver-validation answers are recorded in benches/results/gpu-h200x2.json.
+
+use std::collections::HashSet;
+
+use kvpush::device::{select, DeviceError};
+use kvpush_cuda::pointer::{validate, MemoryType, PointerQueries};
+use kvpush_cuda::staging::{self, Piece, Side, StagingError, UnitSpace};
+use kvpush_cuda::{CudaError, DriverStatus, Gpu};
+use proptest::prelude::*;
+
+// ---- a mock of the driver's pointer queries ----
+
+#[derive(Clone, Debug)]
+struct Alloc {
+    base: u64,
+    len: u64,
+    device: i32,
+    kind: MemoryType,
+    managed: bool,
+}
+
+/// Answers like the driver: an address inside a known allocation gets its attributes, any other
+/// address `CUDA_ERROR_INVALID_VALUE`. `fail` makes every query fail with that status instead.
+#[derive(Default)]
+struct MockDriver {
+    allocs: Vec<Alloc>,
+    fail: Option<(i32, &'static str)>,
+    fail_range: bool,
+}
+
+impl MockDriver {
+    fn find(&self, addr: u64) -> Result<&Alloc, DriverStatus> {
+        if let Some((code, name)) = self.fail {
+            return Err(DriverStatus::new(code, name));
+        }
+        self.allocs
+            .iter()
+            .find(|a| addr >= a.base && addr < a.base + a.len)
+            .ok_or_else(|| DriverStatus::new(DriverStatus::INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE"))
+    }
+}
+
+impl PointerQueries for MockDriver {
+    fn memory_type(&self, addr: u64) -> Result<MemoryType, DriverStatus> {
+        self.find(addr).map(|a| a.kind)
+    }
+    fn is_managed(&self, addr: u64) -> Result<bool, DriverStatus> {
+        self.find(addr).map(|a| a.managed)
+    }
+    fn device_ordinal(&self, addr: u64) -> Result<i32, DriverStatus> {
+        self.find(addr).map(|a| a.device)
+    }
+    fn address_range(&self, addr: u64) -> Result<(u64, u64), DriverStatus> {
+        if self.fail_range {
+            return Err(DriverStatus::new(201, "CUDA_ERROR_INVALID_CONTEXT"));
+        }
+        self.find(addr).map(|a| (a.base, a.len))
+    }
+}
+
+fn device_alloc(base: u64, len: u64, device: i32) -> Alloc {
+    Alloc { base, len, device, kind: MemoryType::Device, managed: false }
+}
+
+fn two_gpus() -> MockDriver {
+    MockDriver {
+        allocs: vec![
+            device_alloc(0x7f00_0000_0000, 1 << 30, 0),
+            device_alloc(0x7f10_0000_0000, 1 << 20, 1),
+            Alloc { base: 0x7f20_0000_0000, len: 1 << 20, device: 0, kind: MemoryType::Host, managed: false },
+            Alloc { base: 0x7f30_0000_0000, len: 1 << 20, device: 0, kind: MemoryType::Device, managed: true },
+            Alloc { base: 0x7f40_0000_0000, len: 1 << 20, device: 0, kind: MemoryType::Array, managed: false },
+        ],
+        ..MockDriver::default()
+    }
+}
+
+#[test]
+fn accepts_device_memory_of_the_claimed_device_and_attributes_it() {
+    let d = two_gpus();
+    let info = validate(&d, 0x7f00_0000_1000, 4096, 0).unwrap();
+    assert_eq!((info.device, info.alloc_base, info.alloc_len), (0, 0x7f00_0000_0000, 1 << 30));
+    assert_eq!((info.addr, info.len), (0x7f00_0000_1000, 4096));
+    // The whole allocation, exactly.
+    assert!(validate(&d, 0x7f00_0000_0000, 1 << 30, 0).is_ok());
+    let info = validate(&d, 0x7f10_0000_0000, 1 << 20, 1).unwrap();
+    assert_eq!(info.device, 1);
+}
+
+#[test]
+fn another_devices_memory_is_refused_naming_both_devices() {
+    let d = two_gpus();
+    let err = validate(&d, 0x7f10_0000_0000, 4096, 0).unwrap_err();
+    assert_eq!(err, CudaError::WrongDevice { addr: 0x7f10_0000_0000, len: 4096, claimed: 0, actual: 1 });
+    let msg = err.to_string();
+    assert!(msg.contains("device 1") && msg.contains("not of device 0") && msg.contains("0x7f1000000000"), "{msg}");
+}
+
+#[test]
+fn memory_that_is_not_device_memory_is_refused_with_what_it_is() {
+    let d = two_gpus();
+    let cases = [
+        (0x1234_5000u64, "does not know this address"),
+        (0x7f20_0000_0000, "page-locked host memory"),
+        (0x7f30_0000_0000, "managed"),
+        (0x7f40_0000_0000, "CUDA array"),
+    ];
+    for (addr, why) in cases {
+        let err = validate(&d, addr, 4096, 0).unwrap_err();
+        let CudaError::NotDeviceMemory { addr: a, len, reason } = &err else { panic!("{addr:#x}: {err:?}") };
+        assert_eq!((*a, *len), (addr, 4096));
+        assert!(reason.contains(why), "{addr:#x}: {reason}");
+        assert!(err.to_string().contains("is not CUDA device memory"), "{err}");
+    }
+}
+
+#[test]
+fn a_range_running_past_its_allocation_is_refused() {
+    let d = two_gpus();
+    let end = 0x7f00_0000_0000 + (1u64 << 30);
+    let err = validate(&d, end - 2048, 4096, 0).unwrap_err();
+    assert_eq!(
+        err,
+        CudaError::OutsideAllocation {
+            addr: end - 2048,
+            len: 4096,
+            alloc_base: 0x7f00_0000_0000,
+            alloc_len: 1 << 30,
+            device: 0
+        }
+    );
+    assert!(err.to_string().contains("runs past the end of its CUDA allocation"), "{err}");
+    // One byte less fits.
+    assert!(validate(&d, end - 2048, 2048, 0).is_ok());
+}
+
+#[test]
+fn null_empty_and_wrapping_ranges_are_refused_before_asking_the_driver() {
+    // A driver that fails every query: these must be refused without a query.
+    let d = MockDriver { fail: Some((999, "CUDA_ERROR_UNKNOWN")), ..MockDriver::default() };
+    for (addr, len, why) in [(0, 16, "null"), (0x1000, 0, "empty"), (u64::MAX - 8, 16, "wraps")] {
+        let err = validate(&d, addr, len, 0).unwrap_err();
+        assert!(matches!(&err, CudaError::InvalidRange { reason, .. } if reason.contains(why)), "{err:?}");
+    }
+}
+
+#[test]
+fn driver_failures_name_the_call_and_status() {
+    let d = MockDriver { fail: Some((DriverStatus::NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED")), ..two_gpus() };
+    let err = validate(&d, 0x7f00_0000_0000, 16, 0).unwrap_err();
+    let CudaError::Driver { call, status, .. } = &err else { panic!("{err:?}") };
+    assert_eq!((*call, status.code), ("cuPointerGetAttribute(MEMORY_TYPE)", 3));
+    assert!(err.to_string().contains("CUDA_ERROR_NOT_INITIALIZED (3)"), "{err}");
+
+    let d = MockDriver { fail_range: true, ..two_gpus() };
+    let err = validate(&d, 0x7f00_0000_0000, 16, 0).unwrap_err();
+    assert!(matches!(&err, CudaError::Driver { call: "cuMemGetAddressRange", device: Some(0), .. }), "{err:?}");
+    assert!(err.to_string().contains("on CUDA device 0"), "{err}");
+}
+
+proptest! {
+    /// Against a model: a range is accepted iff it lies in one device allocation of the claimed
+    /// device; otherwise the error says which of the reasons applies.
+    #[test]
+    fn validation_matches_the_model(
+        allocs in prop::collection::vec((0u64..64, 1u64..8, 0i32..3, 0u8..4), 1..6),
+        offset in 0u64..(80 << 12),
+        len in 1u64..(12 << 12),
+        claimed in 0u32..3,
+    ) {
+        // Allocations in 4 KiB pages at distinct page offsets (overlaps dropped, like a real driver's).
+        let mut d = MockDriver::default();
+        let mut used = HashSet::new();
+        for (page, pages, device, k) in allocs {
+            if (page..page + pages).any(|p| used.contains(&p)) {
+                continue;
+            }
+            used.extend(page..page + pages);
+            let (kind, managed) = match k { 0 | 1 => (MemoryType::Device, false), 2 => (MemoryType::Host, false), _ => (MemoryType::Device, true) };
+            d.allocs.push(Alloc { base: 0x10_0000 + (page << 12), len: pages << 12, device, kind, managed });
+        }
+        let addr = 0x10_0000 + offset;
+        let holder = d.allocs.iter().find(|a| addr >= a.base && addr < a.base + a.len).cloned();
+        let r = validate(&d, addr, len, claimed);
+        match holder {
+            None => prop_assert!(matches!(r, Err(CudaError::NotDeviceMemory { .. })), "{:?}", r),
+            Some(a) if a.kind != MemoryType::Device || a.managed => {
+                prop_assert!(matches!(r, Err(CudaError::NotDeviceMemory { .. })), "{:?}", r)
+            }
+            Some(a) if a.device as u32 != claimed => {
+                prop_assert!(matches!(r, Err(CudaError::WrongDevice { .. })), "{:?}", r)
+            }
+            Some(a) if addr + len > a.base + a.len => {
+                prop_assert!(matches!(r, Err(CudaError::OutsideAllocation { .. })), "{:?}", r)
+            }
+            Some(a) => {
+                let info = r.unwrap();
+                prop_assert_eq!((info.alloc_base, info.alloc_len, info.device), (a.base, a.len, claimed));
+            }
+        }
+    }
+}
+
+// ---- staging plans ----
+
+const UNIT: u64 = 4096;
+
+fn qwen_16k() -> UnitSpace {
+    UnitSpace { regions: 128, blocks: 1024, unit_bytes: UNIT }
+}
+
+#[test]
+fn a_16k_request_goes_through_bounded_slots_in_pieces() {
+    let plan = staging::plan(qwen_16k(), 32 << 20, 4).unwrap();
+    assert_eq!(plan.space.bytes(), 512 << 20);
+    assert_eq!(plan.pieces.len(), 16, "512 MiB in 32 MiB pieces");
+    for (i, p) in plan.pieces.iter().enumerate() {
+        assert_eq!(
+            *p,
+            Piece { index: i as u32, slot: i as u32 % 4, first_unit: i as u64 * 8192, units: 8192, bytes: 32 << 20 }
+        );
+    }
+    assert_eq!(plan.staging_bytes(), 128 << 20, "4 slots of 32 MiB, reused 4 times each");
+    // A request smaller than one slot: one piece, one slot used.
+    let small = staging::plan(UnitSpace { regions: 128, blocks: 64, unit_bytes: UNIT }, 32 << 20, 4).unwrap();
+    assert_eq!(small.pieces.len(), 1);
+    assert_eq!((small.pieces[0].units, small.pieces[0].bytes, small.staging_bytes()), (8192, 32 << 20, 32 << 20));
+}
+
+#[test]
+fn the_last_piece_carries_the_remainder() {
+    let plan = staging::plan(UnitSpace { regions: 3, blocks: 5, unit_bytes: 64 }, 4 * 64 + 16, 2).unwrap();
+    let units: Vec<u64> = plan.pieces.iter().map(|p| p.units).collect();
+    assert_eq!(units, [4, 4, 4, 3], "15 units, 4 per slot (a slot holds whole units only)");
+    let slots: Vec<u32> = plan.pieces.iter().map(|p| p.slot).collect();
+    assert_eq!(slots, [0, 1, 0, 1]);
+    assert_eq!(plan.pieces[3].first_unit, 12);
+}
+
+#[test]
+fn unusable_geometry_is_refused() {
+    let s = qwen_16k();
+    let bad = [
+        staging::plan(s, 32 << 20, 0),
+        staging::plan(s, 2048, 4),
+        staging::plan(s, (32 << 20) + 8, 4),
+        staging::plan(UnitSpace { unit_bytes: 4100, ..s }, 32 << 20, 4),
+        staging::plan(UnitSpace { blocks: 0, ..s }, 32 << 20, 4),
+    ];
+    let whys = ["no staging slot", "at least one unit", "multiple of 16", "multiple of 16", "nothing to move"];
+    for (r, why) in bad.into_iter().zip(whys) {
+        let err = r.unwrap_err();
+        assert!(matches!(&err, StagingError::Geometry(m) if m.contains(why)), "{why}: {err}");
+    }
+}
+
+proptest! {
+    /// Pieces cover every unit exactly once, in order, each within a slot, slots round-robin.
+    #[test]
+    fn pieces_partition_the_request(
+        regions in 1u32..40, blocks in 1u32..300, unit16 in 1u64..300, slot_units in 1u64..500, extra in 0u64..16, slots in 1u32..6,
+    ) {
+        let space = UnitSpace { regions, blocks, unit_bytes: unit16 * 16 };
+        let slot_bytes = slot_units * space.unit_bytes + extra * 16;
+        let plan = staging::plan(space, slot_bytes, slots).unwrap();
+        let per = slot_bytes / space.unit_bytes;
+        prop_assert!(per >= slot_units);
+        let mut next = 0u64;
+        for (i, p) in plan.pieces.iter().enumerate() {
+            prop_assert_eq!(p.index as usize, i);
+            prop_assert_eq!(p.slot, i as u32 % slots);
+            prop_assert_eq!(p.first_unit, next);
+            prop_assert!(p.units >= 1 && p.bytes == p.units * space.unit_bytes && p.bytes <= slot_bytes);
+            if i + 1 < plan.pieces.len() {
+                prop_assert_eq!(p.units, per, "only the last piece may be short");
+            }
+            next += p.units;
+        }
+        prop_assert_eq!(next, space.units());
+        prop_assert!(plan.staging_bytes() <= u64::from(slots) * slot_bytes);
+    }
+}
+
+/// A deterministic permutation of `0..n` (first `take`).
+fn permutation(n: u32, take: usize, mut s: u64) -> Vec<u32> {
+    let mut v: Vec<u32> = (0..n).collect();
+    for i in (1..v.len()).rev() {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        v.swap(i, (s % (i as u64 + 1)) as usize);
+    }
+    v.truncate(take);
+    v
+}
+
+/// Runs a whole staged transfer with the reference gather/scatter: P's blocks (filled with the
+/// pattern) → P slot → D slot → D's blocks, slots reused; then checks every unit on D and that no
+/// other block of D changed.
+fn staged_round_trip(regions: u32, pool: u32, blocks: u32, unit: u64, slot_bytes: u64, slots: u32, seed: u64) {
+    let space = UnitSpace { regions, blocks, unit_bytes: unit };
+    let region_len = u64::from(pool) * unit;
+    let (p_base, d_base) = (0x1000_0000u64, 0x9000_0000u64);
+    let p_bases: Vec<u64> = (0..u64::from(regions)).map(|r| p_base + r * region_len).collect();
+    let d_bases: Vec<u64> = (0..u64::from(regions)).map(|r| d_base + r * region_len).collect();
+    let p_ids = permutation(pool, blocks as usize, seed | 1);
+    let d_ids = permutation(pool, blocks as usize, (seed >> 1) | 3);
+    let p = Side { bases: &p_bases, ids: &p_ids, stride: unit };
+    let d = Side { bases: &d_bases, ids: &d_ids, stride: unit };
+    let mut p_mem = vec![0u8; (region_len * u64::from(regions)) as usize];
+    let mut d_mem = vec![0xa5u8; p_mem.len()];
+    for u in 0..space.units() {
+        let (r, j) = space.locate(u);
+        let off = (p.unit_addr(&space, u) - p_base) as usize;
+        staging::pattern_fill(seed, r, j, &mut p_mem[off..off + unit as usize]);
+    }
+    let plan = staging::plan(space, slot_bytes, slots).expect("plan");
+    let mut p_slots = vec![vec![0u8; slot_bytes as usize]; slots as usize];
+    let mut d_slots = vec![vec![0u8; slot_bytes as usize]; slots as usize];
+    for piece in &plan.pieces {
+        let s = piece.slot as usize;
+        staging::gather(&space, piece, &p, &p_mem, p_base, &mut p_slots[s]).expect("gather");
+        d_slots[s][..piece.bytes as usize].copy_from_slice(&p_slots[s][..piece.bytes as usize]); // the WRITE
+        staging::scatter(&space, piece, &d, &d_slots[s], &mut d_mem, d_base).expect("scatter");
+    }
+    let mut touched = vec![false; (u64::from(regions) * u64::from(pool)) as usize];
+    for u in 0..space.units() {
+        let (r, j) = space.locate(u);
+        let off = (d.unit_addr(&space, u) - d_base) as usize;
+        assert_eq!(
+            staging::pattern_check(seed, r, j, &d_mem[off..off + unit as usize]),
+            None,
+            "unit {u} (r {r}, j {j})"
+        );
+        touched[off / unit as usize] = true;
+    }
+    for (b, chunk) in d_mem.chunks(unit as usize).enumerate() {
+        if !touched[b] {
+            assert!(chunk.iter().all(|&x| x == 0xa5), "D block {b} outside the request was written");
+        }
+    }
+}
+
+#[test]
+fn staged_transfer_reassembles_every_unit_in_place() {
+    // 8 regions × 40 of 64 pool blocks, 4 KiB units, 3 slots of 5 units: 64 pieces, each slot reused.
+    staged_round_trip(8, 64, 40, UNIT, 5 * UNIT, 3, 0x1234);
+    // One slot only: strictly sequential reuse.
+    staged_round_trip(4, 32, 32, 256, 256 * 7, 1, 77);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+    #[test]
+    fn staged_transfer_any_geometry(
+        regions in 1u32..6, pool in 1u32..40, take in 1u32..40, unit16 in 1u64..20, slot_units in 1u64..9, slots in 1u32..4, seed in any::<u64>(),
+    ) {
+        staged_round_trip(regions, pool, take.min(pool), unit16 * 16, slot_units * unit16 * 16, slots, seed);
+    }
+}
+
+#[test]
+fn reference_copies_refuse_units_outside_memory() {
+    let space = UnitSpace { regions: 1, blocks: 2, unit_bytes: 64 };
+    let bases = [0x1000u64];
+    let ids = [0u32, 9];
+    let side = Side { bases: &bases, ids: &ids, stride: 64 };
+    let plan = staging::plan(space, 128, 1).unwrap();
+    let mem = vec![0u8; 8 * 64];
+    let mut slot = vec![0u8; 128];
+    let err = staging::gather(&space, &plan.pieces[0], &side, &mem, 0x1000, &mut slot).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StagingError::OutOfBounds {
+                unit: 1,
+                region: 0,
+                block: 9,
+                addr: 0x1240,
+                len: 64,
+                base: 0x1000,
+                mem_len: 512
+            }
+        ),
+        "{err:?}"
+    );
+    // Misaligned region base.
+    let bases = [0x1008u64];
+    let side = Side { bases: &bases, ids: &[0, 1], stride: 64 };
+    let err = staging::gather(&space, &plan.pieces[0], &side, &mem, 0x1000, &mut slot).unwrap_err();
+    assert!(matches!(&err, StagingError::Geometry(m) if m.contains("not 16-byte aligned")), "{err}");
+}
+
+#[test]
+fn the_pattern_tells_units_apart_and_catches_a_flipped_bit() {
+    let mut a = vec![0u8; 4096];
+    staging::pattern_fill(7, 3, 100, &mut a);
+    assert_eq!(staging::pattern_check(7, 3, 100, &a), None);
+    // Another region, block, or seed does not match.
+    assert_eq!(staging::pattern_check(7, 4, 100, &a), Some(0));
+    assert_eq!(staging::pattern_check(7, 3, 101, &a), Some(0));
+    assert_eq!(staging::pattern_check(8, 3, 100, &a), Some(0));
+    a[2049] ^= 0x10;
+    assert_eq!(staging::pattern_check(7, 3, 100, &a), Some(512));
+    // Not a constant or a short cycle: words of a unit are distinct.
+    staging::pattern_fill(7, 3, 100, &mut a);
+    let words: HashSet<&[u8]> = a.chunks(4).collect();
+    assert!(words.len() > 1000, "{} distinct words of 1024", words.len());
+}
+
+// ---- machines without CUDA: clear errors, never a panic ----
+
+#[test]
+fn kvpush_device_cuda_without_a_driver_is_a_clear_error() {
+    match kvpush_cuda::driver_available() {
+        Err(e) => {
+            assert!(matches!(&e, CudaError::Unavailable { library, .. } if library.contains("CUDA driver")), "{e:?}");
+            let err = select("cuda").unwrap_err();
+            let DeviceError::Unavailable { requested, tried } = &err else { panic!("{err:?}") };
+            assert_eq!((requested.as_str(), tried.len(), tried[0].0.as_str()), ("cuda", 1, "cuda"));
+            assert!(tried[0].1.contains("libcuda.so") && tried[0].1.contains("LD_LIBRARY_PATH"), "{}", tried[0].1);
+            let err = Gpu::open(0).unwrap_err();
+            assert!(matches!(err, CudaError::Unavailable { .. }), "{err:?}");
+            // auto falls through to the host.
+            assert_eq!(select("auto").unwrap().kind(), kvpush::device::DeviceKind::Host);
+        }
+        // On a GPU machine the same call opens device 0 (or says why not, e.g. no device visible).
+        Ok(()) => match select("cuda") {
+            Ok(dev) => assert_eq!(dev.kind(), kvpush::device::DeviceKind::Cuda),
+            Err(e) => assert!(e.to_string().contains("cuda"), "{e}"),
+        },
+    }
+}
+
+/// The only test here that touches the environment (tests run in parallel threads).
+#[test]
+fn kvpush_cuda_device_must_be_an_ordinal() {
+    std::env::set_var("KVPUSH_CUDA_DEVICE", "first");
+    let err = select("cuda").unwrap_err();
+    std::env::remove_var("KVPUSH_CUDA_DEVICE");
+    let DeviceError::Unavailable { tried, .. } = &err else { panic!("{err:?}") };
+    assert!(tried[0].1.contains("KVPUSH_CUDA_DEVICE=\"first\" is not a device ordinal"), "{}", tried[0].1);
+}
+
+#[test]
+fn nvrtc_missing_is_a_clear_error_and_present_compiles() {
+    match kvpush_cuda::compile_ptx("compute_90") {
+        Ok(ptx) => {
+            for k in ["kvp_gather", "kvp_scatter", "kvp_fill"] {
+                assert!(ptx.contains(&format!(".entry {k}")), "{k} missing from the PTX");
+            }
+        }
+        Err(e) => {
+            assert!(kvpush_cuda::nvrtc_available().is_err(), "NVRTC loads but compiling failed: {e}");
+            assert!(matches!(&e, CudaError::Unavailable { library, .. } if library.contains("NVRTC")), "{e:?}");
+            assert!(e.to_string().contains("LD_LIBRARY_PATH"), "{e}");
+        }
+    }
+}
