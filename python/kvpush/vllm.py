@@ -192,6 +192,16 @@ class _Scheduler:
         # D: req_id -> transfer (waiting for the KV, or aborted and draining).
         self.receiving: dict[str, tuple[str, int]] = {}
 
+    def _whole_blocks(self, request: Request) -> tuple[int, int]:
+        """The tokens to move, rounded up to whole blocks, and the blocks per group.
+
+        Whole blocks move: the bytes of a block's unused tail slots are copied too (D overwrites them
+        as it appends). Attention backends may pack tokens inside a block (vLLM CPU's ISA-specific
+        layouts do), so a partial-block copy could miss or garble the tokens that matter.
+        """
+        blocks = _cdiv(len(request.prompt_token_ids or ()), self.block_size)
+        return blocks * self.block_size, blocks
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill") and _transfer(params):
@@ -208,7 +218,8 @@ class _Scheduler:
         if transfer is None:
             return
         tid, attempt = transfer
-        local = [list(g) for g in blocks.get_unhashed_block_ids_all_groups()]
+        num_tokens, needed = self._whole_blocks(request)
+        local = [list(g)[:needed] for g in blocks.get_unhashed_block_ids_all_groups()]
         remote = None
         if self.cfg.mode == "pull":
             remote = [list(g) for g in (params.get("remote_block_ids") or ())]
@@ -224,7 +235,7 @@ class _Scheduler:
                 port=int(params["remote_port"]),
                 producer_tp=int(params.get("tp_size", 1)),
                 block_ids=local,
-                num_tokens=len(request.prompt_token_ids or ()),
+                num_tokens=num_tokens,
                 remote_block_ids=remote,
             )
         )
@@ -253,8 +264,7 @@ class _Scheduler:
             # P: aborted before its KV was complete; D is told and fails or recomputes at once.
             self.meta.aborts.append(Abort(rid, tid, attempt))
             return False, None
-        num_tokens = len(request.prompt_token_ids or ())
-        needed = _cdiv(num_tokens, self.block_size)
+        num_tokens, needed = self._whole_blocks(request)
         groups = [list(g)[:needed] for g in block_ids]
         if not any(groups):
             return False, None

@@ -516,7 +516,8 @@ impl KvLayout {
         }
         let tp = u32::from(p.tp_size);
         if m.kind == KvKind::KeyValue
-            && ((m.kv_heads >= tp && m.kv_heads % tp != 0) || (m.kv_heads < tp && tp % m.kv_heads != 0))
+            && ((m.kv_heads >= tp && !m.kv_heads.is_multiple_of(tp))
+                || (m.kv_heads < tp && !tp.is_multiple_of(m.kv_heads)))
         {
             return Err(LayoutError::HeadsNotDivisible { kv_heads: m.kv_heads, tp_size: p.tp_size });
         }

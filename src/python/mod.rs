@@ -16,9 +16,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use pyo3::conversion::FromPyObjectOwned;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
-use pyo3::conversion::FromPyObjectOwned;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
@@ -240,14 +240,16 @@ fn pick(key: &str, value: &str, names: &[&str]) -> PyResult<u32> {
 /// Builds the engine and layout specs from the config dict (keys documented in docs/vllm.md).
 fn specs(d: &Bound<'_, PyDict>) -> PyResult<(EngineSpec, LayoutSpec)> {
     let mode = pick("mode", &need::<String>(d, "mode")?, &["push", "pull"])?;
-    let dtype = pick("dtype", &need::<String>(d, "dtype")?, &["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8"])?;
-    let order = pick("order", &get::<String>(d, "order")?.unwrap_or_else(|| "hnd".into()), &["hnd", "nhd"])?;
-    let placement = pick(
-        "placement",
-        &need::<String>(d, "placement")?,
-        &["separate", "joint", "single", "head_joint"],
+    let dtype = pick(
+        "dtype",
+        &need::<String>(d, "dtype")?,
+        &["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8"],
     )?;
-    let kv_kind = pick("kv_kind", &get::<String>(d, "kv_kind")?.unwrap_or_else(|| "key_value".into()), &["key_value", "latent"])?;
+    let order = pick("order", &get::<String>(d, "order")?.unwrap_or_else(|| "hnd".into()), &["hnd", "nhd"])?;
+    let placement =
+        pick("placement", &need::<String>(d, "placement")?, &["separate", "joint", "single", "head_joint"])?;
+    let kv_kind =
+        pick("kv_kind", &get::<String>(d, "kv_kind")?.unwrap_or_else(|| "key_value".into()), &["key_value", "latent"])?;
     let groups: Vec<(Vec<u32>, u32)> = get(d, "groups")?.unwrap_or_default();
     let parallel = Parallel {
         tp_rank: get(d, "tp_rank")?.unwrap_or(0),
@@ -440,7 +442,9 @@ impl Worker {
                     Finished::Sent { key, reason } => {
                         ("sent", transfer_id_of(key), key.attempt.0, format!("{reason:?}"), Vec::new())
                     }
-                    Finished::Received { key } => ("received", transfer_id_of(key), key.attempt.0, String::new(), Vec::new()),
+                    Finished::Received { key } => {
+                        ("received", transfer_id_of(key), key.attempt.0, String::new(), Vec::new())
+                    }
                     Finished::Failed { key, reason, invalid_blocks } => {
                         ("failed", transfer_id_of(key), key.attempt.0, reason, invalid_blocks)
                     }
@@ -487,8 +491,8 @@ fn version() -> &'static str {
 /// Routes the engine's logs (`KVPUSH_LOG`, default `warn`) to stderr, once per process.
 #[pyfunction]
 fn init_logging() {
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_env("KVPUSH_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVPUSH_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }
 

@@ -165,7 +165,7 @@ impl Prepared {
         let i = self.spans.partition_point(|(u, _)| u.base <= addr).checked_sub(1)?;
         let (u, first) = self.spans[i];
         let off = addr - u.base;
-        if len != u.unit || off % u.unit != 0 || off / u.unit >= u.count {
+        if len != u.unit || !off.is_multiple_of(u.unit) || off / u.unit >= u.count {
             return None;
         }
         // Fits: the total unit count is at most MAX_PREPARED_UNITS < i32::MAX.
