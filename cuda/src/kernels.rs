@@ -279,7 +279,7 @@ impl Kernels {
         let bytes = units.checked_mul(sp.unit_bytes);
         let fits = first_unit.checked_add(units).is_some_and(|e| e <= sp.units())
             && bytes.and_then(|b| b.checked_add(offset)).is_some_and(|e| e <= staging.len())
-            && offset % ALIGN == 0;
+            && offset.is_multiple_of(ALIGN);
         if !fits || sp.unit_bytes == 0 {
             return Err(CudaError::Bounds {
                 what: "staging piece",

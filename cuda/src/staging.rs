@@ -88,7 +88,7 @@ impl UnitSpace {
                 self.regions, self.blocks
             )));
         }
-        if self.unit_bytes == 0 || self.unit_bytes % ALIGN != 0 {
+        if self.unit_bytes == 0 || !self.unit_bytes.is_multiple_of(ALIGN) {
             return Err(StagingError::Geometry(format!(
                 "unit of {} bytes: must be a non-zero multiple of {ALIGN}",
                 self.unit_bytes
@@ -145,7 +145,7 @@ pub fn plan(space: UnitSpace, slot_bytes: u64, slots: u32) -> Result<StagingPlan
     if slots == 0 {
         return Err(StagingError::Geometry("no staging slot".into()));
     }
-    if slot_bytes < space.unit_bytes || slot_bytes % ALIGN != 0 {
+    if slot_bytes < space.unit_bytes || !slot_bytes.is_multiple_of(ALIGN) {
         return Err(StagingError::Geometry(format!(
             "slot of {slot_bytes} bytes: must hold at least one unit of {} bytes and be a multiple of {ALIGN}",
             space.unit_bytes
@@ -197,13 +197,13 @@ impl Side<'_> {
                 space.blocks
             )));
         }
-        if self.stride < space.unit_bytes || self.stride % ALIGN != 0 {
+        if self.stride < space.unit_bytes || !self.stride.is_multiple_of(ALIGN) {
             return Err(StagingError::Geometry(format!(
                 "block stride {} must be ≥ the unit ({} bytes) and a multiple of {ALIGN}",
                 self.stride, space.unit_bytes
             )));
         }
-        if let Some(b) = self.bases.iter().find(|&&b| b % ALIGN != 0) {
+        if let Some(b) = self.bases.iter().find(|&&b| !b.is_multiple_of(ALIGN)) {
             return Err(StagingError::Geometry(format!("region base {b:#x} is not {ALIGN}-byte aligned")));
         }
         Ok(())
