@@ -211,10 +211,20 @@ def run_setup(setup: Setup, args: argparse.Namespace, model_dir: Path, prompt_se
     d_env = srv.vllm_plugin_env(*setup.d_plugins) if setup.d_plugins else {}
     started: list[srv.Server] = []
     t0 = time.monotonic()
+    # Each server's side channel: vLLM's connectors read VLLM_NIXL_SIDE_CHANNEL_PORT (start_vllm sets it),
+    # kvpush's its kv_connector_extra_config "side_channel_port"; the router hands P's to D.
+    p_port, d_port = srv.free_ports(2)
+    p_cfg, d_cfg = json.loads(json.dumps(setup.p_config)), json.loads(json.dumps(setup.d_config))
+    if setup.needs_kvpush:
+        p_cfg["kv_connector_extra_config"]["side_channel_port"] = p_port
+        d_cfg["kv_connector_extra_config"]["side_channel_port"] = d_port
+    out["p_kv_transfer_config"], out["d_kv_transfer_config"] = p_cfg, d_cfg
     try:
         with ThreadPoolExecutor(2) as pool:
-            pf = pool.submit(srv.start_vllm, f"{tag}-P", model_dir, kv_transfer_config=setup.p_config, extra_env=p_env)
-            df = pool.submit(srv.start_vllm, f"{tag}-D", model_dir, kv_transfer_config=setup.d_config, extra_env=d_env)
+            pf = pool.submit(srv.start_vllm, f"{tag}-P", model_dir, kv_transfer_config=p_cfg, extra_env=p_env,
+                             side_channel_port=p_port)  # fmt: skip
+            df = pool.submit(srv.start_vllm, f"{tag}-D", model_dir, kv_transfer_config=d_cfg, extra_env=d_env,
+                             side_channel_port=d_port)  # fmt: skip
             for f in (pf, df):
                 try:
                     started.append(f.result())
