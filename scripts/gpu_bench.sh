@@ -32,7 +32,10 @@ prepare() {
     --python-version 3.12 --platform manylinux_2_28_x86_64 -d "$b" "nixl-cu13==$NIXL_VERSION"
   rm -rf "$b/x" "$b/pack" && mkdir -p "$b/x" "$b/pack/nixl-cu13/lib/plugins" "$b/pack/nixl-cu13/deps/ucx"
   (cd "$b/x" && unzip -q ../nixl_cu13-$NIXL_VERSION-*.whl '.nixl_cu13.mesonpy.libs/*' 'nixl_cu13.libs/*')
-  local x="$b/x" p="$b/pack/nixl-cu13"
+  # Absolute paths: with a relative LD_LIBRARY_PATH, ldd prints what it finds there relative too.
+  local x p
+  x="$(cd "$b/x" && pwd)"
+  p="$(cd "$b/pack/nixl-cu13" && pwd)"
   mv "$x/.nixl_cu13.mesonpy.libs" "$x/lib" && mv "$x/nixl_cu13.libs" "$x/deps"
   # The C API, the UCX plugin, UCX's CUDA (cuda_copy, cuda_ipc, gdr_copy) and CMA modules, and every
   # library of the wheel these load (by ldd: grpc, absl, etcd, UCX ...). The rest (other plugins,
@@ -41,7 +44,7 @@ prepare() {
     deps/ucx/libucm_cuda.so.0.0.0 deps/ucx/libuct_cma.so.0.0.0"
   for f in $roots; do
     cp "$x/$f" "$p/$f"
-    LD_LIBRARY_PATH="$x/lib:$x/deps" ldd "$x/$f" | awk -v x="$(cd "$x" && pwd)/" '$3 ~ x {print $3}'
+    LD_LIBRARY_PATH="$x/lib:$x/deps" ldd "$x/$f" | awk -v x="$x/" 'index($3, x) == 1 {print $3}'
   done | sort -u | while read -r lib; do
     rel="$(realpath --relative-to="$x" "$lib")"
     cp -n "$lib" "$p/$rel"
