@@ -18,11 +18,12 @@ echo "NIXL libraries: $NIXL_LIB_DIR"
 step "cargo fmt --check"
 cargo fmt --all --check
 
-step "cargo clippy --all-targets -- -D warnings"
-cargo clippy --all-targets -- -D warnings
+step "cargo clippy --workspace --all-targets -- -D warnings (and the Python module, feature python)"
+cargo clippy --workspace --all-targets -- -D warnings
+cargo clippy --lib --features python -- -D warnings
 
-step "cargo test --all-targets (unit, property, corpus, integration; benches run once)"
-cargo test --all-targets
+step "cargo test --workspace --all-targets (unit, property, corpus, integration; benches run once)"
+cargo test --workspace --all-targets
 
 step "cargo test --doc"
 cargo test --doc
@@ -32,5 +33,13 @@ RUSTFLAGS="--cfg kvpush_loom" CARGO_TARGET_DIR=target/loom cargo test --release 
 
 step "kvpush demo (the main job) on a small workload"
 cargo run --release --quiet -- demo --requests 40 --quiet --json target/demo-ci.json
+
+step "Python: vLLM (CPU build), NIXL wheels, test tools (scripts/python.sh; cached in .cache/)"
+# shellcheck source=scripts/python.sh
+. scripts/python.sh
+step "the kvpush Python package into that venv (maturin develop --release)"
+maturin develop --release --quiet
+step "pytest tests/python (real vLLM servers behind kvpush router)"
+python -m pytest tests/python -v -rA --durations=0
 
 step "all checks passed in $(( $(date +%s) - started )) s"
