@@ -4,9 +4,10 @@
 //! ([`Device::describe`]: which kind of memory, which device ordinal), allocates memory kvpush owns
 //! (benches and the demo: [`Device::alloc`] returns an RAII [`Buffer`]), and copies bytes in and out of
 //! its memory for verification. Backends: [`host`] (DRAM through memmap2: anonymous or file-backed
-//! mappings), [`mock`] (host memory presented as device memory, with fault injection, for tests) and
-//! [`neuron`] (AWS Neuron device memory through libnrt, loaded at run time by `neuron/neuron-sys`).
-//! The CUDA backend lives in `cuda/` when built in.
+//! mappings), [`mock`] (host memory presented as device memory, with fault injection, for tests),
+//! [`neuron`] (AWS Neuron device memory through libnrt, loaded at run time by `neuron/neuron-sys`)
+//! and [`cuda`] (NVIDIA GPU memory, validated through the driver API of `cuda/`'s `kvpush-cuda`, loaded
+//! at run time).
 //!
 //! [`select`] picks a backend from `KVPUSH_DEVICE=auto|neuron|cuda|host|mock`; an unknown value or a
 //! backend that is not available is an error naming everything that was tried and why it failed.
