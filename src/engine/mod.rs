@@ -536,6 +536,12 @@ impl Engine {
         self.shared.outbox.drain_into(out)
     }
 
+    /// Whether some worker of engine `engine_id` is handshaken with this worker now (peers that were
+    /// lost are forgotten until they handshake again).
+    pub fn knows_engine(&self, engine_id: &str) -> bool {
+        self.shared.any_peer_of(engine_id).is_some()
+    }
+
     /// Counters and latency histograms of all writer shards.
     pub fn stats(&self) -> StatsSnapshot {
         let mut total = Stats::default();

@@ -144,10 +144,12 @@ impl Inner {
     fn route(self: &Arc<Self>, producer: &str, host: &str, port: u16, producer_tp: u16, q: Queued) -> PyResult<()> {
         let mut producers = lock(&self.producers);
         match producers.get_mut(producer) {
-            Some(ProducerState::Ready) => {
+            Some(ProducerState::Ready) if self.engine.engine().knows_engine(producer) => {
                 drop(producers);
                 return self.submit(producer, q).map_err(py_err);
             }
+            // Handshaken once, lost since (connection or heartbeat): dial it afresh below.
+            Some(ProducerState::Ready) => {}
             Some(ProducerState::Dialing(waiting)) => {
                 waiting.push(q);
                 return Ok(());
