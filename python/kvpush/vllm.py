@@ -18,12 +18,10 @@ docs/vllm.md documents every ``kv_connector_extra_config`` key.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import os
 import re
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -569,9 +567,6 @@ class _Worker:
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self.load_errors = self.load_errors, set()
         return out
-
-    def native_stats(self) -> dict[str, Any]:
-        return dict(self.native.stats()) if self.native is not None else {}
 
 
 class KVPushStats(KVConnectorStats):

@@ -66,6 +66,7 @@ fn transfer_id_of(key: Key) -> String {
 }
 
 /// A request waiting for its producer's handshake.
+#[derive(Clone)]
 enum Queued {
     Push { key: Key, blocks: Vec<Vec<u32>>, tokens: u64 },
     Pull { key: Key, remote: Vec<Vec<u32>>, local: Vec<Vec<u32>>, tokens: u64 },
@@ -98,7 +99,7 @@ struct Inner {
     producers: Mutex<HashMap<String, ProducerState>>,
     /// Outcomes produced here rather than by the engine (a producer that cannot be reached).
     local: Mutex<VecDeque<PyOutcome>>,
-    /// Invalid blocks of failed requests, by key (the engine's `Finished::Failed` carries them).
+    /// Reused buffer for the engine's outcomes.
     scratch: Mutex<Vec<crate::engine::Finished>>,
 }
 
@@ -163,7 +164,7 @@ impl Inner {
         let producer = producer.to_owned();
         let spawned = std::thread::Builder::new().name("kvpush-dial".into()).spawn(move || me.dial(&producer, &addrs));
         if let Err(e) = spawned {
-            return Err(TransportError::new_err(format!("cannot start a thread to dial {}: {e}", host)));
+            return Err(TransportError::new_err(format!("cannot start a thread to dial {host}: {e}")));
         }
         Ok(())
     }
@@ -194,25 +195,12 @@ impl Inner {
         for q in waiting {
             match &error {
                 Some(why) => self.fail(&q, why.clone()),
+                // Once submitted, the engine reports the outcome.
                 None => {
-                    if let Err(e) = self.submit(producer, q.clone_key_only()) {
+                    if let Err(e) = self.submit(producer, q.clone()) {
                         self.fail(&q, e.to_string());
-                    } else {
-                        // Submitted: the engine reports its outcome.
                     }
                 }
-            }
-        }
-    }
-}
-
-impl Queued {
-    /// `submit` consumes a request; `dial` keeps it for the failure report. Block lists are small.
-    fn clone_key_only(&self) -> Queued {
-        match self {
-            Queued::Push { key, blocks, tokens } => Queued::Push { key: *key, blocks: blocks.clone(), tokens: *tokens },
-            Queued::Pull { key, remote, local, tokens } => {
-                Queued::Pull { key: *key, remote: remote.clone(), local: local.clone(), tokens: *tokens }
             }
         }
     }
@@ -415,11 +403,10 @@ impl Worker {
             for state in producers.values_mut() {
                 if let ProducerState::Dialing(w) = state {
                     if let Some(i) = w.iter().position(|q| q.key() == key) {
-                        let q = w.remove(i);
+                        w.remove(i);
                         drop(producers);
                         let tid = transfer_id_of(key);
                         lock(&self.inner.local).push_back(("ended", tid, attempt, "aborted".into(), Vec::new()));
-                        drop(q);
                         return Ok(());
                     }
                 }
