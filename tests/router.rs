@@ -163,11 +163,15 @@ async fn push_sends_both_legs_at_once_with_their_kv_transfer_params() {
         assert_eq!(pr.json["kv_transfer_params"], json!({"do_remote_decode": true, "transfer_id": id}));
         assert_eq!(pr.json["max_tokens"], 1);
         assert_eq!(pr.json["stream"], false);
+        // P's vLLM request id up to the random suffix its engine adds (stock vLLM's push D needs it).
+        let remote_request_id =
+            if pr.path == "/v1/chat/completions" { format!("chatcmpl-{id}") } else { format!("cmpl-{id}-0") };
         assert_eq!(
             dr.json["kv_transfer_params"],
             json!({
-                "do_remote_prefill": true, "transfer_id": id, "remote_engine_id": "p-engine-0",
-                "remote_host": "p0.example", "remote_port": 5601, "tp_size": 2, "pp_size": 1,
+                "do_remote_prefill": true, "transfer_id": id, "remote_request_id": remote_request_id,
+                "remote_engine_id": "p-engine-0", "remote_host": "p0.example", "remote_port": 5601,
+                "tp_size": 2, "pp_size": 1,
             })
         );
         // Both legs carry the same X-Request-Id (stock vLLM pairs push legs by it).

@@ -59,6 +59,7 @@ DEFAULTS: dict[str, Any] = {
     "nixl_backend": "UCX",
     "lease_ms": 0,
     "timeout_ms": 0,
+    "peer_timeout_ms": 15000,
     "writers": 1,
     "secret": None,
     "device": None,
@@ -78,6 +79,7 @@ class KVPushConfig:
     nixl_backend: str
     lease_ms: int
     timeout_ms: int
+    peer_timeout_ms: int
     writers: int
     secret: str | None
     device: str | None
@@ -105,6 +107,7 @@ class KVPushConfig:
             nixl_backend=str(values["nixl_backend"]),
             lease_ms=int(values["lease_ms"]),
             timeout_ms=int(values["timeout_ms"]),
+            peer_timeout_ms=int(values["peer_timeout_ms"]),
             writers=int(values["writers"]),
             secret=values["secret"],
             device=values["device"],
@@ -472,6 +475,7 @@ class _Worker:
             nixl_backend=self.cfg.nixl_backend,
             lease_ms=self.cfg.lease_ms,
             timeout_ms=self.cfg.timeout_ms,
+            peer_timeout_ms=self.cfg.peer_timeout_ms,
             writers=self.cfg.writers,
             secret=self.cfg.secret,
             device=self.cfg.device or device,

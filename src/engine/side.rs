@@ -468,9 +468,17 @@ impl Inner {
         let wt = std::thread::Builder::new().name("kvpush-side-tx".into()).spawn(move || {
             let mut seq = 0u64;
             loop {
+                let waited_from = Instant::now();
                 let frame = match rx.recv_timeout(heartbeat) {
                     Ok(f) => f,
                     Err(RecvTimeoutError::Timeout) => {
+                        // A heartbeat due after `heartbeat` that comes much later means this process
+                        // was not scheduled: the peer may be about to call us lost. Say so here, where
+                        // the cause is.
+                        let late = waited_from.elapsed();
+                        if late > heartbeat * 2 + Duration::from_millis(500) {
+                            tracing::warn!(peer = %w_conn.peer, waited = ?late, "side-channel heartbeat late: this process was not scheduled (host overloaded or paused?)");
+                        }
                         seq += 1;
                         match codec::to_vec(&Message::Heartbeat(Heartbeat { seq })) {
                             Ok(f) => f,
@@ -482,11 +490,16 @@ impl Inner {
                 if w_conn.closed.load(Ordering::SeqCst) {
                     return;
                 }
+                let sending_from = Instant::now();
                 if let Err(e) = writer.write_all(&frame) {
                     if let Some(inner) = w_inner.upgrade() {
                         Inner::lost(&inner, &w_conn, &format!("write failed: {e}"));
                     }
                     return;
+                }
+                let took = sending_from.elapsed();
+                if took > heartbeat {
+                    tracing::warn!(peer = %w_conn.peer, ?took, bytes = frame.len(), "side-channel write slow: the peer is not reading");
                 }
                 if let Some(inner) = w_inner.upgrade() {
                     inner.counters.frames_out.fetch_add(1, Ordering::Relaxed);

@@ -32,6 +32,11 @@ const LINGER: Duration = Duration::from_millis(2);
 const LINGER_TICK: Duration = Duration::from_micros(100);
 /// Longest polling interval while only waiting for a peer's notification (a polled transport).
 const POLL_WAITING_MAX: Duration = Duration::from_millis(1);
+/// How long after its last progress a writer with transfers in flight polls back to back. A transfer
+/// that has not finished by then is waiting on something else (a peer that is not scheduled, a slow
+/// link): the writer then polls at growing intervals, sleeping between polls, so a stalled transfer
+/// never keeps a core busy (on a small host a spinning writer can starve the very peer it waits for).
+const SPIN_WINDOW: Duration = Duration::from_millis(5);
 
 /// What a posted transfer is for.
 #[derive(Debug)]
@@ -199,7 +204,11 @@ impl Writer {
             // polls halves the bandwidth); while we merely wait for a peer's notification or read,
             // back off up to POLL_WAITING_MAX. With nothing expected, sleep until the next deadline.
             if self.inflight.values().any(|f| !f.orphaned) {
-                wait = Duration::ZERO;
+                wait = if self.last_active.elapsed() < SPIN_WINDOW {
+                    Duration::ZERO
+                } else {
+                    wait.min(self.poll_interval)
+                };
             } else if !self.inflight.is_empty() || self.comp.pending() > 0 || !self.grants.is_empty() {
                 wait = wait.min(self.poll_interval);
             }

@@ -807,7 +807,13 @@ pub unsafe extern "C" fn kvpush_engine_create(
                 if !c.hub.is_null() {
                     return Err(FfiError::invalid("config.hub", "must be null for a NIXL engine"));
                 }
-                TransportSpec::Nixl { agent_name, backend, listen, secret: secret.map(String::into_bytes) }
+                TransportSpec::Nixl {
+                    agent_name,
+                    backend,
+                    listen,
+                    secret: secret.map(String::into_bytes),
+                    peer_timeout_ms: 0,
+                }
             }
             other => {
                 return Err(FfiError::invalid(

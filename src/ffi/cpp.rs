@@ -139,6 +139,7 @@ pub(super) unsafe fn new_nixl_engine(spec: &EngineSpec, layout: &LayoutSpec) -> 
             backend: none_if_empty(&spec.nixl_backend),
             listen: none_if_empty(&spec.listen),
             secret: none_if_empty(&spec.secret).map(String::into_bytes),
+            peer_timeout_ms: 0,
         };
         // SAFETY: forwarded contract.
         unsafe { new_engine(engine_spec(spec, transport), layout) }

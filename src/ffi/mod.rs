@@ -17,6 +17,7 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use crate::device::{self, DeviceError};
 use crate::engine::side::{SideChannel, SideConfig, SideError};
@@ -459,6 +460,9 @@ pub enum TransportSpec {
         listen: Option<String>,
         /// Side-channel shared secret (default none).
         secret: Option<Vec<u8>>,
+        /// A peer silent this long is lost (0: the default, 5 s). Heartbeats go every fifth of it, at
+        /// most every second.
+        peer_timeout_ms: u64,
     },
 }
 
@@ -570,7 +574,7 @@ impl FfiEngine {
                 hub.link.attach(engine.addr().clone(), engine.sink());
                 (engine, Medium::Loopback(Arc::clone(hub)))
             }
-            TransportSpec::Nixl { agent_name, backend, listen, secret } => {
+            TransportSpec::Nixl { agent_name, backend, listen, secret, peer_timeout_ms } => {
                 let nixl = NixlConfig {
                     agent_name: agent_name.clone().unwrap_or(default_name),
                     backend: backend.clone().unwrap_or_else(|| "UCX".to_owned()),
@@ -582,6 +586,10 @@ impl FfiEngine {
                     side.listen = l.clone();
                 }
                 side.secret = secret.clone();
+                if *peer_timeout_ms > 0 {
+                    side.peer_timeout = Duration::from_millis(*peer_timeout_ms);
+                    side.heartbeat = side.heartbeat.min(side.peer_timeout / 5);
+                }
                 let side = Arc::new(SideChannel::bind(side)?);
                 // SAFETY: forwarded from this function's contract, which is `Engine::new`'s.
                 let engine = unsafe { Engine::new(config, layout, device, transport, side.clone()) }?;

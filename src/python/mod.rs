@@ -283,6 +283,7 @@ fn specs(d: &Bound<'_, PyDict>) -> PyResult<(EngineSpec, LayoutSpec)> {
             backend: get(d, "nixl_backend")?,
             listen: Some(listen),
             secret: get::<String>(d, "secret")?.map(String::into_bytes),
+            peer_timeout_ms: get(d, "peer_timeout_ms")?.unwrap_or(0),
         },
     };
     Ok((spec, layout))

@@ -206,13 +206,30 @@ pub(crate) fn prefill_body(request: &Map<String, Value>, transfer_id: &str) -> M
 }
 
 /// D's request in push mode: the client's request, told where the KV comes from.
-pub(crate) fn push_decode_body(request: &Map<String, Value>, transfer_id: &str, p: &PushTarget) -> Map<String, Value> {
+///
+/// `remote_request_id` is P's vLLM request id as far as a proxy can know it: vLLM names a request
+/// `cmpl-<X-Request-Id>-<prompt index>` (`chatcmpl-<X-Request-Id>` for chat) before its engine adds a
+/// random suffix, and both legs carry `X-Request-Id` = the transfer id. kvpush's connector does not
+/// need it; vLLM's own push connector on D requires the key (it names P's request in its heartbeats
+/// and logs), so with it stock vLLM runs behind this router unmodified.
+pub(crate) fn push_decode_body(
+    request: &Map<String, Value>,
+    path: &str,
+    transfer_id: &str,
+    p: &PushTarget,
+) -> Map<String, Value> {
+    let remote_request_id = if path == Endpoint::ChatCompletions.path() {
+        format!("chatcmpl-{transfer_id}")
+    } else {
+        format!("cmpl-{transfer_id}-0")
+    };
     let mut m = request.clone();
     m.insert(
         "kv_transfer_params".into(),
         json!({
             "do_remote_prefill": true,
             "transfer_id": transfer_id,
+            "remote_request_id": remote_request_id,
             "remote_engine_id": p.engine_id,
             "remote_host": p.host,
             "remote_port": p.port,
@@ -336,7 +353,7 @@ async fn push(
         return Outcome::Response(error_response(StatusCode::INTERNAL_SERVER_ERROR, ErrorKind::Internal, &msg));
     };
     let p_body = to_bytes(&prefill_body(request, &tid));
-    let d_body = to_bytes(&push_decode_body(request, &tid, &target));
+    let d_body = to_bytes(&push_decode_body(request, path, &tid, &target));
     let d_inst = Arc::clone(d_lease.instance());
 
     // Both legs leave now: P on its own task, D right here.

@@ -132,8 +132,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = outcome.get_result()
     if report.failed and report.when in ("setup", "call"):
         t0 = item.stash.get(_TEST_STARTED_AT, 0.0)
-        for s in srv.STARTED:
-            # Servers running during this test: still up, died on their own, or stopped by it.
+        for s in reversed(srv.STARTED):
+            # Servers running during this test, newest first: still up, died on their own, or stopped by it.
             if s.alive() or s.stopped_at is None or s.stopped_at >= t0:
                 report.sections.append(
                     (f"{s.name} log tail ({s.log_path})", s.log_tail(int(os.environ.get("KVPUSH_LOG_TAIL", "80"))))

@@ -4,12 +4,13 @@
     prompt (two prompts that differ only in their first token continue differently): the tiny model makes
     the KV matter, so a P/D setup that loses or garbles KV cannot reproduce it.
 (b) vLLM's stock ``NixlConnector`` (pull: D reads P's blocks) with P and D as two servers behind
-    ``kvpush router --mode pull`` reproduces the single engine's tokens and logprobs exactly, and D
+    ``kvpush router --mode pull`` reproduces the single engine's tokens exactly and its logprobs within
+    ``servers.LOGPROB_TOLERANCE`` (float32 rounding: D computes the last prompt token alone), and D
     prefilled at most the one trailing prompt token per request itself.
 (c) The same with vLLM's stock ``NixlPushConnector`` (push: P writes into blocks D registered) behind
     ``kvpush router --mode push`` (both legs sent at once with the same ``X-Request-Id``, by which stock
-    vLLM pairs them). The router gives D no ``remote_request_id``, which stock push D indexes
-    unconditionally: a one-function vLLM plugin on D (``servers.VLLM_PLUGINS``) supplies it.
+    vLLM pairs them). The router also gives D the ``remote_request_id`` stock push D requires (P's
+    request id up to its engine's random suffix), so stock vLLM runs unmodified.
 
 Five server starts in all (about a minute each); P and D of a pair start concurrently.
 """
@@ -109,15 +110,13 @@ def _check_pd(
                 # beside two progress threads that each spin a core, it can miss that. Once, not twice.
                 print(f"  {n:4d} tokens: failed once ({str(e)[:160]}); retrying")
                 got = srv.complete(router.url, PROMPTS[i], MAX_TOKENS, stream=(i % 2 == 1))
-            same_lp = got.logprobs == ref.logprobs
-            worst = max(abs(a - b) for a, b in zip(got.logprobs, ref.logprobs)) if got.logprobs else None
+            worst = max((abs(a - b) for a, b in zip(got.logprobs, ref.logprobs)), default=0.0)
             print(
                 f"  {n:4d} tokens: tokens {'equal' if got.token_ids == ref.token_ids else 'DIFFER'}, "
-                f"logprobs {'equal' if same_lp else f'differ by up to {worst}'}"
+                f"logprobs within {worst:.1e}"
                 f"{' (streamed, TTFT %.3f s)' % got.ttft_s if got.ttft_s else ''}"
             )
-            assert got.token_ids == ref.token_ids, f"{mode}: {n}-token prompt: {got.token_ids} != {ref.token_ids}"
-            assert got.logprobs == ref.logprobs, f"{mode}: {n}-token prompt: logprobs differ by up to {worst}"
+            srv.assert_same_output(got, ref, f"{mode}: {n}-token prompt")
         after = d.prompt_tokens_by_source()
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
         print(f"  D's prompt tokens by source over these requests: {delta}")
@@ -140,7 +139,5 @@ def test_stock_nixl_pull_behind_router_matches_single_engine(servers: "object", 
     strict=False,
 )
 def test_stock_nixl_push_behind_router_matches_single_engine(servers: "object", single: SingleEngine) -> None:
-    # The router's push request to D has no remote_request_id, which stock vLLM 0.32's push D requires
-    # (a KeyError in its engine core): a one-function vLLM plugin on D fills it in (servers.VLLM_PLUGINS).
-    d_env = srv.vllm_plugin_env("nixl_push_remote_request_id")
-    _check_pd(servers, single, "NixlPushConnector", "push", d_env, retry=True)
+    # Unmodified: the router's push request to D carries the remote_request_id stock push D requires.
+    _check_pd(servers, single, "NixlPushConnector", "push", None, retry=True)
