@@ -18,9 +18,8 @@ environment, versions, machine, load average, every request's figures) with a pl
 Setups (vLLM 0.32's own connectors, "as shipped" and with the NIXL progress thread off, and kvpush's):
 
 - ``vllm-push``: ``NixlPushConnector`` as shipped (its NIXL agent has a progress thread that busy-spins one
-  core per server). The router sends both legs at once with the same ``X-Request-Id``. Stock push D needs a
-  ``remote_request_id`` the router does not send: a one-function vLLM plugin on D supplies it
-  (``servers.VLLM_PLUGINS["nixl_push_remote_request_id"]``).
+  core per server). The router sends both legs at once with the same ``X-Request-Id``, and D the
+  ``remote_request_id`` stock push D requires.
 - ``vllm-push-noprog``: the same with the progress thread off (``servers.VLLM_PLUGINS
   ["nixl_no_progress_thread"]``: vLLM 0.32 has no setting for it).
 - ``vllm-pull``: ``NixlConnector`` (pull) as shipped; ``vllm-pull-noprog``: the same without the thread.
@@ -87,14 +86,12 @@ def kvpush_config(role: str, mode: str, engine_id: str, extra: dict[str, Any]) -
 def setups(kvpush_extra: dict[str, Any]) -> dict[str, Setup]:
     nixl = srv.nixl_kv_config
     noprog = ["nixl_no_progress_thread"]
-    rid = ["nixl_push_remote_request_id"]
     out = [
         Setup("vllm-push", "vLLM NixlPushConnector as shipped (NIXL progress thread on)", "push",
-              nixl("prefill", "NixlPushConnector", "bench-prefill"), nixl("decode", "NixlPushConnector", "bench-decode"),
-              d_plugins=rid),
+              nixl("prefill", "NixlPushConnector", "bench-prefill"), nixl("decode", "NixlPushConnector", "bench-decode")),
         Setup("vllm-push-noprog", "vLLM NixlPushConnector, NIXL progress thread off", "push",
               nixl("prefill", "NixlPushConnector", "bench-prefill"), nixl("decode", "NixlPushConnector", "bench-decode"),
-              p_plugins=noprog, d_plugins=noprog + rid),
+              p_plugins=noprog, d_plugins=noprog),
         Setup("vllm-pull", "vLLM NixlConnector (pull) as shipped (NIXL progress thread on)", "pull",
               nixl("prefill", "NixlConnector", "bench-prefill"), nixl("decode", "NixlConnector", "bench-decode")),
         Setup("vllm-pull-noprog", "vLLM NixlConnector (pull), NIXL progress thread off", "pull",
@@ -152,8 +149,20 @@ def machine() -> dict[str, Any]:
             "kernel": platform.release(), "hostname": platform.node()}  # fmt: skip
 
 
-def run_cell(router_url: str, prompts: list[list[int]], rate: float, max_tokens: int, seed: int) -> list[dict[str, Any]]:
-    """Sends the prompts at Poisson arrivals of ``rate``/s, concurrently; returns one record per request."""
+def run_cell(
+    router_url: str,
+    prompts: list[list[int]],
+    rate: float,
+    max_tokens: int,
+    seed: int,
+    *,
+    extra: dict[str, Any] | None = None,
+    logprobs: bool = True,
+) -> list[dict[str, Any]]:
+    """Sends the prompts at Poisson arrivals of ``rate``/s, concurrently; returns one record per request.
+
+    ``extra`` is merged into each request body (benches/hardware/client.py: the served model's name);
+    ``logprobs=False`` times tokens by their text chunks instead of their logprobs."""
     rng = random.Random(seed)
     records: list[dict[str, Any]] = [{} for _ in prompts]
     t_start = time.perf_counter()
@@ -164,7 +173,7 @@ def run_cell(router_url: str, prompts: list[list[int]], rate: float, max_tokens:
             time.sleep(delay)
         rec: dict[str, Any] = {"input_tokens": len(prompt), "sent_at_s": round(time.perf_counter() - t_start, 4)}
         try:
-            c = srv.complete(router_url, prompt, max_tokens, logprobs=True, stream=True, timeout_s=300)
+            c = srv.complete(router_url, prompt, max_tokens, logprobs=logprobs, stream=True, timeout_s=300, extra=extra)
             rec.update(ok=True, ttft_s=c.ttft_s, tpot_s=c.tpot_s, latency_s=c.latency_s, output_tokens=len(c.token_ids))
         except Exception as e:  # a failed request is a data point, not the end of the run
             rec.update(ok=False, error=str(e)[:500])
@@ -336,8 +345,9 @@ def plot(result_path: Path) -> Path:
                 labels.append(ll)
     fig.legend(handles, labels, loc="lower center", ncol=min(4, max(1, len(labels))), fontsize=8)
     m = data["machine"]
+    title = data.get("plot_title") or f"vLLM P/D behind kvpush router, tiny Llama, {m['cpus']} CPUs"
     fig.suptitle(
-        f"vLLM P/D behind kvpush router, tiny Llama, {m['cpus']} CPUs, {data['params']['requests_per_cell']} "
+        f"{title}, {data['params']['requests_per_cell']} "
         f"requests per point, {data['params']['max_tokens']} output tokens\n{data['started_at']}, load average "
         f"{data['load_average_at_start'][0]:.1f} at start (p50 solid, p99 dashed)",
         fontsize=9,
