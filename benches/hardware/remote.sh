@@ -251,13 +251,24 @@ except Exception as e:
     bad(f"vLLM not importable by {sys.executable}: {e!r} (install vLLM, or on Trainium the Neuron vLLM build, "
         "into this environment, or pass its interpreter with --python)")
 if need_vllm:
+    # As vLLM resolves --kv-transfer-config's kv_connector: through its connector factory.
+    problems = []
     try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector, NixlPushConnector  # noqa: F401
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-        ok("vLLM's NixlConnector and NixlPushConnector importable (vllm...kv_connector.v1.nixl)")
+        for name in ("NixlConnector", "NixlPushConnector"):
+            try:
+                KVConnectorFactory._registry[name]()
+            except KeyError:
+                problems.append(f"{name}: not a connector this vLLM knows")
+            except Exception as e:
+                problems.append(f"{name}: {e!r}")
     except Exception as e:
-        bad(f"vLLM's NIXL connectors not importable from vllm.distributed.kv_transfer.kv_connector.v1.nixl: {e!r} "
-            "(the vllm-push and vllm-pull setups use them)")
+        problems.append(f"vLLM's connector factory: {e!r}")
+    if problems:
+        bad("vLLM's NIXL connectors (the vllm-push and vllm-pull setups): " + "; ".join(problems))
+    else:
+        ok("vLLM's NixlConnector and NixlPushConnector load")
     try:
         from vllm.platforms import current_platform
 
@@ -300,7 +311,7 @@ else:
     if missing:
         bad(f"NIXL: {plugin} cannot load, missing {', '.join(missing)} (libfabric.so.1: add /opt/amazon/efa/lib "
             "to LD_LIBRARY_PATH with --env; libcuda/libcudart on Trainium: the PyPI nixl wheels' LIBFABRIC "
-            "plugin links CUDA, use a NIXL built for the host; docs/deployment.md, 'NIXL backend')")
+            "plugin links CUDA, use a NIXL built for the host; docs/deployment.md §3)")
     else:
         ok(f"NIXL: {plugin} and all its libraries load")
 sys.exit(min(fails, 100))

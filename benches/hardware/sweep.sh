@@ -73,8 +73,6 @@ explain_dry_run
 [ "$SKIP_CHECKS" = 1 ] || run_checks
 install_trap
 
-env_list() { server_env "$@" | paste -sd' ' -; }
-
 META=$(printf '{"kit": "benches/hardware/sweep.sh", "platform": %s, "p_host": %s, "d_host": %s, "p_addr": %s, "d_addr": %s, "tp": %s, "nixl_backend": %s, "model": %s, "max_model_len": %s, "vllm_args": %s, "vllm_kv_buffer_device": %s, "server_env": %s, "remote_python": %s, "logs": %s, "command": %s}' \
   "$(json_str "$PLATFORM")" "$(json_str "$P_HOST")" "$(json_str "$D_HOST")" "$(json_str "$P_ADDR")" \
   "$(json_str "$D_ADDR")" "$TP" "$(json_str "$NIXL_BACKEND")" "$(json_str "$MODEL")" "$MAX_MODEL_LEN" \

@@ -345,13 +345,18 @@ def test_host_checks_fail_clearly_without_the_hardware() -> None:
                 assert "FAIL  Neuron: neuron-ls not found" in out
                 assert "FAIL  Neuron runtime: no libnrt.so.1" in out or "ok    Neuron runtime" in out
             assert "FAIL  python: '/nonexistent/python3' not found" in out
-            assert f"FAIL  port {port} is in use" in out
+            if shutil.which("ss"):
+                assert f"FAIL  port {port} is in use" in out
+            else:
+                assert "'ss' (iproute2) is missing" in out
     finally:
         busy.close()
 
 
 def test_host_python_checks_name_what_is_missing(tmp_path: Path) -> None:
     """The Python part of the host check, with an interpreter that has no vLLM: one FAIL per missing piece."""
+    if not Path("/usr/bin/python3").exists():
+        pytest.skip("no /usr/bin/python3 here")
     r = subprocess.run(["bash", str(KIT / "remote.sh"), "kit_check", "--platform", "p5en", "--python", "/usr/bin/python3",
                         "--backend", "UCX"], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONNOUSERSITE": "1"})  # fmt: skip
