@@ -436,6 +436,28 @@ fn kvpush_device_cuda_without_a_driver_is_a_clear_error() {
     }
 }
 
+#[test]
+fn cuda_with_an_ordinal_opens_that_device_or_says_why_not() {
+    // `cuda:<n>` is what the vLLM connector passes: the GPU a rank's KV cache is on.
+    for spec in ["cuda:x", "cuda:", "cuda:-1"] {
+        assert_eq!(select(spec).unwrap_err(), DeviceError::Unknown { value: spec.into() }, "{spec}");
+    }
+    match kvpush_cuda::driver_available() {
+        Err(_) => {
+            let err = select("CUDA:3").unwrap_err();
+            let DeviceError::Unavailable { requested, tried } = &err else { panic!("{err:?}") };
+            assert_eq!((requested.as_str(), tried.len(), tried[0].0.as_str()), ("cuda:3", 1, "cuda:3"));
+            assert!(tried[0].1.contains("libcuda.so"), "{}", tried[0].1);
+        }
+        Ok(()) => {
+            let dev = select("cuda:0").expect("device 0 on a GPU machine");
+            assert_eq!(dev.kind(), kvpush::device::DeviceKind::Cuda);
+            // An ordinal past the last GPU is refused, never mapped to another device.
+            assert!(select("cuda:4096").is_err());
+        }
+    }
+}
+
 /// The only test here that touches the environment (tests run in parallel threads).
 #[test]
 fn kvpush_cuda_device_must_be_an_ordinal() {

@@ -416,8 +416,17 @@ def describe_kv_caches(
         "region_lens": lens,
         "groups": groups,
         "_local_heads": int(heads),
-        "_device": "cuda" if first.is_cuda else "host",
+        # The GPU this rank's KV cache is on (each TP rank has its own): the engine opens that one.
+        "_device": f"cuda:{first.device.index}" if first.is_cuda else "host",
     }
+
+
+def _device_spec(configured: str | None, from_tensors: str) -> str:
+    """The device the engine opens: the configured one, except that ``auto``/``cuda`` (or nothing) on a
+    rank whose KV cache is on a GPU becomes that GPU (``cuda:<index>``): TP ranks each have their own."""
+    if configured is None or (configured.strip().lower() in ("auto", "cuda") and from_tensors.startswith("cuda:")):
+        return from_tensors
+    return configured
 
 
 class _Worker:
@@ -478,7 +487,7 @@ class _Worker:
             peer_timeout_ms=self.cfg.peer_timeout_ms,
             writers=self.cfg.writers,
             secret=self.cfg.secret,
-            device=self.cfg.device or device,
+            device=_device_spec(self.cfg.device, device),
         )
         lib = _load_nixl()
         kvpush.init_logging()

@@ -79,7 +79,9 @@ impl fmt::Display for DeviceKind {
 #[non_exhaustive]
 pub enum DeviceError {
     /// `KVPUSH_DEVICE` names no backend.
-    #[error("unknown device {value:?} in KVPUSH_DEVICE (expected one of auto, neuron, cuda, host, mock)")]
+    #[error(
+        "unknown device {value:?} in KVPUSH_DEVICE (expected one of auto, neuron, cuda, cuda:<ordinal>, host, mock)"
+    )]
     Unknown {
         /// The value given.
         value: String,
@@ -156,12 +158,19 @@ pub trait Device: Send + Sync + fmt::Debug {
     fn describe(&self, addr: u64, len: u64) -> Result<MemRegion, DeviceError>;
 }
 
-/// Picks the backend named by `spec` (`auto|neuron|cuda|host|mock`, case-insensitive).
+/// Picks the backend named by `spec` (`auto|neuron|cuda|cuda:<ordinal>|host|mock`, case-insensitive).
 ///
 /// `auto` tries Neuron, then CUDA, then host. An explicit backend that is not available is an error,
-/// never a silent fallback.
+/// never a silent fallback. `cuda:<ordinal>` opens that device (a framework worker names the GPU its
+/// KV cache is on); plain `cuda` opens `KVPUSH_CUDA_DEVICE` (default 0).
 pub fn select(spec: &str) -> Result<Arc<dyn Device>, DeviceError> {
     let spec = spec.trim().to_ascii_lowercase();
+    if let Some(ordinal) = spec.strip_prefix("cuda:") {
+        let ordinal: u32 = ordinal.parse().map_err(|_| DeviceError::Unknown { value: spec.clone() })?;
+        return cuda::CudaDevice::open(ordinal).map(|d| Arc::new(d) as Arc<dyn Device>).map_err(|why| {
+            DeviceError::Unavailable { requested: spec.clone(), tried: vec![(format!("cuda:{ordinal}"), why)] }
+        });
+    }
     let mut tried = Vec::new();
     let candidates: &[&str] = match spec.as_str() {
         "auto" | "" => &["neuron", "cuda", "host"],
