@@ -833,6 +833,27 @@ async fn health_and_metrics_report_the_router_and_its_servers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_stays_in_rotation_until_unhealthy_after_probes_failed_in_a_row() {
+    // A busy server that misses a probe or two keeps serving; only `unhealthy_after` failures in a row
+    // take it out (the default is 3).
+    assert_eq!(Config::new(TransferMode::Push, vec![], vec![]).unhealthy_after, 3);
+    let p = Fake::start(None, handler(|_s| async { json_reply(200, &json!({})) })).await;
+    let d = Fake::start(None, handler(|_s| async { json_reply(200, &completion("ok")) })).await;
+    let mut cfg = config(TransferMode::Push, &[&p], &[&d]);
+    cfg.health_interval = Duration::from_millis(50);
+    cfg.unhealthy_after = 1_000_000;
+    let (_r, base) = start(cfg).await;
+    let c = client();
+    d.health.store(HEALTH_503, std::sync::atomic::Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(600)).await; // ~12 failed probes
+    let (status, _, health) = get(&c, &format!("{base}/health")).await;
+    assert_eq!(status, 200, "{health}");
+    assert_eq!(serde_json::from_str::<Value>(&health).unwrap()["decode"][0]["up"], true, "{health}");
+    let (status, _, body) = read_all(post(&c, &format!("{base}/v1/completions"), r#"{"prompt":"x"}"#).await).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn startup_checks_the_mode_and_takes_push_coordinates_from_the_info_endpoint() {
     let ok = || handler(|_s| async { json_reply(200, &json!({})) });
     let d = Fake::start(Some(json!({"mode": "push"})), handler(|_s| async { json_reply(200, &completion("x")) })).await;
@@ -979,6 +1000,14 @@ fn config_file_and_flags_resolve_with_flags_winning() {
     })
     .unwrap_err();
     assert!(e.to_string().contains("health_interval_s"), "{e}");
+    let e = Config::from_args(&RouterArgs {
+        prefill: vec!["http://h:1".into()],
+        decode: vec!["http://h:2".into()],
+        unhealthy_after: Some(0),
+        ..Default::default()
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("unhealthy_after"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

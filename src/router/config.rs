@@ -63,8 +63,8 @@ pub struct RouterArgs {
     /// the config file's list.
     #[arg(long = "decode", value_name = "SPEC")]
     pub decode: Vec<String>,
-    /// Seconds between GET /health probes of every server; a server that fails one leaves the rotation, one
-    /// that answers again comes back [default: 5].
+    /// Seconds between GET /health probes of every server; a server that fails `--unhealthy-after` probes in
+    /// a row leaves the rotation, one that answers again comes back [default: 5].
     #[arg(long, value_name = "SECONDS")]
     pub health_interval_s: Option<f64>,
     /// Timeout of one health or info probe, in seconds [default: 2].
@@ -93,6 +93,10 @@ pub struct RouterArgs {
     /// transfer id) before the client gets 502 [default: 2].
     #[arg(long, value_name = "N")]
     pub connect_retries: Option<u32>,
+    /// Failed /health probes in a row (no answer within the probe timeout, or an error status) after which a
+    /// server leaves the rotation: one slow answer from a busy server does not [default: 3].
+    #[arg(long, value_name = "N")]
+    pub unhealthy_after: Option<u32>,
     /// Print the resolved configuration as JSON and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -219,6 +223,7 @@ struct FileConfig {
     stream_idle_timeout_s: Option<f64>,
     max_body_bytes: Option<usize>,
     connect_retries: Option<u32>,
+    unhealthy_after: Option<u32>,
 }
 
 /// An instance in the file: an object, or a string in the command-line spec syntax.
@@ -262,6 +267,8 @@ pub struct Config {
     pub max_body_bytes: usize,
     /// Retries of a request whose leg could not connect.
     pub connect_retries: u32,
+    /// Failed health probes in a row that take a server out of the rotation.
+    pub unhealthy_after: u32,
 }
 
 fn secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -284,6 +291,7 @@ impl Config {
             stream_idle_timeout: Duration::from_secs(600),
             max_body_bytes: 64 << 20,
             connect_retries: 2,
+            unhealthy_after: 3,
         }
     }
 
@@ -339,6 +347,9 @@ impl Config {
         if let Some(n) = args.connect_retries.or(file.connect_retries) {
             c.connect_retries = n;
         }
+        if let Some(n) = args.unhealthy_after.or(file.unhealthy_after) {
+            c.unhealthy_after = n;
+        }
         c.validate()?;
         Ok(c)
     }
@@ -356,6 +367,9 @@ impl Config {
         }
         if self.max_body_bytes == 0 {
             return Err(ConfigError::Value { key: "max_body_bytes", detail: "must be at least 1".to_owned() });
+        }
+        if self.unhealthy_after == 0 {
+            return Err(ConfigError::Value { key: "unhealthy_after", detail: "must be at least 1".to_owned() });
         }
         for (key, d) in [
             ("health_interval_s", self.health_interval),

@@ -136,7 +136,9 @@ async fn probe_loop(shared: Arc<Shared>) {
     tick.tick().await;
     loop {
         tick.tick().await;
-        upstream::probe_round(&shared.client, [&shared.prefill, &shared.decode], shared.config.probe_timeout).await;
+        let c = &shared.config;
+        upstream::probe_round(&shared.client, [&shared.prefill, &shared.decode], c.probe_timeout, c.unhealthy_after)
+            .await;
     }
 }
 

@@ -6,7 +6,7 @@
 //! probe fails; it comes back when a health probe passes and (for a server that left) its info probe
 //! still agrees with the router's mode. Nothing here holds a lock across an await.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -97,6 +97,8 @@ pub(crate) struct Instance {
     outstanding: AtomicUsize,
     sent: AtomicU64,
     up: AtomicBool,
+    /// Failed health probes in a row.
+    probe_failures: AtomicU32,
     state: Mutex<InstanceState>,
 }
 
@@ -110,6 +112,7 @@ impl Instance {
             outstanding: AtomicUsize::new(0),
             sent: AtomicU64::new(0),
             up: AtomicBool::new(true),
+            probe_failures: AtomicU32::new(0),
             state: Mutex::new(InstanceState::default()),
         }
     }
@@ -368,9 +371,9 @@ pub(crate) async fn startup_check(
     }
 }
 
-/// Health-probes every server once: a failing one leaves the rotation, a passing one that was out comes
-/// back if its info still admits it.
-pub(crate) async fn probe_round(client: &HttpClient, pools: [&Pool; 2], timeout: Duration) {
+/// Health-probes every server once: one that failed `unhealthy_after` probes in a row leaves the rotation,
+/// a passing one that was out comes back if its info still admits it.
+pub(crate) async fn probe_round(client: &HttpClient, pools: [&Pool; 2], timeout: Duration, unhealthy_after: u32) {
     let mut set = tokio::task::JoinSet::new();
     for pool in pools {
         for inst in pool.instances() {
@@ -388,20 +391,29 @@ pub(crate) async fn probe_round(client: &HttpClient, pools: [&Pool; 2], timeout:
     while let Some(joined) = set.join_next().await {
         let Ok((inst, health, outcome)) = joined else { continue };
         let pool = if inst.role == Role::Prefill { pools[0] } else { pools[1] };
-        match health {
-            Err(e) => inst.mark_down(&format!("health probe failed: {e}")),
-            Ok((s, _)) if !s.is_success() => inst.mark_down(&format!("health probe answered {s}")),
-            Ok(_) => {
-                if let Some(outcome) = outcome {
-                    match pool.admit(&inst, &outcome) {
-                        Ok(()) => inst.mark_up(),
-                        Err(e) => {
-                            if inst.down_reason().as_deref() != Some(e.as_str()) {
-                                error!(role = inst.role.as_str(), url = %inst.base, error = %e, "server kept out of rotation");
-                            }
-                            inst.mark_down(&e);
-                        }
+        let failed = match &health {
+            Err(e) => Some(format!("health probe failed: {e}")),
+            Ok((s, _)) if !s.is_success() => Some(format!("health probe answered {s}")),
+            Ok(_) => None,
+        };
+        if let Some(reason) = failed {
+            let in_a_row = inst.probe_failures.fetch_add(1, Ordering::AcqRel).saturating_add(1);
+            if in_a_row >= unhealthy_after || !inst.is_up() {
+                inst.mark_down(&format!("{reason} ({in_a_row} in a row)"));
+            } else {
+                warn!(role = inst.role.as_str(), url = %inst.base, %reason, in_a_row, unhealthy_after, "health probe failed; still in rotation");
+            }
+            continue;
+        }
+        inst.probe_failures.store(0, Ordering::Release);
+        if let Some(outcome) = outcome {
+            match pool.admit(&inst, &outcome) {
+                Ok(()) => inst.mark_up(),
+                Err(e) => {
+                    if inst.down_reason().as_deref() != Some(e.as_str()) {
+                        error!(role = inst.role.as_str(), url = %inst.base, error = %e, "server kept out of rotation");
                     }
+                    inst.mark_down(&e);
                 }
             }
         }
