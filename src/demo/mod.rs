@@ -155,6 +155,9 @@ pub struct ModeReport {
     /// Each round's push bandwidth (GB/s), interleaved with `ceiling_gbps_rounds`.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub push_gbps_rounds: Vec<f64>,
+    /// Each push round's descriptors posted (after merging): how fragmented the pools were.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub push_descriptors_rounds: Vec<u64>,
 }
 
 /// Results of the demo: one report per mode played.

@@ -962,7 +962,9 @@ fn run_mode(t: &Topology, w: &Workload, mode: Mode, opts: &Options, tick: &dyn F
         for round in 0..BANDWIDTH_ROUNDS {
             report.ceiling_gbps_rounds.push(ceiling_once(&mut pair, &target, bytes)?);
             if mode == Mode::Push {
-                report.push_gbps_rounds.push(bandwidth(&mut pair, t, w, round)?);
+                let (gbps, descriptors) = bandwidth(&mut pair, t, w, round)?;
+                report.push_gbps_rounds.push(gbps);
+                report.push_descriptors_rounds.push(descriptors);
             }
         }
         ceiling_close(&mut pair)?;
@@ -1210,14 +1212,14 @@ fn ceiling_close(pair: &mut Pair) -> Result<(), ProcsError> {
 }
 
 /// `push_gbps`: the workload's requests again, every one ready at once, in as few waves as the pools
-/// allow; total bytes over the summed first-ready → last-received windows.
-fn bandwidth(pair: &mut Pair, t: &Topology, w: &Workload, round: usize) -> Result<f64, ProcsError> {
+/// allow; total bytes over the summed first-ready → last-received windows, and the descriptors posted.
+fn bandwidth(pair: &mut Pair, t: &Topology, w: &Workload, round: usize) -> Result<(f64, u64), ProcsError> {
     let groups = super::model(t).groups.len();
     let specs = requests(w);
     // Fresh request numbers and keys every round.
     let mut rng = Rng(w.seed ^ 0xba4d_0000 ^ ((round as u64) << 40));
     let base = (specs.len() * (round + 1)) as u64;
-    let (mut bytes, mut window_us) = (0u64, 0u64);
+    let (mut bytes, mut window_us, mut descriptors) = (0u64, 0u64, 0u64);
     let limit = Duration::from_secs(120);
     let mut i = 0;
     while i < specs.len() {
@@ -1242,7 +1244,7 @@ fn bandwidth(pair: &mut Pair, t: &Topology, w: &Workload, round: usize) -> Resul
             ))
             .into());
         }
-        let (bytes_before, _, _, regs_before) = pair.stats(Role::Prefill)?;
+        let (bytes_before, _, posted_before, regs_before) = pair.stats(Role::Prefill)?;
         // Registrations first: D registers every request of the wave.
         for &(req, key, tokens) in &wave {
             let seed = rng.next();
@@ -1292,8 +1294,9 @@ fn bandwidth(pair: &mut Pair, t: &Topology, w: &Workload, round: usize) -> Resul
                 None => return Err(pair.fail(Role::Decode, format!("bandwidth wave not finished after {limit:?}"))),
             }
         }
-        let (bytes_after, ..) = pair.stats(Role::Prefill)?;
+        let (bytes_after, _, posted_after, _) = pair.stats(Role::Prefill)?;
         bytes += bytes_after - bytes_before;
+        descriptors += posted_after - posted_before;
         window_us += last_received.saturating_sub(first_ready).max(1);
         tracing::info!(
             requests = wave.len(),
@@ -1303,7 +1306,7 @@ fn bandwidth(pair: &mut Pair, t: &Topology, w: &Workload, round: usize) -> Resul
             "bandwidth wave"
         );
     }
-    Ok(bytes as f64 / (window_us as f64 / 1e6) / 1e9)
+    Ok((bytes as f64 / (window_us as f64 / 1e6) / 1e9, descriptors))
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -28,6 +28,9 @@ import tiny_model
 LENGTHS = [30, 200, 517, 900]
 MAX_TOKENS = 16
 PROMPTS = tiny_model.make_prompts(LENGTHS, seed=6)
+# One request through vLLM's own connectors (servers already warm): it takes seconds when it works; when
+# their side channel stalls on this 2-core machine it hangs, and waiting longer than this only costs time.
+STOCK_TIMEOUT_S = 180.0
 
 
 @dataclass
@@ -102,14 +105,14 @@ def _check_pd(
         print(f"\n{connector} behind kvpush router --mode {mode}: P {p.url}, D {d.url}, router {router.url}")
         for i, (n, ref) in enumerate(zip(LENGTHS, single.first)):
             try:
-                got = srv.complete(router.url, PROMPTS[i], MAX_TOKENS, stream=(i % 2 == 1))
+                got = srv.complete(router.url, PROMPTS[i], MAX_TOKENS, stream=(i % 2 == 1), timeout_s=STOCK_TIMEOUT_S)
             except srv.ServerError as e:
                 if not retry:
                     raise
                 # Stock vLLM gives its side-channel handshake 5 s (hard-coded); on a loaded 2-core machine,
                 # beside two progress threads that each spin a core, it can miss that. Once, not twice.
                 print(f"  {n:4d} tokens: failed once ({str(e)[:160]}); retrying")
-                got = srv.complete(router.url, PROMPTS[i], MAX_TOKENS, stream=(i % 2 == 1))
+                got = srv.complete(router.url, PROMPTS[i], MAX_TOKENS, stream=(i % 2 == 1), timeout_s=STOCK_TIMEOUT_S)
             worst = max((abs(a - b) for a, b in zip(got.logprobs, ref.logprobs)), default=0.0)
             print(
                 f"  {n:4d} tokens: tokens {'equal' if got.token_ids == ref.token_ids else 'DIFFER'}, "
