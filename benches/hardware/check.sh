@@ -29,12 +29,7 @@ EOF
 }
 
 parse_common "$@"
-for a in "${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"}"; do
-  case $a in
-    -h | --help) usage; exit 0 ;;
-    *) die "unknown argument '$a' (check.sh --help lists the options)" ;;
-  esac
-done
+reject_extra_args
 validate_common
 explain_dry_run
 run_checks

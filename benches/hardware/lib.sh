@@ -160,6 +160,18 @@ parse_common() {
 }
 
 # Checks the options; fills in the derived values.
+# The arguments parse_common left to the script, for scripts that take no others: --help prints the
+# script's `usage`, anything else is an error naming the script.
+reject_extra_args() {
+  local a
+  for a in "${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"}"; do
+    case $a in
+      -h | --help) usage; exit 0 ;;
+      *) die "unknown argument '$a' ($(basename "$0") --help lists the options)" ;;
+    esac
+  done
+}
+
 validate_common() {
   case $PLATFORM in
     trn | p5en) ;;

@@ -20,12 +20,7 @@ EOF
 }
 
 parse_common "$@"
-for a in "${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"}"; do
-  case $a in
-    -h | --help) usage; exit 0 ;;
-    *) die "unknown argument '$a' (stop.sh --help lists the options)" ;;
-  esac
-done
+reject_extra_args
 [ -n "$P_HOST" ] || die "--p-host is required (or KVPUSH_HW_P_HOST)"
 [ -n "$D_HOST" ] || die "--d-host is required (or KVPUSH_HW_D_HOST)"
 

@@ -53,12 +53,7 @@ EOF
 }
 
 parse_common "$@"
-for a in "${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"}"; do
-  case $a in
-    -h | --help) usage; exit 0 ;;
-    *) die "unknown argument '$a' (sweep.sh --help lists the options)" ;;
-  esac
-done
+reject_extra_args
 validate_common
 [[ $LENGTHS =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--lengths must be comma-separated whole numbers, not '$LENGTHS'"
 [[ $RATES =~ ^[0-9.]+(,[0-9.]+)*$ ]] || die "--rates must be comma-separated numbers, not '$RATES'"

@@ -312,29 +312,9 @@ impl Kernels {
         staging: &DeviceMem,
         offset: u64,
     ) -> Result<(), CudaError> {
-        Self::check_piece(table, first_unit, units, staging, offset)?;
-        let sp = table.space;
-        let (mut bases, mut ids, mut blocks, mut stride, mut ub, mut first, mut n, mut dst) = (
-            table.bases.ptr(),
-            table.ids.ptr(),
-            sp.blocks,
-            table.stride,
-            sp.unit_bytes,
-            first_unit,
-            units,
-            staging.ptr() + offset,
-        );
-        let mut params = [
-            &mut bases as *mut u64 as *mut c_void,
-            &mut ids as *mut u64 as *mut c_void,
-            &mut blocks as *mut u32 as *mut c_void,
-            &mut stride as *mut u64 as *mut c_void,
-            &mut ub as *mut u64 as *mut c_void,
-            &mut first as *mut u64 as *mut c_void,
-            &mut n as *mut u64 as *mut c_void,
-            &mut dst as *mut u64 as *mut c_void,
-        ];
-        self.launch("kvp_gather", self.gather, units, stream, &mut params)
+        // SAFETY: forwarded from this function's contract (the units are readable device memory,
+        // the staging piece is not accessed until the kernel finished).
+        unsafe { self.move_units("kvp_gather", self.gather, stream, table, first_unit, units, staging, offset) }
     }
 
     /// Queues the scatter of units `first_unit..first_unit + units` from `staging` at `offset` to their
@@ -355,9 +335,32 @@ impl Kernels {
         staging: &DeviceMem,
         offset: u64,
     ) -> Result<(), CudaError> {
+        // SAFETY: forwarded from this function's contract (the units are writable device memory,
+        // the staging piece holds the landed bytes and nothing else touches either meanwhile).
+        unsafe { self.move_units("kvp_scatter", self.scatter, stream, table, first_unit, units, staging, offset) }
+    }
+
+    /// Checks the piece and launches `func` (the gather or the scatter kernel, which take the same
+    /// parameters) over units `first_unit..first_unit + units` and the staging bytes at `offset`.
+    ///
+    /// # Safety
+    ///
+    /// The calling `gather` or `scatter`'s contract.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn move_units(
+        &self,
+        name: &'static str,
+        func: sys::CUfunction,
+        stream: &Stream,
+        table: &UnitTable,
+        first_unit: u64,
+        units: u64,
+        staging: &DeviceMem,
+        offset: u64,
+    ) -> Result<(), CudaError> {
         Self::check_piece(table, first_unit, units, staging, offset)?;
         let sp = table.space;
-        let (mut bases, mut ids, mut blocks, mut stride, mut ub, mut first, mut n, mut src) = (
+        let (mut bases, mut ids, mut blocks, mut stride, mut ub, mut first, mut n, mut piece) = (
             table.bases.ptr(),
             table.ids.ptr(),
             sp.blocks,
@@ -375,9 +378,9 @@ impl Kernels {
             &mut ub as *mut u64 as *mut c_void,
             &mut first as *mut u64 as *mut c_void,
             &mut n as *mut u64 as *mut c_void,
-            &mut src as *mut u64 as *mut c_void,
+            &mut piece as *mut u64 as *mut c_void,
         ];
-        self.launch("kvp_scatter", self.scatter, units, stream, &mut params)
+        self.launch(name, func, units, stream, &mut params)
     }
 
     /// Queues a fill of every unit of `table`'s loaded side with the pattern of its logical position

@@ -70,12 +70,17 @@ def log_tail(path: Path, lines: int = 60) -> str:
 LOGPROB_TOLERANCE = 1e-4
 
 
+def logprob_gap(got: "Completion", ref: "Completion") -> float:
+    """The largest difference between the logprobs of two completions, position by position."""
+    return max((abs(a - b) for a, b in zip(got.logprobs, ref.logprobs)), default=0.0)
+
+
 def assert_same_output(got: "Completion", ref: "Completion", what: str, tolerance: float = LOGPROB_TOLERANCE) -> float:
     """Asserts ``got`` has ``ref``'s tokens exactly and its logprobs within ``tolerance``; returns the
     largest logprob difference."""
     assert got.token_ids == ref.token_ids, f"{what}: tokens {got.token_ids} != {ref.token_ids}"
     assert len(got.logprobs) == len(ref.logprobs), f"{what}: {len(got.logprobs)} logprobs, {len(ref.logprobs)} expected"
-    worst = max((abs(a - b) for a, b in zip(got.logprobs, ref.logprobs)), default=0.0)
+    worst = logprob_gap(got, ref)
     assert worst <= tolerance, f"{what}: logprobs differ by up to {worst:.3g} (tolerance {tolerance:g})"
     return worst
 

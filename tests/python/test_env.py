@@ -113,7 +113,7 @@ def _check_pd(
                 # beside two progress threads that each spin a core, it can miss that. Once, not twice.
                 print(f"  {n:4d} tokens: failed once ({str(e)[:160]}); retrying")
                 got = srv.complete(router.url, PROMPTS[i], MAX_TOKENS, stream=(i % 2 == 1), timeout_s=STOCK_TIMEOUT_S)
-            worst = max((abs(a - b) for a, b in zip(got.logprobs, ref.logprobs)), default=0.0)
+            worst = srv.logprob_gap(got, ref)
             print(
                 f"  {n:4d} tokens: tokens {'equal' if got.token_ids == ref.token_ids else 'DIFFER'}, "
                 f"logprobs within {worst:.1e}"
