@@ -2,11 +2,13 @@
 //! plans and the reference gather/scatter they drive, and the errors a machine without CUDA gives.
 //!
 //! What needs a GPU (the kernels, the real driver's answers) runs in benches/gpu_push.rs on the GPU
-//! machine; its driver-validation answers are recorded in benches/results/gpu-h200x2.json.
+//! machine; its driver-validation answers are recorded in benches/results/gpu-h200x2.json. The CUDA
+//! stager's tests at the end run here where a CUDA driver loads (device 0), and return at once
+//! where none does (every CI machine).
 
 use std::collections::HashSet;
 
-use kvpush::device::{select, DeviceError};
+use kvpush::device::{select, Buffer, Device, DeviceError, DeviceKind, StageEntry, Stager};
 use kvpush_cuda::pointer::{validate, MemoryType, PointerQueries};
 use kvpush_cuda::staging::{self, Piece, Side, StagingError, UnitSpace};
 use kvpush_cuda::{CudaError, DriverStatus, Gpu};
@@ -472,7 +474,7 @@ fn kvpush_cuda_device_must_be_an_ordinal() {
 fn nvrtc_missing_is_a_clear_error_and_present_compiles() {
     match kvpush_cuda::compile_ptx("compute_90") {
         Ok(ptx) => {
-            for k in ["kvp_gather", "kvp_scatter", "kvp_fill"] {
+            for k in ["kvp_gather", "kvp_scatter", "kvp_fill", "kvp_gather_table", "kvp_scatter_table"] {
                 assert!(ptx.contains(&format!(".entry {k}")), "{k} missing from the PTX");
             }
         }
@@ -482,4 +484,176 @@ fn nvrtc_missing_is_a_clear_error_and_present_compiles() {
             assert!(e.to_string().contains("LD_LIBRARY_PATH"), "{e}");
         }
     }
+}
+
+// ---- the CUDA stager (needs a GPU; on a machine without a CUDA driver, CI's among them, it says so and returns) ----
+
+/// Device 0, or `None` where no CUDA driver loads (as the tests above: a machine with a driver must
+/// open device 0).
+fn gpu_or_skip(test: &str) -> Option<kvpush::device::cuda::CudaDevice> {
+    match kvpush_cuda::driver_available() {
+        Err(e) => {
+            eprintln!("{test}: no CUDA driver ({e}); not run");
+            None
+        }
+        Ok(()) => Some(kvpush::device::cuda::CudaDevice::open(0).expect("device 0 on a GPU machine")),
+    }
+}
+
+/// Polls the lane until its operation finished (at most 30 s).
+fn wait_lane(st: &mut dyn Stager, lane: usize) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !st.is_done(lane).expect("lane status") {
+        assert!(std::time::Instant::now() < deadline, "lane {lane} not done after 30 s");
+        std::thread::yield_now();
+    }
+}
+
+/// A byte pattern in which every 4-byte word differs from its neighbours and from other offsets.
+fn word_pattern(len: usize, seed: u64) -> Vec<u8> {
+    (0..len / 4).flat_map(|w| (staging::mix64(seed ^ w as u64) as u32).to_le_bytes()).collect()
+}
+
+/// ~1000 entries over non-overlapping, 16-byte aligned ranges of a `cache_len`-byte cache (mostly
+/// 4 KiB, some 16 B, a few 64 KiB), packed into a slot of `slot_len` bytes with 0..3 granules of gap
+/// between them. Returns (offset in the cache, offset in the slot, length) per entry.
+fn random_entries(cache_len: u64, slot_len: u64, mut s: u64) -> Vec<(u64, u32, u32)> {
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let mut used = vec![false; (cache_len / 16) as usize];
+    let (mut out, mut off) = (Vec::new(), 0u64);
+    while out.len() < 1000 {
+        let len: u64 = match next() % 100 {
+            0 => 64 << 10,
+            1..=25 => 16,
+            _ => 4 << 10,
+        };
+        let gap = (next() % 4) * 16;
+        if off + gap + len > slot_len {
+            break;
+        }
+        let granules = (len / 16) as usize;
+        let at = loop {
+            let g = (next() % (cache_len / 16 - granules as u64 + 1)) as usize;
+            if !used[g..g + granules].iter().any(|&u| u) {
+                used[g..g + granules].iter_mut().for_each(|u| *u = true);
+                break g as u64 * 16;
+            }
+        };
+        out.push((at, (off + gap) as u32, len as u32));
+        off += gap + len;
+    }
+    out
+}
+
+#[test]
+fn cuda_stager_gathers_and_scatters_every_byte() {
+    let Some(dev) = gpu_or_skip("cuda_stager_gathers_and_scatters_every_byte") else { return };
+    let (cache_len, slot_len) = (16u64 << 20, 4u64 << 20);
+    let cache = dev.alloc_cuda(cache_len).unwrap();
+    let slot = dev.alloc_cuda(slot_len).unwrap();
+    let cache2 = dev.alloc_cuda(cache_len).unwrap();
+    let mut host = word_pattern(cache_len as usize, 0x5eed);
+    cache.write_at(0, &host).unwrap();
+    let picks = random_entries(cache_len, slot_len, 0x1234_5678_9abc_def1);
+    assert!(picks.len() >= 900, "{} entries", picks.len());
+    assert!(picks.iter().any(|p| p.2 == 16) && picks.iter().any(|p| p.2 == 64 << 10), "every length occurs");
+
+    let mut st = dev.stager(4, 1024).unwrap().expect("the CUDA device has a stager");
+    assert_eq!(st.kind(), DeviceKind::Cuda);
+    assert!((0..4).all(|l| st.is_done(l).unwrap()), "lanes never used are done");
+    let (c, s, c2) = (cache.region().addr, slot.region().addr, cache2.region().addr);
+
+    // A write through the stager, queued before the gather, is seen by it: overwrite the first
+    // entry's source without waiting.
+    let (at0, _, len0) = picks[0];
+    let fresh = word_pattern(len0 as usize, 0xf00d);
+    // SAFETY: the range lies in `cache`, which nothing else accesses meanwhile.
+    unsafe { st.write(c + at0, &fresh) }.unwrap();
+    host[at0 as usize..(at0 + u64::from(len0)) as usize].copy_from_slice(&fresh);
+
+    let gather: Vec<StageEntry> = picks.iter().map(|&(at, off, len)| StageEntry { addr: c + at, off, len }).collect();
+    // SAFETY: sources lie in `cache`, destinations in `slot` (disjoint, inside it); all three buffers
+    // outlive the operation, which is waited for before anything else touches them.
+    unsafe { st.gather(0, &gather, s) }.unwrap();
+    wait_lane(st.as_mut(), 0);
+    let mut got = vec![0u8; slot_len as usize];
+    slot.read_at(0, &mut got).unwrap();
+    let mut want = vec![0u8; slot_len as usize];
+    for &(at, off, len) in &picks {
+        want[off as usize..(off + len) as usize].copy_from_slice(&host[at as usize..(at + u64::from(len)) as usize]);
+    }
+    if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
+        panic!("slot byte {i} is {:#x}, expected {:#x} (gaps between entries stay zero)", got[i], want[i]);
+    }
+    // The stager's own read sees the same bytes.
+    let mut head = vec![0u8; 4096];
+    // SAFETY: the first 4 KiB of `slot`, which no operation is writing.
+    unsafe { st.read(s, &mut head) }.unwrap();
+    assert_eq!(head, want[..4096]);
+
+    let scatter: Vec<StageEntry> = gather.iter().map(|e| StageEntry { addr: c2 + (e.addr - c), ..*e }).collect();
+    // SAFETY: sources lie in `slot`, destinations in `cache2`, disjoint from each other; waited for.
+    unsafe { st.scatter(1, &scatter, s) }.unwrap();
+    wait_lane(st.as_mut(), 1);
+    let mut got = vec![0u8; cache_len as usize];
+    cache2.read_at(0, &mut got).unwrap();
+    let mut want = vec![0u8; cache_len as usize];
+    for &(at, _, len) in &picks {
+        let r = at as usize..(at + u64::from(len)) as usize;
+        want[r.clone()].copy_from_slice(&host[r]);
+    }
+    if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
+        panic!("cache byte {i} is {:#x}, expected {:#x} (bytes outside the entries stay zero)", got[i], want[i]);
+    }
+    assert!(st.is_done(0).unwrap() && st.is_done(1).unwrap() && st.is_done(2).unwrap());
+}
+
+#[test]
+fn cuda_stager_refuses_misaligned_entries_and_unknown_lanes() {
+    let Some(dev) = gpu_or_skip("cuda_stager_refuses_misaligned_entries_and_unknown_lanes") else { return };
+    let buf = dev.alloc_cuda(1 << 20).unwrap();
+    let slot = dev.alloc_cuda(1 << 16).unwrap();
+    let (b, s) = (buf.region().addr, slot.region().addr);
+    let mut st = dev.stager(2, 8).unwrap().expect("the CUDA device has a stager");
+    let good = StageEntry { addr: b, off: 0, len: 4096 };
+    let misaligned = [
+        StageEntry { addr: b + 8, ..good },
+        StageEntry { off: 4, ..good },
+        StageEntry { len: 100, ..good },
+        StageEntry { len: 0, ..good },
+    ];
+    for bad in misaligned {
+        // SAFETY: refused before anything is queued.
+        let err = unsafe { st.gather(0, &[good, bad], s) }.unwrap_err();
+        assert!(err.to_string().contains("aligned"), "{bad:?}: {err}");
+        // SAFETY: as above.
+        let err = unsafe { st.scatter(1, &[bad], s) }.unwrap_err();
+        assert!(err.to_string().contains("aligned"), "{bad:?}: {err}");
+    }
+    // SAFETY: refused before anything is queued.
+    let err = unsafe { st.gather(0, &[good; 9], s) }.unwrap_err();
+    assert!(err.to_string().contains("at most 8"), "{err}");
+    for lane in [2, 99, usize::MAX] {
+        // SAFETY: refused before anything is queued.
+        let err = unsafe { st.gather(lane, &[good], s) }.unwrap_err();
+        assert!(err.to_string().contains(&format!("lane {lane} does not exist")), "{err}");
+        // SAFETY: as above.
+        let err = unsafe { st.scatter(lane, &[good], s) }.unwrap_err();
+        assert!(err.to_string().contains(&format!("lane {lane}")), "{err}");
+        let err = st.is_done(lane).unwrap_err();
+        assert!(err.to_string().contains(&format!("lane {lane}")), "{err}");
+    }
+    // A slot that is not 16-byte aligned is refused by the launch, naming the kernel.
+    // SAFETY: refused before the kernel is queued (the table copy writes only the lane's table).
+    let err = unsafe { st.gather(0, &[good], s + 8) }.unwrap_err();
+    assert!(err.to_string().contains("kvp_gather_table"), "{err}");
+    // The lanes still work.
+    // SAFETY: `buf`'s first 4 KiB into `slot`'s first 4 KiB; waited for below.
+    unsafe { st.gather(1, &[good], s) }.unwrap();
+    wait_lane(st.as_mut(), 1);
 }

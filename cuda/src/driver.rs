@@ -394,6 +394,62 @@ impl Stream {
         ))
     }
 
+    /// Queues a copy of `src` to device address `dst` (`cuMemcpyHtoDAsync`), ordered after the work
+    /// queued so far on this stream.
+    ///
+    /// From pageable host memory (an ordinary Rust buffer) the driver takes the bytes before it
+    /// returns — it stages them, waiting for the stream first if it must — so `src` may be dropped or
+    /// reused at once. From page-locked memory it reads them later, while the copy runs.
+    ///
+    /// # Safety
+    ///
+    /// 1. `[dst, dst + src.len())` is live device memory of this stream's device, valid for writes
+    ///    until the copy ran;
+    /// 2. nothing else accesses that range until the copy ran, except work ordered after it;
+    /// 3. where `src` is page-locked host memory, it stays valid and unchanged until the copy ran.
+    pub unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> Result<(), CudaError> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.gpu.make_current()?;
+        // SAFETY: the destination is writable device memory of this context that nobody else touches
+        // until the copy ran (preconditions 1, 2); `src` is a live slice for the duration of the call,
+        // and where the driver reads it after returning it stays valid (precondition 3; pageable
+        // memory is staged before the call returns). `raw` is a live stream of the current context.
+        unsafe { result::memcpy_htod_async(dst, src, self.raw) }.map_err(drv(
+            "cuMemcpyHtoDAsync",
+            Some(self.gpu.ordinal),
+            format!("{} bytes to {dst:#x}", src.len()),
+        ))
+    }
+
+    /// Copies `out.len()` bytes at device address `src` into `out` after the work queued so far on
+    /// this stream (`cuMemcpyDtoHAsync`, then `cuStreamSynchronize`): returns when the bytes are in
+    /// `out`, and sees every copy and kernel queued on this stream before the call.
+    ///
+    /// # Safety
+    ///
+    /// `[src, src + out.len())` is live device memory of this stream's device, valid for reads, and
+    /// written meanwhile by nothing that is not ordered before this copy on this stream.
+    pub unsafe fn copy_from_device(&self, src: u64, out: &mut [u8]) -> Result<(), CudaError> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        self.gpu.make_current()?;
+        let n = out.len();
+        // SAFETY: the source is readable device memory of this context (the caller's precondition);
+        // `out` is a live, exclusively borrowed buffer of `n` bytes, and the synchronize below
+        // returns only once the copy has written it, so no write lands after `out`'s borrow ends (a
+        // synchronize that fails reports a sticky context error, after which the stream runs no more
+        // work). `raw` is a live stream of the current context.
+        unsafe { result::memcpy_dtoh_async(out, src, self.raw) }.map_err(drv(
+            "cuMemcpyDtoHAsync",
+            Some(self.gpu.ordinal),
+            format!("{n} bytes from {src:#x}"),
+        ))?;
+        self.synchronize()
+    }
+
     pub(crate) fn raw(&self) -> sys::CUstream {
         self.raw
     }

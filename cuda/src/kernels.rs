@@ -9,7 +9,9 @@
 //! Each kernel gives one warp one unit (a block of one region) at a time, moving it with 16-byte
 //! loads and stores, four in flight per lane; the grid is a few waves of the device's multiprocessors
 //! and loops over the units. Unit `u` lives at `bases[u / blocks] + ids[u % blocks] * stride`
-//! ([`UnitTable`] holds `bases` and `ids` in device memory).
+//! ([`UnitTable`] holds `bases` and `ids` in device memory). The table kernels
+//! ([`Kernels::gather_table`], [`Kernels::scatter_table`]) take their pieces from a device table of
+//! 16-byte entries `{addr, off, len}` instead, one warp per entry, the same way.
 
 use std::ffi::{c_void, CString};
 use std::fmt;
@@ -71,6 +73,34 @@ extern "C" __global__ void kvp_scatter(const u64* __restrict__ bases, const u32*
     }
 }
 
+// A staging table: n entries of 16 bytes, {u64 addr; u32 off; u32 len;} little endian, read as one
+// uint4 (x, y: addr; z: off; w: len). Every address, offset and length is a multiple of 16 bytes.
+__device__ __forceinline__ uint4 kvp_table_entry(const unsigned char* __restrict__ table, u64 k) {
+    return ((const uint4*)table)[k];
+}
+
+// One warp per entry: copies len bytes from addr to slot + off.
+extern "C" __global__ void kvp_gather_table(const unsigned char* __restrict__ table, u64 n, unsigned char* slot) {
+    const u32 lane = threadIdx.x & 31;
+    const u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
+    for (u64 k = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; k < n; k += warps) {
+        const uint4 e = kvp_table_entry(table, k);
+        const uint4* src = (const uint4*)((u64)e.x | ((u64)e.y << 32));
+        kvp_copy_unit(src, (uint4*)(slot + e.z), (u64)(e.w >> 4), lane);
+    }
+}
+
+// One warp per entry: copies len bytes from slot + off to addr.
+extern "C" __global__ void kvp_scatter_table(const unsigned char* __restrict__ table, u64 n, unsigned char* slot) {
+    const u32 lane = threadIdx.x & 31;
+    const u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
+    for (u64 k = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; k < n; k += warps) {
+        const uint4 e = kvp_table_entry(table, k);
+        uint4* dst = (uint4*)((u64)e.x | ((u64)e.y << 32));
+        kvp_copy_unit((const uint4*)(slot + e.z), dst, (u64)(e.w >> 4), lane);
+    }
+}
+
 // Word w of unit (r, j) is (u32)(mix64(mix64(seed ^ (r << 32) ^ j) + w) >> 16).
 extern "C" __global__ void kvp_fill(const u64* __restrict__ bases, const u32* __restrict__ ids, u32 blocks,
                                     u64 stride, u64 unit_bytes, u64 units, u64 seed) {
@@ -93,6 +123,13 @@ extern "C" __global__ void kvp_fill(const u64* __restrict__ bases, const u32* __
 "#;
 
 const THREADS: u32 = 256;
+
+/// The kernels of [`SOURCE`] that [`Kernels::from_ptx`] looks up: gather, scatter, fill, and the
+/// table-driven gather and scatter.
+const KERNEL_NAMES: [&str; 5] = ["kvp_gather", "kvp_scatter", "kvp_fill", "kvp_gather_table", "kvp_scatter_table"];
+
+/// Bytes of one entry of a staging table (`{u64 addr; u32 off; u32 len;}`, little endian).
+pub const TABLE_ENTRY_BYTES: u64 = 16;
 
 /// Compiles [`SOURCE`] to PTX for `arch` (e.g. `compute_90`) with NVRTC. Needs no GPU.
 pub fn compile_ptx(arch: &str) -> Result<String, CudaError> {
@@ -186,6 +223,8 @@ pub struct Kernels {
     gather: sys::CUfunction,
     scatter: sys::CUfunction,
     fill: sys::CUfunction,
+    gather_table: sys::CUfunction,
+    scatter_table: sys::CUfunction,
     grid_max: u32,
 }
 
@@ -225,8 +264,11 @@ impl Kernels {
             // SAFETY: `module` was just loaded and is unloaded only in Drop.
             unsafe { result::module::get_function(module, cname) }.map_err(drv("cuModuleGetFunction", o, name))
         };
-        let lookup = || -> Result<_, CudaError> { Ok((func("kvp_gather")?, func("kvp_scatter")?, func("kvp_fill")?)) };
-        let (gather, scatter, fill) = match lookup() {
+        let lookup = || -> Result<_, CudaError> {
+            let [gather, scatter, fill, gather_table, scatter_table] = KERNEL_NAMES;
+            Ok((func(gather)?, func(scatter)?, func(fill)?, func(gather_table)?, func(scatter_table)?))
+        };
+        let (gather, scatter, fill, gather_table, scatter_table) = match lookup() {
             Ok(fns) => fns,
             Err(e) => {
                 // SAFETY: unloading the module loaded above, once; no function of it is kept.
@@ -234,7 +276,16 @@ impl Kernels {
                 return Err(e);
             }
         };
-        Ok(Kernels { gpu: Arc::clone(gpu), module, gather, scatter, fill, grid_max: gpu.multiprocessors() * 8 })
+        Ok(Kernels {
+            gpu: Arc::clone(gpu),
+            module,
+            gather,
+            scatter,
+            fill,
+            gather_table,
+            scatter_table,
+            grid_max: gpu.multiprocessors() * 8,
+        })
     }
 
     fn grid(&self, units: u64) -> u32 {
@@ -383,6 +434,88 @@ impl Kernels {
         self.launch(name, func, units, stream, &mut params)
     }
 
+    /// Queues the gather of the `n` entries at the start of `table` into the slot at device address
+    /// `slot`: entry `{addr, off, len}` (16 little-endian bytes: `addr` u64, `off` u32, `len` u32)
+    /// copies `len` bytes from `addr` to `slot + off`. One warp moves one entry at a time.
+    ///
+    /// # Safety
+    ///
+    /// 1. When the kernel runs, `table`'s first `n` entries hold the intended entries (written
+    ///    before this call, or by a copy queued on `stream` before it), and nothing writes them until
+    ///    the kernel finished;
+    /// 2. every entry's `addr`, `off` and `len` are multiples of 16 bytes;
+    /// 3. every entry's `addr..addr + len` is device memory this device can read, valid until the
+    ///    kernel finished, and `slot + off..slot + off + len` device memory it can write, valid as
+    ///    long; no destination overlaps a source (destinations overlapping each other leave the
+    ///    bytes they share unspecified);
+    /// 4. nothing writes the sources or accesses the destination ranges while the kernel runs, and
+    ///    nothing reads the destinations before it finished (wait on an event recorded after it).
+    pub unsafe fn gather_table(&self, stream: &Stream, table: &DeviceMem, n: u64, slot: u64) -> Result<(), CudaError> {
+        // SAFETY: forwarded from this function's contract (the table's entries, the readable
+        // sources, the writable slot ranges, nothing else touching either meanwhile).
+        unsafe { self.run_table("kvp_gather_table", self.gather_table, stream, table, n, slot) }
+    }
+
+    /// Queues the scatter of the slot at device address `slot` by the `n` entries at the start of
+    /// `table`: entry `{addr, off, len}` copies `len` bytes from `slot + off` to `addr`.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Kernels::gather_table`] with the directions swapped:
+    /// 1. `table`'s first `n` entries hold the intended entries when the kernel runs and are not
+    ///    written until it finished;
+    /// 2. every entry's `addr`, `off` and `len` are multiples of 16 bytes;
+    /// 3. every `slot + off..slot + off + len` is device memory this device can read and every
+    ///    `addr..addr + len` device memory it can write, both valid until the kernel finished; no
+    ///    destination overlaps a source (overlapping destinations leave the bytes they share
+    ///    unspecified);
+    /// 4. nothing writes the slot's ranges or accesses the destinations while the kernel runs, and
+    ///    nothing reads the destinations before it finished.
+    pub unsafe fn scatter_table(&self, stream: &Stream, table: &DeviceMem, n: u64, slot: u64) -> Result<(), CudaError> {
+        // SAFETY: forwarded from this function's contract (directions swapped).
+        unsafe { self.run_table("kvp_scatter_table", self.scatter_table, stream, table, n, slot) }
+    }
+
+    /// Checks the table's size and the slot's alignment and launches `func` (the table gather or
+    /// scatter, which take the same parameters) over `n` entries. `n == 0` queues nothing.
+    ///
+    /// # Safety
+    ///
+    /// The calling `gather_table` or `scatter_table`'s contract.
+    unsafe fn run_table(
+        &self,
+        name: &'static str,
+        func: sys::CUfunction,
+        stream: &Stream,
+        table: &DeviceMem,
+        n: u64,
+        slot: u64,
+    ) -> Result<(), CudaError> {
+        let fits = n.checked_mul(TABLE_ENTRY_BYTES).is_some_and(|b| b <= table.len());
+        if !fits || !slot.is_multiple_of(ALIGN) || table.gpu().ordinal() != self.gpu.ordinal() {
+            return Err(CudaError::Bounds {
+                what: name,
+                detail: format!(
+                    "{n} entries of {TABLE_ENTRY_BYTES} bytes in a {}-byte table of device {}, slot {slot:#x} \
+                     ({ALIGN}-byte aligned slot on device {} needed)",
+                    table.len(),
+                    table.gpu().ordinal(),
+                    self.gpu.ordinal()
+                ),
+            });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let (mut t, mut count, mut s) = (table.ptr(), n, slot);
+        let mut params = [
+            &mut t as *mut u64 as *mut c_void,
+            &mut count as *mut u64 as *mut c_void,
+            &mut s as *mut u64 as *mut c_void,
+        ];
+        self.launch(name, func, n, stream, &mut params)
+    }
+
     /// Queues a fill of every unit of `table`'s loaded side with the pattern of its logical position
     /// ([`crate::staging::pattern_fill`] with `seed`).
     ///
@@ -415,6 +548,41 @@ impl Drop for Kernels {
         if self.gpu.make_current().is_ok() {
             // SAFETY: unloaded once, here; no launch can follow (we own the handles).
             let _ = unsafe { result::module::unload(self.module) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_looked_up_is_in_the_source() {
+        assert!(KERNEL_NAMES.contains(&"kvp_gather_table") && KERNEL_NAMES.contains(&"kvp_scatter_table"));
+        for name in KERNEL_NAMES {
+            let decl = format!("extern \"C\" __global__ void {name}(");
+            assert_eq!(
+                SOURCE.matches(&decl).count(),
+                1,
+                "{name} is looked up by from_ptx but not defined once in SOURCE"
+            );
+        }
+        // The table kernels take (table, n, slot), as `run_table` packs them.
+        for name in ["kvp_gather_table", "kvp_scatter_table"] {
+            let decl = format!("{name}(const unsigned char* __restrict__ table, u64 n, unsigned char* slot)");
+            assert!(SOURCE.contains(&decl), "{name}'s parameters changed: {decl}");
+        }
+    }
+
+    #[test]
+    fn the_source_compiles_where_nvrtc_loads() {
+        match compile_ptx("compute_90") {
+            Ok(ptx) => {
+                for name in KERNEL_NAMES {
+                    assert!(ptx.contains(&format!(".entry {name}(")), "{name} missing from the PTX");
+                }
+            }
+            Err(e) => assert!(matches!(e, CudaError::Unavailable { .. }), "NVRTC loads but compiling failed: {e}"),
         }
     }
 }

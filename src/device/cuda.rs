@@ -11,16 +11,27 @@
 //!
 //! `KVPUSH_DEVICE=cuda` picks device `KVPUSH_CUDA_DEVICE` (default 0); without a driver it is a
 //! clear [`DeviceError::Unavailable`], never a panic.
+//!
+//! [`CudaStager`] is the device's [`Stager`]: each gather or scatter copies its entry table to the
+//! device and runs one kernel (`kvp_gather_table` / `kvp_scatter_table`) on the stager's stream, and
+//! an event per lane says when it finished.
 
+use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use kvpush_cuda::{CudaError, DeviceMem, Gpu};
+use kvpush_cuda::{CudaError, DeviceMem, Event, Gpu, Kernels, Stream};
 
-use super::{Buffer, Device, DeviceError, DeviceKind, MemKind, MemRegion};
+use super::stage::{check_entries, ENTRY_BYTES};
+use super::{Buffer, Device, DeviceError, DeviceKind, MemKind, MemRegion, StageEntry, Stager};
 
 /// The environment variable naming the CUDA device ordinal `KVPUSH_DEVICE=cuda` opens (default 0).
 pub const DEVICE_ENV: &str = "KVPUSH_CUDA_DEVICE";
+
+/// The environment variable naming a PTX file of the staging kernels (`gpu_push --emit-ptx`), loaded
+/// when NVRTC cannot be (as `gpu_push --ptx` does). Read when a process first loads the kernels for
+/// a device.
+pub const PTX_ENV: &str = "KVPUSH_CUDA_PTX";
 
 /// A CUDA device (one ordinal, its primary context).
 #[derive(Clone)]
@@ -103,6 +114,11 @@ impl Device for CudaDevice {
         })?;
         Ok(MemRegion { addr: info.addr, len: info.len, kind: MemKind::Vram, dev_id: info.device })
     }
+
+    /// A [`CudaStager`] on this device (kernels loaded once per process and device).
+    fn stager(&self, lanes: usize, max_entries: usize) -> Result<Option<Box<dyn Stager>>, DeviceError> {
+        Ok(Some(Box::new(CudaStager::new(&self.gpu, lanes, max_entries)?)))
+    }
 }
 
 /// Device memory kvpush owns; freed on drop.
@@ -145,4 +161,207 @@ impl Buffer for CudaBuffer {
             reason: e.to_string(),
         })
     }
+}
+
+/// Staging copies on one GPU: table-driven gather and scatter kernels on one stream, one event and
+/// one device-resident entry table per lane.
+///
+/// Operations of every lane run in the order they were started (one stream); [`Stager::write`] is
+/// queued on the same stream, so the next operation sees it, and [`Stager::read`] waits for
+/// everything queued before it.
+pub struct CudaStager {
+    gpu: Arc<Gpu>,
+    kernels: Arc<Kernels>,
+    stream: Stream,
+    lanes: Vec<Lane>,
+    max_entries: usize,
+}
+
+/// One lane: its entry table in device memory and the event recorded after its last operation.
+struct Lane {
+    table: DeviceMem,
+    done: Event,
+}
+
+impl fmt::Debug for CudaStager {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaStager")
+            .field("device", &self.gpu.ordinal())
+            .field("lanes", &self.lanes.len())
+            .field("max_entries", &self.max_entries)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaStager {
+    /// A stager of `lanes` lanes of at most `max_entries` entries each on `gpu`: loads the staging
+    /// kernels (see [`PTX_ENV`]) unless this process has them loaded for this device, and allocates a
+    /// stream, and per lane a `max_entries × 16`-byte device table and an event.
+    pub fn new(gpu: &Arc<Gpu>, lanes: usize, max_entries: usize) -> Result<CudaStager, DeviceError> {
+        let unavailable = |e: CudaError| DeviceError::Unavailable {
+            requested: format!("cuda:{} staging", gpu.ordinal()),
+            tried: vec![(format!("cuda:{}", gpu.ordinal()), e.to_string())],
+        };
+        let kernels = shared_kernels(gpu).map_err(unavailable)?;
+        let stream = Stream::new(gpu).map_err(unavailable)?;
+        let table_bytes = (max_entries.max(1) as u64).saturating_mul(ENTRY_BYTES as u64);
+        let lanes = (0..lanes)
+            .map(|_| {
+                let table = gpu.alloc(table_bytes).map_err(|e| DeviceError::Alloc {
+                    device: DeviceKind::Cuda,
+                    len: table_bytes,
+                    reason: format!("staging table: {e}"),
+                })?;
+                Ok(Lane { table, done: Event::new(gpu).map_err(unavailable)? })
+            })
+            .collect::<Result<_, DeviceError>>()?;
+        Ok(CudaStager { gpu: Arc::clone(gpu), kernels, stream, lanes, max_entries })
+    }
+
+    fn lane(&self, lane: usize) -> Result<&Lane, DeviceError> {
+        self.lanes.get(lane).ok_or_else(|| DeviceError::Copy {
+            device: DeviceKind::Cuda,
+            offset: 0,
+            len: 0,
+            reason: format!("staging lane {lane} does not exist (this stager has {} lanes)", self.lanes.len()),
+        })
+    }
+
+    /// Copies the entries to the lane's table, queues the table gather (`gather`) or scatter kernel
+    /// over them and records the lane's event.
+    ///
+    /// # Safety
+    ///
+    /// The calling `gather` or `scatter`'s contract; the entries passed [`check_entries`].
+    unsafe fn run(&self, lane: usize, entries: &[StageEntry], slot: u64, gather: bool) -> Result<(), DeviceError> {
+        let l = self.lane(lane)?;
+        let bytes: u64 = entries.iter().map(|e| u64::from(e.len)).sum();
+        let what = if gather { "gather" } else { "scatter" };
+        let failed = |e: CudaError| DeviceError::Copy {
+            device: DeviceKind::Cuda,
+            offset: 0,
+            len: bytes,
+            reason: format!("{what} of {} entries on lane {lane}: {e}", entries.len()),
+        };
+        self.gpu.make_current().map_err(failed)?;
+        let mut table = Vec::with_capacity(entries.len() * ENTRY_BYTES);
+        for e in entries {
+            table.extend_from_slice(&e.to_bytes());
+        }
+        // SAFETY: the lane's table holds `max_entries × 16` bytes and `entries` passed
+        // `check_entries` (at most `max_entries`); the copy is queued on `self.stream` after the
+        // lane's previous kernel (one stream), so no kernel still reads the bytes it overwrites, and
+        // the kernel that reads them is queued after it. `table` is a fresh pageable Vec: the driver
+        // takes its bytes before returning, so dropping it afterwards is fine.
+        unsafe { self.stream.copy_to_device(l.table.ptr(), &table) }.map_err(failed)?;
+        let n = entries.len() as u64;
+        // SAFETY: the table holds these `n` entries once the copy queued just before runs, and only
+        // this lane's next operation, queued after the kernel, rewrites it; they are 16-byte aligned
+        // (`check_entries`); the KV ranges and the slot's ranges they name are valid device memory,
+        // in separate allocations, untouched by anyone else until the lane is done, which the caller
+        // observes through the event recorded below (`Stager::gather` / `Stager::scatter`).
+        unsafe {
+            if gather {
+                self.kernels.gather_table(&self.stream, &l.table, n, slot)
+            } else {
+                self.kernels.scatter_table(&self.stream, &l.table, n, slot)
+            }
+        }
+        .map_err(failed)?;
+        l.done.record(&self.stream).map_err(failed)
+    }
+}
+
+impl Stager for CudaStager {
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Cuda
+    }
+
+    unsafe fn gather(&mut self, lane: usize, entries: &[StageEntry], slot: u64) -> Result<(), DeviceError> {
+        check_entries(DeviceKind::Cuda, entries, self.max_entries)?;
+        // SAFETY: forwarded from `Stager::gather`'s contract; the entries were checked above.
+        unsafe { self.run(lane, entries, slot, true) }
+    }
+
+    unsafe fn scatter(&mut self, lane: usize, entries: &[StageEntry], slot: u64) -> Result<(), DeviceError> {
+        check_entries(DeviceKind::Cuda, entries, self.max_entries)?;
+        // SAFETY: forwarded from `Stager::scatter`'s contract; the entries were checked above.
+        unsafe { self.run(lane, entries, slot, false) }
+    }
+
+    fn is_done(&mut self, lane: usize) -> Result<bool, DeviceError> {
+        self.lane(lane)?.done.is_done().map_err(|e| DeviceError::Copy {
+            device: DeviceKind::Cuda,
+            offset: 0,
+            len: 0,
+            reason: format!("staging lane {lane}: {e}"),
+        })
+    }
+
+    unsafe fn read(&mut self, addr: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+        // SAFETY: the caller guarantees `addr..addr + out.len()` is readable device memory of this
+        // device; the copy is ordered after this stager's queued writes and operations.
+        unsafe { self.stream.copy_from_device(addr, out) }.map_err(|e| DeviceError::Copy {
+            device: DeviceKind::Cuda,
+            offset: addr,
+            len: out.len() as u64,
+            reason: e.to_string(),
+        })
+    }
+
+    unsafe fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), DeviceError> {
+        // The caller's `data` may be page-locked memory, which the driver would read only when the
+        // copy runs, after this call returned: copy from a pageable Vec of ours instead, whose bytes
+        // the driver takes before returning.
+        let own = data.to_vec();
+        // SAFETY: the caller guarantees `addr..addr + data.len()` is writable device memory of this
+        // device that nobody else accesses until the copy is seen; later operations of this stager
+        // are queued after the copy on the same stream. `own` is pageable (see above).
+        unsafe { self.stream.copy_to_device(addr, &own) }.map_err(|e| DeviceError::Copy {
+            device: DeviceKind::Cuda,
+            offset: addr,
+            len: data.len() as u64,
+            reason: e.to_string(),
+        })
+    }
+}
+
+impl Drop for CudaStager {
+    fn drop(&mut self) {
+        // Wait for queued work before the lanes' tables are freed: a running kernel may still read
+        // them. A failure here (a sticky context error) leaves nothing running to wait for.
+        let _ = self.stream.synchronize();
+    }
+}
+
+/// The staging kernels of device `gpu`, loaded once per process and device while any stager holds
+/// them: compiled with NVRTC for the device's architecture, or, where NVRTC cannot be loaded, read
+/// from the PTX file named by [`PTX_ENV`].
+fn shared_kernels(gpu: &Arc<Gpu>) -> Result<Arc<Kernels>, CudaError> {
+    static LOADED: OnceLock<Mutex<HashMap<u32, Weak<Kernels>>>> = OnceLock::new();
+    // A poisoned lock only means another thread panicked while loading; the map is still sound.
+    let mut loaded = LOADED.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(k) = loaded.get(&gpu.ordinal()).and_then(Weak::upgrade) {
+        return Ok(k);
+    }
+    let kernels = match Kernels::load(gpu) {
+        Ok(k) => k,
+        Err(CudaError::Unavailable { library, reason }) => match std::env::var_os(PTX_ENV) {
+            Some(path) => {
+                let ptx = std::fs::read_to_string(&path).map_err(|e| CudaError::Bounds {
+                    what: "reading the staging kernels' PTX",
+                    detail: format!("{PTX_ENV}={}: {e}", path.to_string_lossy()),
+                })?;
+                Kernels::from_ptx(gpu, &ptx)?
+            }
+            None => {
+                let reason = format!("{reason}; or set {PTX_ENV} to a PTX file of the kernels (gpu_push --emit-ptx)");
+                return Err(CudaError::Unavailable { library, reason });
+            }
+        },
+        Err(e) => return Err(e),
+    };
+    let kernels = Arc::new(kernels);
+    loaded.insert(gpu.ordinal(), Arc::downgrade(&kernels));
+    Ok(kernels)
 }
