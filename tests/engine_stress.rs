@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use kvpush::demo::pattern;
 use kvpush::device::host::HostDevice;
 use kvpush::device::{Buffer, Device};
-use kvpush::engine::{Config, Engine, Finished, LocalHub, StatsSnapshot};
+use kvpush::engine::{Config, Engine, Finished, LocalHub, Staging, StatsSnapshot};
 use kvpush::proto::completion::CompletionConfig;
 use kvpush::proto::layout::{
     BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, ModelShape, Parallel,
@@ -38,6 +38,7 @@ use kvpush::proto::msg::blocks_for;
 use kvpush::proto::rendezvous::{ReleaseReason, RendezvousConfig};
 use kvpush::proto::{Key, Mode};
 use kvpush::transport::loopback::{Fabric, Fault, FaultRates, LoopbackTransport};
+use kvpush::transport::staged::StagingConfig;
 
 const BLOCK_TOKENS: u32 = 16;
 const P_ENGINE: &str = "prefill";
@@ -61,6 +62,8 @@ struct Setup {
     pull_read_timeout: Duration,
     /// How late after `completion_timeout` a D outcome may still come (scheduling on a loaded machine).
     margin: Duration,
+    /// Staging of P's WRITEs.
+    staging: Staging,
 }
 
 impl Setup {
@@ -78,6 +81,7 @@ impl Setup {
             completion_timeout: Duration::from_secs(60),
             pull_read_timeout: Duration::from_secs(60),
             margin: Duration::from_secs(3),
+            staging: Staging::Off,
         }
     }
 
@@ -91,6 +95,7 @@ impl Setup {
         };
         c.completion = CompletionConfig { timeout_us: self.completion_timeout.as_micros() as u64, ..c.completion };
         c.pull_read_timeout_us = self.pull_read_timeout.as_micros() as u64;
+        c.staging = self.staging;
         c
     }
 }
@@ -446,7 +451,11 @@ impl Driver {
                 self.tracks.get(&Key::new(other, a)).is_some_and(|t| t.d_out.iter().all(|o| !o.is_empty()))
             }
             Cond::PAll(a) => self.tracks.get(&Key::new(id, a)).is_some_and(|t| t.p_done),
-            Cond::PInFlight(w) => self.c.p[w].transport.open_transfers() >= self.c.p_fan_out(w),
+            Cond::PInFlight(w) => match self.c.p[w].engine.staging_counts() {
+                // Staged: every transfer is open in the staging layer and a piece is on the wire.
+                Some(c) => c.open as usize >= self.c.p_fan_out(w) && self.c.p[w].transport.open_transfers() > 0,
+                None => self.c.p[w].transport.open_transfers() >= self.c.p_fan_out(w),
+            },
         }
     }
 
@@ -940,8 +949,18 @@ impl Driver {
             assert_eq!(c.aborted, self.p_aborts, "{ctx}: aborts handled");
             if self.c.setup.mode == Mode::Push {
                 let lb = p.transport.stats();
-                assert_eq!(c.posts, lb.posts, "{ctx}: posts disagree with the transport's {lb:?}");
-                assert_eq!(s.failures.post, lb.post_errors, "{ctx}: post errors disagree with the transport's {lb:?}");
+                if let Some(st) = p.engine.staging_counts() {
+                    // Staged: the transport sees one WRITE per piece; posting itself never fails
+                    // (a piece's failure is the transfer's).
+                    assert_eq!(c.posts, st.transfers + st.direct, "{ctx}: posts disagree with staging's {st:?}");
+                    assert!(lb.posts >= st.pieces, "{ctx}: fewer WRITEs than pieces written: {lb:?} {st:?}");
+                } else {
+                    assert_eq!(c.posts, lb.posts, "{ctx}: posts disagree with the transport's {lb:?}");
+                    assert_eq!(
+                        s.failures.post, lb.post_errors,
+                        "{ctx}: post errors disagree with the transport's {lb:?}"
+                    );
+                }
                 assert_eq!(c.matches, c.posts + s.failures.post, "{ctx}: every matched transfer is posted or failed");
                 assert!(c.descriptors_posted <= c.descriptors_unmerged, "{ctx}");
                 // Every D worker this P worker feeds registers every key D was given with it.
@@ -1225,8 +1244,12 @@ fn wait_every_write(c: &Cluster) -> Vec<Step> {
 }
 
 fn aborts_in_flight(p_tp: u16, d_tp: u16, writers: usize) {
+    aborts_in_flight_in(Setup::new(Mode::Push, p_tp, d_tp), writers);
+}
+
+fn aborts_in_flight_in(mut s: Setup, writers: usize) {
     let delay = Duration::from_millis(250);
-    let mut s = Setup::new(Mode::Push, p_tp, d_tp);
+    let (p_tp, d_tp) = (s.p_tp, s.d_tp);
     s.writers = writers;
     let mut d = Driver::new(s);
     // The follow-up request below reuses D's blocks right after D ended: safe here because the late
@@ -1426,7 +1449,11 @@ fn reissues_concurrent_p2_d2() {
 // 4. Post failures, partial transfers and lost notifications.
 
 fn faults_one_by_one(p_tp: u16, d_tp: u16) {
-    let mut s = Setup::new(Mode::Push, p_tp, d_tp);
+    faults_one_by_one_in(Setup::new(Mode::Push, p_tp, d_tp));
+}
+
+fn faults_one_by_one_in(mut s: Setup) {
+    let (p_tp, d_tp) = (s.p_tp, s.d_tp);
     s.writers = 2;
     s.completion_timeout = Duration::from_secs(2);
     let mut d = Driver::new(s);
@@ -1591,6 +1618,23 @@ fn random_faults_under_load_p1_d1() {
     eprintln!("random faults: {ctx}; {}", d.summary());
 }
 
+/// `n` requests, blocks first, 2 ms apart, each allowed to end in any way a fault can make it end
+/// (D's timeout then covers only the engines' work, never the driver's filling of P's blocks, which a
+/// loaded machine may slow down past a short timeout).
+fn faulty_requests(rng: &mut Rng, n: usize, what: &'static str) -> Vec<Req> {
+    (0..n)
+        .map(|i| {
+            let mut steps = vec![Step::Sleep(Duration::from_millis(2 * i as u64))];
+            steps.extend(legs(rng, 1, false, 10));
+            let e = Expect {
+                p: Some(&[R::Sent, R::Failed, R::Aborted]),
+                d: Some(&[DKind::Received, DKind::Failed, DKind::TimedOut]),
+            };
+            Req::new(what, rng.id(i), rng.tokens(), steps, vec![(1, e)])
+        })
+        .collect()
+}
+
 /// The same with two workers on each side and faults on both producer workers.
 #[test]
 fn random_faults_under_load_p2_d2() {
@@ -1602,20 +1646,7 @@ fn random_faults_under_load_p2_d2() {
         w.transport.set_fault_rates(rates);
     }
     let mut rng = Rng(0x4a7f);
-    let reqs = (0..200)
-        .map(|i| {
-            // Blocks first: D's timeout then covers only the engines' work, never the driver's
-            // filling of P's blocks, which a loaded machine may slow down past the short timeout.
-            let mut steps = vec![Step::Sleep(Duration::from_millis(2 * i as u64))];
-            steps.extend(legs(&mut rng, 1, false, 10));
-            let e = Expect {
-                p: Some(&[R::Sent, R::Failed, R::Aborted]),
-                d: Some(&[DKind::Received, DKind::Failed, DKind::TimedOut]),
-            };
-            Req::new("random faults", rng.id(i), rng.tokens(), steps, vec![(1, e)])
-        })
-        .collect();
-    d.run(reqs, Duration::from_secs(30));
+    d.run(faulty_requests(&mut rng, 200, "random faults"), Duration::from_secs(30));
     d.check();
     let lost: u64 = d.c.p.iter().map(|w| w.transport.stats().notifications_lost).sum();
     let timed_out = d.tracks.values().flat_map(|t| &t.d_out).filter(|o| o[0].0 == DKind::TimedOut).count() as u64;
@@ -1762,4 +1793,121 @@ fn consumer_abort_while_another_producer_writes_keeps_reused_blocks_intact() {
     wait_for(&p1.engine, "release of a", |f| matches!(f, Finished::Sent { key, .. } if *key == a));
     let v = pattern::verify(d.engine.layout(), &d.buffers, &blocks, tokens, seed_of(b)).expect("verify");
     assert!(v.ok(), "request b's KV was overwritten by aborted request a's late write: {v:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Staged WRITEs: the same engines with every push going through tiny staging slots (many pieces per
+// request, slots reused constantly), under load, aborts and faults.
+
+fn staged(mut s: Setup) -> Setup {
+    s.staging = Staging::On(StagingConfig {
+        slots: 2,
+        slot_bytes: 8192,
+        max_entries: 16,
+        max_entry_bytes: 1024,
+        min_descs: 1,
+        max_mean_desc: u64::MAX,
+        stall_timeout: Duration::from_secs(10),
+    });
+    s
+}
+
+/// Every P worker staged transfers in pieces, every D worker received staged transfers, and no
+/// staging frame was malformed.
+fn assert_staged(d: &Driver, ctx: &str) {
+    for (i, w) in d.c.p.iter().enumerate() {
+        let c = w.engine.staging_counts().expect("staging is on");
+        assert!(c.transfers > 0 && c.pieces > c.transfers, "{ctx}: P[{i}] staged {c:?}");
+        assert_eq!(c.malformed, 0, "{ctx}: P[{i}] {c:?}");
+    }
+    for (i, w) in d.c.d.iter().enumerate() {
+        let c = w.engine.staging_counts().expect("staging is on");
+        assert!(c.received > 0, "{ctx}: D[{i}] received nothing staged: {c:?}");
+        assert_eq!(c.malformed, 0, "{ctx}: D[{i}] {c:?}");
+    }
+}
+
+#[test]
+fn staged_push_concurrent_requests_p2_d1() {
+    let mut s = staged(Setup::new(Mode::Push, 2, 1));
+    s.writers = 2;
+    s.num_blocks = 30_000;
+    let d = stress(s, 600, 0x5a9e);
+    assert_staged(&d, "P TP 2, D TP 1");
+    let c = d.c.p[0].engine.staging_counts().expect("on");
+    assert_eq!(c.direct, 0, "every WRITE qualifies: {c:?}");
+}
+
+#[test]
+fn staged_push_concurrent_requests_p1_d2() {
+    let mut s = staged(Setup::new(Mode::Push, 1, 2));
+    s.num_blocks = 30_000;
+    let d = stress(s, 300, 0x5a9f);
+    assert_staged(&d, "P TP 1, D TP 2");
+}
+
+#[test]
+fn staged_push_aborts_at_every_stage_p2_d2() {
+    aborts(staged(abort_setup(Mode::Push, 2, 2, 2)), 300, 0x5ab3);
+}
+
+#[test]
+fn staged_post_failures_and_partial_pieces_fail_at_once_p2_d1() {
+    faults_one_by_one_in(staged(Setup::new(Mode::Push, 2, 1)));
+}
+
+#[test]
+fn staged_aborts_while_in_flight_p1_d2() {
+    aborts_in_flight_in(staged(Setup::new(Mode::Push, 1, 2)), 1);
+}
+
+/// Random faults on the pieces' WRITEs: every request ends (received, failed, or timed out where a
+/// piece's notification was lost), both pools end full, and staging keeps working afterwards.
+#[test]
+fn staged_random_faults_under_load_p1_d1() {
+    let mut s = staged(Setup::new(Mode::Push, 1, 1));
+    s.writers = 2;
+    s.completion_timeout = Duration::from_secs(1);
+    if let Staging::On(c) = &mut s.staging {
+        // A lost piece frees its receive slot soon (the request itself times out after 1 s).
+        c.stall_timeout = Duration::from_millis(500);
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    let mut d = Driver::new(s);
+    d.c.p[0].transport.set_fault_rates(FaultRates {
+        post_error: 0.02,
+        lose_notification: 0.02,
+        partial: 0.02,
+        seed: 43,
+    });
+    let mut rng = Rng(0x5a7e);
+    // A lost piece holds its receive slot until the stall timeout, so requests queued behind it may
+    // time out on D too, and D then aborts them on P: the same outcomes as with two producers.
+    d.run(faulty_requests(&mut rng, 200, "random faults, staged"), Duration::from_secs(40));
+    let lb = d.c.p[0].transport.stats();
+    assert!(lb.post_errors > 0 && lb.notifications_lost > 0 && lb.failed_transfers > 0, "some fault never hit: {lb:?}");
+    // Faults off: the staging slots all came back (stalled transfers were failed and their slots
+    // freed), so plain requests go through.
+    d.c.p[0].transport.set_fault_rates(FaultRates::default());
+    std::thread::sleep(Duration::from_millis(2500));
+    let reqs = (0..40)
+        .map(|i| {
+            let steps = legs(&mut rng, 1, false, 5);
+            Req::new("after faults, staged", rng.id(1000 + i), rng.tokens(), steps, vec![(1, OK)])
+        })
+        .collect();
+    d.run(reqs, Duration::from_secs(40));
+    d.check();
+    let count = |k: DKind| d.tracks.values().filter(|t| t.d_out[0][0].0 == k).count();
+    eprintln!(
+        "staged random faults: received {}, failed {}, timed out {}; transport {lb:?}; P {:?}; D {:?}",
+        count(DKind::Received),
+        count(DKind::Failed),
+        count(DKind::TimedOut),
+        d.c.p[0].engine.staging_counts(),
+        d.c.d[0].engine.staging_counts()
+    );
 }

@@ -20,6 +20,9 @@ pub mod cuda;
 pub mod host;
 pub mod mock;
 pub mod neuron;
+pub mod stage;
+
+pub use stage::{StageEntry, Stager};
 
 /// Kind of memory, as a transport registers it (NIXL's DRAM_SEG / VRAM_SEG).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -156,6 +159,12 @@ pub trait Device: Send + Sync + fmt::Debug {
     fn alloc(&self, len: u64) -> Result<Box<dyn Buffer>, DeviceError>;
     /// Validates that `[addr, addr + len)` is memory of this device and attributes it.
     fn describe(&self, addr: u64, len: u64) -> Result<MemRegion, DeviceError>;
+    /// A [`Stager`] running gathers and scatters on `lanes` lanes of at most `max_entries` entries
+    /// each, or `None` where this device has none (the staged transport then posts directly).
+    fn stager(&self, lanes: usize, max_entries: usize) -> Result<Option<Box<dyn Stager>>, DeviceError> {
+        let _ = (lanes, max_entries);
+        Ok(None)
+    }
 }
 
 /// Picks the backend named by `spec` (`auto|neuron|cuda|cuda:<ordinal>|host|mock`, case-insensitive).

@@ -23,7 +23,7 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{unbounded, Sender};
 
-use crate::device::{Device, DeviceError, MemRegion};
+use crate::device::{Device, DeviceError, DeviceKind, MemRegion};
 use crate::pool::handoff::{Inbox, Outbox, WakeFlag};
 use crate::proto::codec::{self, DecodeError, PROTOCOL_VERSION};
 use crate::proto::compat::{self, compat_hash, Incompatible};
@@ -32,6 +32,7 @@ use crate::proto::layout::{KvLayout, LayoutError};
 use crate::proto::msg::{check_block_lists, Handshake, Message, Mode, RangeError};
 use crate::proto::rendezvous::{ReleaseReason, RendezvousConfig, SourceBlocks};
 use crate::proto::{Key, Rank};
+use crate::transport::staged::{Staged, StagingConfig, StagingCounts};
 use crate::transport::{Transport, TransportError, Units};
 
 pub mod link;
@@ -58,6 +59,39 @@ pub struct Config {
     pub completion: CompletionConfig,
     /// Pull mode, producer side: how long a granted read may take before the blocks are released (µs).
     pub pull_read_timeout_us: u64,
+    /// Whether fragmented WRITEs go through staging slots ([`crate::transport::staged`]).
+    pub staging: Staging,
+}
+
+/// Whether an engine stages fragmented WRITEs through bounded slots on its device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Staging {
+    /// On with the default geometry where the device is a GPU (CUDA), off elsewhere.
+    Auto,
+    /// Never: every transfer is posted as merged descriptors.
+    Off,
+    /// On with this geometry (where the device can stage; Neuron cannot yet).
+    On(StagingConfig),
+}
+
+impl Staging {
+    /// Parses `auto`, `off` or `on` (`on` takes the default geometry).
+    pub fn parse(s: &str) -> Result<Staging, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" | "" => Ok(Staging::Auto),
+            "off" | "0" | "false" => Ok(Staging::Off),
+            "on" | "1" | "true" => Ok(Staging::On(StagingConfig::default())),
+            other => Err(format!("staging {other:?}: expected auto, on or off")),
+        }
+    }
+
+    fn resolve(self, device: DeviceKind) -> Option<StagingConfig> {
+        match self {
+            Staging::Auto if device == DeviceKind::Cuda => Some(StagingConfig::default()),
+            Staging::Auto | Staging::Off => None,
+            Staging::On(c) => Some(c),
+        }
+    }
 }
 
 impl Config {
@@ -70,6 +104,7 @@ impl Config {
             rendezvous: RendezvousConfig::default(),
             completion: CompletionConfig::default(),
             pull_read_timeout_us: 60_000_000,
+            staging: Staging::Auto,
         }
     }
 }
@@ -216,6 +251,8 @@ pub(crate) struct Shared {
     pub(crate) shards: Vec<ShardHandle>,
     pub(crate) outbox: Outbox<Finished>,
     pub(crate) transport: Arc<dyn Transport>,
+    /// The staging wrapper around the transport, where staging is on.
+    pub(crate) staged: Option<Arc<Staged>>,
     pub(crate) link: Arc<dyn ControlLink>,
     pub(crate) regions: Vec<MemRegion>,
 }
@@ -385,6 +422,21 @@ impl Engine {
         link: Arc<dyn ControlLink>,
     ) -> Result<Engine, EngineError> {
         layout.validate()?;
+        // Staging wraps the transport before anything is registered, so it knows the KV regions.
+        let mut staged = None;
+        let transport = match config.staging.resolve(device.kind()) {
+            Some(cfg) if config.mode == Mode::Push => {
+                match Staged::new(Arc::clone(&transport), device.as_ref(), cfg)? {
+                    Some(s) => {
+                        let s = Arc::new(s);
+                        staged = Some(Arc::clone(&s));
+                        s as Arc<dyn Transport>
+                    }
+                    None => transport,
+                }
+            }
+            _ => transport,
+        };
         let mut regions = Vec::with_capacity(layout.region_bases.len());
         for (index, &base) in layout.region_bases.iter().enumerate() {
             let region =
@@ -420,6 +472,7 @@ impl Engine {
             shards,
             outbox: Outbox::new(),
             transport,
+            staged,
             link,
             regions,
         });
@@ -540,6 +593,11 @@ impl Engine {
     /// lost are forgotten until they handshake again).
     pub fn knows_engine(&self, engine_id: &str) -> bool {
         self.shared.any_peer_of(engine_id).is_some()
+    }
+
+    /// What staging did (`None` where staging is off).
+    pub fn staging_counts(&self) -> Option<StagingCounts> {
+        self.shared.staged.as_ref().map(|s| s.counts())
     }
 
     /// Counters and latency histograms of all writer shards.

@@ -172,6 +172,13 @@ impl Writer {
                     return;
                 }
                 progressed |= !matches!(cmd, Cmd::Wake);
+                // Keep causal order between the two queues: whatever the engine loop pushed before this
+                // message was sent (say an abort, before the call that made a peer send it) is
+                // handled first.
+                inbox.drain_into(&mut commands);
+                for c in commands.drain(..) {
+                    self.handle(c);
+                }
                 self.handle(cmd);
                 budget -= 1;
                 next = if budget > 0 { self.rx.try_recv().ok() } else { None };
@@ -197,7 +204,10 @@ impl Writer {
         for d in deadlines.into_iter().flatten() {
             wait = wait.min(Duration::from_micros(d.micros_since(now)));
         }
-        if self.shared.transport.needs_polling() {
+        if self.shared.transport.busy() {
+            // Staged pieces move only while we poll (gathers, WRITEs, scatters, grants).
+            wait = if self.last_active.elapsed() < SPIN_WINDOW { Duration::ZERO } else { wait.min(self.poll_interval) };
+        } else if self.shared.transport.needs_polling() {
             // A polled transport (NIXL without a progress thread) moves data and delivers
             // notifications only when asked. While our own transfers are in flight, poll back to
             // back (each poll is what moves a large transfer along; measured: a 25 µs gap between

@@ -18,6 +18,7 @@ use crate::device::MemRegion;
 
 pub mod loopback;
 pub mod nixl;
+pub mod staged;
 
 /// Direction of a transfer, seen from the side that posts it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -199,4 +200,10 @@ pub trait Transport: Send + Sync + fmt::Debug {
     /// Whether progress needs [`Transport::poll`] calls (no waker support, or progress is driven
     /// by polling). The writer then polls with backoff while transfers are in flight.
     fn needs_polling(&self) -> bool;
+    /// Whether the transport has work of its own in flight that advances only in
+    /// [`Transport::poll`] and [`Transport::take_notifications`] calls (staged pieces being gathered,
+    /// written or scattered): the writer then polls as it does for its own transfers.
+    fn busy(&self) -> bool {
+        false
+    }
 }

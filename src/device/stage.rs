@@ -1,0 +1,245 @@
+//! Staging copies: packing a transfer's scattered pieces of KV memory into a contiguous staging slot
+//! (gather) and unpacking a slot into KV memory (scatter), on the device the memory lives on.
+//!
+//! Read [`Stager`] first. The staged transport ([`crate::transport::staged`]) describes one piece of
+//! a transfer as a table of [`StageEntry`]s — `len` bytes at KV address `addr` ↔ offset `off` of the
+//! slot's data area — and asks the device to run it. Each operation runs on a *lane* (one per staging
+//! slot); the caller never starts an operation on a lane before the previous one is done
+//! ([`Stager::is_done`]). Backends: host memory (and the mock device, whose memory is host memory)
+//! copy at once on the calling thread ([`HostStager`]); CUDA runs a kernel per operation and reports
+//! completion through an event.
+
+use std::fmt;
+
+use super::{DeviceError, DeviceKind};
+
+/// Alignment of every entry's address, offset and length (the CUDA kernels move 16-byte words).
+pub const STAGE_ALIGN: u64 = 16;
+/// Bytes of one entry in a staging table (address u64, offset u32, length u32, little endian).
+pub const ENTRY_BYTES: usize = 16;
+
+/// One copy of a staged piece: `len` bytes at KV address `addr` ↔ offset `off` of the slot's data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StageEntry {
+    /// Address in KV memory.
+    pub addr: u64,
+    /// Offset in the staging slot's data area.
+    pub off: u32,
+    /// Bytes.
+    pub len: u32,
+}
+
+impl StageEntry {
+    /// The entry's table form.
+    pub fn to_bytes(self) -> [u8; ENTRY_BYTES] {
+        let mut b = [0u8; ENTRY_BYTES];
+        b[..8].copy_from_slice(&self.addr.to_le_bytes());
+        b[8..12].copy_from_slice(&self.off.to_le_bytes());
+        b[12..].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Reads an entry from its table form.
+    pub fn from_bytes(b: &[u8; ENTRY_BYTES]) -> StageEntry {
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&b[..8]);
+        StageEntry { addr: u64::from_le_bytes(a), off: u32_at(8), len: u32_at(12) }
+    }
+
+    /// Whether address, offset and length are all [`STAGE_ALIGN`]-aligned and the length non-zero.
+    pub fn aligned(&self) -> bool {
+        self.len > 0 && (self.addr | u64::from(self.off) | u64::from(self.len)).is_multiple_of(STAGE_ALIGN)
+    }
+}
+
+/// Runs staging copies on one device. See the module docs.
+///
+/// Lanes are numbered `0..lanes`. An operation's entries must be [`StageEntry::aligned`], their data
+/// ranges (`off..off + len`) must lie inside the slot, and there are at most `max_entries` of them.
+pub trait Stager: Send + fmt::Debug {
+    /// Which device runs the copies.
+    fn kind(&self) -> DeviceKind;
+    /// Starts copying each entry's `len` bytes from `addr` to `slot + off` on `lane`.
+    ///
+    /// # Safety
+    ///
+    /// Until [`Stager::is_done`] reports the lane done: every entry's `addr..addr + len` is memory of
+    /// this device valid for reads, `slot..slot + off + len` valid for writes, and nothing else
+    /// writes the sources or accesses the written part of the slot.
+    unsafe fn gather(&mut self, lane: usize, entries: &[StageEntry], slot: u64) -> Result<(), DeviceError>;
+    /// Starts copying each entry's `len` bytes from `slot + off` to `addr` on `lane`.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Stager::gather`] with the directions swapped: the destinations are valid for writes
+    /// and untouched by anyone else, the slot's part is valid for reads and not written meanwhile.
+    unsafe fn scatter(&mut self, lane: usize, entries: &[StageEntry], slot: u64) -> Result<(), DeviceError>;
+    /// Whether the lane's last operation finished (an error if it failed).
+    fn is_done(&mut self, lane: usize) -> Result<bool, DeviceError>;
+    /// Copies `out.len()` bytes at `addr` into `out`, synchronously.
+    ///
+    /// # Safety
+    ///
+    /// `addr..addr + out.len()` is memory of this device valid for reads.
+    unsafe fn read(&mut self, addr: u64, out: &mut [u8]) -> Result<(), DeviceError>;
+    /// Copies `data` to `addr`; later operations on any lane see it.
+    ///
+    /// # Safety
+    ///
+    /// `addr..addr + data.len()` is memory of this device valid for writes, accessed by no one else
+    /// until the copy is seen.
+    unsafe fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), DeviceError>;
+}
+
+/// Checks an operation's entries against the stager's rules (shared by every backend).
+pub fn check_entries(kind: DeviceKind, entries: &[StageEntry], max_entries: usize) -> Result<(), DeviceError> {
+    let bad = |what: String| DeviceError::Copy { device: kind, offset: 0, len: 0, reason: what };
+    if entries.len() > max_entries {
+        return Err(bad(format!("{} staging entries, at most {max_entries} per operation", entries.len())));
+    }
+    if let Some(e) = entries.iter().find(|e| !e.aligned()) {
+        return Err(bad(format!("staging entry {e:?} is not {STAGE_ALIGN}-byte aligned or is empty")));
+    }
+    Ok(())
+}
+
+/// Host memory: copies on the calling thread; every operation is done when its call returns.
+#[derive(Debug, Clone, Copy)]
+pub struct HostStager {
+    kind: DeviceKind,
+    max_entries: usize,
+}
+
+impl HostStager {
+    /// A stager for host memory presented as `kind` (host or mock).
+    pub fn new(kind: DeviceKind, max_entries: usize) -> Self {
+        HostStager { kind, max_entries }
+    }
+}
+
+impl Stager for HostStager {
+    fn kind(&self) -> DeviceKind {
+        self.kind
+    }
+
+    unsafe fn gather(&mut self, _lane: usize, entries: &[StageEntry], slot: u64) -> Result<(), DeviceError> {
+        check_entries(self.kind, entries, self.max_entries)?;
+        for e in entries {
+            // SAFETY: the caller guarantees the source and the slot's part are valid host memory that
+            // nobody else touches during the operation (which ends before this call returns); the two
+            // never overlap (KV memory and staging slots are separate allocations).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    e.addr as usize as *const u8,
+                    (slot + u64::from(e.off)) as usize as *mut u8,
+                    e.len as usize,
+                )
+            };
+        }
+        Ok(())
+    }
+
+    unsafe fn scatter(&mut self, _lane: usize, entries: &[StageEntry], slot: u64) -> Result<(), DeviceError> {
+        check_entries(self.kind, entries, self.max_entries)?;
+        for e in entries {
+            // SAFETY: as in `gather`, directions swapped (the caller's contract).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (slot + u64::from(e.off)) as usize as *const u8,
+                    e.addr as usize as *mut u8,
+                    e.len as usize,
+                )
+            };
+        }
+        Ok(())
+    }
+
+    fn is_done(&mut self, _lane: usize) -> Result<bool, DeviceError> {
+        Ok(true)
+    }
+
+    unsafe fn read(&mut self, addr: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+        // SAFETY: the caller guarantees `addr..addr + out.len()` is readable host memory; `out` is a
+        // distinct Rust buffer.
+        unsafe { std::ptr::copy_nonoverlapping(addr as usize as *const u8, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    unsafe fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), DeviceError> {
+        // SAFETY: the caller guarantees `addr..addr + data.len()` is writable host memory nobody else
+        // accesses meanwhile; `data` is a distinct Rust buffer.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as usize as *mut u8, data.len()) };
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_round_trip_and_alignment() {
+        let e = StageEntry { addr: 0x1234_5678_9abc_def0, off: 0x10, len: 4096 };
+        assert_eq!(StageEntry::from_bytes(&e.to_bytes()), e);
+        assert!(e.aligned());
+        assert!(!StageEntry { len: 8, ..e }.aligned());
+        assert!(!StageEntry { len: 0, ..e }.aligned());
+        assert!(!StageEntry { addr: 0x1001, ..e }.aligned());
+    }
+
+    #[test]
+    fn host_gather_then_scatter_moves_every_byte() {
+        let host = crate::device::host::HostDevice::new();
+        let (mut src, mut slot, mut dst) =
+            (host.alloc_anon(4096).unwrap(), host.alloc_anon(1024).unwrap(), host.alloc_anon(4096).unwrap());
+        for (i, b) in src.as_mut_slice().iter_mut().enumerate() {
+            *b = (i * 7 % 251) as u8;
+        }
+        let (src_at, slot_at, dst_at) = (
+            src.as_mut_slice().as_ptr() as u64,
+            slot.as_mut_slice().as_mut_ptr() as u64,
+            dst.as_mut_slice().as_mut_ptr() as u64,
+        );
+        let picks = [(1024u64, 64u32), (16, 32), (3008, 48)];
+        let mut off = 0;
+        let g: Vec<StageEntry> = picks
+            .iter()
+            .map(|&(at, len)| {
+                let e = StageEntry { addr: src_at + at, off, len };
+                off += len;
+                e
+            })
+            .collect();
+        let s: Vec<StageEntry> =
+            g.iter().zip(picks).map(|(e, (at, _))| StageEntry { addr: dst_at + at, ..*e }).collect();
+        let mut st = HostStager::new(DeviceKind::Host, 8);
+        // SAFETY: every range lies inside `src`, `slot` or `dst`, which outlive the calls and are not
+        // otherwise accessed meanwhile.
+        unsafe {
+            st.gather(0, &g, slot_at).unwrap();
+            st.scatter(1, &s, slot_at).unwrap();
+        }
+        assert!(st.is_done(0).unwrap());
+        let (src, dst) = (src.as_mut_slice().to_vec(), dst.as_mut_slice().to_vec());
+        for (at, len) in picks {
+            let r = at as usize..at as usize + len as usize;
+            assert_eq!(dst[r.clone()], src[r]);
+        }
+        let picked =
+            |i: usize| picks.iter().any(|&(at, len)| (at as usize..(at + u64::from(len)) as usize).contains(&i));
+        assert!(
+            (0..dst.len()).filter(|&i| !picked(i)).all(|i| dst[i] == 0),
+            "bytes outside the entries stay untouched"
+        );
+        // Misaligned or too many entries are refused before anything is copied.
+        let bad = [StageEntry { len: 8, ..g[0] }];
+        // SAFETY: refused before any copy.
+        let err = unsafe { st.gather(0, &bad, slot_at) }.unwrap_err();
+        assert!(err.to_string().contains("aligned"), "{err}");
+        let many = vec![g[0]; 9];
+        // SAFETY: refused before any copy.
+        let err = unsafe { st.gather(0, &many, slot_at) }.unwrap_err();
+        assert!(err.to_string().contains("at most 8"), "{err}");
+    }
+}

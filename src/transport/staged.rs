@@ -1,0 +1,1118 @@
+//! Staged WRITEs: a transport wrapper that sends a fragmented transfer through bounded, reused
+//! staging slots — the sender gathers the pieces of KV memory into a contiguous slot, one WRITE moves
+//! the slot into a slot of the receiver, and the receiver scatters it into its KV blocks before the
+//! transfer's notification is delivered.
+//!
+//! Read [`Staged`] first. Per-descriptor cost, not bytes, limits a transfer of many small
+//! descriptors (a fragmented request: one block per layer per K/V, 4 KiB each, cannot be merged);
+//! staging trades it for two device-local copies at memory speed. The wrapper is transparent to the
+//! engine: a post that qualifies ([`StagingConfig`]) returns a handle the wrapper drives itself, the
+//! receiver's wrapper swallows the staging messages and delivers the sender's notification only after
+//! every byte is in place. Everything else passes straight through to the inner transport.
+//!
+//! Protocol (notifications carry frames starting with [`MAGIC`]; `tag` names one staged transfer of
+//! one sender):
+//!
+//! ```text
+//! sender (P)                                   receiver (D)
+//!   post: cut into pieces ── REQUEST(tag, pieces, notification) ──▶ queue
+//!                         ◀── GRANT(tag, piece, slot, address) ──── a free receive slot
+//!   gather the piece into a free send slot (table + data)
+//!   WRITE send slot → granted slot, with ── PIECE(tag, piece, slot, entries, bytes) ──▶
+//!                                          read the table, check every entry lies in registered KV
+//!                                          memory, scatter; the slot is free again (next GRANT)
+//!   all WRITEs done: the handle is Done    all pieces scattered: deliver the notification
+//! ```
+//!
+//! A failure on either side ends in a handshake that leaves nothing in flight: the receiver reports
+//! `FAIL(tag)`; the sender stops, waits for its WRITEs of the transfer to end, sends `CANCEL(tag)`; the
+//! receiver waits for its scatters of the transfer to end, frees its slots and answers
+//! `CANCELLED(tag)`; only then does the sender's handle report the failure (so the engine's failure
+//! message can never overtake a scatter into the consumer's blocks). A lost peer ends everything with
+//! it at once. Grants are given in arrival order and a sender gathers only granted pieces, so no
+//! send slot ever waits on a remote grant (no cycle between senders and receivers can form).
+//!
+//! Capabilities travel in the metadata: [`Transport::local_metadata`] is prefixed with [`MD_MAGIC`],
+//! the receive slot geometry, then the inner transport's metadata; a peer without the prefix never
+//! receives staged transfers.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::{Desc, Notification, Op, Transport, TransportError, Units, Waker, XferId, XferState};
+use crate::device::stage::{StageEntry, Stager, ENTRY_BYTES, STAGE_ALIGN};
+use crate::device::{Buffer, Device, MemRegion};
+
+/// First bytes of every staging notification (engine frames start with `KP`).
+pub const MAGIC: [u8; 2] = *b"KS";
+/// First bytes of metadata that carries staging capabilities.
+pub const MD_MAGIC: [u8; 4] = *b"KSM1";
+/// Handles of staged transfers have this bit set (inner transports count from 0).
+const STAGED_BIT: u64 = 1 << 63;
+/// Table area alignment inside a slot.
+const TABLE_ALIGN: u64 = 256;
+
+const REQUEST: u8 = 1;
+const GRANT: u8 = 2;
+const PIECE: u8 = 3;
+const FAIL: u8 = 4;
+const CANCEL: u8 = 5;
+const CANCELLED: u8 = 6;
+
+/// When and how transfers are staged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagingConfig {
+    /// Send slots and receive slots (each).
+    pub slots: usize,
+    /// Data bytes of one slot.
+    pub slot_bytes: u64,
+    /// Table entries of one slot (a piece closes when its data or its table is full).
+    pub max_entries: usize,
+    /// Longest entry: longer descriptors are cut (keeps the copy kernels' work balanced).
+    pub max_entry_bytes: u64,
+    /// Stage only WRITEs of at least this many descriptors...
+    pub min_descs: usize,
+    /// ...whose mean descriptor is at most this long.
+    pub max_mean_desc: u64,
+    /// A receiver fails a staged transfer whose granted piece has not landed for this long (its
+    /// notification was lost while the sender lives on), and either side gives up on a peer that
+    /// does not answer a failure within it. A peer that went away is dropped sooner by the side
+    /// channel.
+    pub stall_timeout: Duration,
+}
+
+impl Default for StagingConfig {
+    fn default() -> Self {
+        StagingConfig {
+            slots: 4,
+            slot_bytes: 32 << 20,
+            max_entries: 16384,
+            max_entry_bytes: 256 << 10,
+            min_descs: 2,
+            max_mean_desc: 16 << 20,
+            stall_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl StagingConfig {
+    fn table_bytes(&self) -> u64 {
+        (self.max_entries as u64 * ENTRY_BYTES as u64).div_ceil(TABLE_ALIGN) * TABLE_ALIGN
+    }
+
+    fn slot_stride(&self) -> u64 {
+        self.table_bytes() + self.slot_bytes
+    }
+
+    /// Checks the geometry.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.slots == 0 || self.slots > 1024 {
+            return Err(format!("staging slots {}: must be 1 to 1024", self.slots));
+        }
+        if self.slot_bytes < 4096 || !self.slot_bytes.is_multiple_of(STAGE_ALIGN) || self.slot_bytes > u32::MAX as u64 {
+            return Err(format!("staging slot of {} bytes: must be 4 KiB to 4 GiB, a multiple of 16", self.slot_bytes));
+        }
+        if self.max_entries == 0 || self.max_entries > 1 << 24 {
+            return Err(format!("{} staging entries per slot: must be 1 to 2^24", self.max_entries));
+        }
+        if self.max_entry_bytes < STAGE_ALIGN || !self.max_entry_bytes.is_multiple_of(STAGE_ALIGN) {
+            return Err(format!("longest staging entry {}: must be a multiple of 16", self.max_entry_bytes));
+        }
+        Ok(())
+    }
+}
+
+/// What the staged transport did (cumulative).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StagingCounts {
+    /// Transfers sent staged.
+    pub transfers: u64,
+    /// Pieces written (one WRITE each).
+    pub pieces: u64,
+    /// Table entries gathered.
+    pub entries: u64,
+    /// Bytes sent staged.
+    pub bytes: u64,
+    /// Transfers posted directly (not qualifying, or a peer without staging).
+    pub direct: u64,
+    /// Transfers received staged (all pieces scattered).
+    pub received: u64,
+    /// Staged transfers that failed (either side).
+    pub failed: u64,
+    /// Staging frames that could not be parsed or did not fit the state.
+    pub malformed: u64,
+    /// Outgoing staged transfers not yet reported finished (a gauge, not cumulative).
+    pub open: u64,
+}
+
+// ---- Frames. ----
+
+fn frame(kind: u8, tag: u64, extra: &[u8]) -> Vec<u8> {
+    let mut f = Vec::with_capacity(11 + extra.len());
+    f.extend_from_slice(&MAGIC);
+    f.push(kind);
+    f.extend_from_slice(&tag.to_le_bytes());
+    f.extend_from_slice(extra);
+    f
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Option<&[u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Some(a)
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        let b = self.take(8)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Some(u64::from_le_bytes(a))
+    }
+}
+
+/// A parsed staging frame.
+#[derive(Debug, PartialEq, Eq)]
+enum Frame {
+    Request { tag: u64, pieces: u32, notif: Vec<u8> },
+    Grant { tag: u64, piece: u32, slot: u32, addr: u64 },
+    Piece { tag: u64, piece: u32, slot: u32, entries: u32, bytes: u64 },
+    Fail { tag: u64, detail: String },
+    Cancel { tag: u64 },
+    Cancelled { tag: u64 },
+}
+
+impl Frame {
+    fn encode(&self) -> Vec<u8> {
+        match self {
+            Frame::Request { tag, pieces, notif } => {
+                let mut x = pieces.to_le_bytes().to_vec();
+                x.extend_from_slice(notif);
+                frame(REQUEST, *tag, &x)
+            }
+            Frame::Grant { tag, piece, slot, addr } => {
+                let mut x = piece.to_le_bytes().to_vec();
+                x.extend_from_slice(&slot.to_le_bytes());
+                x.extend_from_slice(&addr.to_le_bytes());
+                frame(GRANT, *tag, &x)
+            }
+            Frame::Piece { tag, piece, slot, entries, bytes } => {
+                let mut x = piece.to_le_bytes().to_vec();
+                x.extend_from_slice(&slot.to_le_bytes());
+                x.extend_from_slice(&entries.to_le_bytes());
+                x.extend_from_slice(&bytes.to_le_bytes());
+                frame(PIECE, *tag, &x)
+            }
+            Frame::Fail { tag, detail } => frame(FAIL, *tag, detail.as_bytes()),
+            Frame::Cancel { tag } => frame(CANCEL, *tag, &[]),
+            Frame::Cancelled { tag } => frame(CANCELLED, *tag, &[]),
+        }
+    }
+
+    /// `None`: not a staging frame. `Some(Err)`: a malformed one.
+    fn decode(msg: &[u8]) -> Option<Result<Frame, ()>> {
+        if msg.len() < 3 || msg[..2] != MAGIC {
+            return None;
+        }
+        let kind = msg[2];
+        let mut r = Reader(&msg[3..]);
+        let parsed = (|| {
+            let tag = r.u64()?;
+            let f = match kind {
+                REQUEST => Frame::Request { tag, pieces: r.u32()?, notif: std::mem::take(&mut r.0).to_vec() },
+                GRANT => Frame::Grant { tag, piece: r.u32()?, slot: r.u32()?, addr: r.u64()? },
+                PIECE => Frame::Piece { tag, piece: r.u32()?, slot: r.u32()?, entries: r.u32()?, bytes: r.u64()? },
+                FAIL => Frame::Fail { tag, detail: String::from_utf8_lossy(std::mem::take(&mut r.0)).into_owned() },
+                CANCEL => Frame::Cancel { tag },
+                CANCELLED => Frame::Cancelled { tag },
+                _ => return None,
+            };
+            r.0.is_empty().then_some(f)
+        })();
+        Some(parsed.ok_or(()))
+    }
+}
+
+// ---- State. ----
+
+/// A peer's receive geometry (from its metadata).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PeerCaps {
+    slot_bytes: u64,
+    max_entries: usize,
+    table_bytes: u64,
+}
+
+/// One piece of an outgoing transfer.
+#[derive(Debug)]
+struct OutPiece {
+    /// What the gather copies (local addresses).
+    gather: Vec<StageEntry>,
+    /// The table written to the receiver (its addresses), in table form.
+    table: Vec<u8>,
+    bytes: u64,
+    state: PieceState,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PieceState {
+    /// Waiting for a grant.
+    Waiting,
+    /// Granted receive slot and its address, waiting for a send slot.
+    Granted { slot: u32, addr: u64 },
+    /// Being gathered in send slot `lane`.
+    Gathering { lane: usize, slot: u32, addr: u64 },
+    /// Being written from send slot `lane`.
+    Writing { lane: usize, inner: XferId },
+    /// Written.
+    Written,
+}
+
+#[derive(Debug)]
+struct Outgoing {
+    peer: String,
+    pieces: Vec<OutPiece>,
+    written: usize,
+    /// Why it failed (the handle reports it once the receiver confirmed the cancel).
+    failed: Option<String>,
+    /// CANCEL sent; waiting for CANCELLED.
+    cancel_sent: bool,
+    /// Finished: Ok or the failure, reported by the next poll.
+    outcome: Option<Result<(), String>>,
+    /// The outcome was reported; the record stays only while slots are still in use.
+    reported: bool,
+    /// Last progress (a grant, a gather or WRITE started or ended, the cancel sent).
+    moved: Instant,
+}
+
+impl Outgoing {
+    fn busy_pieces(&self) -> bool {
+        self.pieces.iter().any(|p| matches!(p.state, PieceState::Gathering { .. } | PieceState::Writing { .. }))
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RecvSlot {
+    Free,
+    /// Granted to a piece of (peer index in `incoming`'s key, tag).
+    Granted {
+        key: usize,
+        piece: u32,
+    },
+    /// Scattering a piece.
+    Scattering {
+        key: usize,
+    },
+}
+
+#[derive(Debug)]
+struct Incoming {
+    peer: String,
+    tag: u64,
+    pieces: u32,
+    notif: Vec<u8>,
+    granted: u32,
+    scattered: u32,
+    /// We reported a failure (or the sender cancelled): no more grants.
+    failed: bool,
+    /// The sender said CANCEL: answer CANCELLED once nothing of it is in a slot.
+    cancel: bool,
+    /// The sender is gone: forget the transfer once nothing of it is in a slot.
+    gone: bool,
+    /// Last progress (a piece landed or was scattered, or we failed it).
+    moved: Instant,
+}
+
+struct State {
+    stager: Box<dyn Stager>,
+    /// Registered KV memory (what a receive table may point into).
+    regions: Vec<MemRegion>,
+    peers: HashMap<String, PeerCaps>,
+    out: HashMap<u64, Outgoing>,
+    /// Outgoing tags in post order (gathers are served in this order).
+    out_order: VecDeque<u64>,
+    send_free: Vec<bool>,
+    recv: Vec<RecvSlot>,
+    /// Incoming transfers by a small key; `incoming_order` is the grant queue.
+    incoming: HashMap<usize, Incoming>,
+    incoming_order: VecDeque<usize>,
+    next_key: usize,
+    delivered: Vec<Notification>,
+    counts: StagingCounts,
+    /// Scratch for reading tables.
+    scratch: Vec<u8>,
+    entries: Vec<StageEntry>,
+}
+
+/// A transport that stages fragmented WRITEs. See the module docs.
+pub struct Staged {
+    inner: Arc<dyn Transport>,
+    cfg: StagingConfig,
+    send_buf: Box<dyn Buffer>,
+    recv_buf: Box<dyn Buffer>,
+    state: Mutex<State>,
+    next: AtomicU64,
+}
+
+impl fmt::Debug for Staged {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Staged").field("inner", &self.inner).field("cfg", &self.cfg).finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn failed(id: XferId, peer: &str, detail: String) -> TransportError {
+    TransportError::Failed { id, peer: peer.to_owned(), status: -1, detail }
+}
+
+impl Staged {
+    /// Wraps `inner`: allocates `cfg.slots` send and receive slots on `device` and registers them with
+    /// `inner`. `Ok(None)` where `device` has no [`Stager`].
+    pub fn new(
+        inner: Arc<dyn Transport>,
+        device: &dyn Device,
+        cfg: StagingConfig,
+    ) -> Result<Option<Staged>, TransportError> {
+        let bad = |what: String| TransportError::Unavailable { transport: "staging", reason: what };
+        cfg.validate().map_err(bad)?;
+        let Some(stager) = device.stager(2 * cfg.slots, cfg.max_entries).map_err(|e| bad(e.to_string()))? else {
+            return Ok(None);
+        };
+        let len = cfg.slot_stride() * cfg.slots as u64;
+        let send_buf = device.alloc(len).map_err(|e| bad(format!("send slots: {e}")))?;
+        let recv_buf = device.alloc(len).map_err(|e| bad(format!("receive slots: {e}")))?;
+        // SAFETY: both buffers are owned by the returned value and deregistered (in Drop) before they
+        // are freed; the wrapper's slot protocol ensures that nothing local touches a slot while a
+        // transfer into or out of it is in flight (a send slot is reused only after its WRITE ended, a
+        // receive slot only after its piece was scattered or its sender cancelled).
+        unsafe { inner.register(&send_buf.region()) }?;
+        // SAFETY: as above.
+        if let Err(e) = unsafe { inner.register(&recv_buf.region()) } {
+            let _ = inner.deregister(&send_buf.region());
+            return Err(e);
+        }
+        tracing::debug!(slots = cfg.slots, slot_bytes = cfg.slot_bytes, kind = %stager.kind(), "staging slots registered");
+        let state = State {
+            stager,
+            regions: Vec::new(),
+            peers: HashMap::new(),
+            out: HashMap::new(),
+            out_order: VecDeque::new(),
+            send_free: vec![true; cfg.slots],
+            recv: vec![RecvSlot::Free; cfg.slots],
+            incoming: HashMap::new(),
+            incoming_order: VecDeque::new(),
+            next_key: 0,
+            delivered: Vec::new(),
+            counts: StagingCounts::default(),
+            scratch: Vec::new(),
+            entries: Vec::new(),
+        };
+        Ok(Some(Staged { inner, cfg, send_buf, recv_buf, state: Mutex::new(state), next: AtomicU64::new(0) }))
+    }
+
+    /// What has been staged so far.
+    pub fn counts(&self) -> StagingCounts {
+        let st = lock(&self.state);
+        StagingCounts { open: st.out.values().filter(|o| !o.reported).count() as u64, ..st.counts }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &StagingConfig {
+        &self.cfg
+    }
+
+    fn send_slot(&self, lane: usize) -> u64 {
+        self.send_buf.region().addr + lane as u64 * self.cfg.slot_stride()
+    }
+
+    fn recv_slot(&self, slot: usize) -> u64 {
+        self.recv_buf.region().addr + slot as u64 * self.cfg.slot_stride()
+    }
+
+    fn send(&self, peer: &str, f: &Frame) {
+        if let Err(e) = self.inner.send_notification(peer, &f.encode()) {
+            tracing::warn!(peer, error = %e, frame = ?std::mem::discriminant(f), "staging frame not sent");
+        }
+    }
+
+    /// Whether a WRITE of `descs` to `peer` is staged, and the peer's geometry.
+    fn qualifies(&self, st: &State, op: Op, peer: &str, descs: &[Desc]) -> Option<PeerCaps> {
+        if op != Op::Write || descs.len() < self.cfg.min_descs {
+            return None;
+        }
+        let caps = *st.peers.get(peer)?;
+        let total: u64 = descs.iter().map(|d| d.len).sum();
+        if total / descs.len() as u64 > self.cfg.max_mean_desc {
+            return None;
+        }
+        let aligned = descs.iter().all(|d| (d.local | d.remote | d.len).is_multiple_of(STAGE_ALIGN) && d.len > 0);
+        let mut last: Option<&MemRegion> = None;
+        let inside = descs.iter().all(|d| {
+            if last.is_some_and(|r| r.contains(d.local, d.len)) {
+                return true;
+            }
+            last = st.regions.iter().find(|r| r.contains(d.local, d.len));
+            last.is_some()
+        });
+        (aligned && inside).then_some(caps)
+    }
+
+    /// Cuts `descs` into pieces that fit both sides' slots.
+    fn cut(&self, caps: PeerCaps, descs: &[Desc]) -> Vec<OutPiece> {
+        let data = self.cfg.slot_bytes.min(caps.slot_bytes);
+        let max_n = self.cfg.max_entries.min(caps.max_entries);
+        let chunk = self.cfg.max_entry_bytes;
+        let mut pieces = Vec::new();
+        let mut cur = OutPiece { gather: Vec::new(), table: Vec::new(), bytes: 0, state: PieceState::Waiting };
+        for d in descs {
+            let mut done = 0;
+            while done < d.len {
+                if cur.bytes == data || cur.gather.len() == max_n {
+                    pieces.push(std::mem::replace(
+                        &mut cur,
+                        OutPiece { gather: Vec::new(), table: Vec::new(), bytes: 0, state: PieceState::Waiting },
+                    ));
+                }
+                let len = (d.len - done).min(chunk).min(data - cur.bytes);
+                let off = cur.bytes as u32;
+                cur.gather.push(StageEntry { addr: d.local + done, off, len: len as u32 });
+                cur.table.extend_from_slice(&StageEntry { addr: d.remote + done, off, len: len as u32 }.to_bytes());
+                cur.bytes += len;
+                done += len;
+            }
+        }
+        if !cur.gather.is_empty() {
+            pieces.push(cur);
+        }
+        pieces
+    }
+
+    // ---- Sender. ----
+
+    /// Advances every outgoing transfer: finished WRITEs, granted pieces into free send slots,
+    /// gathered pieces onto the wire, failures into cancels.
+    fn pump_out(&self, st: &mut State) -> bool {
+        let mut any = false;
+        let tags: Vec<u64> = st.out_order.iter().copied().collect();
+        for tag in tags {
+            any |= self.pump_one(st, tag);
+        }
+        // Reported transfers whose last slot came free are gone.
+        st.out.retain(|_, o| !o.reported || o.busy_pieces());
+        st.out_order.retain(|t| st.out.contains_key(t));
+        any
+    }
+
+    fn pump_one(&self, st: &mut State, tag: u64) -> bool {
+        let mut any = false;
+        let Some(mut o) = st.out.remove(&tag) else { return false };
+        for i in 0..o.pieces.len() {
+            // A piece may take several steps in one pump (a host gather is done when it returns).
+            for _ in 0..3 {
+                let before = o.pieces[i].state;
+                match o.pieces[i].state {
+                    PieceState::Writing { lane, inner } => match self.inner.poll(inner) {
+                        Ok(XferState::Pending) => {}
+                        Ok(XferState::Done) => {
+                            any = true;
+                            st.send_free[lane] = true;
+                            o.pieces[i].state = PieceState::Written;
+                            o.written += 1;
+                            st.counts.pieces += 1;
+                        }
+                        Err(e) => {
+                            any = true;
+                            st.send_free[lane] = true;
+                            o.pieces[i].state = PieceState::Written;
+                            o.failed.get_or_insert(format!("WRITE of piece {i}: {e}"));
+                        }
+                    },
+                    PieceState::Gathering { lane, slot, addr } => match st.stager.is_done(lane) {
+                        Ok(false) => {}
+                        Ok(true) if o.failed.is_some() => {
+                            any = true;
+                            st.send_free[lane] = true;
+                            o.pieces[i].state = PieceState::Written;
+                        }
+                        Ok(true) => {
+                            any = true;
+                            let p = &o.pieces[i];
+                            let base = self.send_slot(lane);
+                            let descs = [
+                                Desc { local: base, remote: addr, len: p.table.len() as u64 },
+                                Desc {
+                                    local: base + self.cfg.table_bytes(),
+                                    remote: addr + table_of(&st.peers, &o.peer),
+                                    len: p.bytes,
+                                },
+                            ];
+                            let note = Frame::Piece {
+                                tag,
+                                piece: i as u32,
+                                slot,
+                                entries: p.gather.len() as u32,
+                                bytes: p.bytes,
+                            }
+                            .encode();
+                            match self.inner.post(Op::Write, &o.peer, &descs, Some(&note)) {
+                                Ok(inner) => o.pieces[i].state = PieceState::Writing { lane, inner },
+                                Err(e) => {
+                                    st.send_free[lane] = true;
+                                    o.pieces[i].state = PieceState::Written;
+                                    o.failed.get_or_insert(format!("post of piece {i}: {e}"));
+                                }
+                            }
+                        }
+                        Err(e) => {
+                            any = true;
+                            st.send_free[lane] = true;
+                            o.pieces[i].state = PieceState::Written;
+                            o.failed.get_or_insert(format!("gather of piece {i}: {e}"));
+                        }
+                    },
+                    PieceState::Granted { slot, addr } if o.failed.is_none() => {
+                        let Some(lane) = st.send_free.iter().position(|&f| f) else { continue };
+                        any = true;
+                        let base = self.send_slot(lane);
+                        let p = &o.pieces[i];
+                        // SAFETY: the send slot `lane` is free (no transfer or gather uses it) and lies in
+                        // `send_buf`, which this wrapper owns; the table fits its table area (at most
+                        // max_entries entries, checked when cutting) and the data its data area; the
+                        // gather's sources are registered KV memory of this device (checked in
+                        // `qualifies`), which the engine does not write while the transfer is in flight.
+                        let started = unsafe {
+                            st.stager
+                                .write(base, &p.table)
+                                .and_then(|()| st.stager.gather(lane, &p.gather, base + self.cfg.table_bytes()))
+                        };
+                        match started {
+                            Ok(()) => {
+                                st.send_free[lane] = false;
+                                st.counts.entries += p.gather.len() as u64;
+                                o.pieces[i].state = PieceState::Gathering { lane, slot, addr };
+                            }
+                            Err(e) => {
+                                o.pieces[i].state = PieceState::Written;
+                                o.failed.get_or_insert(format!("gather of piece {i}: {e}"));
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+                if o.pieces[i].state == before {
+                    break;
+                }
+                o.moved = Instant::now();
+            }
+        }
+        if o.outcome.is_none() && o.cancel_sent && o.moved.elapsed() > self.cfg.stall_timeout {
+            // The receiver never confirmed the cancel: it is unresponsive; give up on it. (Waiting
+            // for grants has no time limit here: grants queue behind other transfers, and a receiver
+            // that went away is dropped by the side channel; a lost piece is the receiver's timeout.)
+            let why = o.failed.clone().unwrap_or_default();
+            o.outcome = Some(Err(format!("{why}; {} never confirmed the cancel", o.peer)));
+            st.counts.failed += 1;
+            any = true;
+        }
+        if o.outcome.is_none() {
+            if o.failed.is_none() && o.written == o.pieces.len() {
+                o.outcome = Some(Ok(()));
+                any = true;
+            } else if o.failed.is_some() && !o.busy_pieces() && !o.cancel_sent {
+                // Nothing of ours is in flight any more: let the receiver drain and free its slots.
+                self.send(&o.peer, &Frame::Cancel { tag });
+                o.cancel_sent = true;
+                o.moved = Instant::now();
+                any = true;
+            }
+        }
+        st.out.insert(tag, o);
+        any
+    }
+
+    fn on_sender_frame(&self, st: &mut State, from: &str, f: Frame) {
+        let tag = match &f {
+            Frame::Grant { tag, .. } | Frame::Fail { tag, .. } | Frame::Cancelled { tag } => *tag,
+            _ => return,
+        };
+        let Some(o) = st.out.get_mut(&tag).filter(|o| o.peer == from && !o.reported) else {
+            match f {
+                // A transfer we finished and forgot (its last notification was lost, say): nothing of
+                // it is in flight here, so the receiver may free its slots.
+                Frame::Fail { .. } => self.send(from, &Frame::Cancel { tag }),
+                Frame::Cancelled { .. } => {}
+                _ => st.counts.malformed += 1,
+            }
+            return;
+        };
+        o.moved = Instant::now();
+        match f {
+            Frame::Grant { piece, slot, addr, .. } => match o.pieces.get_mut(piece as usize) {
+                Some(p) if p.state == PieceState::Waiting => {
+                    if o.failed.is_some() {
+                        p.state = PieceState::Written;
+                    } else {
+                        p.state = PieceState::Granted { slot, addr };
+                    }
+                }
+                _ => st.counts.malformed += 1,
+            },
+            Frame::Fail { detail, .. } => {
+                o.failed.get_or_insert(format!("{from} failed the staged transfer: {detail}"));
+                for p in &mut o.pieces {
+                    if matches!(p.state, PieceState::Waiting | PieceState::Granted { .. }) {
+                        p.state = PieceState::Written;
+                    }
+                }
+            }
+            Frame::Cancelled { .. } => {
+                if o.cancel_sent && o.outcome.is_none() {
+                    let why = o.failed.clone().unwrap_or_else(|| "cancelled".into());
+                    o.outcome = Some(Err(why));
+                    st.counts.failed += 1;
+                } else {
+                    st.counts.malformed += 1;
+                }
+            }
+            _ => {}
+        }
+    }
+
+    // ---- Receiver. ----
+
+    fn on_receiver_frame(&self, st: &mut State, from: &str, f: Frame) {
+        match f {
+            Frame::Request { tag, pieces, notif } => {
+                if pieces == 0 || st.incoming.values().any(|i| i.peer == from && i.tag == tag) {
+                    st.counts.malformed += 1;
+                    return;
+                }
+                let key = st.next_key;
+                st.next_key += 1;
+                st.incoming.insert(
+                    key,
+                    Incoming {
+                        peer: from.to_owned(),
+                        tag,
+                        pieces,
+                        notif,
+                        granted: 0,
+                        scattered: 0,
+                        failed: false,
+                        cancel: false,
+                        gone: false,
+                        moved: Instant::now(),
+                    },
+                );
+                st.incoming_order.push_back(key);
+            }
+            Frame::Piece { tag, piece, slot, entries, bytes } => {
+                let Some(key) = st.incoming.iter().find(|(_, i)| i.peer == from && i.tag == tag).map(|(k, _)| *k)
+                else {
+                    st.counts.malformed += 1;
+                    return;
+                };
+                let s = slot as usize;
+                if st.recv.get(s) != Some(&RecvSlot::Granted { key, piece }) {
+                    st.counts.malformed += 1;
+                    return self.fail_incoming(
+                        st,
+                        key,
+                        format!("piece {piece} landed in slot {slot}, not granted to it"),
+                    );
+                }
+                if let Some(i) = st.incoming.get_mut(&key) {
+                    i.moved = Instant::now();
+                }
+                match self.start_scatter(st, s, entries, bytes) {
+                    Ok(()) => st.recv[s] = RecvSlot::Scattering { key },
+                    Err(why) => {
+                        st.recv[s] = RecvSlot::Free;
+                        self.fail_incoming(st, key, format!("piece {piece}: {why}"));
+                    }
+                }
+            }
+            Frame::Cancel { tag } => {
+                let Some(key) = st.incoming.iter().find(|(_, i)| i.peer == from && i.tag == tag).map(|(k, _)| *k)
+                else {
+                    // Nothing of it here (never requested, or already finished): confirm at once.
+                    self.send(from, &Frame::Cancelled { tag });
+                    return;
+                };
+                if let Some(i) = st.incoming.get_mut(&key) {
+                    i.failed = true;
+                    i.cancel = true;
+                }
+                // Granted slots will receive nothing more from this sender.
+                for s in st.recv.iter_mut() {
+                    if matches!(*s, RecvSlot::Granted { key: k, .. } if k == key) {
+                        *s = RecvSlot::Free;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Reads piece's table from receive slot `s`, checks it, starts the scatter.
+    fn start_scatter(&self, st: &mut State, s: usize, entries: u32, bytes: u64) -> Result<(), String> {
+        let n = entries as usize;
+        if n == 0 || n > self.cfg.max_entries || bytes > self.cfg.slot_bytes {
+            return Err(format!("{n} entries and {bytes} bytes do not fit a slot"));
+        }
+        let base = self.recv_slot(s);
+        let mut table = std::mem::take(&mut st.scratch);
+        table.resize(n * ENTRY_BYTES, 0);
+        // SAFETY: the table area of receive slot `s` lies in `recv_buf` (n ≤ max_entries); the
+        // sender's WRITE into it completed before its PIECE notification was delivered, and nothing
+        // writes it until the slot is granted again.
+        let read = unsafe { st.stager.read(base, &mut table) };
+        let mut list = std::mem::take(&mut st.entries);
+        list.clear();
+        let checked = read.map_err(|e| format!("reading the table: {e}")).and_then(|()| {
+            let mut last: Option<MemRegion> = None;
+            for (k, c) in table.chunks_exact(ENTRY_BYTES).enumerate() {
+                let mut b = [0u8; ENTRY_BYTES];
+                b.copy_from_slice(c);
+                let e = StageEntry::from_bytes(&b);
+                let in_data = u64::from(e.off) + u64::from(e.len) <= bytes;
+                let inside = last.is_some_and(|r| r.contains(e.addr, u64::from(e.len))) || {
+                    last = st.regions.iter().find(|r| r.contains(e.addr, u64::from(e.len))).copied();
+                    last.is_some()
+                };
+                if !e.aligned() || !in_data || !inside {
+                    return Err(format!(
+                        "entry {k} ({:#x}+{} from offset {}) is not an aligned range of registered KV memory inside the piece",
+                        e.addr, e.len, e.off
+                    ));
+                }
+                list.push(e);
+            }
+            Ok(())
+        });
+        let result = checked.and_then(|()| {
+            // SAFETY: every destination was just checked to lie in KV memory registered with this
+            // transport (whose owner lets transfers write the blocks of a registered request until it
+            // is received); the slot's data area holds the landed piece and is not written again until
+            // this scatter is done and the slot granted anew.
+            unsafe { st.stager.scatter(self.cfg.slots + s, &list, base + self.cfg.table_bytes()) }
+                .map_err(|e| format!("scatter: {e}"))
+        });
+        st.scratch = table;
+        st.entries = list;
+        result
+    }
+
+    fn fail_incoming(&self, st: &mut State, key: usize, why: String) {
+        if let Some(i) = st.incoming.get_mut(&key) {
+            if !i.failed {
+                i.failed = true;
+                i.moved = Instant::now();
+                tracing::warn!(peer = %i.peer, tag = i.tag, error = %why, "staged transfer failed on the receiver");
+                let f = Frame::Fail { tag: i.tag, detail: why };
+                let peer = i.peer.clone();
+                self.send(&peer, &f);
+            }
+        }
+    }
+
+    /// Finished scatters, cancelled transfers, delivered notifications, new grants.
+    fn pump_in(&self, st: &mut State) -> bool {
+        let mut any = false;
+        for s in 0..st.recv.len() {
+            if let RecvSlot::Scattering { key } = st.recv[s] {
+                let done = st.stager.is_done(self.cfg.slots + s);
+                match done {
+                    Ok(false) => continue,
+                    Ok(true) => {
+                        if let Some(i) = st.incoming.get_mut(&key) {
+                            i.scattered += 1;
+                            i.moved = Instant::now();
+                        }
+                    }
+                    Err(e) => self.fail_incoming(st, key, format!("scatter: {e}")),
+                }
+                any = true;
+                st.recv[s] = RecvSlot::Free;
+            }
+        }
+        // Transfers that are over: every piece scattered, or cancelled with nothing left in a slot.
+        let keys: Vec<usize> = st.incoming_order.iter().copied().collect();
+        for key in keys {
+            let in_slot = st.recv.iter().any(|s| match *s {
+                RecvSlot::Granted { key: k, .. } | RecvSlot::Scattering { key: k } => k == key,
+                RecvSlot::Free => false,
+            });
+            let waiting_for_sender = st.recv.iter().any(|s| matches!(*s, RecvSlot::Granted { key: k, .. } if k == key));
+            let Some(i) = st.incoming.get(&key) else { continue };
+            let stalled = i.moved.elapsed() > self.cfg.stall_timeout;
+            if stalled && !i.failed && waiting_for_sender {
+                let why = format!("no piece landed for {:?} (a staging message was lost?)", self.cfg.stall_timeout);
+                self.fail_incoming(st, key, why);
+                any = true;
+                continue;
+            }
+            if stalled && i.failed && !i.cancel && !i.gone {
+                // The sender never answered our failure: it is unresponsive; take the slots back.
+                let i = st.incoming.remove(&key).expect("present");
+                tracing::warn!(peer = %i.peer, tag = i.tag, "staged transfer abandoned: the sender never cancelled");
+                for s in st.recv.iter_mut() {
+                    if matches!(*s, RecvSlot::Granted { key: k, .. } if k == key) {
+                        *s = RecvSlot::Free;
+                    }
+                }
+                st.counts.failed += 1;
+                any = true;
+                continue;
+            }
+            if !i.failed && i.scattered == i.pieces {
+                let i = st.incoming.remove(&key).expect("present");
+                st.counts.received += 1;
+                st.delivered.push(Notification { from: i.peer, msg: i.notif });
+                any = true;
+            } else if (i.cancel || i.gone) && !in_slot {
+                let i = st.incoming.remove(&key).expect("present");
+                st.counts.failed += 1;
+                if !i.gone {
+                    self.send(&i.peer, &Frame::Cancelled { tag: i.tag });
+                }
+                any = true;
+            }
+        }
+        st.incoming_order.retain(|k| st.incoming.contains_key(k));
+        // Grants, in arrival order.
+        while let Some(s) = st.recv.iter().position(|s| *s == RecvSlot::Free) {
+            let Some(&key) = st
+                .incoming_order
+                .iter()
+                .find(|k| st.incoming.get(k).is_some_and(|i| !i.failed && i.granted < i.pieces))
+            else {
+                break;
+            };
+            let i = st.incoming.get_mut(&key).expect("queued");
+            let piece = i.granted;
+            i.granted += 1;
+            st.recv[s] = RecvSlot::Granted { key, piece };
+            let (peer, tag) = (i.peer.clone(), i.tag);
+            self.send(&peer, &Frame::Grant { tag, piece, slot: s as u32, addr: self.recv_slot(s) });
+            any = true;
+        }
+        any
+    }
+
+    /// Takes the inner transport's notifications, handles staging frames, passes the rest on.
+    fn pump(&self, st: &mut State, out: &mut Vec<Notification>) -> Result<usize, TransportError> {
+        let mut raw = Vec::new();
+        let mut n = self.inner.take_notifications(&mut raw)?;
+        for note in raw {
+            match Frame::decode(&note.msg) {
+                None => out.push(note),
+                Some(Err(())) => {
+                    st.counts.malformed += 1;
+                    tracing::warn!(peer = %note.from, "malformed staging frame");
+                }
+                Some(Ok(f)) => match f {
+                    Frame::Grant { .. } | Frame::Fail { .. } | Frame::Cancelled { .. } => {
+                        self.on_sender_frame(st, &note.from, f)
+                    }
+                    _ => self.on_receiver_frame(st, &note.from, f),
+                },
+            }
+        }
+        if self.pump_in(st) {
+            n += 1;
+        }
+        if self.pump_out(st) {
+            n += 1;
+        }
+        Ok(n)
+    }
+}
+
+fn table_of(peers: &HashMap<String, PeerCaps>, peer: &str) -> u64 {
+    peers.get(peer).map(|c| c.table_bytes).unwrap_or(0)
+}
+
+impl Transport for Staged {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    unsafe fn register(&self, region: &MemRegion) -> Result<(), TransportError> {
+        // SAFETY: forwarded; the caller's contract is the inner transport's.
+        unsafe { self.inner.register(region) }?;
+        lock(&self.state).regions.push(*region);
+        Ok(())
+    }
+
+    fn deregister(&self, region: &MemRegion) -> Result<(), TransportError> {
+        lock(&self.state).regions.retain(|r| r != region);
+        self.inner.deregister(region)
+    }
+
+    fn local_metadata(&self) -> Result<Vec<u8>, TransportError> {
+        let mut md = MD_MAGIC.to_vec();
+        md.extend_from_slice(&self.cfg.slot_bytes.to_le_bytes());
+        md.extend_from_slice(&(self.cfg.max_entries as u32).to_le_bytes());
+        md.extend_from_slice(&self.cfg.table_bytes().to_le_bytes());
+        md.extend_from_slice(&self.inner.local_metadata()?);
+        Ok(md)
+    }
+
+    fn load_remote(&self, metadata: &[u8]) -> Result<String, TransportError> {
+        let Some(rest) = metadata.strip_prefix(&MD_MAGIC[..]) else {
+            return self.inner.load_remote(metadata);
+        };
+        let mut r = Reader(rest);
+        let (Some(slot_bytes), Some(max_entries), Some(table_bytes)) = (r.u64(), r.u32(), r.u64()) else {
+            return Err(TransportError::BadMetadata("staging capabilities cut short".into()));
+        };
+        if (max_entries as u64) * ENTRY_BYTES as u64 > table_bytes || slot_bytes == 0 || max_entries == 0 {
+            return Err(TransportError::BadMetadata(format!(
+                "staging capabilities: {max_entries} entries in {table_bytes} table bytes, {slot_bytes}-byte slots"
+            )));
+        }
+        let name = self.inner.load_remote(r.0)?;
+        lock(&self.state)
+            .peers
+            .insert(name.clone(), PeerCaps { slot_bytes, max_entries: max_entries as usize, table_bytes });
+        Ok(name)
+    }
+
+    fn drop_peer(&self, peer: &str) {
+        {
+            let mut guard = lock(&self.state);
+            let st = &mut *guard;
+            st.peers.remove(peer);
+            // Outgoing: fails at once (the receiver is gone). Pieces being gathered or written keep
+            // their send slots until those end (the next pumps).
+            for o in st.out.values_mut().filter(|o| o.peer == peer && o.outcome.is_none()) {
+                o.failed.get_or_insert(format!("peer {peer} lost"));
+                o.outcome = Some(Err(format!("peer {peer} lost during a staged transfer")));
+                for p in &mut o.pieces {
+                    if matches!(p.state, PieceState::Waiting | PieceState::Granted { .. }) {
+                        p.state = PieceState::Written;
+                    }
+                }
+            }
+            // Incoming: nothing more arrives; slots being scattered free themselves when done.
+            let keys: Vec<usize> = st.incoming.iter().filter(|(_, i)| i.peer == peer).map(|(k, _)| *k).collect();
+            for key in keys {
+                for s in st.recv.iter_mut() {
+                    if matches!(*s, RecvSlot::Granted { key: k, .. } if k == key) {
+                        *s = RecvSlot::Free;
+                    }
+                }
+                if let Some(i) = st.incoming.get_mut(&key) {
+                    i.failed = true;
+                    i.gone = true;
+                }
+            }
+            st.incoming_order.retain(|k| st.incoming.contains_key(k));
+        }
+        self.inner.drop_peer(peer)
+    }
+
+    fn prepare(&self, peer: Option<&str>, units: &[Units]) -> Result<(), TransportError> {
+        self.inner.prepare(peer, units)
+    }
+
+    fn post(&self, op: Op, peer: &str, descs: &[Desc], notif: Option<&[u8]>) -> Result<XferId, TransportError> {
+        let mut st = lock(&self.state);
+        let Some(caps) = self.qualifies(&st, op, peer, descs) else {
+            st.counts.direct += 1;
+            drop(st);
+            return self.inner.post(op, peer, descs, notif);
+        };
+        let pieces = self.cut(caps, descs);
+        let tag = self.next.fetch_add(1, Ordering::Relaxed);
+        let request = Frame::Request { tag, pieces: pieces.len() as u32, notif: notif.unwrap_or_default().to_vec() };
+        self.inner.send_notification(peer, &request.encode())?;
+        st.counts.transfers += 1;
+        st.counts.bytes += descs.iter().map(|d| d.len).sum::<u64>();
+        st.out.insert(
+            tag,
+            Outgoing {
+                peer: peer.to_owned(),
+                pieces,
+                written: 0,
+                failed: None,
+                cancel_sent: false,
+                outcome: None,
+                reported: false,
+                moved: Instant::now(),
+            },
+        );
+        st.out_order.push_back(tag);
+        Ok(XferId(STAGED_BIT | tag))
+    }
+
+    fn poll(&self, id: XferId) -> Result<XferState, TransportError> {
+        if id.0 & STAGED_BIT == 0 {
+            return self.inner.poll(id);
+        }
+        let tag = id.0 & !STAGED_BIT;
+        let mut st = lock(&self.state);
+        if st.out.get(&tag).is_some_and(|o| o.outcome.is_none()) {
+            self.pump_one(&mut st, tag);
+        }
+        let o = st.out.get_mut(&tag).filter(|o| !o.reported).ok_or(TransportError::UnknownXfer(id))?;
+        let Some(outcome) = o.outcome.clone() else { return Ok(XferState::Pending) };
+        o.reported = true;
+        let peer = o.peer.clone();
+        if !o.busy_pieces() {
+            st.out.remove(&tag);
+            st.out_order.retain(|t| *t != tag);
+        }
+        match outcome {
+            Ok(()) => Ok(XferState::Done),
+            Err(why) => Err(failed(id, &peer, why)),
+        }
+    }
+
+    fn take_notifications(&self, out: &mut Vec<Notification>) -> Result<usize, TransportError> {
+        let mut st = lock(&self.state);
+        let n = self.pump(&mut st, out)?;
+        let delivered = st.delivered.len();
+        out.append(&mut st.delivered);
+        Ok(n + delivered)
+    }
+
+    fn send_notification(&self, peer: &str, msg: &[u8]) -> Result<(), TransportError> {
+        self.inner.send_notification(peer, msg)
+    }
+
+    fn set_waker(&self, waker: Waker) {
+        self.inner.set_waker(waker)
+    }
+
+    fn needs_polling(&self) -> bool {
+        self.inner.needs_polling() || self.busy()
+    }
+
+    fn busy(&self) -> bool {
+        let st = lock(&self.state);
+        !st.out.is_empty() || !st.incoming.is_empty()
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        let _ = self.inner.deregister(&self.send_buf.region());
+        let _ = self.inner.deregister(&self.recv_buf.region());
+    }
+}
