@@ -103,6 +103,10 @@ impl NixlConfig {
     }
 }
 
+/// First bytes of a kvpush NIXL agent's metadata: then its device ordinal (u32, little endian), then
+/// NIXL's own metadata. The peer's NIXL names the memory of remote descriptors by that ordinal.
+pub const MD_MAGIC: [u8; 4] = *b"KNX1";
+
 /// Whether the real NIXL library can be loaded in this process (never aborts).
 pub fn available() -> bool {
     !nixl_sys::is_stub()
@@ -204,6 +208,8 @@ pub struct NixlTransport {
     xfers: Mutex<HashMap<u64, Posted>>,
     next: AtomicU64,
     peers: Mutex<Vec<String>>,
+    /// Each peer's device ordinal, as its metadata says (names its memory in remote descriptors).
+    peer_dev: Mutex<HashMap<String, u32>>,
 }
 
 impl fmt::Debug for NixlTransport {
@@ -263,7 +269,13 @@ impl NixlTransport {
             xfers: Mutex::new(HashMap::new()),
             next: AtomicU64::new(1),
             peers: Mutex::new(Vec::new()),
+            peer_dev: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// The device ordinal a peer's metadata named (0 if unknown).
+    fn peer_device(&self, peer: &str) -> u32 {
+        lock(&self.peer_dev).get(peer).copied().unwrap_or(0)
     }
 
     /// Plugins the NIXL library finds (for `kvpush doctor`).
@@ -345,17 +357,34 @@ impl Transport for NixlTransport {
             .map_err(|e| call_err("deregisterMem", None, &e, format!("{:#x}+{}", region.addr, region.len)))
     }
 
+    /// [`MD_MAGIC`], this agent's device ordinal (of its first registered region; 0 for host memory),
+    /// then NIXL's metadata.
     fn local_metadata(&self) -> Result<Vec<u8>, TransportError> {
-        self.agent.get_local_md().map_err(|e| call_err("getLocalMD", None, &e, format!("agent {}", self.name)))
+        let dev = lock(&self.regs).first().map(|(r, _)| r.dev_id).unwrap_or(0);
+        let md =
+            self.agent.get_local_md().map_err(|e| call_err("getLocalMD", None, &e, format!("agent {}", self.name)))?;
+        let mut out = Vec::with_capacity(md.len() + 8);
+        out.extend_from_slice(&MD_MAGIC);
+        out.extend_from_slice(&dev.to_le_bytes());
+        out.extend_from_slice(&md);
+        Ok(out)
     }
 
+    /// Loads metadata from [`Transport::local_metadata`] (or NIXL's own, whose peer is taken to be
+    /// on device 0).
     fn load_remote(&self, metadata: &[u8]) -> Result<String, TransportError> {
+        let (dev, metadata) = match metadata.strip_prefix(&MD_MAGIC[..]) {
+            Some(rest) if rest.len() >= 4 => (u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]), &rest[4..]),
+            Some(_) => return Err(TransportError::BadMetadata("kvpush NIXL metadata cut short".into())),
+            None => (0, metadata),
+        };
         let name = self
             .agent
             .load_remote_md(metadata)
             .map_err(|e| call_err("loadRemoteMD", None, &e, format!("{} bytes of metadata", metadata.len())))?;
         // A peer that restarted has new memory: its old prepared list must not be used.
         lock(&self.prepared_remote).remove(&name);
+        lock(&self.peer_dev).insert(name.clone(), dev);
         let mut peers = lock(&self.peers);
         if !peers.contains(&name) {
             peers.push(name.clone());
@@ -365,6 +394,7 @@ impl Transport for NixlTransport {
 
     fn drop_peer(&self, peer: &str) {
         lock(&self.peers).retain(|p| p != peer);
+        lock(&self.peer_dev).remove(peer);
         lock(&self.prepared_remote).remove(peer);
         if let Err(e) = self.agent.invalidate_remote_md(peer) {
             tracing::debug!(agent = %self.name, %peer, error = %e, "invalidateRemoteMD failed");
@@ -393,7 +423,7 @@ impl Transport for NixlTransport {
             }
         }
         // Memory kind and device: our registered regions say; a peer's memory is of the same kind
-        // (as for posts, see `post`).
+        // (as for posts, see `post`), on the device its metadata named.
         let (kind, dev_id) = {
             let regs = lock(&self.regs);
             let first = regs.first().map(|(r, _)| *r).ok_or_else(|| invalid("no memory registered".into()))?;
@@ -405,7 +435,11 @@ impl Transport for NixlTransport {
                     }
                 }
             }
-            (first.kind, first.dev_id)
+            let dev = match peer {
+                Some(p) => self.peer_device(p),
+                None => first.dev_id,
+            };
+            (first.kind, dev)
         };
         let err = |call, e: NixlError| call_err(call, peer, &e, format!("{total} units of {who}"));
         let mut list = XferDescList::new(mem_type(kind)).map_err(|e| err("createXferDList", e))?;
@@ -476,6 +510,7 @@ impl Transport for NixlTransport {
             side: "local",
         })?;
         let mt = mem_type(region.kind);
+        let peer_dev = self.peer_device(peer);
         let build = |e: NixlError| call_err("createXferDList", Some(peer), &e, format!("{} descriptors", descs.len()));
         let mut local = XferDescList::new(mt).map_err(build)?;
         let mut remote = XferDescList::new(mt).map_err(build)?;
@@ -488,9 +523,8 @@ impl Transport for NixlTransport {
                     .find(|r| r.contains(d.local, d.len))
                     .ok_or(TransportError::NotRegistered { index, addr: d.local, len: d.len, side: "local" })?;
                 local.add_desc(d.local as usize, d.len as usize, u64::from(r.dev_id));
-                // The peer's memory is of the same kind; across processes each sees its device as 0
-                // unless the layouts say otherwise (device ordinals travel with CUDA/Neuron layouts).
-                remote.add_desc(d.remote as usize, d.len as usize, u64::from(r.dev_id));
+                // The peer's memory is of the same kind, on the device its metadata named.
+                remote.add_desc(d.remote as usize, d.len as usize, u64::from(peer_dev));
             }
         }
         let args = self.opt_args(notif).map_err(|e| call_err("optArgs", Some(peer), &e, "notification".into()))?;
