@@ -142,6 +142,9 @@ struct DemoArgs {
     /// Writer threads per worker.
     #[arg(long, default_value_t = 1)]
     writers: usize,
+    /// Stage fragmented WRITEs through bounded slots on the device (auto: on for GPU memory).
+    #[arg(long, value_enum, default_value = "auto")]
+    staging: kvpush::demo::StagingFlag,
     /// Write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -229,6 +232,7 @@ fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         window_tokens: a.window_tokens,
         order: if a.order == OrderArg::Nhd { BlockOrder::Nhd } else { BlockOrder::Hnd },
         writers: a.writers,
+        staging: a.staging,
     };
     let work = Workload {
         requests: a.requests,

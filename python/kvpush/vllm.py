@@ -63,6 +63,7 @@ DEFAULTS: dict[str, Any] = {
     "writers": 1,
     "secret": None,
     "device": None,
+    "staging": "auto",
 }
 
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
@@ -83,6 +84,7 @@ class KVPushConfig:
     writers: int
     secret: str | None
     device: str | None
+    staging: str
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> KVPushConfig:
@@ -97,6 +99,8 @@ class KVPushConfig:
         values = {k: extra.get(k, v) for k, v in DEFAULTS.items()}
         if values["mode"] not in ("push", "pull"):
             raise ValueError(f"kvpush: mode must be 'push' or 'pull', got {values['mode']!r}")
+        if str(values["staging"]).lower() not in ("auto", "on", "off"):
+            raise ValueError(f"kvpush: staging must be 'auto', 'on' or 'off', got {values['staging']!r}")
         if values["secret"] is None:
             values["secret"] = os.environ.get("KVPUSH_SECRET")
         return cls(
@@ -111,6 +115,7 @@ class KVPushConfig:
             writers=int(values["writers"]),
             secret=values["secret"],
             device=values["device"],
+            staging=str(values["staging"]).lower(),
         )
 
 
@@ -488,6 +493,7 @@ class _Worker:
             writers=self.cfg.writers,
             secret=self.cfg.secret,
             device=_device_spec(self.cfg.device, device),
+            staging=self.cfg.staging,
         )
         lib = _load_nixl()
         kvpush.init_logging()

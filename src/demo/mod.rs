@@ -17,7 +17,7 @@ use crossbeam_channel::{unbounded, Receiver, Sender};
 use serde::Serialize;
 
 use crate::device::{self, Buffer, Device};
-use crate::engine::{Config, Engine, EngineError, Finished, LocalHub};
+use crate::engine::{Config, Engine, EngineError, Finished, LocalHub, Staging};
 use crate::proto::layout::{
     BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, ModelShape, Parallel,
 };
@@ -55,6 +55,41 @@ pub struct Topology {
     pub order: BlockOrder,
     /// Writer threads per worker.
     pub writers: usize,
+    /// Whether P stages fragmented WRITEs through bounded slots.
+    pub staging: StagingFlag,
+}
+
+/// `--staging`: whether the engines stage fragmented WRITEs ([`Staging`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum StagingFlag {
+    /// On for GPU memory, off elsewhere.
+    #[default]
+    Auto,
+    /// Always (the default geometry: 4 slots of 32 MiB per side).
+    On,
+    /// Never.
+    Off,
+}
+
+impl StagingFlag {
+    /// The engine setting.
+    pub fn engine(self) -> Staging {
+        match self {
+            StagingFlag::Auto => Staging::Auto,
+            StagingFlag::On => Staging::On(crate::transport::staged::StagingConfig::default()),
+            StagingFlag::Off => Staging::Off,
+        }
+    }
+
+    /// The flag's value on a command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StagingFlag::Auto => "auto",
+            StagingFlag::On => "on",
+            StagingFlag::Off => "off",
+        }
+    }
 }
 
 impl Default for Topology {
@@ -74,6 +109,7 @@ impl Default for Topology {
             window_tokens: 1024,
             order: BlockOrder::Hnd,
             writers: 1,
+            staging: StagingFlag::Auto,
         }
     }
 }
@@ -158,6 +194,9 @@ pub struct ModeReport {
     /// Each push round's descriptors posted (after merging): how fragmented the pools were.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub push_descriptors_rounds: Vec<u64>,
+    /// Each push round's staged pieces (one WRITE each; 0 where staging is off).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub push_pieces_rounds: Vec<u64>,
 }
 
 /// Results of the demo: one report per mode played.
@@ -387,6 +426,7 @@ fn build(
         let transport = Arc::new(fabric.endpoint(&format!("{engine_id}/{r}"))?);
         let mut config = Config::new(engine_id, mode);
         config.writers = t.writers;
+        config.staging = t.staging.engine();
         // SAFETY: the regions are `buffers`, allocated just above and owned by the same `Worker`
         // as the engine; `Worker` drops its engine before its buffers. The driver follows the block
         // ownership rules: P's blocks return to the pool only after `Finished::Sent` from every

@@ -147,6 +147,9 @@ pub struct WorkerSpec {
     /// Writer threads per worker.
     #[arg(long, default_value_t = 1)]
     pub writers: usize,
+    /// Staging of fragmented WRITEs.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub staging: super::StagingFlag,
     /// Producer lease: how long finished blocks wait for their registrations (ms).
     #[arg(long, default_value_t = 30_000)]
     pub lease_ms: u64,
@@ -194,6 +197,7 @@ impl WorkerSpec {
                 BlockOrder::Nhd => OrderFlag::Nhd,
             },
             writers: t.writers,
+            staging: t.staging,
             lease_ms: 30_000,
             timeout_ms: 120_000,
             heartbeat_ms: 1_000,
@@ -230,6 +234,7 @@ impl WorkerSpec {
                 OrderFlag::Nhd => BlockOrder::Nhd,
             },
             writers: self.writers,
+            staging: self.staging,
         }
     }
 
@@ -254,6 +259,7 @@ impl WorkerSpec {
         flag(&mut v, "window-tokens", self.window_tokens.to_string());
         flag(&mut v, "order", if self.order == OrderFlag::Nhd { "nhd" } else { "hnd" }.into());
         flag(&mut v, "writers", self.writers.to_string());
+        flag(&mut v, "staging", self.staging.as_str().into());
         flag(&mut v, "lease-ms", self.lease_ms.to_string());
         flag(&mut v, "timeout-ms", self.timeout_ms.to_string());
         flag(&mut v, "heartbeat-ms", self.heartbeat_ms.to_string());
@@ -458,6 +464,9 @@ pub enum Event {
         descriptors_posted: u64,
         /// Registrations sent (D) or received (P).
         registrations: u64,
+        /// Staged pieces written (P; 0 where staging is off).
+        #[serde(default)]
+        staged_pieces: u64,
         /// Side-channel counters.
         side: SideCounters,
     },
@@ -818,11 +827,11 @@ impl Pair {
         }
     }
 
-    fn stats(&mut self, role: Role) -> Result<(u64, u64, u64, u64), ProcsError> {
+    fn stats(&mut self, role: Role) -> Result<(u64, u64, u64, u64, u64), ProcsError> {
         self.send(role, &Command::Stats)?;
         self.expect(role, "stats", Duration::from_secs(30), |ev| match ev {
-            Event::Stats { bytes, descriptors_unmerged, descriptors_posted, registrations, .. } => {
-                Some((bytes, descriptors_unmerged, descriptors_posted, registrations))
+            Event::Stats { bytes, descriptors_unmerged, descriptors_posted, registrations, staged_pieces, .. } => {
+                Some((bytes, descriptors_unmerged, descriptors_posted, registrations, staged_pieces))
             }
             _ => None,
         })
@@ -962,9 +971,10 @@ fn run_mode(t: &Topology, w: &Workload, mode: Mode, opts: &Options, tick: &dyn F
         for round in 0..BANDWIDTH_ROUNDS {
             report.ceiling_gbps_rounds.push(ceiling_once(&mut pair, &target, bytes)?);
             if mode == Mode::Push {
-                let (gbps, descriptors) = bandwidth(&mut pair, t, w, round)?;
+                let (gbps, descriptors, pieces) = bandwidth(&mut pair, t, w, round)?;
                 report.push_gbps_rounds.push(gbps);
                 report.push_descriptors_rounds.push(descriptors);
+                report.push_pieces_rounds.push(pieces);
             }
         }
         ceiling_close(&mut pair)?;
@@ -1142,7 +1152,7 @@ fn play(pair: &mut Pair, t: &Topology, w: &Workload, mode: Mode, tick: &dyn Fn()
     let mut report =
         ModeReport { requests: specs.len() as u64, verified_bytes, failed, wall_s: wall, ..Default::default() };
     for role in [Role::Prefill, Role::Decode] {
-        let (bytes, unmerged, posted, _) = pair.stats(role)?;
+        let (bytes, unmerged, posted, _, _) = pair.stats(role)?;
         report.bytes += bytes;
         report.descriptors_unmerged += unmerged;
         report.descriptors_posted += posted;
@@ -1213,13 +1223,13 @@ fn ceiling_close(pair: &mut Pair) -> Result<(), ProcsError> {
 
 /// `push_gbps`: the workload's requests again, every one ready at once, in as few waves as the pools
 /// allow; total bytes over the summed first-ready → last-received windows, and the descriptors posted.
-fn bandwidth(pair: &mut Pair, t: &Topology, w: &Workload, round: usize) -> Result<(f64, u64), ProcsError> {
+fn bandwidth(pair: &mut Pair, t: &Topology, w: &Workload, round: usize) -> Result<(f64, u64, u64), ProcsError> {
     let groups = super::model(t).groups.len();
     let specs = requests(w);
     // Fresh request numbers and keys every round.
     let mut rng = Rng(w.seed ^ 0xba4d_0000 ^ ((round as u64) << 40));
     let base = (specs.len() * (round + 1)) as u64;
-    let (mut bytes, mut window_us, mut descriptors) = (0u64, 0u64, 0u64);
+    let (mut bytes, mut window_us, mut descriptors, mut pieces) = (0u64, 0u64, 0u64, 0u64);
     let limit = Duration::from_secs(120);
     let mut i = 0;
     while i < specs.len() {
@@ -1244,7 +1254,7 @@ fn bandwidth(pair: &mut Pair, t: &Topology, w: &Workload, round: usize) -> Resul
             ))
             .into());
         }
-        let (bytes_before, _, posted_before, regs_before) = pair.stats(Role::Prefill)?;
+        let (bytes_before, _, posted_before, regs_before, pieces_before) = pair.stats(Role::Prefill)?;
         // Registrations first: D registers every request of the wave.
         for &(req, key, tokens) in &wave {
             let seed = rng.next();
@@ -1294,9 +1304,10 @@ fn bandwidth(pair: &mut Pair, t: &Topology, w: &Workload, round: usize) -> Resul
                 None => return Err(pair.fail(Role::Decode, format!("bandwidth wave not finished after {limit:?}"))),
             }
         }
-        let (bytes_after, _, posted_after, _) = pair.stats(Role::Prefill)?;
+        let (bytes_after, _, posted_after, _, pieces_after) = pair.stats(Role::Prefill)?;
         bytes += bytes_after - bytes_before;
         descriptors += posted_after - posted_before;
+        pieces += pieces_after - pieces_before;
         window_us += last_received.saturating_sub(first_ready).max(1);
         tracing::info!(
             requests = wave.len(),
@@ -1306,7 +1317,7 @@ fn bandwidth(pair: &mut Pair, t: &Topology, w: &Workload, round: usize) -> Resul
             "bandwidth wave"
         );
     }
-    Ok((bytes as f64 / (window_us as f64 / 1e6) / 1e9, descriptors))
+    Ok((bytes as f64 / (window_us as f64 / 1e6) / 1e9, descriptors, pieces))
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -1477,6 +1488,7 @@ impl WorkerState {
             let side = Arc::new(SideChannel::bind(sc).map_err(|e| format!("rank {r}: {e}"))?);
             let mut config = Config::new(engine_id, mode);
             config.writers = t.writers;
+            config.staging = t.staging.engine();
             config.rendezvous.lease_us = spec.lease_ms * 1000;
             config.completion.timeout_us = spec.timeout_ms * 1000;
             // SAFETY: the regions are `buffers`, allocated just above and owned by the same `Worker`
@@ -1603,6 +1615,7 @@ impl WorkerState {
             }
             Command::Stats => {
                 let (mut bytes, mut descriptors_unmerged, mut descriptors_posted, mut registrations) = (0, 0, 0, 0);
+                let mut staged_pieces = 0;
                 let mut side = SideCounters::default();
                 for w in self.workers.iter() {
                     let c = w.engine.stats().counters;
@@ -1610,13 +1623,21 @@ impl WorkerState {
                     descriptors_unmerged += c.descriptors_unmerged;
                     descriptors_posted += c.descriptors_posted;
                     registrations += c.registrations;
+                    staged_pieces += w.engine.staging_counts().map_or(0, |c| c.pieces);
                     let s = w.side.stats();
                     side.handshakes += s.handshakes;
                     side.refused += s.refused;
                     side.malformed += s.malformed;
                     side.peers_lost += s.peers_lost;
                 }
-                let ev = Event::Stats { bytes, descriptors_unmerged, descriptors_posted, registrations, side };
+                let ev = Event::Stats {
+                    bytes,
+                    descriptors_unmerged,
+                    descriptors_posted,
+                    registrations,
+                    staged_pieces,
+                    side,
+                };
                 self.out.emit(&ev);
             }
             Command::Pool => {

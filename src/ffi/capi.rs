@@ -830,6 +830,7 @@ pub unsafe extern "C" fn kvpush_engine_create(
             lease_ms: c.lease_ms,
             timeout_ms: c.timeout_ms,
             transport,
+            staging: crate::engine::Staging::Auto,
         };
         // SAFETY: the caller's contract (1) for the layout's arrays.
         let layout = unsafe { layout_spec(l) }?;

@@ -76,6 +76,7 @@ fn engine_spec(s: &EngineSpec, transport: TransportSpec) -> super::EngineSpec {
         lease_ms: s.lease_ms,
         timeout_ms: s.timeout_ms,
         transport,
+        staging: crate::engine::Staging::Auto,
     }
 }
 

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use crate::device::{self, DeviceError};
 use crate::engine::side::{SideChannel, SideConfig, SideError};
-use crate::engine::{Config, Engine, EngineError, Finished, LocalHub, StatsSnapshot};
+use crate::engine::{Config, Engine, EngineError, Finished, LocalHub, Staging, StatsSnapshot};
 use crate::proto::codec::{self, DecodeError, EncodeError};
 use crate::proto::layout::{
     BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, LayoutError, ModelShape, Parallel,
@@ -483,6 +483,8 @@ pub struct EngineSpec {
     pub timeout_ms: u64,
     /// Transport and control link.
     pub transport: TransportSpec,
+    /// Staging of fragmented WRITEs ([`Staging::Auto`]: on for GPU memory).
+    pub staging: Staging,
 }
 
 /// In-process medium for loopback engines: the transport fabric and the control-link hub.
@@ -558,6 +560,7 @@ impl FfiEngine {
         };
         let mut config = Config::new(spec.engine_id.clone(), mode);
         config.writers = (spec.writers as usize).max(1);
+        config.staging = spec.staging;
         if spec.lease_ms > 0 {
             config.rendezvous.lease_us = spec.lease_ms.saturating_mul(1000);
         }

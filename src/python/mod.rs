@@ -278,6 +278,10 @@ fn specs(d: &Bound<'_, PyDict>) -> PyResult<(EngineSpec, LayoutSpec)> {
         writers: get(d, "writers")?.unwrap_or(1),
         lease_ms: get(d, "lease_ms")?.unwrap_or(0),
         timeout_ms: get(d, "timeout_ms")?.unwrap_or(0),
+        staging: match get::<String>(d, "staging")? {
+            Some(s) => crate::engine::Staging::parse(&s).map_err(ConfigError::new_err)?,
+            None => crate::engine::Staging::Auto,
+        },
         transport: TransportSpec::Nixl {
             agent_name: get(d, "agent_name")?,
             backend: get(d, "nixl_backend")?,

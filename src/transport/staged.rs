@@ -1116,3 +1116,102 @@ impl Drop for Staged {
         let _ = self.inner.deregister(&self.recv_buf.region());
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::host::HostDevice;
+    use crate::transport::loopback::Fabric;
+
+    #[test]
+    fn frames_round_trip_and_malformed_ones_are_refused() {
+        let frames = [
+            Frame::Request { tag: 7, pieces: 3, notif: b"KP-completion".to_vec() },
+            Frame::Grant { tag: 7, piece: 2, slot: 1, addr: 0xdead_0000 },
+            Frame::Piece { tag: 7, piece: 2, slot: 1, entries: 99, bytes: 4096 * 99 },
+            Frame::Fail { tag: 7, detail: "entry 3 outside registered memory".into() },
+            Frame::Cancel { tag: 7 },
+            Frame::Cancelled { tag: 7 },
+        ];
+        for f in frames {
+            let b = f.encode();
+            assert_eq!(Frame::decode(&b).as_ref().map(|r| r.as_ref().ok()), Some(Some(&f)));
+            // Cut short: malformed (frames with a free-form tail only once the fixed part is cut).
+            let fixed = match f {
+                Frame::Request { .. } => 15,
+                Frame::Fail { .. } => 11,
+                _ => b.len(),
+            };
+            assert_eq!(Frame::decode(&b[..fixed - 1]).map(|r| r.is_err()), Some(true), "{b:?}");
+        }
+        assert_eq!(Frame::decode(b"KP\x01rest"), None, "engine frames pass through");
+        assert_eq!(Frame::decode(b"KS\x09\0\0\0\0\0\0\0\0"), Some(Err(())), "unknown kind");
+        let mut long = Frame::Cancel { tag: 1 }.encode();
+        long.push(0);
+        assert_eq!(Frame::decode(&long), Some(Err(())), "trailing bytes");
+    }
+
+    #[test]
+    fn config_is_validated() {
+        assert!(StagingConfig::default().validate().is_ok());
+        let bad = [
+            StagingConfig { slots: 0, ..StagingConfig::default() },
+            StagingConfig { slot_bytes: 1000, ..StagingConfig::default() },
+            StagingConfig { slot_bytes: 4096 + 8, ..StagingConfig::default() },
+            StagingConfig { max_entries: 0, ..StagingConfig::default() },
+            StagingConfig { max_entry_bytes: 24, ..StagingConfig::default() },
+        ];
+        for c in bad {
+            assert!(c.validate().is_err(), "{c:?}");
+        }
+        let fabric = Fabric::new();
+        let inner = Arc::new(fabric.endpoint("x").unwrap());
+        let e = Staged::new(inner, &HostDevice::new(), bad[0]).unwrap_err();
+        assert!(e.to_string().contains("staging slots 0"), "{e}");
+    }
+
+    #[test]
+    fn cutting_fills_both_sides_slots_and_splits_long_descriptors() {
+        let fabric = Fabric::new();
+        let inner = Arc::new(fabric.endpoint("p").unwrap());
+        let cfg = StagingConfig { slot_bytes: 8192, max_entries: 4, max_entry_bytes: 2048, ..StagingConfig::default() };
+        let s = Staged::new(inner, &HostDevice::new(), cfg).unwrap().unwrap();
+        // The peer's slots are smaller: its geometry wins.
+        let caps = PeerCaps { slot_bytes: 4096, max_entries: 8, table_bytes: 256 };
+        let descs = [
+            Desc { local: 0x10000, remote: 0x90000, len: 5120 },
+            Desc { local: 0x20000, remote: 0xa0000, len: 16 },
+            Desc { local: 0x30000, remote: 0xb0000, len: 1024 },
+        ];
+        let pieces = s.cut(caps, &descs);
+        let total: u64 = pieces.iter().map(|p| p.bytes).sum();
+        assert_eq!(total, 5120 + 16 + 1024);
+        for p in &pieces {
+            assert!(p.bytes <= 4096 && p.gather.len() <= 4, "{p:?}");
+            assert!(p.gather.iter().all(|e| e.len <= 2048), "{p:?}");
+            // Entries pack the slot densely from 0, in order, on both sides alike.
+            let mut off = 0;
+            for (k, e) in p.gather.iter().enumerate() {
+                assert_eq!(e.off, off);
+                let mut b = [0u8; ENTRY_BYTES];
+                b.copy_from_slice(&p.table[k * ENTRY_BYTES..(k + 1) * ENTRY_BYTES]);
+                let r = StageEntry::from_bytes(&b);
+                assert_eq!((r.off, r.len), (e.off, e.len));
+                assert_eq!(r.addr - e.addr, 0x80000, "the table names the remote address of the same bytes");
+                off += e.len;
+            }
+        }
+        // 5120 = 2048 + 2048 + (1024 | ...): the first slot of 4096 holds two 2048-byte entries.
+        assert_eq!(pieces[0].gather.len(), 2);
+        assert_eq!(pieces.len(), 2);
+    }
+
+    #[test]
+    fn staging_setting_parses() {
+        use crate::engine::Staging;
+        assert_eq!(Staging::parse("AUTO"), Ok(Staging::Auto));
+        assert_eq!(Staging::parse("off"), Ok(Staging::Off));
+        assert_eq!(Staging::parse("on"), Ok(Staging::On(StagingConfig::default())));
+        assert!(Staging::parse("sometimes").unwrap_err().contains("auto, on or off"));
+    }
+}
