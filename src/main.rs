@@ -145,6 +145,12 @@ struct DemoArgs {
     /// Stage fragmented WRITEs through bounded slots on the device (auto: on for GPU memory).
     #[arg(long, value_enum, default_value = "auto")]
     staging: kvpush::demo::StagingFlag,
+    /// Staging slots per side (0: the default, 4).
+    #[arg(long, default_value_t = 0)]
+    staging_slots: usize,
+    /// Staging slot size in KiB (0: the default, 32 MiB).
+    #[arg(long, default_value_t = 0)]
+    staging_slot_kib: u64,
     /// Write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -233,6 +239,8 @@ fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         order: if a.order == OrderArg::Nhd { BlockOrder::Nhd } else { BlockOrder::Hnd },
         writers: a.writers,
         staging: a.staging,
+        staging_slots: a.staging_slots,
+        staging_slot_bytes: a.staging_slot_kib << 10,
     };
     let work = Workload {
         requests: a.requests,

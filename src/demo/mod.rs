@@ -57,6 +57,10 @@ pub struct Topology {
     pub writers: usize,
     /// Whether P stages fragmented WRITEs through bounded slots.
     pub staging: StagingFlag,
+    /// Staging slots per side (0: the default).
+    pub staging_slots: usize,
+    /// Bytes of one staging slot (0: the default).
+    pub staging_slot_bytes: u64,
 }
 
 /// `--staging`: whether the engines stage fragmented WRITEs ([`Staging`]).
@@ -73,12 +77,24 @@ pub enum StagingFlag {
 }
 
 impl StagingFlag {
-    /// The engine setting.
-    pub fn engine(self) -> Staging {
-        match self {
+    /// The engine setting; `slots` and `slot_bytes` (0: the default) shape the slots when on.
+    pub fn engine(self, slots: usize, slot_bytes: u64) -> Staging {
+        let mut c = crate::transport::staged::StagingConfig::default();
+        if slots > 0 {
+            c.slots = slots;
+        }
+        if slot_bytes > 0 {
+            c.slot_bytes = slot_bytes;
+        }
+        let setting = match self {
             StagingFlag::Auto => Staging::Auto,
-            StagingFlag::On => Staging::On(crate::transport::staged::StagingConfig::default()),
+            StagingFlag::On => Staging::On(c),
             StagingFlag::Off => Staging::Off,
+        };
+        if c == crate::transport::staged::StagingConfig::default() {
+            setting
+        } else {
+            setting.with_geometry(c)
         }
     }
 
@@ -110,6 +126,8 @@ impl Default for Topology {
             order: BlockOrder::Hnd,
             writers: 1,
             staging: StagingFlag::Auto,
+            staging_slots: 0,
+            staging_slot_bytes: 0,
         }
     }
 }
@@ -426,7 +444,7 @@ fn build(
         let transport = Arc::new(fabric.endpoint(&format!("{engine_id}/{r}"))?);
         let mut config = Config::new(engine_id, mode);
         config.writers = t.writers;
-        config.staging = t.staging.engine();
+        config.staging = t.staging.engine(t.staging_slots, t.staging_slot_bytes);
         // SAFETY: the regions are `buffers`, allocated just above and owned by the same `Worker`
         // as the engine; `Worker` drops its engine before its buffers. The driver follows the block
         // ownership rules: P's blocks return to the pool only after `Finished::Sent` from every

@@ -150,6 +150,12 @@ pub struct WorkerSpec {
     /// Staging of fragmented WRITEs.
     #[arg(long, value_enum, default_value = "auto")]
     pub staging: super::StagingFlag,
+    /// Staging slots per side (0: the default).
+    #[arg(long, default_value_t = 0)]
+    pub staging_slots: usize,
+    /// Staging slot size in KiB (0: the default).
+    #[arg(long, default_value_t = 0)]
+    pub staging_slot_kib: u64,
     /// Producer lease: how long finished blocks wait for their registrations (ms).
     #[arg(long, default_value_t = 30_000)]
     pub lease_ms: u64,
@@ -198,6 +204,8 @@ impl WorkerSpec {
             },
             writers: t.writers,
             staging: t.staging,
+            staging_slots: t.staging_slots,
+            staging_slot_kib: t.staging_slot_bytes >> 10,
             lease_ms: 30_000,
             timeout_ms: 120_000,
             heartbeat_ms: 1_000,
@@ -235,6 +243,8 @@ impl WorkerSpec {
             },
             writers: self.writers,
             staging: self.staging,
+            staging_slots: self.staging_slots,
+            staging_slot_bytes: self.staging_slot_kib << 10,
         }
     }
 
@@ -260,6 +270,8 @@ impl WorkerSpec {
         flag(&mut v, "order", if self.order == OrderFlag::Nhd { "nhd" } else { "hnd" }.into());
         flag(&mut v, "writers", self.writers.to_string());
         flag(&mut v, "staging", self.staging.as_str().into());
+        flag(&mut v, "staging-slots", self.staging_slots.to_string());
+        flag(&mut v, "staging-slot-kib", self.staging_slot_kib.to_string());
         flag(&mut v, "lease-ms", self.lease_ms.to_string());
         flag(&mut v, "timeout-ms", self.timeout_ms.to_string());
         flag(&mut v, "heartbeat-ms", self.heartbeat_ms.to_string());
@@ -1488,7 +1500,7 @@ impl WorkerState {
             let side = Arc::new(SideChannel::bind(sc).map_err(|e| format!("rank {r}: {e}"))?);
             let mut config = Config::new(engine_id, mode);
             config.writers = t.writers;
-            config.staging = t.staging.engine();
+            config.staging = t.staging.engine(t.staging_slots, t.staging_slot_bytes);
             config.rendezvous.lease_us = spec.lease_ms * 1000;
             config.completion.timeout_us = spec.timeout_ms * 1000;
             // SAFETY: the regions are `buffers`, allocated just above and owned by the same `Worker`

@@ -68,6 +68,8 @@ pub struct Config {
 pub enum Staging {
     /// On with the default geometry where the device is a GPU (CUDA), off elsewhere.
     Auto,
+    /// As [`Staging::Auto`], with this geometry where it is on.
+    AutoWith(StagingConfig),
     /// Never: every transfer is posted as merged descriptors.
     Off,
     /// On with this geometry (where the device can stage; Neuron cannot yet).
@@ -85,10 +87,20 @@ impl Staging {
         }
     }
 
+    /// This setting with geometry `c` where it stages (`Off` stays off).
+    pub fn with_geometry(self, c: StagingConfig) -> Staging {
+        match self {
+            Staging::Auto | Staging::AutoWith(_) => Staging::AutoWith(c),
+            Staging::On(_) => Staging::On(c),
+            Staging::Off => Staging::Off,
+        }
+    }
+
     fn resolve(self, device: DeviceKind) -> Option<StagingConfig> {
         match self {
             Staging::Auto if device == DeviceKind::Cuda => Some(StagingConfig::default()),
-            Staging::Auto | Staging::Off => None,
+            Staging::AutoWith(c) if device == DeviceKind::Cuda => Some(c),
+            Staging::Auto | Staging::AutoWith(_) | Staging::Off => None,
             Staging::On(c) => Some(c),
         }
     }

@@ -107,6 +107,27 @@ impl NixlConfig {
 /// NIXL's own metadata. The peer's NIXL names the memory of remote descriptors by that ordinal.
 pub const MD_MAGIC: [u8; 4] = *b"KNX1";
 
+/// Backend parameters from the environment, added after the configured ones (so they win):
+/// `KVPUSH_NIXL_PARAMS="key=value,key=value"` (UCX, for instance, takes `num_threads`).
+pub const PARAMS_ENV: &str = "KVPUSH_NIXL_PARAMS";
+
+fn env_params() -> Result<Vec<(String, String)>, TransportError> {
+    let Ok(v) = std::env::var(PARAMS_ENV) else { return Ok(Vec::new()) };
+    parse_params(&v).map_err(|reason| TransportError::Unavailable { transport: "NIXL", reason })
+}
+
+/// Parses `key=value,key=value` (empty items are skipped).
+pub fn parse_params(v: &str) -> Result<Vec<(String, String)>, String> {
+    v.split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(|p| match p.split_once('=') {
+            Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.trim().to_owned())),
+            _ => Err(format!("{PARAMS_ENV}: {p:?} is not key=value")),
+        })
+        .collect()
+}
+
 /// Whether the real NIXL library can be loaded in this process (never aborts).
 pub fn available() -> bool {
     !nixl_sys::is_stub()
@@ -251,8 +272,8 @@ impl NixlTransport {
                 ),
             )
         })?;
-        for (k, v) in &config.params {
-            params.set(k, v).map_err(|e| call_err("setParam", None, &e, format!("{k}={v}")))?;
+        for (k, v) in config.params.iter().cloned().chain(env_params()?) {
+            params.set(&k, &v).map_err(|e| call_err("setParam", None, &e, format!("{k}={v}")))?;
         }
         let backend = agent
             .create_backend(&config.backend, &params)
@@ -601,5 +622,18 @@ impl Drop for NixlTransport {
         lock(&self.xfers).clear();
         lock(&self.prepared_remote).clear();
         *lock(&self.prepared_local) = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn backend_params_parse() {
+        assert_eq!(
+            super::parse_params(" num_threads=2, ,split_batch_size = 64").unwrap(),
+            vec![("num_threads".into(), "2".into()), ("split_batch_size".into(), "64".into())]
+        );
+        assert!(super::parse_params("num_threads").unwrap_err().contains("not key=value"));
+        assert!(super::parse_params("=3").is_err());
     }
 }
