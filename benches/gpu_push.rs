@@ -15,17 +15,31 @@
 //!   slots of `--slot-mib`), one WRITE per slot-sized piece into D's staging slot of the same number,
 //!   scatter kernel on D unpacks; D returns a credit per slot, so a request larger than the staging
 //!   buffer streams through it (see `kvpush_cuda::staging`);
+//! * `engine`: kvpush itself, end to end — each side runs a [`kvpush::engine::Engine`] (P `prefill`,
+//!   D `decode`, push mode, one worker) over the same KV cache with its own NIXL agent and a
+//!   [`SideChannel`] on 127.0.0.1 as its control link, and with the engine's own staging
+//!   ([`Staging::On`] with `--slots` × `--slot-mib`: `kvpush::transport::staged` over the device's
+//!   stager, `CudaStager` on a GPU, `HostStager` in host memory). Per iteration D registers its
+//!   blocks (`blocks_allocated`) while it prepares, so the registration is normally at P before P's
+//!   blocks are ready (registration first; the time then is the push alone), P calls
+//!   `request_finished` at blocks-ready and polls until `Finished::Sent`, D polls until
+//!   `Finished::Received`. The engine decides what it stages (a contiguous request's merged
+//!   descriptors qualify too); the JSON records, per case, P's `descriptors_posted` and the staging
+//!   counters (pieces, entries) of the last iteration. A failing engine case is recorded with its
+//!   error and the remaining engine cases are skipped; the other methods go on;
 //!
 //! and, in the same run, the ceiling: one `--ceiling-mib` single-descriptor WRITE between the same two
 //! processes. The JSON (`--json`) carries every sample and, for 16k tokens, `contiguous_ratio` and
-//! `fragmented_ratio` (best kvpush method over the ceiling, medians).
+//! `fragmented_ratio` (best kvpush method over the ceiling, medians), and `engine_contiguous_ratio`
+//! and `engine_fragmented_ratio` (the `engine` method over the ceiling).
 //!
 //! Process model: this binary is the orchestrator; it starts itself twice (`--role p`, `--role d`)
 //! and drives both in lock step over their stdin/stdout (JSON lines prefixed `@@kvp `; anything else a
 //! child prints goes to stderr). With `--visible split` (default) each child sees only its GPU
 //! (`CUDA_VISIBLE_DEVICES`), so both are device 0 — what kvpush's NIXL transport assumes for the
-//! remote side today. `--memory host` runs the same code over host memory with CPU gather/scatter
-//! (for machines without a GPU).
+//! remote side today (for the same reason the `engine` method needs `--visible split` on GPUs).
+//! `--memory host` runs the same code over host memory with CPU gather/scatter (for machines without
+//! a GPU).
 //!
 //! `cargo bench --bench gpu_push -- --json out.json` runs the measurement (needs two GPUs, NIXL and
 //! NVRTC: scripts/gpu_bench.sh sets them up). Without `--bench` (as `cargo test` runs it) it runs a
@@ -35,6 +49,7 @@ use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, ExitCode, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
@@ -42,11 +57,16 @@ use crossbeam_channel::{Receiver, RecvTimeoutError};
 use kvpush::device::cuda::{CudaBuffer, CudaDevice};
 use kvpush::device::host::{HostBuffer, HostDevice};
 use kvpush::device::{Buffer, Device, MemRegion};
+use kvpush::engine::side::{SideChannel, SideConfig};
+use kvpush::engine::{Config as EngineConfig, Engine, Finished, Staging};
 use kvpush::proto::layout::{
     BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, ModelShape, Parallel,
 };
 use kvpush::proto::plan::{PlanInput, Planner};
+use kvpush::proto::rendezvous::ReleaseReason;
+use kvpush::proto::{Key, Mode};
 use kvpush::transport::nixl::{NixlConfig, NixlTransport};
+use kvpush::transport::staged::StagingConfig;
 use kvpush::transport::{Desc, Op, Transport, Units, XferId, XferState};
 use kvpush_cuda::staging::{self, Piece, Side, StagingPlan, UnitSpace};
 use kvpush_cuda::{Event, Kernels, Stream, UnitTable};
@@ -83,6 +103,8 @@ enum Method {
     Direct,
     PerBlock,
     Staged,
+    /// kvpush's `Engine` on both sides, staging on (see the file's documentation).
+    Engine,
     Ceiling,
 }
 
@@ -107,7 +129,7 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "1024,4096,16384")]
     tokens: Vec<u64>,
     /// Methods to measure.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "direct,per-block,staged")]
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "direct,per-block,staged,engine")]
     methods: Vec<Method>,
     /// Model layers (each has a K and a V region).
     #[arg(long, default_value_t = 64)]
@@ -192,6 +214,8 @@ struct SideInfo {
     device: String,
     /// What the real driver answered to bad pointers (CUDA only).
     validation: Vec<String>,
+    /// The `engine` method: the engine's side-channel address, or why the engine did not start.
+    engine: Option<Result<String, String>>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -218,10 +242,91 @@ enum Cmd {
 enum Reply {
     Hello(SideInfo),
     Ok,
-    Sent { t_ready: u64, t_done: u64, descriptors: u64, posts: u64, bytes: u64 },
-    Received { t_received: u64, pieces: u64 },
-    Verified { units: u64, bad_units: u64, untouched_bytes: u64, bad_untouched: u64, first_error: Option<String> },
+    /// To `Peer`: `engine_error` says why the `engine` method cannot run (if it was selected).
+    Peered {
+        engine_error: Option<String>,
+    },
+    Sent {
+        t_ready: u64,
+        t_done: u64,
+        descriptors: u64,
+        posts: u64,
+        bytes: u64,
+        engine: Option<EngineCounts>,
+    },
+    Received {
+        t_received: u64,
+        pieces: u64,
+        engine: Option<EngineCounts>,
+    },
+    Verified {
+        units: u64,
+        bad_units: u64,
+        untouched_bytes: u64,
+        bad_untouched: u64,
+        first_error: Option<String>,
+    },
     Error(String),
+}
+
+/// What one side's engine did during one iteration (differences of its cumulative counters).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+struct EngineCounts {
+    /// `stats().counters`: posts of the planner's merged descriptors to the (staging) transport.
+    posts: u64,
+    /// Descriptors the planner produced before merging, and those it posted after.
+    descriptors_unmerged: u64,
+    descriptors_posted: u64,
+    /// Bytes the engine posted.
+    bytes: u64,
+    /// `staging_counts()` (all zero where staging is off): transfers sent staged, slot-sized pieces
+    /// written (one WRITE each), table entries gathered, transfers posted unstaged, transfers
+    /// received staged (all pieces scattered), staged transfers that failed.
+    staged_transfers: u64,
+    pieces: u64,
+    entries: u64,
+    direct: u64,
+    received: u64,
+    failed: u64,
+    /// Whether the engine runs with a staging wrapper at all.
+    staging: bool,
+}
+
+impl EngineCounts {
+    fn read(engine: &Engine) -> EngineCounts {
+        let c = engine.stats().counters;
+        let s = engine.staging_counts();
+        let st = s.unwrap_or_default();
+        EngineCounts {
+            posts: c.posts,
+            descriptors_unmerged: c.descriptors_unmerged,
+            descriptors_posted: c.descriptors_posted,
+            bytes: c.bytes,
+            staged_transfers: st.transfers,
+            pieces: st.pieces,
+            entries: st.entries,
+            direct: st.direct,
+            received: st.received,
+            failed: st.failed,
+            staging: s.is_some(),
+        }
+    }
+
+    fn since(self, before: EngineCounts) -> EngineCounts {
+        EngineCounts {
+            posts: self.posts.saturating_sub(before.posts),
+            descriptors_unmerged: self.descriptors_unmerged.saturating_sub(before.descriptors_unmerged),
+            descriptors_posted: self.descriptors_posted.saturating_sub(before.descriptors_posted),
+            bytes: self.bytes.saturating_sub(before.bytes),
+            staged_transfers: self.staged_transfers.saturating_sub(before.staged_transfers),
+            pieces: self.pieces.saturating_sub(before.pieces),
+            entries: self.entries.saturating_sub(before.entries),
+            direct: self.direct.saturating_sub(before.direct),
+            received: self.received.saturating_sub(before.received),
+            failed: self.failed.saturating_sub(before.failed),
+            staging: self.staging,
+        }
+    }
 }
 
 fn now_ns() -> u64 {
@@ -392,8 +497,22 @@ impl Memory {
     }
 }
 
-/// One side. Field order matters: `nixl` drops (deregistering everything) before `mem` frees it.
+/// The `engine` method's worker: a kvpush engine over this side's KV cache, with its own NIXL agent
+/// and side channel. Field order matters: the engine stops its writers and deregisters its regions
+/// before the side channel goes.
+struct EngineSide {
+    engine: Engine,
+    side: Arc<SideChannel>,
+    /// D: the counters before the open request was registered.
+    before: EngineCounts,
+}
+
+/// One side. Field order matters: `engine` (deregistering its regions, dropping its NIXL agent) and
+/// then `nixl` (deregistering everything) drop before `mem` frees the memory they registered.
 struct Node {
+    engine: Option<EngineSide>,
+    /// Why the `engine` method cannot run on this side (it did not start, or did not connect).
+    engine_error: Option<String>,
     args: Args,
     role: Role,
     nixl: NixlTransport,
@@ -555,8 +674,83 @@ impl Node {
             slot_bytes: args.slot_bytes(),
             device,
             validation: validation_checks(&mem),
+            engine: None,
         };
-        Ok(Node { args, role, nixl, mem, info, peer: None, case: None, planner: Planner::new(), notifs: Vec::new() })
+        let mut node = Node {
+            engine: None,
+            engine_error: None,
+            args,
+            role,
+            nixl,
+            mem,
+            info,
+            peer: None,
+            case: None,
+            planner: Planner::new(),
+            notifs: Vec::new(),
+        };
+        if node.args.methods.contains(&Method::Engine) {
+            match node.start_engine(&agent) {
+                Ok(e) => {
+                    node.info.engine = Some(Ok(e.side.local_addr().to_string()));
+                    node.engine = Some(e);
+                }
+                Err(e) => {
+                    let e = format!("{role:?}'s engine did not start: {e}");
+                    eprintln!("{e}");
+                    node.info.engine = Some(Err(e.clone()));
+                    node.engine_error = Some(e);
+                }
+            }
+        }
+        Ok(node)
+    }
+
+    /// Builds this side's kvpush engine over the KV cache (the `engine` method): P is engine
+    /// `prefill`, D `decode`, push mode, staging on with the bench's slot geometry, a NIXL agent of
+    /// its own (`<agent>-engine`, so the other methods keep the bench's agent to themselves) and a
+    /// side channel on 127.0.0.1 that D dials when it learns P's address.
+    fn start_engine(&self, agent: &str) -> Result<EngineSide, String> {
+        let device: Arc<dyn Device> = match &self.mem {
+            // The engine's NIXL transport names remote memory with the local device ordinal (see
+            // `Visible::All`); the bench's workaround does not reach inside the engine.
+            Memory::Cuda { .. } if self.args.visible == Visible::All => {
+                return Err("needs --visible split on GPUs (NIXL device ids)".into())
+            }
+            Memory::Cuda { dev, .. } => Arc::new(dev.clone()),
+            Memory::Host { .. } => Arc::new(HostDevice::new()),
+        };
+        let mut nixl = NixlConfig::new(format!("{agent}-engine"));
+        nixl.backend = self.args.backend.clone();
+        let transport = Arc::new(NixlTransport::new(&nixl).map_err(|e| e.to_string())?);
+        let mut sc = SideConfig::for_rank(0);
+        sc.listen = "127.0.0.1:0".into();
+        let side = Arc::new(SideChannel::bind(sc).map_err(|e| e.to_string())?);
+        let id = match self.role {
+            Role::P => "prefill",
+            Role::D => "decode",
+        };
+        let mut config = EngineConfig::new(id, Mode::Push);
+        config.staging = Staging::On(StagingConfig {
+            slots: self.args.slots as usize,
+            slot_bytes: self.args.slot_bytes(),
+            ..StagingConfig::default()
+        });
+        let layout = self.layout(&self.info);
+        // SAFETY: (1) the layout's regions are this side's KV cache, owned by `self.mem`, which `Node`
+        // drops after its `engine` field (field order), so they outlive the engine. (2) The bench's
+        // lock step keeps its own accesses off the blocks of an open engine request: P fills them in
+        // `Prepare`, before `request_finished` in `Run`, and again only in a later `Prepare`, after
+        // `Finished::Sent`; D poisons its cache before `blocks_allocated` and reads it (`Verify`)
+        // only after `Finished::Received`; the other methods never run while an engine request is
+        // open. The exception is an iteration that times out: its request is aborted and no engine
+        // case runs after it, but a transfer of it may still be in flight while later cases use the
+        // memory (a late write into D's cache would fail their verification; nothing else reads it).
+        let engine =
+            unsafe { Engine::new(config, layout, device, transport, side.clone()) }.map_err(|e| e.to_string())?;
+        side.serve(engine.endpoint());
+        let before = EngineCounts::read(&engine);
+        Ok(EngineSide { engine, side, before })
     }
 
     fn peer_name(&self) -> Result<String, String> {
@@ -579,8 +773,15 @@ impl Node {
                     .map(|b| Units { base: b, unit: UNIT, count: u64::from(self.args.pool_blocks) })
                     .collect();
                 self.nixl.prepare(Some(&name), &units).map_err(|e| e.to_string())?;
+                if self.role == Role::D && self.engine.is_some() {
+                    if let Err(e) = self.connect_engine(&info) {
+                        eprintln!("{e}");
+                        self.engine = None;
+                        self.engine_error = Some(e);
+                    }
+                }
                 self.peer = Some(info);
-                Ok(Some(Reply::Ok))
+                Ok(Some(Reply::Peered { engine_error: self.engine_error.clone() }))
             }
             Cmd::Prepare { case, iter, seed } => {
                 let space = self.space(&case);
@@ -597,6 +798,19 @@ impl Node {
                             let side = Side { bases: &bases, ids: &case.d_ids, stride: UNIT };
                             self.mem.load(space, &side)?;
                         }
+                        if case.method == Method::Engine {
+                            // Registration first: D's blocks are registered with P while P prepares.
+                            let eng = self.engine.as_mut().ok_or("the engine is not running")?;
+                            eng.before = EngineCounts::read(&eng.engine);
+                            eng.engine
+                                .blocks_allocated(
+                                    engine_key(seed, iter),
+                                    "prefill",
+                                    vec![case.d_ids.clone()],
+                                    case.tokens,
+                                )
+                                .map_err(|e| format!("engine: {e}"))?;
+                        }
                     }
                     Role::P => {}
                 }
@@ -604,8 +818,12 @@ impl Node {
                 Ok(Some(Reply::Ok))
             }
             Cmd::Run => {
-                let (case, iter, _) = self.case.clone().ok_or("run before prepare")?;
+                let (case, iter, seed) = self.case.clone().ok_or("run before prepare")?;
                 match self.role {
+                    Role::P if case.method == Method::Engine => {
+                        self.send_engine(&case, engine_key(seed, iter)).map(Some)
+                    }
+                    Role::D if case.method == Method::Engine => self.receive_engine(engine_key(seed, iter)).map(Some),
                     Role::P => self.send(&case, iter).map(Some),
                     Role::D => self.receive(&case, iter).map(Some),
                 }
@@ -698,8 +916,97 @@ impl Node {
                 (descs.len() as u64, 1, descs.len() as u64 * UNIT)
             }
             Method::Staged => self.send_staged(case, iter, &peer_info, deadline)?,
+            Method::Engine => return Err("the engine method is sent by send_engine".into()),
         };
-        Ok(Reply::Sent { t_ready, t_done: now_ns(), descriptors, posts, bytes })
+        Ok(Reply::Sent { t_ready, t_done: now_ns(), descriptors, posts, bytes, engine: None })
+    }
+
+    /// D: dials P's engine over the side channel (the handshake loads each engine's NIXL metadata
+    /// into the other) and checks that P's engine is known.
+    fn connect_engine(&self, p: &SideInfo) -> Result<(), String> {
+        let addr = match &p.engine {
+            Some(Ok(addr)) => addr,
+            Some(Err(e)) => return Err(e.clone()),
+            None => return Err("P runs no engine".into()),
+        };
+        let eng = self.engine.as_ref().ok_or("the engine is not running")?;
+        eng.side.connect(addr.as_str()).map_err(|e| format!("D's engine cannot connect to P's ({addr}): {e}"))?;
+        if !eng.engine.knows_engine("prefill") {
+            return Err(format!("D's engine connected to {addr} but does not know engine prefill"));
+        }
+        Ok(())
+    }
+
+    /// P, engine: blocks ready → `request_finished`; returns at `Finished::Sent`.
+    fn send_engine(&mut self, case: &Case, key: Key) -> Result<Reply, String> {
+        let eng = self.engine.as_ref().ok_or("the engine is not running")?;
+        let deadline = Instant::now() + STEP_TIMEOUT;
+        let before = EngineCounts::read(&eng.engine);
+        let mut finished = Vec::new();
+        let t_ready = now_ns();
+        eng.engine.request_finished(key, vec![case.p_ids.clone()], case.tokens).map_err(|e| format!("engine: {e}"))?;
+        loop {
+            eng.engine.poll(&mut finished);
+            if let Some(f) = finished.pop() {
+                let t_done = now_ns();
+                return match f {
+                    Finished::Sent { key: k, reason: ReleaseReason::Sent } if k == key && finished.is_empty() => {
+                        let c = EngineCounts::read(&eng.engine).since(before);
+                        let posts = if c.pieces > 0 { c.pieces } else { c.posts };
+                        Ok(Reply::Sent {
+                            t_ready,
+                            t_done,
+                            descriptors: c.descriptors_posted,
+                            posts,
+                            bytes: c.bytes,
+                            engine: Some(c),
+                        })
+                    }
+                    Finished::Sent { key: k, reason } if k == key => {
+                        Err(format!("engine: request {key} released with reason {reason:?}"))
+                    }
+                    other => {
+                        Err(format!("engine: unexpected result {other:?} (others: {finished:?}) while sending {key}"))
+                    }
+                };
+            }
+            if Instant::now() > deadline {
+                let _ = eng.engine.abort(key);
+                return Err(format!("engine: request {key} not sent within {STEP_TIMEOUT:?}"));
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// D, engine: waits for `Finished::Received` of the request registered in `Prepare`.
+    fn receive_engine(&mut self, key: Key) -> Result<Reply, String> {
+        let eng = self.engine.as_ref().ok_or("the engine is not running")?;
+        let deadline = Instant::now() + STEP_TIMEOUT;
+        let mut finished = Vec::new();
+        loop {
+            eng.engine.poll(&mut finished);
+            if let Some(f) = finished.pop() {
+                let t_received = now_ns();
+                return match f {
+                    Finished::Received { key: k } if k == key && finished.is_empty() => {
+                        let c = EngineCounts::read(&eng.engine).since(eng.before);
+                        // D's staging counts transfers, not pieces: P's Sent carries those.
+                        Ok(Reply::Received { t_received, pieces: 0, engine: Some(c) })
+                    }
+                    Finished::Failed { key: k, reason, .. } if k == key => {
+                        Err(format!("engine: request {key} failed: {reason}"))
+                    }
+                    other => {
+                        Err(format!("engine: unexpected result {other:?} (others: {finished:?}) while receiving {key}"))
+                    }
+                };
+            }
+            if Instant::now() > deadline {
+                let _ = eng.engine.abort(key);
+                return Err(format!("engine: request {key} not received within {STEP_TIMEOUT:?}"));
+            }
+            std::thread::yield_now();
+        }
     }
 
     fn plan(&self, case: &Case) -> Result<StagingPlan, String> {
@@ -794,7 +1101,7 @@ impl Node {
                     if tag != *b"kvpD" || it != iter || self.notifs.len() != 1 {
                         return Err(format!("unexpected notifications in iteration {iter}: {:?}", self.notifs));
                     }
-                    return Ok(Reply::Received { t_received, pieces: 1 });
+                    return Ok(Reply::Received { t_received, pieces: 1, engine: None });
                 }
                 if Instant::now() > deadline {
                     return Err(format!("no completion notification within {STEP_TIMEOUT:?}"));
@@ -838,7 +1145,7 @@ impl Node {
                 }
             }
             if done == n {
-                return Ok(Reply::Received { t_received: now_ns(), pieces: n as u64 });
+                return Ok(Reply::Received { t_received: now_ns(), pieces: n as u64, engine: None });
             }
             if Instant::now() > deadline {
                 return Err(format!("staged receive timed out: {done}/{n} pieces scattered"));
@@ -911,6 +1218,12 @@ impl Node {
     }
 }
 
+/// The engine's key of iteration `iter` of the case whose data seed is `seed`: seeds are distinct per
+/// case and iteration (`mix64` is a bijection of distinct inputs), so every iteration has a fresh key.
+fn engine_key(seed: u64, iter: u32) -> Key {
+    Key::new((u128::from(seed) << 32) | u128::from(iter), 0)
+}
+
 fn parse_note(m: &[u8]) -> Result<([u8; 4], u32, u32), String> {
     if m.len() < 8 {
         return Err(format!("short notification {m:?}"));
@@ -923,6 +1236,10 @@ fn parse_note(m: &[u8]) -> Result<([u8; 4], u32, u32), String> {
 
 fn child_main(args: Args, role: Role) -> Result<(), String> {
     let mut out = protocol_channel()?;
+    // The engine logs through tracing (KVPUSH_LOG, default warnings) to stderr.
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVPUSH_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
     let mut node = match Node::start(args, role) {
         Ok(n) => n,
         Err(e) => {
@@ -962,6 +1279,10 @@ impl Proc {
         if args.memory == MemoryKind::Cuda && args.visible == Visible::Split {
             let gpu = args.gpus[if role == Role::P { 0 } else { 1 }];
             cmd.env("CUDA_VISIBLE_DEVICES", gpu.to_string());
+        }
+        // The engine's CUDA stager loads the same kernels; without NVRTC it reads them from this file.
+        if let (Some(ptx), None) = (&args.ptx, std::env::var_os(kvpush::device::cuda::PTX_ENV)) {
+            cmd.env(kvpush::device::cuda::PTX_ENV, ptx);
         }
         let mut child = cmd.spawn().map_err(|e| format!("cannot start the {name} process: {e}"))?;
         let stdin = child.stdin.take().ok_or("no stdin")?;
@@ -1047,6 +1368,11 @@ fn child_args(a: &Args, role: Role) -> Vec<String> {
     }
     out.push("--tokens".into());
     out.push(list(&a.tokens));
+    // The children start the engine only when its method is selected.
+    let methods: Vec<String> =
+        a.methods.iter().filter_map(|m| m.to_possible_value().map(|v| v.get_name().to_owned())).collect();
+    out.push("--methods".into());
+    out.push(methods.join(","));
     out
 }
 
@@ -1065,6 +1391,10 @@ struct CaseResult {
     descriptors: u64,
     posts: u64,
     staging: Option<serde_json::Value>,
+    /// The `engine` method: what P's and D's engines counted in the last iteration.
+    engine: Option<serde_json::Value>,
+    /// Why the case did not complete (engine cases only: the others end the run).
+    error: Option<String>,
     gbps_median: f64,
     gbps_best: f64,
     ready_to_received_ms_median: f64,
@@ -1088,6 +1418,15 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
+/// P's and D's answers to one command, or both errors.
+fn both(p: Result<Reply, String>, d: Result<Reply, String>) -> Result<(Reply, Reply), String> {
+    match (p, d) {
+        (Ok(p), Ok(d)) => Ok((p, d)),
+        (Err(p), Err(d)) => Err(format!("{p}; {d}")),
+        (Err(e), _) | (_, Err(e)) => Err(e),
+    }
+}
+
 fn run_case(p: &mut Proc, d: &mut Proc, args: &Args, case: &Case, index: u64) -> Result<CaseResult, String> {
     let t = Duration::from_secs(120);
     // One descriptor per 4 KiB unit (the reference, and direct posts of fragmented ids, which merge
@@ -1101,22 +1440,28 @@ fn run_case(p: &mut Proc, d: &mut Proc, args: &Args, case: &Case, index: u64) ->
     let mut verification = serde_json::Value::Null;
     let mut verified = case.method == Method::Ceiling;
     let (mut descriptors, mut posts, mut bytes) = (0, 0, 0);
+    let mut engine = None;
     for iter in 0..total {
         let seed = staging::mix64(args.seed ^ (index << 32) ^ u64::from(iter));
         let prep = Cmd::Prepare { case: case.clone(), iter, seed };
         d.send(&prep)?;
         p.send(&prep)?;
-        d.recv(t)?;
-        p.recv(t)?;
+        // Both answers are read before either error is returned, so a failed engine case leaves
+        // both processes in lock step for the cases after it.
+        both(p.recv(t), d.recv(t))?;
         d.send(&Cmd::Run)?;
         p.send(&Cmd::Run)?;
-        let Reply::Sent { t_ready, t_done, descriptors: n, posts: k, bytes: b } = p.recv(t)? else {
+        let (rp, rd) = both(p.recv(t), d.recv(t))?;
+        let Reply::Sent { t_ready, t_done, descriptors: n, posts: k, bytes: b, engine: pe } = rp else {
             return Err("P: unexpected reply to Run".into());
         };
-        let Reply::Received { t_received, .. } = d.recv(t)? else {
+        let Reply::Received { t_received, engine: de, .. } = rd else {
             return Err("D: unexpected reply to Run".into());
         };
         (descriptors, posts, bytes) = (n, k, b);
+        if let (Some(pe), Some(de)) = (pe, de) {
+            engine = Some(serde_json::json!({ "iteration": iter, "p": pe, "d": de }));
+        }
         if iter >= warmup {
             samples.push(Sample {
                 ready_to_received_ms: t_received.saturating_sub(t_ready) as f64 / 1e6,
@@ -1140,10 +1485,14 @@ fn run_case(p: &mut Proc, d: &mut Proc, args: &Args, case: &Case, index: u64) ->
     let mut ms: Vec<f64> = samples.iter().map(|s| s.ready_to_received_ms).collect();
     let med = median(&mut ms);
     let best = ms.first().copied().unwrap_or(f64::NAN);
-    let staging = (case.method == Method::Staged).then(|| {
-        serde_json::json!({ "slot_bytes": args.slot_bytes(), "slots": args.slots,
-            "staging_bytes_per_side": args.slot_bytes() * u64::from(args.slots) })
-    });
+    let staging = match case.method {
+        Method::Staged => Some(serde_json::json!({ "slot_bytes": args.slot_bytes(), "slots": args.slots,
+            "staging_bytes_per_side": args.slot_bytes() * u64::from(args.slots) })),
+        // The engine's slots also hold a table of up to `max_entries` 16-byte entries each.
+        Method::Engine => Some(serde_json::json!({ "slot_bytes": args.slot_bytes(), "slots": args.slots,
+            "max_entries": StagingConfig::default().max_entries })),
+        _ => None,
+    };
     Ok(CaseResult {
         tokens: case.tokens,
         pattern: (case.method != Method::Ceiling).then_some(case.pattern),
@@ -1152,6 +1501,8 @@ fn run_case(p: &mut Proc, d: &mut Proc, args: &Args, case: &Case, index: u64) ->
         descriptors,
         posts,
         staging,
+        engine,
+        error: None,
         gbps_median: bytes as f64 / (med * 1e6),
         gbps_best: bytes as f64 / (best * 1e6),
         ready_to_received_ms_median: med,
@@ -1161,6 +1512,29 @@ fn run_case(p: &mut Proc, d: &mut Proc, args: &Args, case: &Case, index: u64) ->
         verified,
         verification,
     })
+}
+
+/// An engine case that did not run to the end.
+fn failed_case(case: &Case, error: String) -> CaseResult {
+    CaseResult {
+        tokens: case.tokens,
+        pattern: Some(case.pattern),
+        method: case.method,
+        bytes: 0,
+        descriptors: 0,
+        posts: 0,
+        staging: None,
+        engine: None,
+        error: Some(error),
+        gbps_median: f64::NAN,
+        gbps_best: f64::NAN,
+        ready_to_received_ms_median: f64::NAN,
+        ready_to_received_ms_min: f64::NAN,
+        ready_to_received_ms_max: f64::NAN,
+        samples: Vec::new(),
+        verified: false,
+        verification: serde_json::Value::Null,
+    }
 }
 
 fn orchestrate(args: &Args) -> Result<serde_json::Value, String> {
@@ -1177,8 +1551,15 @@ fn orchestrate(args: &Args) -> Result<serde_json::Value, String> {
     let Reply::Hello(di) = d.recv(setup)? else { return Err("D: no hello".into()) };
     p.send(&Cmd::Peer(di.clone()))?;
     d.send(&Cmd::Peer(pi.clone()))?;
-    p.recv(setup)?;
-    d.recv(setup)?;
+    let (rp, rd) = (p.recv(setup)?, d.recv(setup)?);
+    // Why the engine method cannot run, if it was selected (the other methods run regardless).
+    let mut engine_error = None;
+    for r in [rp, rd] {
+        match r {
+            Reply::Peered { engine_error: e } => engine_error = engine_error.or(e),
+            other => return Err(format!("unexpected reply to Peer: {other:?}")),
+        }
+    }
     eprintln!("P: {}\nD: {}", pi.device, di.device);
     for v in pi.validation.iter().chain(&di.validation) {
         eprintln!("driver validation: {v}");
@@ -1225,9 +1606,28 @@ fn orchestrate(args: &Args) -> Result<serde_json::Value, String> {
                 }
                 index += 1;
                 let case = Case { tokens, pattern, method, p_ids: p_ids.clone(), d_ids: d_ids.clone(), bytes: 0 };
-                let r = run_case(&mut p, &mut d, args, &case, index)?;
+                if let (Method::Engine, Some(e)) = (method, &engine_error) {
+                    eprintln!("{tokens:>6} tokens {pattern:?} {method:?}: not run: {e}");
+                    results.push(failed_case(&case, format!("not run: {e}")));
+                    continue;
+                }
+                let r = match run_case(&mut p, &mut d, args, &case, index) {
+                    Ok(r) => r,
+                    Err(e) if method == Method::Engine => {
+                        eprintln!("{tokens:>6} tokens {pattern:?} {method:?}: FAILED: {e}");
+                        engine_error =
+                            Some(format!("an earlier engine case failed ({tokens} tokens {pattern:?}): {e}"));
+                        results.push(failed_case(&case, e));
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                };
+                let pieces = match &r.engine {
+                    Some(e) => format!(", {} pieces, {} entries", e["p"]["pieces"], e["p"]["entries"]),
+                    None => String::new(),
+                };
                 eprintln!(
-                    "{tokens:>6} tokens {pattern:?} {method:?}: {} descriptors, {:.3} ms median ready→received, {:.1} GB/s ({:.0}% of ceiling), verified {}",
+                    "{tokens:>6} tokens {pattern:?} {method:?}: {} descriptors{pieces}, {:.3} ms median ready→received, {:.1} GB/s ({:.0}% of ceiling), verified {}",
                     r.descriptors,
                     r.ready_to_received_ms_median,
                     r.gbps_median,
@@ -1268,6 +1668,13 @@ fn orchestrate(args: &Args) -> Result<serde_json::Value, String> {
     };
     let contiguous = summary(Pattern::Contiguous, 0.8);
     let fragmented = summary(Pattern::Fragmented, 0.4);
+    // kvpush's own figure: the engine method at the largest size over the ceiling (verified only).
+    let engine_ratio = |pattern: Pattern| {
+        results
+            .iter()
+            .find(|r| r.tokens == largest && r.pattern == Some(pattern) && r.method == Method::Engine && r.verified)
+            .map(|r| r.gbps_median / ceiling_gbps)
+    };
     let all_verified = results.iter().all(|r| r.verified);
     Ok(serde_json::json!({
         "bench": "gpu_push",
@@ -1283,6 +1690,9 @@ fn orchestrate(args: &Args) -> Result<serde_json::Value, String> {
         "tokens_for_ratios": largest,
         "contiguous_ratio": contiguous.get("ratio").cloned().unwrap_or(serde_json::Value::Null),
         "fragmented_ratio": fragmented.get("ratio").cloned().unwrap_or(serde_json::Value::Null),
+        "engine_contiguous_ratio": engine_ratio(Pattern::Contiguous),
+        "engine_fragmented_ratio": engine_ratio(Pattern::Fragmented),
+        "engine_error": engine_error,
         "contiguous": contiguous,
         "fragmented": fragmented,
         "all_verified": all_verified,
@@ -1300,7 +1710,7 @@ fn print_table(v: &serde_json::Value) {
     for c in v["cases"].as_array().into_iter().flatten() {
         let g = c["gbps_median"].as_f64().unwrap_or(f64::NAN);
         println!(
-            "{:>6} {:<11} {:<10} {:>9} {:>10.3} {:>9.1} {:>6.0}% {:>8}",
+            "{:>6} {:<11} {:<10} {:>9} {:>10.3} {:>9.1} {:>6.0}% {:>8}{}",
             c["tokens"].as_u64().unwrap_or(0),
             c["pattern"].as_str().unwrap_or("-"),
             c["method"].as_str().unwrap_or("-"),
@@ -1308,12 +1718,21 @@ fn print_table(v: &serde_json::Value) {
             c["ready_to_received_ms_median"].as_f64().unwrap_or(f64::NAN),
             g,
             100.0 * g / ceil,
-            c["verified"].as_bool().unwrap_or(false)
+            c["verified"].as_bool().unwrap_or(false),
+            match (&c["engine"]["p"], &c["error"]) {
+                (_, serde_json::Value::String(e)) => format!("  error: {e}"),
+                (p, _) if p.is_object() => format!("  pieces {} entries {}", p["pieces"], p["entries"]),
+                _ => String::new(),
+            }
         );
     }
     println!(
         "contiguous_ratio {} (target 0.8), fragmented_ratio {} (target 0.4), all verified: {}",
         v["contiguous_ratio"], v["fragmented_ratio"], v["all_verified"]
+    );
+    println!(
+        "engine_contiguous_ratio {}, engine_fragmented_ratio {}",
+        v["engine_contiguous_ratio"], v["engine_fragmented_ratio"]
     );
 }
 
@@ -1352,11 +1771,22 @@ fn self_test() -> Result<(), String> {
     ]);
     let v = orchestrate(&args)?;
     print_table(&v);
-    let cases = v["cases"].as_array().map(Vec::len).unwrap_or(0);
-    if v["all_verified"] != serde_json::Value::Bool(true) || cases != 2 + 2 * 2 * 3 {
+    let list = v["cases"].as_array().cloned().unwrap_or_default();
+    let cases = list.len();
+    let methods = args.methods.iter().filter(|&&m| m != Method::Ceiling).count();
+    if v["all_verified"] != serde_json::Value::Bool(true) || cases != 2 + 2 * args.tokens.len() * methods {
         return Err(format!("self-test failed: {cases} cases, all verified: {}", v["all_verified"]));
     }
-    eprintln!("gpu_push self-test (host memory, NIXL): {cases} cases, every byte verified");
+    // The engine cases went through the engine's staging (HostStager here) on both sides.
+    let engine: Vec<&serde_json::Value> = list.iter().filter(|c| c["method"] == "engine").collect();
+    let staged = |c: &&serde_json::Value| {
+        let e = &c["engine"];
+        e["p"]["staged_transfers"] == 1 && e["p"]["pieces"].as_u64().unwrap_or(0) > 0 && e["d"]["received"] == 1
+    };
+    if engine.len() != 2 * args.tokens.len() || !engine.iter().all(staged) {
+        return Err(format!("self-test failed: engine cases not staged: {engine:?}"));
+    }
+    eprintln!("gpu_push self-test (host memory, NIXL): {cases} cases, every byte verified, engine staged");
     Ok(())
 }
 
