@@ -28,7 +28,7 @@ prepare() {
   mkdir -p "$G" .cache/gpu-build
   local b=.cache/gpu-build
   echo "== NIXL for CUDA 13: nixl-cu13==$NIXL_VERSION"
-  [ -f "$b"/nixl_cu13-$NIXL_VERSION-*.whl ] 2>/dev/null || python3 -m pip download --quiet --no-deps --only-binary=:all: \
+  compgen -G "$b/nixl_cu13-$NIXL_VERSION-*.whl" >/dev/null || python3 -m pip download --quiet --no-deps --only-binary=:all: \
     --python-version 3.12 --platform manylinux_2_28_x86_64 -d "$b" "nixl-cu13==$NIXL_VERSION"
   rm -rf "$b/x" "$b/pack" && mkdir -p "$b/x" "$b/pack/nixl-cu13/lib/plugins" "$b/pack/nixl-cu13/deps/ucx"
   (cd "$b/x" && unzip -q ../nixl_cu13-$NIXL_VERSION-*.whl '.nixl_cu13.mesonpy.libs/*' 'nixl_cu13.libs/*')
