@@ -36,8 +36,8 @@
 //! Process model: this binary is the orchestrator; it starts itself twice (`--role p`, `--role d`)
 //! and drives both in lock step over their stdin/stdout (JSON lines prefixed `@@kvp `; anything else a
 //! child prints goes to stderr). With `--visible split` (default) each child sees only its GPU
-//! (`CUDA_VISIBLE_DEVICES`), so both are device 0 — what kvpush's NIXL transport assumes for the
-//! remote side today (for the same reason the `engine` method needs `--visible split` on GPUs).
+//! (`CUDA_VISIBLE_DEVICES`), so both are device 0; with `--visible all` both see both GPUs and P
+//! uses device 0, D device 1 (each agent's metadata names its device for the peer's descriptors).
 //! `--memory host` runs the same code over host memory with CPU gather/scatter (for machines without
 //! a GPU).
 //!
@@ -86,8 +86,8 @@ enum MemoryKind {
 enum Visible {
     /// Each process sees only its GPU (`CUDA_VISIBLE_DEVICES`): both use device 0.
     Split,
-    /// Both processes see every GPU; P uses `--gpus[0]`, D `--gpus[1]`. kvpush's NIXL transport names
-    /// the remote device with the local ordinal, so D registers with NIXL device id 0 (a workaround).
+    /// Both processes see every GPU; P uses `--gpus[0]`, D `--gpus[1]`. Each side's NIXL metadata
+    /// names its device, so remote descriptors carry the peer's own ordinal.
     All,
 }
 
@@ -633,11 +633,6 @@ impl Node {
                 // inside one allocation).
                 *r = dev.describe(r.addr, r.len).map_err(|e| e.to_string())?;
             }
-            if args.visible == Visible::All {
-                // Workaround (see `Visible::All`): NIXL finds remote memory by (address, device id) and
-                // kvpush's transport sends the local ordinal as the remote one.
-                r.dev_id = 0;
-            }
             // SAFETY: the regions are live allocations owned by `mem`, which `Node` drops after `nixl`;
             // the peer writes into them only in the bench's lock step (D's cache and slots while D waits
             // for the request, never while D poisons or verifies them; P's memory is only read).
@@ -712,11 +707,6 @@ impl Node {
     /// side channel on 127.0.0.1 that D dials when it learns P's address.
     fn start_engine(&self, agent: &str) -> Result<EngineSide, String> {
         let device: Arc<dyn Device> = match &self.mem {
-            // The engine's NIXL transport names remote memory with the local device ordinal (see
-            // `Visible::All`); the bench's workaround does not reach inside the engine.
-            Memory::Cuda { .. } if self.args.visible == Visible::All => {
-                return Err("needs --visible split on GPUs (NIXL device ids)".into())
-            }
             Memory::Cuda { dev, .. } => Arc::new(dev.clone()),
             Memory::Host { .. } => Arc::new(HostDevice::new()),
         };

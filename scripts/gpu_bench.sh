@@ -143,7 +143,7 @@ if [ "${KVPUSH_SMOKE:-1}" = 1 ]; then
   for mode in $modes; do
     step "smoke pass: --visible $mode (1k and 16k tokens, staged + direct, UCX protocol choice logged)"
     UCX_PROTO_INFO=y timeout 120 "$G/gpu_push" --bench --ptx "$G/kernels.ptx" --visible "$mode" --tokens 1024,16384 \
-      --methods direct,staged --warmup 1 --reps 2 --json "$OUT/smoke-$mode.json"
+      --methods direct,staged,engine --warmup 1 --reps 2 --json "$OUT/smoke-$mode.json"
     echo "smoke --visible $mode: exit $?"
     c="$(ceiling "$OUT/smoke-$mode.json")"
     echo "smoke --visible $mode: ceiling ${c} GB/s"
@@ -170,8 +170,8 @@ for s in ${KVPUSH_SWEEP:-}; do
 done
 # The other GPU-visibility mode, as a check of the NIXL device-id workaround.
 if [ "${KVPUSH_CHECK_ALL:-0}" = 1 ] && [ "${visible:-split}" != all ]; then
-  step "--visible all (both processes see both GPUs; D registers with NIXL device id 0)"
-  timeout 120 "$G/gpu_push" --bench --ptx "$G/kernels.ptx" --visible all --tokens 1024,16384 --methods direct,staged \
+  step "--visible all (both processes see both GPUs: P on device 0, D on device 1)"
+  timeout 120 "$G/gpu_push" --bench --ptx "$G/kernels.ptx" --visible all --tokens 1024,16384 --methods direct,staged,engine \
     --json "$OUT/visible-all.json" > /dev/null
   echo "visible all: exit $?"
 fi
