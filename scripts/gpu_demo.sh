@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# `kvpush demo` (two processes over NIXL) on the GPU machine, whose CPUs are otherwise idle: the
+# host-memory runs of docs/benchmarks.md (pinned to 2 cores with taskset, staging off and on) and one
+# run with the KV caches in GPU memory (staging auto, i.e. on). Everything comes from the carried
+# directory that `scripts/gpu_bench.sh --prepare` fills (plus a release `kvpush` binary copied there).
+#
+#   scripts/gpu_demo.sh                # on the GPU machine; results and logs in $OUT (default target/gpu-demo)
+#
+# Environment: KVPUSH_GPU_DIR (default .cache/gpu), OUT, KVPUSH_DEMO_RUNS (space-separated run names
+# to play, default all of them: see `runs` below), KVPUSH_DEMO_LIMIT_S (per run, default 100).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+G="${KVPUSH_GPU_DIR:-.cache/gpu}"
+OUT="${OUT:-$PWD/target/gpu-demo}"
+mkdir -p "$OUT"
+for f in kvpush nixl-cu13.tar.xz; do
+  [ -e "$G/$f" ] || { echo "missing $G/$f: run scripts/gpu_bench.sh --prepare and copy target/release/kvpush there" >&2; exit 2; }
+done
+W="$(mktemp -d /tmp/kvpush-demo.XXXXXX)"
+tar -C "$W" -xJf "$G/nixl-cu13.tar.xz"
+export NIXL_PLUGIN_DIR="$W/nixl-cu13/lib/plugins"
+export LD_LIBRARY_PATH="$W/nixl-cu13/lib:$W/nixl-cu13/deps:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export KVPUSH_CUDA_PTX="$PWD/$G/kernels.ptx"
+{ lscpu | grep -E "Model name|^CPU\(s\)"; uptime; } | tee "$OUT/machine.txt"
+
+# name | environment | command arguments
+runs() {
+  cat <<'EOF'
+host-off-a|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging off
+host-on1m-a|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging on --staging-slot-kib 1024
+host-on8m-a|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging on --staging-slot-kib 8192
+host-off-b|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging off
+host-on1m-b|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging on --staging-slot-kib 1024
+host-threads2|KVPUSH_DEVICE=host KVPUSH_NIXL_PARAMS=num_threads=2|taskset -c 0,1 KVPUSH --staging off
+cuda-auto|KVPUSH_DEVICE=cuda|KVPUSH --staging auto
+EOF
+}
+
+want="${KVPUSH_DEMO_RUNS:-}"
+while IFS='|' read -r name envs cmd; do
+  [ -n "$want" ] && [[ " $want " != *" $name "* ]] && continue
+  cmd="${cmd/KVPUSH/$G/kvpush demo --transport nixl --processes 2 --mode push}"
+  echo "== $name: $envs $cmd"
+  # shellcheck disable=SC2086 # the environment and command words are meant to split
+  env $envs timeout "${KVPUSH_DEMO_LIMIT_S:-100}" $cmd --quiet --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+  echo "$name: exit $?"
+done < <(runs)
+
+python3 - "$OUT" <<'PY'
+import glob, json, os, sys
+for f in sorted(glob.glob(sys.argv[1] + "/*.json")):
+    p = json.load(open(f)).get("push") or {}
+    c, g = p.get("ceiling_gbps"), p.get("push_gbps")
+    r = lambda v: [round(x, 2) for x in v or []]
+    print(os.path.basename(f)[:-5], "failed", p.get("failed"), "ceiling", round(c or 0, 2), "push", round(g or 0, 2),
+          "ratio", round(g / c, 3) if c and g else None, "push rounds", r(p.get("push_gbps_rounds")),
+          "ceiling rounds", r(p.get("ceiling_gbps_rounds")), "descriptors", p.get("push_descriptors_rounds"),
+          "pieces", p.get("push_pieces_rounds"))
+PY
