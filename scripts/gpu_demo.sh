@@ -9,7 +9,7 @@
 # Environment: KVPUSH_GPU_DIR (default .cache/gpu), OUT, KVPUSH_DEMO_RUNS (space-separated run names
 # to play, default all of them: see `runs` below), KVPUSH_DEMO_LIMIT_S (per run, default 100).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 G="${KVPUSH_GPU_DIR:-.cache/gpu}"
 OUT="${OUT:-$PWD/target/gpu-demo}"
 mkdir -p "$OUT"
