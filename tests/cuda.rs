@@ -657,3 +657,49 @@ fn cuda_stager_refuses_misaligned_entries_and_unknown_lanes() {
     unsafe { st.gather(1, &[good], s) }.unwrap();
     wait_lane(st.as_mut(), 1);
 }
+
+/// The checked scatter: the peer's table in device memory is snapshotted, the check sees it whole,
+/// a refused table scatters nothing, an accepted one scatters every byte, and rewriting the table
+/// after the call changes nothing.
+#[test]
+fn cuda_stager_scatters_a_checked_snapshot_of_a_device_table() {
+    let Some(dev) = gpu_or_skip("cuda_stager_scatters_a_checked_snapshot_of_a_device_table") else { return };
+    let (cache_len, slot_len) = (16u64 << 20, 4u64 << 20);
+    let slot = dev.alloc_cuda(slot_len).unwrap();
+    let cache = dev.alloc_cuda(cache_len).unwrap();
+    let table = dev.alloc_cuda(1024 * 16).unwrap();
+    let data = word_pattern(slot_len as usize, 0xab5e);
+    slot.write_at(0, &data).unwrap();
+    let picks = random_entries(cache_len, slot_len, 0x7ab1e);
+    let picks = &picks[..picks.len().min(1024)];
+    let (s, c, t) = (slot.region().addr, cache.region().addr, table.region().addr);
+    let bytes: Vec<u8> =
+        picks.iter().flat_map(|&(at, off, len)| StageEntry { addr: c + at, off, len }.to_bytes()).collect();
+    table.write_at(0, &bytes).unwrap();
+    let mut st = dev.stager(2, 1024).unwrap().expect("the CUDA device has a stager");
+    let mut seen = Vec::new();
+    // SAFETY: refused by the check; nothing is scattered.
+    let err = unsafe {
+        st.scatter_table(0, t, picks.len(), s, &mut |tb: &[u8]| {
+            seen = tb.to_vec();
+            Err("refused by the test".into())
+        })
+    }
+    .unwrap_err();
+    assert!(err.to_string().contains("refused by the test"), "{err}");
+    assert_eq!(seen, bytes, "the check sees the table as written");
+    // SAFETY: every entry lies in `cache` (destinations) and `slot` (sources); waited for below.
+    unsafe { st.scatter_table(1, t, picks.len(), s, &mut |_: &[u8]| Ok(())) }.unwrap();
+    // Rewriting the peer's table now must not matter: the kernel reads the snapshot.
+    table.write_at(0, &vec![0u8; bytes.len()]).unwrap();
+    wait_lane(st.as_mut(), 1);
+    let mut got = vec![0u8; cache_len as usize];
+    cache.read_at(0, &mut got).unwrap();
+    let mut want = vec![0u8; cache_len as usize];
+    for &(at, off, len) in picks {
+        want[at as usize..(at + u64::from(len)) as usize].copy_from_slice(&data[off as usize..(off + len) as usize]);
+    }
+    if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
+        panic!("cache byte {i} is {:#x}, expected {:#x}", got[i], want[i]);
+    }
+}

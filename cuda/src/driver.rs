@@ -342,6 +342,76 @@ impl Drop for DeviceMem {
     }
 }
 
+/// Page-locked host memory (`cuMemHostAlloc`), freed on drop: copies between it and the device run
+/// asynchronously at full speed, where copies from pageable memory go through the driver's own
+/// staging buffers.
+pub struct PinnedHost {
+    gpu: Arc<Gpu>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the pointer is owned memory that only this value hands out, through `&self`/`&mut self`
+// borrows; the driver frees it in Drop.
+unsafe impl Send for PinnedHost {}
+// SAFETY: shared references only read (`as_slice`).
+unsafe impl Sync for PinnedHost {}
+
+impl fmt::Debug for PinnedHost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PinnedHost").field("device", &self.gpu.ordinal).field("len", &self.len).finish()
+    }
+}
+
+impl PinnedHost {
+    /// `len` bytes (at least one) of zeroed page-locked memory, usable with `gpu`'s context.
+    pub fn new(gpu: &Arc<Gpu>, len: usize) -> Result<PinnedHost, CudaError> {
+        let len = len.max(1);
+        gpu.make_current()?;
+        // SAFETY: the context is current; the pointer is freed exactly once, in Drop.
+        let ptr = unsafe { result::malloc_host(len, 0) }.map_err(drv(
+            "cuMemHostAlloc",
+            Some(gpu.ordinal),
+            format!("{len} bytes"),
+        ))? as *mut u8;
+        // SAFETY: `ptr` points at `len` freshly allocated bytes owned by this value.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(PinnedHost { gpu: Arc::clone(gpu), ptr, len })
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` is `len` initialized bytes owned by this value; writers need `&mut self`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The bytes, for writing.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as for `as_slice`, and `&mut self` makes this the only borrow.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true (at least one byte); for API symmetry.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        if self.gpu.make_current().is_ok() {
+            // SAFETY: `ptr` came from cuMemHostAlloc and is freed only here; no copy uses it any more
+            // (owners wait for their streams before dropping it). An error cannot be acted upon here.
+            let _ = unsafe { result::free_host(self.ptr as *mut c_void) };
+        }
+    }
+}
+
 /// A non-blocking stream of one device.
 pub struct Stream {
     gpu: Arc<Gpu>,
@@ -448,6 +518,25 @@ impl Stream {
             format!("{n} bytes from {src:#x}"),
         ))?;
         self.synchronize()
+    }
+
+    /// Queues a copy of `len` bytes from device address `src` to `dst` (`cuMemcpyDtoDAsync`).
+    ///
+    /// # Safety
+    ///
+    /// Both ranges are live device memory of this stream's device; nothing writes the source or
+    /// accesses the destination, other than work ordered on this stream, until the copy ran.
+    pub unsafe fn copy_device(&self, dst: u64, src: u64, len: usize) -> Result<(), CudaError> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.gpu.make_current()?;
+        // SAFETY: the caller's contract; `raw` is a live stream of the current context.
+        unsafe { result::memcpy_dtod_async(dst, src, len, self.raw) }.map_err(drv(
+            "cuMemcpyDtoDAsync",
+            Some(self.gpu.ordinal),
+            format!("{len} bytes from {src:#x} to {dst:#x}"),
+        ))
     }
 
     pub(crate) fn raw(&self) -> sys::CUstream {

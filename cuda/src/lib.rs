@@ -18,7 +18,7 @@ pub mod kernels;
 pub mod pointer;
 pub mod staging;
 
-pub use driver::{device_count, driver_available, nvrtc_available, DeviceMem, Event, Gpu, Stream};
+pub use driver::{device_count, driver_available, nvrtc_available, DeviceMem, Event, Gpu, PinnedHost, Stream};
 pub use error::{CudaError, DriverStatus};
 pub use kernels::{compile_ptx, Kernels, UnitTable};
 pub use pointer::{MemoryType, PointerInfo, PointerQueries};

@@ -20,9 +20,9 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use kvpush_cuda::{CudaError, DeviceMem, Event, Gpu, Kernels, Stream};
+use kvpush_cuda::{CudaError, DeviceMem, Event, Gpu, Kernels, PinnedHost, Stream};
 
-use super::stage::{check_entries, ENTRY_BYTES};
+use super::stage::{check_entries, parse_table, ENTRY_BYTES};
 use super::{Buffer, Device, DeviceError, DeviceKind, MemKind, MemRegion, StageEntry, Stager};
 
 /// The environment variable naming the CUDA device ordinal `KVPUSH_DEVICE=cuda` opens (default 0).
@@ -173,13 +173,19 @@ pub struct CudaStager {
     gpu: Arc<Gpu>,
     kernels: Arc<Kernels>,
     stream: Stream,
+    /// Snapshots of peers' tables ([`Stager::scatter_table`]), off the kernels' stream so that
+    /// taking one does not wait for queued scatters.
+    tables: Stream,
     lanes: Vec<Lane>,
     max_entries: usize,
 }
 
-/// One lane: its entry table in device memory and the event recorded after its last operation.
+/// One lane: its entry table in device memory, the page-locked host copy it is filled from (or read
+/// into), and the event recorded after its last operation. Neither table is touched again before
+/// the lane is done.
 struct Lane {
     table: DeviceMem,
+    host: PinnedHost,
     done: Event,
 }
 
@@ -204,6 +210,7 @@ impl CudaStager {
         };
         let kernels = shared_kernels(gpu).map_err(unavailable)?;
         let stream = Stream::new(gpu).map_err(unavailable)?;
+        let tables = Stream::new(gpu).map_err(unavailable)?;
         let table_bytes = (max_entries.max(1) as u64).saturating_mul(ENTRY_BYTES as u64);
         let lanes = (0..lanes)
             .map(|_| {
@@ -212,63 +219,83 @@ impl CudaStager {
                     len: table_bytes,
                     reason: format!("staging table: {e}"),
                 })?;
-                Ok(Lane { table, done: Event::new(gpu).map_err(unavailable)? })
+                let host = PinnedHost::new(gpu, table_bytes as usize).map_err(|e| DeviceError::Alloc {
+                    device: DeviceKind::Cuda,
+                    len: table_bytes,
+                    reason: format!("page-locked staging table: {e}"),
+                })?;
+                Ok(Lane { table, host, done: Event::new(gpu).map_err(unavailable)? })
             })
             .collect::<Result<_, DeviceError>>()?;
-        Ok(CudaStager { gpu: Arc::clone(gpu), kernels, stream, lanes, max_entries })
+        Ok(CudaStager { gpu: Arc::clone(gpu), kernels, stream, tables, lanes, max_entries })
     }
 
     fn lane(&self, lane: usize) -> Result<&Lane, DeviceError> {
-        self.lanes.get(lane).ok_or_else(|| DeviceError::Copy {
+        self.lanes.get(lane).ok_or_else(|| self.no_lane(lane))
+    }
+
+    fn no_lane(&self, lane: usize) -> DeviceError {
+        DeviceError::Copy {
             device: DeviceKind::Cuda,
             offset: 0,
             len: 0,
             reason: format!("staging lane {lane} does not exist (this stager has {} lanes)", self.lanes.len()),
-        })
+        }
     }
 
-    /// Copies the entries to the lane's table, queues the table gather (`gather`) or scatter kernel
-    /// over them and records the lane's event.
+    /// Queues the table gather (`gather`) or scatter kernel over the first `n` entries of `lane`'s
+    /// device table and records the lane's event.
     ///
     /// # Safety
     ///
-    /// The calling `gather` or `scatter`'s contract; the entries passed [`check_entries`].
-    unsafe fn run(&self, lane: usize, entries: &[StageEntry], slot: u64, gather: bool) -> Result<(), DeviceError> {
-        let l = self.lane(lane)?;
+    /// The lane's device table holds those entries once the work queued so far on the kernels'
+    /// stream ran, they are aligned, and the calling operation's contract holds for them.
+    unsafe fn launch(&self, lane: usize, n: usize, slot: u64, gather: bool) -> Result<(), CudaError> {
+        let l = &self.lanes[lane];
+        // SAFETY: forwarded from this function's contract.
+        unsafe {
+            if gather {
+                self.kernels.gather_table(&self.stream, &l.table, n as u64, slot)
+            } else {
+                self.kernels.scatter_table(&self.stream, &l.table, n as u64, slot)
+            }
+        }?;
+        l.done.record(&self.stream)
+    }
+
+    /// Copies the entries to the lane's table (through its page-locked host table), then queues the
+    /// table gather (`gather`) or scatter kernel over them and records the lane's event.
+    ///
+    /// # Safety
+    ///
+    /// The calling `gather` or `scatter`'s contract; the entries passed [`check_entries`]; the lane's
+    /// previous operation is done (the caller's rule), so neither of its tables is still being read.
+    unsafe fn run(&mut self, lane: usize, entries: &[StageEntry], slot: u64, gather: bool) -> Result<(), DeviceError> {
         let bytes: u64 = entries.iter().map(|e| u64::from(e.len)).sum();
         let what = if gather { "gather" } else { "scatter" };
+        let n = entries.len();
         let failed = |e: CudaError| DeviceError::Copy {
             device: DeviceKind::Cuda,
             offset: 0,
             len: bytes,
-            reason: format!("{what} of {} entries on lane {lane}: {e}", entries.len()),
+            reason: format!("{what} of {n} entries on lane {lane}: {e}"),
         };
+        if lane >= self.lanes.len() {
+            return Err(self.no_lane(lane));
+        }
         self.gpu.make_current().map_err(failed)?;
-        let mut table = Vec::with_capacity(entries.len() * ENTRY_BYTES);
-        for e in entries {
-            table.extend_from_slice(&e.to_bytes());
+        let l = &mut self.lanes[lane];
+        for (chunk, e) in l.host.as_mut_slice().chunks_exact_mut(ENTRY_BYTES).zip(entries) {
+            chunk.copy_from_slice(&e.to_bytes());
         }
-        // SAFETY: the lane's table holds `max_entries × 16` bytes and `entries` passed
-        // `check_entries` (at most `max_entries`); the copy is queued on `self.stream` after the
-        // lane's previous kernel (one stream), so no kernel still reads the bytes it overwrites, and
-        // the kernel that reads them is queued after it. `table` is a fresh pageable Vec: the driver
-        // takes its bytes before returning, so dropping it afterwards is fine.
-        unsafe { self.stream.copy_to_device(l.table.ptr(), &table) }.map_err(failed)?;
-        let n = entries.len() as u64;
-        // SAFETY: the table holds these `n` entries once the copy queued just before runs, and only
-        // this lane's next operation, queued after the kernel, rewrites it; they are 16-byte aligned
-        // (`check_entries`); the KV ranges and the slot's ranges they name are valid device memory,
-        // in separate allocations, untouched by anyone else until the lane is done, which the caller
-        // observes through the event recorded below (`Stager::gather` / `Stager::scatter`).
-        unsafe {
-            if gather {
-                self.kernels.gather_table(&self.stream, &l.table, n, slot)
-            } else {
-                self.kernels.scatter_table(&self.stream, &l.table, n, slot)
-            }
-        }
-        .map_err(failed)?;
-        l.done.record(&self.stream).map_err(failed)
+        // SAFETY: the lane's tables hold `max_entries × 16` bytes and `entries` passed `check_entries`
+        // (at most `max_entries`); the copy is queued on the kernels' stream after the lane's previous
+        // kernel, and the host table is not written again before the lane is done (after the copy
+        // and the kernel ran).
+        unsafe { self.stream.copy_to_device(l.table.ptr(), &l.host.as_slice()[..n * ENTRY_BYTES]) }.map_err(failed)?;
+        // SAFETY: the table holds these entries once the copy queued just before runs; they are
+        // aligned (`check_entries`); the KV and slot ranges they name are the caller's contract.
+        unsafe { self.launch(lane, n, slot, gather) }.map_err(failed)
     }
 }
 
@@ -287,6 +314,46 @@ impl Stager for CudaStager {
         check_entries(DeviceKind::Cuda, entries, self.max_entries)?;
         // SAFETY: forwarded from `Stager::scatter`'s contract; the entries were checked above.
         unsafe { self.run(lane, entries, slot, false) }
+    }
+
+    unsafe fn scatter_table(
+        &mut self,
+        lane: usize,
+        table_at: u64,
+        n: usize,
+        slot: u64,
+        check: &mut dyn FnMut(&[u8]) -> Result<(), String>,
+    ) -> Result<(), DeviceError> {
+        let failed = |e: String| DeviceError::Copy {
+            device: DeviceKind::Cuda,
+            offset: table_at,
+            len: (n * ENTRY_BYTES) as u64,
+            reason: format!("scatter of {n} entries on lane {lane}: {e}"),
+        };
+        if n > self.max_entries {
+            return Err(failed(format!("at most {} entries per operation", self.max_entries)));
+        }
+        if lane >= self.lanes.len() {
+            return Err(self.no_lane(lane));
+        }
+        let len = n * ENTRY_BYTES;
+        let l = &mut self.lanes[lane];
+        // The snapshot: the peer's table into the lane's device table (device to device), and from
+        // there into its page-locked host table, on the tables' stream; the check reads the host copy
+        // and the kernel the device copy, which nothing outside this stager writes.
+        // SAFETY: `table_at..+len` is readable device memory (the caller's contract); the lane's device
+        // table holds `max_entries × 16 ≥ len` bytes and no kernel reads it (the lane is done).
+        unsafe { self.tables.copy_device(l.table.ptr(), table_at, len) }.map_err(|e| failed(e.to_string()))?;
+        // SAFETY: the lane's device table is readable device memory, written only by the copy just
+        // queued on the same stream (this copy runs after it and the call waits for both).
+        unsafe { self.tables.copy_from_device(l.table.ptr(), &mut l.host.as_mut_slice()[..len]) }
+            .map_err(|e| failed(e.to_string()))?;
+        let snapshot = &l.host.as_slice()[..len];
+        check(snapshot).map_err(failed)?;
+        check_entries(DeviceKind::Cuda, &parse_table(snapshot), self.max_entries)?;
+        // SAFETY: the device table holds the checked snapshot (the tables' stream was waited for
+        // above); the caller's contract covers every entry `check` accepted.
+        unsafe { self.launch(lane, n, slot, false) }.map_err(|e| failed(e.to_string()))
     }
 
     fn is_done(&mut self, lane: usize) -> Result<bool, DeviceError> {
@@ -331,6 +398,7 @@ impl Drop for CudaStager {
         // Wait for queued work before the lanes' tables are freed: a running kernel may still read
         // them. A failure here (a sticky context error) leaves nothing running to wait for.
         let _ = self.stream.synchronize();
+        let _ = self.tables.synchronize();
     }
 }
 

@@ -75,6 +75,32 @@ pub trait Stager: Send + fmt::Debug {
     /// As for [`Stager::gather`] with the directions swapped: the destinations are valid for writes
     /// and untouched by anyone else, the slot's part is valid for reads and not written meanwhile.
     unsafe fn scatter(&mut self, lane: usize, entries: &[StageEntry], slot: u64) -> Result<(), DeviceError>;
+    /// Takes a snapshot of the `n`-entry table at `table_at` (this device's memory, e.g. a slot's
+    /// table area that a peer wrote), hands it to `check` in table form, and only if `check` accepts
+    /// it starts the scatter the snapshot describes on `lane` (as [`Stager::scatter`]). The scatter
+    /// reads the snapshot, never `table_at` again, so a writer that changes the table after the
+    /// check changes nothing. The default reads the table with [`Stager::read`].
+    ///
+    /// # Safety
+    ///
+    /// `table_at..table_at + 16 n` is memory of this device valid for reads; for every entry `check`
+    /// accepts, the contract of [`Stager::scatter`].
+    unsafe fn scatter_table(
+        &mut self,
+        lane: usize,
+        table_at: u64,
+        n: usize,
+        slot: u64,
+        check: &mut dyn FnMut(&[u8]) -> Result<(), String>,
+    ) -> Result<(), DeviceError> {
+        let mut table = vec![0u8; n * ENTRY_BYTES];
+        // SAFETY: the caller guarantees the table's bytes are readable memory of this device.
+        unsafe { self.read(table_at, &mut table) }?;
+        check(&table).map_err(|reason| DeviceError::Copy { device: self.kind(), offset: 0, len: 0, reason })?;
+        let entries = parse_table(&table);
+        // SAFETY: `check` accepted every entry of this private copy; the caller's contract covers them.
+        unsafe { self.scatter(lane, &entries, slot) }
+    }
     /// Whether the lane's last operation finished (an error if it failed).
     fn is_done(&mut self, lane: usize) -> Result<bool, DeviceError>;
     /// Copies `out.len()` bytes at `addr` into `out`, synchronously.
@@ -90,6 +116,18 @@ pub trait Stager: Send + fmt::Debug {
     /// `addr..addr + data.len()` is memory of this device valid for writes, accessed by no one else
     /// until the copy is seen.
     unsafe fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), DeviceError>;
+}
+
+/// The entries of a table in table form (trailing bytes short of an entry are ignored).
+pub fn parse_table(table: &[u8]) -> Vec<StageEntry> {
+    table
+        .chunks_exact(ENTRY_BYTES)
+        .map(|c| {
+            let mut b = [0u8; ENTRY_BYTES];
+            b.copy_from_slice(c);
+            StageEntry::from_bytes(&b)
+        })
+        .collect()
 }
 
 /// Checks an operation's entries against the stager's rules (shared by every backend).
@@ -241,5 +279,38 @@ mod tests {
         // SAFETY: refused before any copy.
         let err = unsafe { st.gather(0, &many, slot_at) }.unwrap_err();
         assert!(err.to_string().contains("at most 8"), "{err}");
+    }
+
+    #[test]
+    fn scatter_table_runs_only_what_the_check_accepts() {
+        let host = crate::device::host::HostDevice::new();
+        let (mut slot, mut dst, mut table) =
+            (host.alloc_anon(4096).unwrap(), host.alloc_anon(4096).unwrap(), host.alloc_anon(4096).unwrap());
+        slot.as_mut_slice().iter_mut().enumerate().for_each(|(i, b)| *b = (i % 251) as u8 + 1);
+        let (slot_at, dst_at) = (slot.as_mut_slice().as_ptr() as u64, dst.as_mut_slice().as_ptr() as u64);
+        let entries =
+            [StageEntry { addr: dst_at + 1024, off: 0, len: 64 }, StageEntry { addr: dst_at, off: 64, len: 32 }];
+        for (k, e) in entries.iter().enumerate() {
+            table.as_mut_slice()[k * ENTRY_BYTES..(k + 1) * ENTRY_BYTES].copy_from_slice(&e.to_bytes());
+        }
+        let table_at = table.as_mut_slice().as_ptr() as u64;
+        let mut st = HostStager::new(DeviceKind::Host, 8);
+        let mut seen = 0;
+        // SAFETY: refused by the check before anything is copied.
+        let err = unsafe {
+            st.scatter_table(0, table_at, 2, slot_at, &mut |t: &[u8]| {
+                seen = t.len();
+                Err("entry 1 outside".into())
+            })
+        }
+        .unwrap_err();
+        assert!(err.to_string().contains("entry 1 outside"), "{err}");
+        assert_eq!(seen, 32, "the check sees the whole table");
+        assert!(dst.as_mut_slice().iter().all(|&b| b == 0), "nothing scattered");
+        // SAFETY: the entries lie in `dst` and `slot`, which outlive the call.
+        unsafe { st.scatter_table(0, table_at, 2, slot_at, &mut |_: &[u8]| Ok(())) }.unwrap();
+        let (d, sl) = (dst.as_mut_slice().to_vec(), slot.as_mut_slice().to_vec());
+        assert_eq!(d[1024..1088], sl[..64]);
+        assert_eq!(d[..32], sl[64..96]);
     }
 }

@@ -31,7 +31,7 @@ const LINGER: Duration = Duration::from_millis(2);
 /// How often a lingering writer looks at its inbox.
 const LINGER_TICK: Duration = Duration::from_micros(100);
 /// Longest polling interval while only waiting for a peer's notification (a polled transport).
-const POLL_WAITING_MAX: Duration = Duration::from_millis(1);
+const POLL_WAITING_MAX: Duration = Duration::from_micros(200);
 /// How long after its last progress a writer with transfers in flight polls back to back. A transfer
 /// that has not finished by then is waiting on something else (a peer that is not scheduled, a slow
 /// link): the writer then polls at growing intervals, sleeping between polls, so a stalled transfer

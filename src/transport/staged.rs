@@ -21,15 +21,17 @@
 //!   WRITE send slot → granted slot, with ── PIECE(tag, piece, slot, entries, bytes) ──▶
 //!                                          read the table, check every entry lies in registered KV
 //!                                          memory, scatter; the slot is free again (next GRANT)
-//!   all WRITEs done: the handle is Done    all pieces scattered: deliver the notification
+//!                                          all pieces scattered: deliver the notification
+//!   the handle is Done  ◀── DONE(tag) ───────
 //! ```
 //!
 //! A failure on either side ends in a handshake that leaves nothing in flight: the receiver reports
 //! `FAIL(tag)`; the sender stops, waits for its WRITEs of the transfer to end, sends `CANCEL(tag)`; the
 //! receiver waits for its scatters of the transfer to end, frees its slots and answers
 //! `CANCELLED(tag)`; only then does the sender's handle report the failure (so the engine's failure
-//! message can never overtake a scatter into the consumer's blocks). A lost peer ends everything with
-//! it at once. Grants are given in arrival order and a sender gathers only granted pieces, so no
+//! message can never overtake a scatter into the consumer's blocks). A transfer the receiver failed
+//! is never delivered, and its sender learns of it (DONE never comes; FAIL does), so the engine's own
+//! failure message follows. A lost peer ends everything with it at once. Grants are given in arrival order and a sender gathers only granted pieces, so no
 //! send slot ever waits on a remote grant (no cycle between senders and receivers can form).
 //!
 //! Capabilities travel in the metadata: [`Transport::local_metadata`] is prefixed with [`MD_MAGIC`],
@@ -61,6 +63,7 @@ const PIECE: u8 = 3;
 const FAIL: u8 = 4;
 const CANCEL: u8 = 5;
 const CANCELLED: u8 = 6;
+const DONE: u8 = 7;
 
 /// When and how transfers are staged.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,10 +80,11 @@ pub struct StagingConfig {
     pub min_descs: usize,
     /// ...whose mean descriptor is at most this long.
     pub max_mean_desc: u64,
-    /// A receiver fails a staged transfer whose granted piece has not landed for this long (its
-    /// notification was lost while the sender lives on), and either side gives up on a peer that
-    /// does not answer a failure within it. A peer that went away is dropped sooner by the side
-    /// channel.
+    /// A receiver fails a staged transfer whose granted piece has not landed for this long while
+    /// its sender delivered no other piece either (the piece's notification was lost while the
+    /// sender lives on), and a sender gives up on a receiver that does not confirm a cancel within
+    /// it. A receiver never reuses a slot before the sender's cancel (a late WRITE could land in
+    /// it); a peer that went away is dropped sooner by the side channel.
     pub stall_timeout: Duration,
 }
 
@@ -90,7 +94,7 @@ impl Default for StagingConfig {
             slots: 4,
             slot_bytes: 32 << 20,
             max_entries: 16384,
-            max_entry_bytes: 256 << 10,
+            max_entry_bytes: 16 << 10,
             min_descs: 2,
             max_mean_desc: 16 << 20,
             stall_timeout: Duration::from_secs(10),
@@ -190,6 +194,7 @@ enum Frame {
     Fail { tag: u64, detail: String },
     Cancel { tag: u64 },
     Cancelled { tag: u64 },
+    Done { tag: u64 },
 }
 
 impl Frame {
@@ -216,6 +221,7 @@ impl Frame {
             Frame::Fail { tag, detail } => frame(FAIL, *tag, detail.as_bytes()),
             Frame::Cancel { tag } => frame(CANCEL, *tag, &[]),
             Frame::Cancelled { tag } => frame(CANCELLED, *tag, &[]),
+            Frame::Done { tag } => frame(DONE, *tag, &[]),
         }
     }
 
@@ -235,6 +241,7 @@ impl Frame {
                 FAIL => Frame::Fail { tag, detail: String::from_utf8_lossy(std::mem::take(&mut r.0)).into_owned() },
                 CANCEL => Frame::Cancel { tag },
                 CANCELLED => Frame::Cancelled { tag },
+                DONE => Frame::Done { tag },
                 _ => return None,
             };
             r.0.is_empty().then_some(f)
@@ -253,15 +260,28 @@ struct PeerCaps {
     table_bytes: u64,
 }
 
-/// One piece of an outgoing transfer.
-#[derive(Debug)]
+/// One piece of an outgoing transfer: where it starts in the transfer's descriptors and how much it
+/// holds. Its table is built only when its turn comes ([`Staged::fill`]), so a large transfer's first
+/// piece goes out while the rest are still descriptors.
+#[derive(Clone, Copy, Debug)]
 struct OutPiece {
-    /// What the gather copies (local addresses).
-    gather: Vec<StageEntry>,
-    /// The table written to the receiver (its addresses), in table form.
-    table: Vec<u8>,
+    /// Descriptor the piece starts in...
+    first: usize,
+    /// ...and how many of its bytes earlier pieces took.
+    skip: u64,
+    /// Table entries.
+    entries: u32,
+    /// Data bytes.
     bytes: u64,
     state: PieceState,
+}
+
+/// How a transfer is cut: a piece's data bytes, its entries, and the longest entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Cut {
+    data: u64,
+    max_entries: usize,
+    chunk: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -281,12 +301,16 @@ enum PieceState {
 #[derive(Debug)]
 struct Outgoing {
     peer: String,
+    descs: Vec<Desc>,
+    cut: Cut,
     pieces: Vec<OutPiece>,
     written: usize,
     /// Why it failed (the handle reports it once the receiver confirmed the cancel).
     failed: Option<String>,
     /// CANCEL sent; waiting for CANCELLED.
     cancel_sent: bool,
+    /// The receiver scattered every piece and delivered the notification.
+    done: bool,
     /// Finished: Ok or the failure, reported by the next poll.
     outcome: Option<Result<(), String>>,
     /// The outcome was reported; the record stays only while slots are still in use.
@@ -349,9 +373,12 @@ struct State {
     next_key: usize,
     delivered: Vec<Notification>,
     counts: StagingCounts,
-    /// Scratch for reading tables.
-    scratch: Vec<u8>,
-    entries: Vec<StageEntry>,
+    /// When a piece last landed from each sender: a sender still delivering pieces is alive, and a
+    /// granted slot of its that waits is queued behind its other work, not lost.
+    landed: HashMap<String, Instant>,
+    /// Scratch for building a piece's gather entries and table.
+    gather: Vec<StageEntry>,
+    table: Vec<u8>,
 }
 
 /// A transport that stages fragmented WRITEs. See the module docs.
@@ -418,8 +445,9 @@ impl Staged {
             next_key: 0,
             delivered: Vec::new(),
             counts: StagingCounts::default(),
-            scratch: Vec::new(),
-            entries: Vec::new(),
+            landed: HashMap::new(),
+            gather: Vec::new(),
+            table: Vec::new(),
         };
         Ok(Some(Staged { inner, cfg, send_buf, recv_buf, state: Mutex::new(state), next: AtomicU64::new(0) }))
     }
@@ -471,34 +499,58 @@ impl Staged {
         (aligned && inside).then_some(caps)
     }
 
-    /// Cuts `descs` into pieces that fit both sides' slots.
-    fn cut(&self, caps: PeerCaps, descs: &[Desc]) -> Vec<OutPiece> {
-        let data = self.cfg.slot_bytes.min(caps.slot_bytes);
-        let max_n = self.cfg.max_entries.min(caps.max_entries);
-        let chunk = self.cfg.max_entry_bytes;
+    /// How transfers to a peer of geometry `caps` are cut: pieces that fit both sides' slots.
+    fn geometry(&self, caps: PeerCaps) -> Cut {
+        Cut {
+            data: self.cfg.slot_bytes.min(caps.slot_bytes),
+            max_entries: self.cfg.max_entries.min(caps.max_entries),
+            chunk: self.cfg.max_entry_bytes,
+        }
+    }
+
+    /// Cuts `descs` into pieces (one pass of arithmetic; [`Staged::fill`] builds a piece's table).
+    fn cut(cut: Cut, descs: &[Desc]) -> Vec<OutPiece> {
+        let empty = |first, skip| OutPiece { first, skip, entries: 0, bytes: 0, state: PieceState::Waiting };
         let mut pieces = Vec::new();
-        let mut cur = OutPiece { gather: Vec::new(), table: Vec::new(), bytes: 0, state: PieceState::Waiting };
-        for d in descs {
+        let mut cur = empty(0, 0);
+        for (k, d) in descs.iter().enumerate() {
             let mut done = 0;
             while done < d.len {
-                if cur.bytes == data || cur.gather.len() == max_n {
-                    pieces.push(std::mem::replace(
-                        &mut cur,
-                        OutPiece { gather: Vec::new(), table: Vec::new(), bytes: 0, state: PieceState::Waiting },
-                    ));
+                if cur.bytes == cut.data || cur.entries as usize == cut.max_entries {
+                    pieces.push(std::mem::replace(&mut cur, empty(k, done)));
                 }
-                let len = (d.len - done).min(chunk).min(data - cur.bytes);
-                let off = cur.bytes as u32;
-                cur.gather.push(StageEntry { addr: d.local + done, off, len: len as u32 });
-                cur.table.extend_from_slice(&StageEntry { addr: d.remote + done, off, len: len as u32 }.to_bytes());
+                let len = (d.len - done).min(cut.chunk).min(cut.data - cur.bytes);
+                cur.entries += 1;
                 cur.bytes += len;
                 done += len;
             }
         }
-        if !cur.gather.is_empty() {
+        if cur.entries > 0 {
             pieces.push(cur);
         }
         pieces
+    }
+
+    /// Builds piece `p`'s gather entries (local addresses) and its table for the receiver (remote
+    /// addresses, table form), the same entries [`Staged::cut`] counted.
+    fn fill(cut: Cut, descs: &[Desc], p: &OutPiece, gather: &mut Vec<StageEntry>, table: &mut Vec<u8>) {
+        gather.clear();
+        table.clear();
+        let (mut k, mut done, mut bytes) = (p.first, p.skip, 0u64);
+        while gather.len() < p.entries as usize {
+            let Some(d) = descs.get(k) else { break };
+            if done == d.len {
+                k += 1;
+                done = 0;
+                continue;
+            }
+            let len = (d.len - done).min(cut.chunk).min(cut.data - bytes);
+            let (off, n) = (bytes as u32, len as u32);
+            gather.push(StageEntry { addr: d.local + done, off, len: n });
+            table.extend_from_slice(&StageEntry { addr: d.remote + done, off, len: n }.to_bytes());
+            bytes += len;
+            done += len;
+        }
     }
 
     // ---- Sender. ----
@@ -533,6 +585,7 @@ impl Staged {
                             o.pieces[i].state = PieceState::Written;
                             o.written += 1;
                             st.counts.pieces += 1;
+                            tracing::trace!(tag, piece = i, "staging: WRITE done");
                         }
                         Err(e) => {
                             any = true;
@@ -553,23 +606,20 @@ impl Staged {
                             let p = &o.pieces[i];
                             let base = self.send_slot(lane);
                             let descs = [
-                                Desc { local: base, remote: addr, len: p.table.len() as u64 },
+                                Desc { local: base, remote: addr, len: u64::from(p.entries) * ENTRY_BYTES as u64 },
                                 Desc {
                                     local: base + self.cfg.table_bytes(),
                                     remote: addr + table_of(&st.peers, &o.peer),
                                     len: p.bytes,
                                 },
                             ];
-                            let note = Frame::Piece {
-                                tag,
-                                piece: i as u32,
-                                slot,
-                                entries: p.gather.len() as u32,
-                                bytes: p.bytes,
-                            }
-                            .encode();
+                            let note = Frame::Piece { tag, piece: i as u32, slot, entries: p.entries, bytes: p.bytes }
+                                .encode();
                             match self.inner.post(Op::Write, &o.peer, &descs, Some(&note)) {
-                                Ok(inner) => o.pieces[i].state = PieceState::Writing { lane, inner },
+                                Ok(inner) => {
+                                    o.pieces[i].state = PieceState::Writing { lane, inner };
+                                    tracing::trace!(tag, piece = i, "staging: WRITE posted");
+                                }
                                 Err(e) => {
                                     st.send_free[lane] = true;
                                     o.pieces[i].state = PieceState::Written;
@@ -588,7 +638,8 @@ impl Staged {
                         let Some(lane) = st.send_free.iter().position(|&f| f) else { continue };
                         any = true;
                         let base = self.send_slot(lane);
-                        let p = &o.pieces[i];
+                        let (mut gather, mut table) = (std::mem::take(&mut st.gather), std::mem::take(&mut st.table));
+                        Self::fill(o.cut, &o.descs, &o.pieces[i], &mut gather, &mut table);
                         // SAFETY: the send slot `lane` is free (no transfer or gather uses it) and lies in
                         // `send_buf`, which this wrapper owns; the table fits its table area (at most
                         // max_entries entries, checked when cutting) and the data its data area; the
@@ -596,14 +647,16 @@ impl Staged {
                         // `qualifies`), which the engine does not write while the transfer is in flight.
                         let started = unsafe {
                             st.stager
-                                .write(base, &p.table)
-                                .and_then(|()| st.stager.gather(lane, &p.gather, base + self.cfg.table_bytes()))
+                                .write(base, &table)
+                                .and_then(|()| st.stager.gather(lane, &gather, base + self.cfg.table_bytes()))
                         };
+                        st.counts.entries += gather.len() as u64;
+                        (st.gather, st.table) = (gather, table);
                         match started {
                             Ok(()) => {
                                 st.send_free[lane] = false;
-                                st.counts.entries += p.gather.len() as u64;
                                 o.pieces[i].state = PieceState::Gathering { lane, slot, addr };
+                                tracing::trace!(tag, piece = i, lane, "staging: gather queued");
                             }
                             Err(e) => {
                                 o.pieces[i].state = PieceState::Written;
@@ -629,7 +682,7 @@ impl Staged {
             any = true;
         }
         if o.outcome.is_none() {
-            if o.failed.is_none() && o.written == o.pieces.len() {
+            if o.failed.is_none() && o.written == o.pieces.len() && o.done {
                 o.outcome = Some(Ok(()));
                 any = true;
             } else if o.failed.is_some() && !o.busy_pieces() && !o.cancel_sent {
@@ -646,7 +699,7 @@ impl Staged {
 
     fn on_sender_frame(&self, st: &mut State, from: &str, f: Frame) {
         let tag = match &f {
-            Frame::Grant { tag, .. } | Frame::Fail { tag, .. } | Frame::Cancelled { tag } => *tag,
+            Frame::Grant { tag, .. } | Frame::Fail { tag, .. } | Frame::Cancelled { tag } | Frame::Done { tag } => *tag,
             _ => return,
         };
         let Some(o) = st.out.get_mut(&tag).filter(|o| o.peer == from && !o.reported) else {
@@ -663,6 +716,7 @@ impl Staged {
         match f {
             Frame::Grant { piece, slot, addr, .. } => match o.pieces.get_mut(piece as usize) {
                 Some(p) if p.state == PieceState::Waiting => {
+                    tracing::trace!(tag, piece, slot, "staging: grant received");
                     if o.failed.is_some() {
                         p.state = PieceState::Written;
                     } else {
@@ -679,6 +733,8 @@ impl Staged {
                     }
                 }
             }
+            // (It may overtake the completion of our last WRITE: the outcome waits for both.)
+            Frame::Done { .. } => o.done = true,
             Frame::Cancelled { .. } => {
                 if o.cancel_sent && o.outcome.is_none() {
                     let why = o.failed.clone().unwrap_or_else(|| "cancelled".into());
@@ -738,8 +794,12 @@ impl Staged {
                 if let Some(i) = st.incoming.get_mut(&key) {
                     i.moved = Instant::now();
                 }
+                st.landed.insert(from.to_owned(), Instant::now());
                 match self.start_scatter(st, s, entries, bytes) {
-                    Ok(()) => st.recv[s] = RecvSlot::Scattering { key },
+                    Ok(()) => {
+                        st.recv[s] = RecvSlot::Scattering { key };
+                        tracing::trace!(tag, piece, entries, "staging: landed, scatter queued");
+                    }
                     Err(why) => {
                         st.recv[s] = RecvSlot::Free;
                         self.fail_incoming(st, key, format!("piece {piece}: {why}"));
@@ -775,15 +835,9 @@ impl Staged {
             return Err(format!("{n} entries and {bytes} bytes do not fit a slot"));
         }
         let base = self.recv_slot(s);
-        let mut table = std::mem::take(&mut st.scratch);
-        table.resize(n * ENTRY_BYTES, 0);
-        // SAFETY: the table area of receive slot `s` lies in `recv_buf` (n ≤ max_entries); the
-        // sender's WRITE into it completed before its PIECE notification was delivered, and nothing
-        // writes it until the slot is granted again.
-        let read = unsafe { st.stager.read(base, &mut table) };
-        let mut list = std::mem::take(&mut st.entries);
-        list.clear();
-        let checked = read.map_err(|e| format!("reading the table: {e}")).and_then(|()| {
+        let State { stager, regions, .. } = st;
+        // Every entry must name an aligned range of registered KV memory and a range of the piece.
+        let mut check = |table: &[u8]| -> Result<(), String> {
             let mut last: Option<MemRegion> = None;
             for (k, c) in table.chunks_exact(ENTRY_BYTES).enumerate() {
                 let mut b = [0u8; ENTRY_BYTES];
@@ -791,7 +845,7 @@ impl Staged {
                 let e = StageEntry::from_bytes(&b);
                 let in_data = u64::from(e.off) + u64::from(e.len) <= bytes;
                 let inside = last.is_some_and(|r| r.contains(e.addr, u64::from(e.len))) || {
-                    last = st.regions.iter().find(|r| r.contains(e.addr, u64::from(e.len))).copied();
+                    last = regions.iter().find(|r| r.contains(e.addr, u64::from(e.len))).copied();
                     last.is_some()
                 };
                 if !e.aligned() || !in_data || !inside {
@@ -800,21 +854,17 @@ impl Staged {
                         e.addr, e.len, e.off
                     ));
                 }
-                list.push(e);
             }
             Ok(())
-        });
-        let result = checked.and_then(|()| {
-            // SAFETY: every destination was just checked to lie in KV memory registered with this
-            // transport (whose owner lets transfers write the blocks of a registered request until it
-            // is received); the slot's data area holds the landed piece and is not written again until
-            // this scatter is done and the slot granted anew.
-            unsafe { st.stager.scatter(self.cfg.slots + s, &list, base + self.cfg.table_bytes()) }
-                .map_err(|e| format!("scatter: {e}"))
-        });
-        st.scratch = table;
-        st.entries = list;
-        result
+        };
+        // SAFETY: the table area of receive slot `s` lies in `recv_buf` (n ≤ max_entries) and the
+        // sender's WRITE into it completed before its PIECE notification was delivered; the stager
+        // scatters only a snapshot `check` accepted: every destination lies in KV memory registered
+        // with this transport (whose owner lets transfers write a registered request's blocks until
+        // it is received), and the slot's data area holds the landed piece, not written again until
+        // this scatter is done and the slot granted anew.
+        unsafe { stager.scatter_table(self.cfg.slots + s, base, n, base + self.cfg.table_bytes(), &mut check) }
+            .map_err(|e| format!("scatter: {e}"))
     }
 
     fn fail_incoming(&self, st: &mut State, key: usize, why: String) {
@@ -839,6 +889,7 @@ impl Staged {
                 match done {
                     Ok(false) => continue,
                     Ok(true) => {
+                        tracing::trace!(slot = s, "staging: scattered");
                         if let Some(i) = st.incoming.get_mut(&key) {
                             i.scattered += 1;
                             i.moved = Instant::now();
@@ -860,28 +911,19 @@ impl Staged {
             let waiting_for_sender = st.recv.iter().any(|s| matches!(*s, RecvSlot::Granted { key: k, .. } if k == key));
             let Some(i) = st.incoming.get(&key) else { continue };
             let stalled = i.moved.elapsed() > self.cfg.stall_timeout;
-            if stalled && !i.failed && waiting_for_sender {
+            let sender_quiet = st.landed.get(&i.peer).is_none_or(|t| t.elapsed() > self.cfg.stall_timeout);
+            if stalled && sender_quiet && !i.failed && waiting_for_sender {
                 let why = format!("no piece landed for {:?} (a staging message was lost?)", self.cfg.stall_timeout);
                 self.fail_incoming(st, key, why);
-                any = true;
-                continue;
-            }
-            if stalled && i.failed && !i.cancel && !i.gone {
-                // The sender never answered our failure: it is unresponsive; take the slots back.
-                let i = st.incoming.remove(&key).expect("present");
-                tracing::warn!(peer = %i.peer, tag = i.tag, "staged transfer abandoned: the sender never cancelled");
-                for s in st.recv.iter_mut() {
-                    if matches!(*s, RecvSlot::Granted { key: k, .. } if k == key) {
-                        *s = RecvSlot::Free;
-                    }
-                }
-                st.counts.failed += 1;
                 any = true;
                 continue;
             }
             if !i.failed && i.scattered == i.pieces {
                 let i = st.incoming.remove(&key).expect("present");
                 st.counts.received += 1;
+                // The sender's handle is done only now: a transfer this side failed (and whose
+                // notification it therefore never delivers) ends in a failure the sender reports.
+                self.send(&i.peer, &Frame::Done { tag: i.tag });
                 st.delivered.push(Notification { from: i.peer, msg: i.notif });
                 any = true;
             } else if (i.cancel || i.gone) && !in_slot {
@@ -909,6 +951,7 @@ impl Staged {
             st.recv[s] = RecvSlot::Granted { key, piece };
             let (peer, tag) = (i.peer.clone(), i.tag);
             self.send(&peer, &Frame::Grant { tag, piece, slot: s as u32, addr: self.recv_slot(s) });
+            tracing::trace!(tag, piece, slot = s, "staging: granted");
             any = true;
         }
         any
@@ -926,7 +969,7 @@ impl Staged {
                     tracing::warn!(peer = %note.from, "malformed staging frame");
                 }
                 Some(Ok(f)) => match f {
-                    Frame::Grant { .. } | Frame::Fail { .. } | Frame::Cancelled { .. } => {
+                    Frame::Grant { .. } | Frame::Fail { .. } | Frame::Cancelled { .. } | Frame::Done { .. } => {
                         self.on_sender_frame(st, &note.from, f)
                     }
                     _ => self.on_receiver_frame(st, &note.from, f),
@@ -998,6 +1041,7 @@ impl Transport for Staged {
             let mut guard = lock(&self.state);
             let st = &mut *guard;
             st.peers.remove(peer);
+            st.landed.remove(peer);
             // Outgoing: fails at once (the receiver is gone). Pieces being gathered or written keep
             // their send slots until those end (the next pumps).
             for o in st.out.values_mut().filter(|o| o.peer == peer && o.outcome.is_none()) {
@@ -1038,7 +1082,8 @@ impl Transport for Staged {
             drop(st);
             return self.inner.post(op, peer, descs, notif);
         };
-        let pieces = self.cut(caps, descs);
+        let cut = self.geometry(caps);
+        let pieces = Self::cut(cut, descs);
         let tag = self.next.fetch_add(1, Ordering::Relaxed);
         let request = Frame::Request { tag, pieces: pieces.len() as u32, notif: notif.unwrap_or_default().to_vec() };
         self.inner.send_notification(peer, &request.encode())?;
@@ -1048,10 +1093,13 @@ impl Transport for Staged {
             tag,
             Outgoing {
                 peer: peer.to_owned(),
+                descs: descs.to_vec(),
+                cut,
                 pieces,
                 written: 0,
                 failed: None,
                 cancel_sent: false,
+                done: false,
                 outcome: None,
                 reported: false,
                 moved: Instant::now(),
@@ -1132,6 +1180,7 @@ mod tests {
             Frame::Fail { tag: 7, detail: "entry 3 outside registered memory".into() },
             Frame::Cancel { tag: 7 },
             Frame::Cancelled { tag: 7 },
+            Frame::Done { tag: 7 },
         ];
         for f in frames {
             let b = f.encode();
@@ -1177,33 +1226,52 @@ mod tests {
         let cfg = StagingConfig { slot_bytes: 8192, max_entries: 4, max_entry_bytes: 2048, ..StagingConfig::default() };
         let s = Staged::new(inner, &HostDevice::new(), cfg).unwrap().unwrap();
         // The peer's slots are smaller: its geometry wins.
-        let caps = PeerCaps { slot_bytes: 4096, max_entries: 8, table_bytes: 256 };
+        let cut = s.geometry(PeerCaps { slot_bytes: 4096, max_entries: 8, table_bytes: 256 });
+        assert_eq!(cut, Cut { data: 4096, max_entries: 4, chunk: 2048 });
         let descs = [
             Desc { local: 0x10000, remote: 0x90000, len: 5120 },
             Desc { local: 0x20000, remote: 0xa0000, len: 16 },
             Desc { local: 0x30000, remote: 0xb0000, len: 1024 },
+            Desc { local: 0x40000, remote: 0xc0000, len: 48 },
+            Desc { local: 0x50000, remote: 0xd0000, len: 32 },
         ];
-        let pieces = s.cut(caps, &descs);
+        let pieces = Staged::cut(cut, &descs);
         let total: u64 = pieces.iter().map(|p| p.bytes).sum();
-        assert_eq!(total, 5120 + 16 + 1024);
+        assert_eq!(total, descs.iter().map(|d| d.len).sum::<u64>());
+        let (mut gather, mut table) = (Vec::new(), Vec::new());
+        let mut covered = Vec::new();
         for p in &pieces {
-            assert!(p.bytes <= 4096 && p.gather.len() <= 4, "{p:?}");
-            assert!(p.gather.iter().all(|e| e.len <= 2048), "{p:?}");
+            Staged::fill(cut, &descs, p, &mut gather, &mut table);
+            assert_eq!(gather.len(), p.entries as usize, "{p:?}");
+            assert!(p.bytes <= 4096 && gather.len() <= 4, "{p:?}");
+            assert!(gather.iter().all(|e| e.len <= 2048), "{p:?}");
             // Entries pack the slot densely from 0, in order, on both sides alike.
             let mut off = 0;
-            for (k, e) in p.gather.iter().enumerate() {
+            for (k, e) in gather.iter().enumerate() {
                 assert_eq!(e.off, off);
                 let mut b = [0u8; ENTRY_BYTES];
-                b.copy_from_slice(&p.table[k * ENTRY_BYTES..(k + 1) * ENTRY_BYTES]);
+                b.copy_from_slice(&table[k * ENTRY_BYTES..(k + 1) * ENTRY_BYTES]);
                 let r = StageEntry::from_bytes(&b);
                 assert_eq!((r.off, r.len), (e.off, e.len));
                 assert_eq!(r.addr - e.addr, 0x80000, "the table names the remote address of the same bytes");
                 off += e.len;
+                covered.push((e.addr, e.len));
+            }
+            assert_eq!(u64::from(off), p.bytes);
+        }
+        // Every byte of every descriptor exactly once, in order.
+        let mut expect = Vec::new();
+        for d in &descs {
+            let mut at = 0;
+            while at < d.len {
+                let n = covered.iter().find(|c| c.0 == d.local + at).map(|c| c.1).expect("covered");
+                expect.push((d.local + at, n));
+                at += u64::from(n);
             }
         }
-        // 5120 = 2048 + 2048 + (1024 | ...): the first slot of 4096 holds two 2048-byte entries.
-        assert_eq!(pieces[0].gather.len(), 2);
-        assert_eq!(pieces.len(), 2);
+        assert_eq!(covered, expect);
+        // 2048 + 2048 fill the first piece's data; 1024 + 16 + 1024 + 48 its four entries; 32 is left.
+        assert_eq!(pieces.iter().map(|p| (p.entries, p.bytes)).collect::<Vec<_>>(), [(2, 4096), (4, 2112), (1, 32)]);
     }
 
     #[test]
