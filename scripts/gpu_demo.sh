@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # `kvpush demo` (two processes over NIXL) on the GPU machine, whose CPUs are otherwise idle: the
-# host-memory runs of docs/benchmarks.md (pinned to 2 cores with taskset, staging off and on) and one
-# run with the KV caches in GPU memory (staging auto, i.e. on). Everything comes from the carried
+# host-memory runs of docs/benchmarks.md (pinned to 2 cores with taskset, staging off and on, NIXL
+# with two UCX threads). (The demo with its caches in GPU memory, KVPUSH_DEVICE=cuda, fills and checks
+# them through small copies and does not finish in these limits: the GPU figures come from gpu_push.)
+# Everything comes from the carried
 # directory that `scripts/gpu_bench.sh --prepare` fills (plus a release `kvpush` binary copied there).
 #
 #   scripts/gpu_demo.sh                # on the GPU machine; results and logs in $OUT (default target/gpu-demo)
@@ -32,7 +34,6 @@ host-on8m-a|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging on --staging-slot
 host-off-b|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging off
 host-on1m-b|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging on --staging-slot-kib 1024
 host-threads2|KVPUSH_DEVICE=host KVPUSH_NIXL_PARAMS=num_threads=2|taskset -c 0,1 KVPUSH --staging off
-cuda-auto|KVPUSH_DEVICE=cuda|KVPUSH --staging auto
 EOF
 }
 

@@ -211,7 +211,8 @@ impl CudaStager {
         let kernels = shared_kernels(gpu).map_err(unavailable)?;
         let stream = Stream::new(gpu).map_err(unavailable)?;
         let tables = Stream::new(gpu).map_err(unavailable)?;
-        let table_bytes = (max_entries.max(1) as u64).saturating_mul(ENTRY_BYTES as u64);
+        // Each lane's tables hold its entries and, for a gather, the receiver's table after them.
+        let table_bytes = (max_entries.max(1) as u64).saturating_mul(2 * ENTRY_BYTES as u64);
         let lanes = (0..lanes)
             .map(|_| {
                 let table = gpu.alloc(table_bytes).map_err(|e| DeviceError::Alloc {
@@ -270,7 +271,14 @@ impl CudaStager {
     ///
     /// The calling `gather` or `scatter`'s contract; the entries passed [`check_entries`]; the lane's
     /// previous operation is done (the caller's rule), so neither of its tables is still being read.
-    unsafe fn run(&mut self, lane: usize, entries: &[StageEntry], slot: u64, gather: bool) -> Result<(), DeviceError> {
+    unsafe fn run(
+        &mut self,
+        lane: usize,
+        entries: &[StageEntry],
+        slot: u64,
+        gather: bool,
+        extra: Option<(u64, &[u8])>,
+    ) -> Result<(), DeviceError> {
         let bytes: u64 = entries.iter().map(|e| u64::from(e.len)).sum();
         let what = if gather { "gather" } else { "scatter" };
         let n = entries.len();
@@ -285,14 +293,31 @@ impl CudaStager {
         }
         self.gpu.make_current().map_err(failed)?;
         let l = &mut self.lanes[lane];
-        for (chunk, e) in l.host.as_mut_slice().chunks_exact_mut(ENTRY_BYTES).zip(entries) {
+        let mine = n * ENTRY_BYTES;
+        let extra_len = extra.map_or(0, |(_, t)| t.len());
+        if extra_len > l.host.len() - mine {
+            return Err(failed(CudaError::Bounds {
+                what: "staging table",
+                detail: format!("{extra_len} table bytes after {mine} do not fit {} bytes", l.host.len()),
+            }));
+        }
+        let host = l.host.as_mut_slice();
+        for (chunk, e) in host.chunks_exact_mut(ENTRY_BYTES).zip(entries) {
             chunk.copy_from_slice(&e.to_bytes());
         }
-        // SAFETY: the lane's tables hold `max_entries × 16` bytes and `entries` passed `check_entries`
-        // (at most `max_entries`); the copy is queued on the kernels' stream after the lane's previous
-        // kernel, and the host table is not written again before the lane is done (after the copy
-        // and the kernel ran).
-        unsafe { self.stream.copy_to_device(l.table.ptr(), &l.host.as_slice()[..n * ENTRY_BYTES]) }.map_err(failed)?;
+        if let Some((_, t)) = extra {
+            host[mine..mine + extra_len].copy_from_slice(t);
+        }
+        // SAFETY: the lane's tables hold `2 × max_entries × 16` bytes, `entries` passed
+        // `check_entries` (at most `max_entries`) and the extra table fits after them (checked); the
+        // copy is queued on the kernels' stream after the lane's previous kernel, and the host table
+        // is not written again before the lane is done (after the copy and the kernel ran).
+        unsafe { self.stream.copy_to_device(l.table.ptr(), &l.host.as_slice()[..mine + extra_len]) }.map_err(failed)?;
+        if let Some((to, _)) = extra {
+            // SAFETY: the source is the lane's device table, just written by the copy queued before on
+            // this stream; the destination is the caller's (`Stager::write`'s contract for `to`).
+            unsafe { self.stream.copy_device(to, l.table.ptr() + mine as u64, extra_len) }.map_err(failed)?;
+        }
         // SAFETY: the table holds these entries once the copy queued just before runs; they are
         // aligned (`check_entries`); the KV and slot ranges they name are the caller's contract.
         unsafe { self.launch(lane, n, slot, gather) }.map_err(failed)
@@ -307,13 +332,27 @@ impl Stager for CudaStager {
     unsafe fn gather(&mut self, lane: usize, entries: &[StageEntry], slot: u64) -> Result<(), DeviceError> {
         check_entries(DeviceKind::Cuda, entries, self.max_entries)?;
         // SAFETY: forwarded from `Stager::gather`'s contract; the entries were checked above.
-        unsafe { self.run(lane, entries, slot, true) }
+        unsafe { self.run(lane, entries, slot, true, None) }
+    }
+
+    unsafe fn gather_with_table(
+        &mut self,
+        lane: usize,
+        entries: &[StageEntry],
+        slot: u64,
+        table_to: u64,
+        table: &[u8],
+    ) -> Result<(), DeviceError> {
+        check_entries(DeviceKind::Cuda, entries, self.max_entries)?;
+        // SAFETY: forwarded from the contracts of `Stager::write` (for `table_to`) and
+        // `Stager::gather`; the entries were checked above.
+        unsafe { self.run(lane, entries, slot, true, Some((table_to, table))) }
     }
 
     unsafe fn scatter(&mut self, lane: usize, entries: &[StageEntry], slot: u64) -> Result<(), DeviceError> {
         check_entries(DeviceKind::Cuda, entries, self.max_entries)?;
         // SAFETY: forwarded from `Stager::scatter`'s contract; the entries were checked above.
-        unsafe { self.run(lane, entries, slot, false) }
+        unsafe { self.run(lane, entries, slot, false, None) }
     }
 
     unsafe fn scatter_table(

@@ -75,6 +75,27 @@ pub trait Stager: Send + fmt::Debug {
     /// As for [`Stager::gather`] with the directions swapped: the destinations are valid for writes
     /// and untouched by anyone else, the slot's part is valid for reads and not written meanwhile.
     unsafe fn scatter(&mut self, lane: usize, entries: &[StageEntry], slot: u64) -> Result<(), DeviceError>;
+    /// [`Stager::write`] of `table` to `table_to`, then [`Stager::gather`] of `entries` on `lane`: the
+    /// sender's step for one piece (the receiver's table and the data, both into the send slot).
+    /// Backends may do both in fewer copies.
+    ///
+    /// # Safety
+    ///
+    /// The contracts of [`Stager::write`] (for `table_to`) and [`Stager::gather`].
+    unsafe fn gather_with_table(
+        &mut self,
+        lane: usize,
+        entries: &[StageEntry],
+        slot: u64,
+        table_to: u64,
+        table: &[u8],
+    ) -> Result<(), DeviceError> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe {
+            self.write(table_to, table)?;
+            self.gather(lane, entries, slot)
+        }
+    }
     /// Takes a snapshot of the `n`-entry table at `table_at` (this device's memory, e.g. a slot's
     /// table area that a peer wrote), hands it to `check` in table form, and only if `check` accepts
     /// it starts the scatter the snapshot describes on `lane` (as [`Stager::scatter`]). The scatter

@@ -646,9 +646,7 @@ impl Staged {
                         // gather's sources are registered KV memory of this device (checked in
                         // `qualifies`), which the engine does not write while the transfer is in flight.
                         let started = unsafe {
-                            st.stager
-                                .write(base, &table)
-                                .and_then(|()| st.stager.gather(lane, &gather, base + self.cfg.table_bytes()))
+                            st.stager.gather_with_table(lane, &gather, base + self.cfg.table_bytes(), base, &table)
                         };
                         st.counts.entries += gather.len() as u64;
                         (st.gather, st.table) = (gather, table);
