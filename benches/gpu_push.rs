@@ -934,6 +934,7 @@ impl Node {
         let before = EngineCounts::read(&eng.engine);
         let mut finished = Vec::new();
         let t_ready = now_ns();
+        tracing::trace!(target: "kvpush::bench", %key, "blocks ready");
         eng.engine.request_finished(key, vec![case.p_ids.clone()], case.tokens).map_err(|e| format!("engine: {e}"))?;
         loop {
             eng.engine.poll(&mut finished);
@@ -979,6 +980,7 @@ impl Node {
                 let t_received = now_ns();
                 return match f {
                     Finished::Received { key: k } if k == key && finished.is_empty() => {
+                        tracing::trace!(target: "kvpush::bench", %key, "received");
                         let c = EngineCounts::read(&eng.engine).since(eng.before);
                         // D's staging counts transfers, not pieces: P's Sent carries those.
                         Ok(Reply::Received { t_received, pieces: 0, engine: Some(c) })

@@ -627,6 +627,7 @@ impl Writer {
         };
         self.descs.clear();
         self.descs.extend(self.copies.iter().map(|c| Desc { local: c.src_addr, remote: c.dst_addr, len: c.len }));
+        tracing::trace!(%key, descs = self.descs.len(), us = started.elapsed().as_micros() as u64, "push planned");
         let notif = Message::Completion(Completion { key, rank: self.shared.me.rank });
         self.post(now, key, &peer.agent, to, Op::Write, &notif, stats.unmerged, stats.bytes, started);
     }

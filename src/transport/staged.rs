@@ -751,6 +751,7 @@ impl Staged {
     fn on_receiver_frame(&self, st: &mut State, from: &str, f: Frame) {
         match f {
             Frame::Request { tag, pieces, notif } => {
+                tracing::trace!(tag, pieces, "staging: request received");
                 if pieces == 0 || st.incoming.values().any(|i| i.peer == from && i.tag == tag) {
                     st.counts.malformed += 1;
                     return;
@@ -922,6 +923,7 @@ impl Staged {
                 // The sender's handle is done only now: a transfer this side failed (and whose
                 // notification it therefore never delivers) ends in a failure the sender reports.
                 self.send(&i.peer, &Frame::Done { tag: i.tag });
+                tracing::trace!(tag = i.tag, "staging: delivered");
                 st.delivered.push(Notification { from: i.peer, msg: i.notif });
                 any = true;
             } else if (i.cancel || i.gone) && !in_slot {
@@ -1074,6 +1076,7 @@ impl Transport for Staged {
     }
 
     fn post(&self, op: Op, peer: &str, descs: &[Desc], notif: Option<&[u8]>) -> Result<XferId, TransportError> {
+        let started = Instant::now();
         let mut st = lock(&self.state);
         let Some(caps) = self.qualifies(&st, op, peer, descs) else {
             st.counts.direct += 1;
@@ -1085,6 +1088,13 @@ impl Transport for Staged {
         let tag = self.next.fetch_add(1, Ordering::Relaxed);
         let request = Frame::Request { tag, pieces: pieces.len() as u32, notif: notif.unwrap_or_default().to_vec() };
         self.inner.send_notification(peer, &request.encode())?;
+        tracing::trace!(
+            tag,
+            descs = descs.len(),
+            pieces = pieces.len(),
+            us = started.elapsed().as_micros() as u64,
+            "staging: requested"
+        );
         st.counts.transfers += 1;
         st.counts.bytes += descs.iter().map(|d| d.len).sum::<u64>();
         st.out.insert(
