@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use kvpush_cuda::{CudaError, DeviceMem, Event, Gpu, Kernels, PinnedHost, Stream};
 
-use super::stage::{check_entries, parse_table, ENTRY_BYTES};
+use super::stage::{check_entries, check_table, parse_table, ENTRY_BYTES};
 use super::{Buffer, Device, DeviceError, DeviceKind, MemKind, MemRegion, StageEntry, Stager};
 
 /// The environment variable naming the CUDA device ordinal `KVPUSH_DEVICE=cuda` opens (default 0).
@@ -163,6 +163,32 @@ impl Buffer for CudaBuffer {
     }
 }
 
+/// An operation's entries: decoded, or already in table form.
+#[derive(Clone, Copy)]
+enum Entries<'a> {
+    List(&'a [StageEntry]),
+    Table(&'a [u8]),
+}
+
+impl Entries<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Entries::List(l) => l.len(),
+            Entries::Table(t) => t.len() / ENTRY_BYTES,
+        }
+    }
+
+    /// Bytes the entries move (for error messages).
+    fn bytes(&self) -> u64 {
+        match self {
+            Entries::List(l) => l.iter().map(|e| u64::from(e.len)).sum(),
+            Entries::Table(t) => {
+                t.chunks_exact(ENTRY_BYTES).map(|e| u64::from(u32::from_le_bytes([e[12], e[13], e[14], e[15]]))).sum()
+            }
+        }
+    }
+}
+
 /// Staging copies on one GPU: table-driven gather and scatter kernels on one stream, one event and
 /// one device-resident entry table per lane.
 ///
@@ -274,18 +300,17 @@ impl CudaStager {
     unsafe fn run(
         &mut self,
         lane: usize,
-        entries: &[StageEntry],
+        entries: Entries<'_>,
         slot: u64,
         gather: bool,
         extra: Option<(u64, &[u8])>,
     ) -> Result<(), DeviceError> {
-        let bytes: u64 = entries.iter().map(|e| u64::from(e.len)).sum();
         let what = if gather { "gather" } else { "scatter" };
         let n = entries.len();
         let failed = |e: CudaError| DeviceError::Copy {
             device: DeviceKind::Cuda,
             offset: 0,
-            len: bytes,
+            len: entries.bytes(),
             reason: format!("{what} of {n} entries on lane {lane}: {e}"),
         };
         if lane >= self.lanes.len() {
@@ -302,8 +327,13 @@ impl CudaStager {
             }));
         }
         let host = l.host.as_mut_slice();
-        for (chunk, e) in host.chunks_exact_mut(ENTRY_BYTES).zip(entries) {
-            chunk.copy_from_slice(&e.to_bytes());
+        match entries {
+            Entries::List(list) => {
+                for (chunk, e) in host.chunks_exact_mut(ENTRY_BYTES).zip(list) {
+                    chunk.copy_from_slice(&e.to_bytes());
+                }
+            }
+            Entries::Table(t) => host[..mine].copy_from_slice(t),
         }
         if let Some((_, t)) = extra {
             host[mine..mine + extra_len].copy_from_slice(t);
@@ -332,27 +362,27 @@ impl Stager for CudaStager {
     unsafe fn gather(&mut self, lane: usize, entries: &[StageEntry], slot: u64) -> Result<(), DeviceError> {
         check_entries(DeviceKind::Cuda, entries, self.max_entries)?;
         // SAFETY: forwarded from `Stager::gather`'s contract; the entries were checked above.
-        unsafe { self.run(lane, entries, slot, true, None) }
+        unsafe { self.run(lane, Entries::List(entries), slot, true, None) }
     }
 
     unsafe fn gather_with_table(
         &mut self,
         lane: usize,
-        entries: &[StageEntry],
+        local: &[u8],
         slot: u64,
         table_to: u64,
         table: &[u8],
     ) -> Result<(), DeviceError> {
-        check_entries(DeviceKind::Cuda, entries, self.max_entries)?;
+        check_table(DeviceKind::Cuda, local, self.max_entries)?;
         // SAFETY: forwarded from the contracts of `Stager::write` (for `table_to`) and
         // `Stager::gather`; the entries were checked above.
-        unsafe { self.run(lane, entries, slot, true, Some((table_to, table))) }
+        unsafe { self.run(lane, Entries::Table(local), slot, true, Some((table_to, table))) }
     }
 
     unsafe fn scatter(&mut self, lane: usize, entries: &[StageEntry], slot: u64) -> Result<(), DeviceError> {
         check_entries(DeviceKind::Cuda, entries, self.max_entries)?;
         // SAFETY: forwarded from `Stager::scatter`'s contract; the entries were checked above.
-        unsafe { self.run(lane, entries, slot, false, None) }
+        unsafe { self.run(lane, Entries::List(entries), slot, false, None) }
     }
 
     unsafe fn scatter_table(

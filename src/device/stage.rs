@@ -75,17 +75,18 @@ pub trait Stager: Send + fmt::Debug {
     /// As for [`Stager::gather`] with the directions swapped: the destinations are valid for writes
     /// and untouched by anyone else, the slot's part is valid for reads and not written meanwhile.
     unsafe fn scatter(&mut self, lane: usize, entries: &[StageEntry], slot: u64) -> Result<(), DeviceError>;
-    /// [`Stager::write`] of `table` to `table_to`, then [`Stager::gather`] of `entries` on `lane`: the
-    /// sender's step for one piece (the receiver's table and the data, both into the send slot).
-    /// Backends may do both in fewer copies.
+    /// [`Stager::write`] of `table` to `table_to`, then [`Stager::gather`] of the entries of `local`
+    /// (in table form) on `lane`: the sender's step for one piece (the receiver's table and the data,
+    /// both into the send slot). Backends may do both in fewer copies.
     ///
     /// # Safety
     ///
-    /// The contracts of [`Stager::write`] (for `table_to`) and [`Stager::gather`].
+    /// The contracts of [`Stager::write`] (for `table_to`) and [`Stager::gather`] (for `local`'s
+    /// entries).
     unsafe fn gather_with_table(
         &mut self,
         lane: usize,
-        entries: &[StageEntry],
+        local: &[u8],
         slot: u64,
         table_to: u64,
         table: &[u8],
@@ -93,7 +94,7 @@ pub trait Stager: Send + fmt::Debug {
         // SAFETY: forwarded from this function's contract.
         unsafe {
             self.write(table_to, table)?;
-            self.gather(lane, entries, slot)
+            self.gather(lane, &parse_table(local), slot)
         }
     }
     /// Takes a snapshot of the `n`-entry table at `table_at` (this device's memory, e.g. a slot's
@@ -149,6 +150,24 @@ pub fn parse_table(table: &[u8]) -> Vec<StageEntry> {
             StageEntry::from_bytes(&b)
         })
         .collect()
+}
+
+/// Checks a table's entries (table form) against the stager's rules without decoding them; returns
+/// how many there are.
+pub fn check_table(kind: DeviceKind, table: &[u8], max_entries: usize) -> Result<usize, DeviceError> {
+    let bad = |what: String| DeviceError::Copy { device: kind, offset: 0, len: 0, reason: what };
+    let n = table.len() / ENTRY_BYTES;
+    if !table.len().is_multiple_of(ENTRY_BYTES) || n > max_entries {
+        return Err(bad(format!("a table of {} bytes: at most {max_entries} entries of {ENTRY_BYTES}", table.len())));
+    }
+    // addr | off | len over each entry's bytes: the low 4 bits of the first byte of each field.
+    let misaligned = table
+        .chunks_exact(ENTRY_BYTES)
+        .position(|e| (e[0] | e[8] | e[12]) & (STAGE_ALIGN as u8 - 1) != 0 || e[12..16] == [0, 0, 0, 0]);
+    if let Some(k) = misaligned {
+        return Err(bad(format!("staging entry {k} is not {STAGE_ALIGN}-byte aligned or is empty")));
+    }
+    Ok(n)
 }
 
 /// Checks an operation's entries against the stager's rules (shared by every backend).
@@ -333,5 +352,25 @@ mod tests {
         let (d, sl) = (dst.as_mut_slice().to_vec(), slot.as_mut_slice().to_vec());
         assert_eq!(d[1024..1088], sl[..64]);
         assert_eq!(d[..32], sl[64..96]);
+    }
+
+    #[test]
+    fn tables_are_checked_without_decoding() {
+        let good = StageEntry { addr: 0x1000, off: 32, len: 4096 };
+        let table: Vec<u8> = [good, good].iter().flat_map(|e| e.to_bytes()).collect();
+        assert_eq!(check_table(DeviceKind::Host, &table, 2).unwrap(), 2);
+        assert!(check_table(DeviceKind::Host, &table, 1).unwrap_err().to_string().contains("at most 1"));
+        assert!(check_table(DeviceKind::Host, &table[..20], 2).is_err(), "a partial entry");
+        for bad in [
+            StageEntry { addr: 0x1008, ..good },
+            StageEntry { off: 40, ..good },
+            StageEntry { len: 4100, ..good },
+            StageEntry { len: 0, ..good },
+        ] {
+            let t: Vec<u8> = [good, bad].iter().flat_map(|e| e.to_bytes()).collect();
+            let err = check_table(DeviceKind::Host, &t, 2).unwrap_err();
+            assert!(err.to_string().contains("entry 1"), "{bad:?}: {err}");
+            assert!(check_entries(DeviceKind::Host, &parse_table(&t), 2).is_err(), "both checks agree");
+        }
     }
 }

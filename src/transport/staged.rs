@@ -376,8 +376,8 @@ struct State {
     /// When a piece last landed from each sender: a sender still delivering pieces is alive, and a
     /// granted slot of its that waits is queued behind its other work, not lost.
     landed: HashMap<String, Instant>,
-    /// Scratch for building a piece's gather entries and table.
-    gather: Vec<StageEntry>,
+    /// Scratch for building a piece's two tables (ours for the gather, the receiver's).
+    gather: Vec<u8>,
     table: Vec<u8>,
 }
 
@@ -483,20 +483,18 @@ impl Staged {
             return None;
         }
         let caps = *st.peers.get(peer)?;
-        let total: u64 = descs.iter().map(|d| d.len).sum();
-        if total / descs.len() as u64 > self.cfg.max_mean_desc {
-            return None;
-        }
-        let aligned = descs.iter().all(|d| (d.local | d.remote | d.len).is_multiple_of(STAGE_ALIGN) && d.len > 0);
-        let mut last: Option<&MemRegion> = None;
-        let inside = descs.iter().all(|d| {
-            if last.is_some_and(|r| r.contains(d.local, d.len)) {
-                return true;
+        // One pass: the total, and every descriptor aligned, non-empty and in registered memory.
+        let (mut total, mut last) = (0u64, None::<&MemRegion>);
+        for d in descs {
+            if !(d.local | d.remote | d.len).is_multiple_of(STAGE_ALIGN) || d.len == 0 {
+                return None;
             }
-            last = st.regions.iter().find(|r| r.contains(d.local, d.len));
-            last.is_some()
-        });
-        (aligned && inside).then_some(caps)
+            if !last.is_some_and(|r| r.contains(d.local, d.len)) {
+                last = Some(st.regions.iter().find(|r| r.contains(d.local, d.len))?);
+            }
+            total += d.len;
+        }
+        (total / descs.len() as u64 <= self.cfg.max_mean_desc).then_some(caps)
     }
 
     /// How transfers to a peer of geometry `caps` are cut: pieces that fit both sides' slots.
@@ -533,11 +531,12 @@ impl Staged {
 
     /// Builds piece `p`'s gather entries (local addresses) and its table for the receiver (remote
     /// addresses, table form), the same entries [`Staged::cut`] counted.
-    fn fill(cut: Cut, descs: &[Desc], p: &OutPiece, gather: &mut Vec<StageEntry>, table: &mut Vec<u8>) {
+    fn fill(cut: Cut, descs: &[Desc], p: &OutPiece, gather: &mut Vec<u8>, table: &mut Vec<u8>) {
         gather.clear();
         table.clear();
         let (mut k, mut done, mut bytes) = (p.first, p.skip, 0u64);
-        while gather.len() < p.entries as usize {
+        let want = p.entries as usize * ENTRY_BYTES;
+        while gather.len() < want {
             let Some(d) = descs.get(k) else { break };
             if done == d.len {
                 k += 1;
@@ -546,7 +545,7 @@ impl Staged {
             }
             let len = (d.len - done).min(cut.chunk).min(cut.data - bytes);
             let (off, n) = (bytes as u32, len as u32);
-            gather.push(StageEntry { addr: d.local + done, off, len: n });
+            gather.extend_from_slice(&StageEntry { addr: d.local + done, off, len: n }.to_bytes());
             table.extend_from_slice(&StageEntry { addr: d.remote + done, off, len: n }.to_bytes());
             bytes += len;
             done += len;
@@ -648,7 +647,7 @@ impl Staged {
                         let started = unsafe {
                             st.stager.gather_with_table(lane, &gather, base + self.cfg.table_bytes(), base, &table)
                         };
-                        st.counts.entries += gather.len() as u64;
+                        st.counts.entries += (gather.len() / ENTRY_BYTES) as u64;
                         (st.gather, st.table) = (gather, table);
                         match started {
                             Ok(()) => {
@@ -1250,6 +1249,7 @@ mod tests {
         let mut covered = Vec::new();
         for p in &pieces {
             Staged::fill(cut, &descs, p, &mut gather, &mut table);
+            let gather = crate::device::stage::parse_table(&gather);
             assert_eq!(gather.len(), p.entries as usize, "{p:?}");
             assert!(p.bytes <= 4096 && gather.len() <= 4, "{p:?}");
             assert!(gather.iter().all(|e| e.len <= 2048), "{p:?}");
