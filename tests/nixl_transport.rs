@@ -269,3 +269,18 @@ fn staged_write_over_ucx_lands_every_byte() {
     drop((p, d));
     drop((src, dst));
 }
+
+/// kvpush's NIXL metadata starts with its device ordinal; cut short, it is refused before NIXL sees it.
+#[test]
+fn metadata_names_the_device_and_a_cut_short_prefix_is_refused() {
+    if !nixl_or_skip() {
+        return;
+    }
+    let a = NixlTransport::new(&NixlConfig::new("md-a")).expect("agent");
+    let b = NixlTransport::new(&NixlConfig::new("md-b")).expect("agent");
+    let md = b.local_metadata().expect("md");
+    assert_eq!((&md[..4], &md[4..8]), (&nixl::MD_MAGIC[..], &[0u8, 0, 0, 0][..]), "host memory: device 0");
+    let e = a.load_remote(&md[..6]).expect_err("cut short");
+    assert!(matches!(&e, TransportError::BadMetadata(m) if m.contains("cut short")), "{e}");
+    assert_eq!(a.load_remote(&md).expect("whole"), "md-b");
+}

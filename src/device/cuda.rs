@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use kvpush_cuda::{CudaError, DeviceMem, Event, Gpu, Kernels, PinnedHost, Stream};
 
-use super::stage::{check_entries, check_table, parse_table, ENTRY_BYTES};
+use super::stage::{check_entries, check_table, ENTRY_BYTES};
 use super::{Buffer, Device, DeviceError, DeviceKind, MemKind, MemRegion, StageEntry, Stager};
 
 /// The environment variable naming the CUDA device ordinal `KVPUSH_DEVICE=cuda` opens (default 0).
@@ -419,7 +419,7 @@ impl Stager for CudaStager {
             .map_err(|e| failed(e.to_string()))?;
         let snapshot = &l.host.as_slice()[..len];
         check(snapshot).map_err(failed)?;
-        check_entries(DeviceKind::Cuda, &parse_table(snapshot), self.max_entries)?;
+        check_table(DeviceKind::Cuda, snapshot, self.max_entries)?;
         // SAFETY: the device table holds the checked snapshot (the tables' stream was waited for
         // above); the caller's contract covers every entry `check` accepted.
         unsafe { self.launch(lane, n, slot, false) }.map_err(|e| failed(e.to_string()))

@@ -276,12 +276,14 @@ struct OutPiece {
     state: PieceState,
 }
 
-/// How a transfer is cut: a piece's data bytes, its entries, and the longest entry.
+/// How a transfer is cut: a piece's data bytes, its entries, and the longest entry; and where the
+/// data starts in the receiver's slot (after its table area).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Cut {
     data: u64,
     max_entries: usize,
     chunk: u64,
+    remote_table: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -458,11 +460,6 @@ impl Staged {
         StagingCounts { open: st.out.values().filter(|o| !o.reported).count() as u64, ..st.counts }
     }
 
-    /// The configuration.
-    pub fn config(&self) -> &StagingConfig {
-        &self.cfg
-    }
-
     fn send_slot(&self, lane: usize) -> u64 {
         self.send_buf.region().addr + lane as u64 * self.cfg.slot_stride()
     }
@@ -503,6 +500,7 @@ impl Staged {
             data: self.cfg.slot_bytes.min(caps.slot_bytes),
             max_entries: self.cfg.max_entries.min(caps.max_entries),
             chunk: self.cfg.max_entry_bytes,
+            remote_table: caps.table_bytes,
         }
     }
 
@@ -608,7 +606,7 @@ impl Staged {
                                 Desc { local: base, remote: addr, len: u64::from(p.entries) * ENTRY_BYTES as u64 },
                                 Desc {
                                     local: base + self.cfg.table_bytes(),
-                                    remote: addr + table_of(&st.peers, &o.peer),
+                                    remote: addr + o.cut.remote_table,
                                     len: p.bytes,
                                 },
                             ];
@@ -634,7 +632,7 @@ impl Staged {
                         }
                     },
                     PieceState::Granted { slot, addr } if o.failed.is_none() => {
-                        let Some(lane) = st.send_free.iter().position(|&f| f) else { continue };
+                        let Some(lane) = st.send_free.iter().position(|&f| f) else { break };
                         any = true;
                         let base = self.send_slot(lane);
                         let (mut gather, mut table) = (std::mem::take(&mut st.gather), std::mem::take(&mut st.table));
@@ -985,10 +983,6 @@ impl Staged {
     }
 }
 
-fn table_of(peers: &HashMap<String, PeerCaps>, peer: &str) -> u64 {
-    peers.get(peer).map(|c| c.table_bytes).unwrap_or(0)
-}
-
 impl Transport for Staged {
     fn name(&self) -> &str {
         self.inner.name()
@@ -1234,7 +1228,7 @@ mod tests {
         let s = Staged::new(inner, &HostDevice::new(), cfg).unwrap().unwrap();
         // The peer's slots are smaller: its geometry wins.
         let cut = s.geometry(PeerCaps { slot_bytes: 4096, max_entries: 8, table_bytes: 256 });
-        assert_eq!(cut, Cut { data: 4096, max_entries: 4, chunk: 2048 });
+        assert_eq!(cut, Cut { data: 4096, max_entries: 4, chunk: 2048, remote_table: 256 });
         let descs = [
             Desc { local: 0x10000, remote: 0x90000, len: 5120 },
             Desc { local: 0x20000, remote: 0xa0000, len: 16 },
@@ -1280,6 +1274,30 @@ mod tests {
         assert_eq!(covered, expect);
         // 2048 + 2048 fill the first piece's data; 1024 + 16 + 1024 + 48 its four entries; 32 is left.
         assert_eq!(pieces.iter().map(|p| (p.entries, p.bytes)).collect::<Vec<_>>(), [(2, 4096), (4, 2112), (1, 32)]);
+    }
+
+    #[test]
+    fn peers_with_bad_capabilities_are_refused_and_plain_metadata_means_no_staging() {
+        let fabric = Fabric::new();
+        let host = HostDevice::new();
+        let cfg = StagingConfig { slots: 1, slot_bytes: 8192, max_entries: 4, ..StagingConfig::default() };
+        let a = Staged::new(Arc::new(fabric.endpoint("a").unwrap()), &host, cfg).unwrap().unwrap();
+        let b_inner = Arc::new(fabric.endpoint("b").unwrap());
+        let plain = b_inner.local_metadata().unwrap();
+        let b = Staged::new(b_inner, &host, cfg).unwrap().unwrap();
+        let md = b.local_metadata().unwrap();
+        let cut_short = &md[..MD_MAGIC.len() + 10];
+        assert!(matches!(a.load_remote(cut_short), Err(TransportError::BadMetadata(m)) if m.contains("cut short")));
+        // More entries than the table area holds.
+        let mut lying = md.clone();
+        lying[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(a.load_remote(&lying), Err(TransportError::BadMetadata(m)) if m.contains("table bytes")));
+        // A peer without staging capabilities is loaded, and never receives staged transfers.
+        assert_eq!(a.load_remote(&plain).unwrap(), "b");
+        let descs = [Desc { local: 0, remote: 0, len: 16 }; 2];
+        assert!(a.qualifies(&lock(&a.state), Op::Write, "b", &descs).is_none());
+        assert_eq!(a.load_remote(&md).unwrap(), "b");
+        assert!(lock(&a.state).peers.contains_key("b"));
     }
 
     #[test]
