@@ -416,8 +416,17 @@ fn the_pattern_tells_units_apart_and_catches_a_flipped_bit() {
 
 // ---- machines without CUDA: clear errors, never a panic ----
 
+/// Held by the tests that read `KVPUSH_CUDA_DEVICE` (through `select("cuda")`) or set it: tests run in
+/// parallel threads of one process, which share the environment.
+static ENV: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn env_lock() -> std::sync::MutexGuard<'static, ()> {
+    ENV.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 #[test]
 fn kvpush_device_cuda_without_a_driver_is_a_clear_error() {
+    let _env = env_lock();
     match kvpush_cuda::driver_available() {
         Err(e) => {
             assert!(matches!(&e, CudaError::Unavailable { library, .. } if library.contains("CUDA driver")), "{e:?}");
@@ -460,9 +469,10 @@ fn cuda_with_an_ordinal_opens_that_device_or_says_why_not() {
     }
 }
 
-/// The only test here that touches the environment (tests run in parallel threads).
+/// The only test here that changes the environment (under [`ENV`]).
 #[test]
 fn kvpush_cuda_device_must_be_an_ordinal() {
+    let _env = env_lock();
     std::env::set_var("KVPUSH_CUDA_DEVICE", "first");
     let err = select("cuda").unwrap_err();
     std::env::remove_var("KVPUSH_CUDA_DEVICE");
