@@ -283,6 +283,9 @@ struct EngineCounts {
     /// written (one WRITE each), table entries gathered, transfers posted unstaged, transfers
     /// received staged (all pieces scattered), staged transfers that failed.
     staged_transfers: u64,
+    /// Staged transfers the engine handed over in grid form (the rest as descriptors).
+    #[serde(default)]
+    grids: u64,
     pieces: u64,
     entries: u64,
     direct: u64,
@@ -303,6 +306,7 @@ impl EngineCounts {
             descriptors_posted: c.descriptors_posted,
             bytes: c.bytes,
             staged_transfers: st.transfers,
+            grids: st.grids,
             pieces: st.pieces,
             entries: st.entries,
             direct: st.direct,
@@ -319,6 +323,7 @@ impl EngineCounts {
             descriptors_posted: self.descriptors_posted.saturating_sub(before.descriptors_posted),
             bytes: self.bytes.saturating_sub(before.bytes),
             staged_transfers: self.staged_transfers.saturating_sub(before.staged_transfers),
+            grids: self.grids.saturating_sub(before.grids),
             pieces: self.pieces.saturating_sub(before.pieces),
             entries: self.entries.saturating_sub(before.entries),
             direct: self.direct.saturating_sub(before.direct),

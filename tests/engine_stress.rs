@@ -1818,6 +1818,8 @@ fn assert_staged(d: &Driver, ctx: &str) {
     for (i, w) in d.c.p.iter().enumerate() {
         let c = w.engine.staging_counts().expect("staging is on");
         assert!(c.transfers > 0 && c.pieces > c.transfers, "{ctx}: P[{i}] staged {c:?}");
+        // The engine hands its plans over in grid form; none was expanded to be staged.
+        assert_eq!(c.grids, c.transfers, "{ctx}: P[{i}] staged descriptors: {c:?}");
         assert_eq!(c.malformed, 0, "{ctx}: P[{i}] {c:?}");
     }
     for (i, w) in d.c.d.iter().enumerate() {

@@ -17,7 +17,7 @@ use crate::proto::codec;
 use crate::proto::completion::{Completions, Event, FailReason};
 use crate::proto::ids::Instant;
 use crate::proto::msg::{Abort, Completion, Failure, FailureKind, Message, Mode, Registration};
-use crate::proto::plan::{PlanInput, Planner};
+use crate::proto::plan::{Grid, PlanInput, PlanStats, Planner};
 use crate::proto::rendezvous::{Action, Order, Rendezvous, SourceBlocks};
 use crate::proto::{Copy, Key};
 use crate::transport::{Desc, Notification, Op, XferId, XferState};
@@ -67,6 +67,8 @@ pub(super) struct Writer {
     comp: Completions,
     planner: Planner,
     copies: Vec<Copy>,
+    /// A push's plan in grid form (see [`Writer::post`]).
+    grid: Grid,
     descs: Vec<Desc>,
     frame: Vec<u8>,
     notifs: Vec<Notification>,
@@ -99,6 +101,7 @@ impl Writer {
             comp,
             planner: Planner::new(),
             copies: Vec::new(),
+            grid: Grid::default(),
             descs: Vec::new(),
             frame: Vec::new(),
             notifs: Vec::new(),
@@ -591,8 +594,9 @@ impl Writer {
         };
         self.descs.clear();
         self.descs.extend(self.copies.iter().map(|c| Desc { local: c.dst_addr, remote: c.src_addr, len: c.len }));
+        self.grid.clear();
         let notif = Message::Completion(Completion { key, rank: self.shared.me.rank });
-        self.post(now, key, &peer.agent, from, Op::Read, &notif, stats.unmerged, stats.bytes, started);
+        self.post(now, key, &peer.agent, from, Op::Read, &notif, stats, started);
     }
 
     /// Plans and posts a push WRITE for a matched transfer.
@@ -616,7 +620,8 @@ impl Writer {
             num_tokens: reg.num_tokens(),
         };
         let started = StdInstant::now();
-        let stats = match self.planner.plan(&input, &mut self.copies) {
+        // The plan stays in grid form unless the transport wants descriptors (`post`).
+        let stats = match self.planner.plan_grid(&input, &mut self.grid) {
             Ok(s) => s,
             Err(e) => {
                 self.stats().failures.plan += 1;
@@ -626,12 +631,13 @@ impl Writer {
             }
         };
         self.descs.clear();
-        self.descs.extend(self.copies.iter().map(|c| Desc { local: c.src_addr, remote: c.dst_addr, len: c.len }));
-        tracing::trace!(%key, descs = self.descs.len(), us = started.elapsed().as_micros() as u64, "push planned");
+        tracing::trace!(%key, descs = stats.merged, us = started.elapsed().as_micros() as u64, "push planned");
         let notif = Message::Completion(Completion { key, rank: self.shared.me.rank });
-        self.post(now, key, &peer.agent, to, Op::Write, &notif, stats.unmerged, stats.bytes, started);
+        self.post(now, key, &peer.agent, to, Op::Write, &notif, stats, started);
     }
 
+    /// Posts the planned transfer: `self.descs`, or (when they are empty) the grid in `self.grid`,
+    /// which goes to the transport as is if it takes grids and expanded otherwise.
     #[allow(clippy::too_many_arguments)]
     fn post(
         &mut self,
@@ -641,28 +647,35 @@ impl Writer {
         peer: PeerAddr,
         op: Op,
         notif: &Message,
-        unmerged: u64,
-        bytes: u64,
+        plan: PlanStats,
         started: StdInstant,
     ) {
         self.frame.clear();
         if let Err(e) = codec::encode(notif, &mut self.frame) {
             tracing::error!(%key, error = %e, "cannot encode notification");
         }
-        let result = if self.descs.is_empty() {
+        let transport = &self.shared.transport;
+        let result = if self.descs.is_empty() && self.grid.copies() == 0 {
             // Nothing to move (everything cached on the consumer): just notify.
-            self.shared.transport.send_notification(agent, &self.frame).map(|()| None)
+            transport.send_notification(agent, &self.frame).map(|()| None)
+        } else if !self.descs.is_empty() {
+            transport.post(op, agent, &self.descs, Some(&self.frame)).map(Some)
+        } else if let Some(r) = transport.post_grid(agent, &self.grid, Some(&self.frame)) {
+            r.map(Some)
         } else {
-            self.shared.transport.post(op, agent, &self.descs, Some(&self.frame)).map(Some)
+            let descs = &mut self.descs;
+            descs.reserve(self.grid.copies());
+            self.grid.for_each(|c| descs.push(Desc { local: c.src_addr, remote: c.dst_addr, len: c.len }));
+            transport.post(op, agent, &self.descs, Some(&self.frame)).map(Some)
         };
         let mut st = self.stats();
         st.post.record(started.elapsed().as_micros() as u64);
         match result {
             Ok(id) => {
                 st.counters.posts += 1;
-                st.counters.descriptors_unmerged += unmerged;
-                st.counters.descriptors_posted += self.descs.len() as u64;
-                st.counters.bytes += bytes;
+                st.counters.descriptors_unmerged += plan.unmerged;
+                st.counters.descriptors_posted += plan.merged;
+                st.counters.bytes += plan.bytes;
                 drop(st);
                 match id {
                     Some(id) => {

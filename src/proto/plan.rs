@@ -14,6 +14,11 @@
 //!
 //! Copies never cross a region (one region per layer and part; see [`super::merge`]). Output goes into
 //! a `Vec` the caller owns and reuses; the planner keeps its scratch buffers between calls.
+//!
+//! [`Planner::plan_grid`] stops before step 3's instantiation and returns the plan as a [`Grid`]: each
+//! group's relative copies (cells) and the layers they repeat over (rows). A fragmented request of
+//! 64 layers is 131072 copies but a grid of 2048 cells and 64 rows; a transport that runs grids
+//! (the staged one) never sees the expansion.
 
 use core::ops::Range;
 
@@ -136,11 +141,100 @@ impl Geo {
     }
 }
 
+/// A plan in grid form: per KV group, the copies of one layer relative to that layer's regions
+/// (*cells*) and the layers they repeat over (*rows*). Expanded ([`Grid::for_each`]) it is exactly
+/// what [`Planner::plan`] returns, in the same order: group by group, row by row, cell by cell.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Grid {
+    /// Relative copies: `src_region`/`dst_region` is the part index within a row (below
+    /// [`KvPlacement::regions_per_layer`]), `src_addr`/`dst_addr` the offset from that part's base.
+    pub cells: Vec<Copy>,
+    /// Rows (layers).
+    pub rows: Vec<GridRow>,
+    /// Groups: which cells repeat over which rows.
+    pub groups: Vec<GridGroup>,
+}
+
+/// One row of a [`Grid`]: a layer's regions on both sides.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GridRow {
+    /// Region id of the row's part 0 on the source side (part `p` is `src_region + p`)...
+    pub src_region: u32,
+    /// ...and on the destination side.
+    pub dst_region: u32,
+    /// Base address of each part on the source side (unused parts 0)...
+    pub src: [u64; 2],
+    /// ...and on the destination side.
+    pub dst: [u64; 2],
+}
+
+/// One group of a [`Grid`]: cells `cells` repeat over rows `rows` (indices into the grid's vectors).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GridGroup {
+    /// Index range into [`Grid::cells`].
+    pub cells: Range<usize>,
+    /// Index range into [`Grid::rows`].
+    pub rows: Range<usize>,
+}
+
+impl GridGroup {
+    /// Copies this group expands to.
+    pub fn copies(&self) -> usize {
+        self.cells.len() * self.rows.len()
+    }
+}
+
+impl Grid {
+    /// Empties the grid, keeping its allocations.
+    pub fn clear(&mut self) {
+        self.cells.clear();
+        self.rows.clear();
+        self.groups.clear();
+    }
+
+    /// Copies the grid expands to.
+    pub fn copies(&self) -> usize {
+        self.groups.iter().map(GridGroup::copies).sum()
+    }
+
+    /// Bytes the grid moves.
+    pub fn bytes(&self) -> u64 {
+        self.groups
+            .iter()
+            .map(|g| self.cells[g.cells.clone()].iter().map(|c| c.len).sum::<u64>() * g.rows.len() as u64)
+            .sum()
+    }
+
+    /// Cell `c` instantiated in row `r`: an absolute copy.
+    #[inline]
+    pub fn at(&self, r: &GridRow, c: &Copy) -> Copy {
+        Copy {
+            src_region: r.src_region + c.src_region,
+            dst_region: r.dst_region + c.dst_region,
+            src_addr: r.src[c.src_region as usize] + c.src_addr,
+            dst_addr: r.dst[c.dst_region as usize] + c.dst_addr,
+            len: c.len,
+        }
+    }
+
+    /// Calls `f` with every copy, in order.
+    pub fn for_each(&self, mut f: impl FnMut(Copy)) {
+        for g in &self.groups {
+            for r in &self.rows[g.rows.clone()] {
+                for c in &self.cells[g.cells.clone()] {
+                    f(self.at(r, c));
+                }
+            }
+        }
+    }
+}
+
 /// Plans transfers; keeps scratch buffers so repeated calls do not allocate.
 #[derive(Debug, Default)]
 pub struct Planner {
     pieces: Vec<Piece>,
     rel: Vec<Copy>,
+    grid: Grid,
 }
 
 impl Planner {
@@ -155,15 +249,29 @@ impl Planner {
     /// blocks ascend together (what allocators hand out); a run listed in descending order on both
     /// sides stays one copy per block.
     pub fn plan(&mut self, input: &PlanInput<'_>, out: &mut Vec<Copy>) -> Result<PlanStats, PlanError> {
-        let result = self.plan_inner(input, out);
+        out.clear();
+        let mut grid = std::mem::take(&mut self.grid);
+        let result = self.plan_grid(input, &mut grid);
+        if result.is_ok() {
+            out.reserve(grid.copies());
+            grid.for_each(|c| out.push(c));
+        }
+        self.grid = grid;
+        result
+    }
+
+    /// Plans `input` into `grid` (cleared first) without expanding it: [`Planner::plan`]'s copies
+    /// and counts, in grid form. On error `grid` is left empty.
+    pub fn plan_grid(&mut self, input: &PlanInput<'_>, grid: &mut Grid) -> Result<PlanStats, PlanError> {
+        let result = self.plan_inner(input, grid);
         if result.is_err() {
-            out.clear();
+            grid.clear();
         }
         result
     }
 
-    fn plan_inner(&mut self, input: &PlanInput<'_>, out: &mut Vec<Copy>) -> Result<PlanStats, PlanError> {
-        out.clear();
+    fn plan_inner(&mut self, input: &PlanInput<'_>, grid: &mut Grid) -> Result<PlanStats, PlanError> {
+        grid.clear();
         let (src, dst) = (input.src, input.dst);
         if src.model != dst.model {
             return Err(PlanError::ModelMismatch);
@@ -203,25 +311,27 @@ impl Planner {
             self.pieces_for(g, tokens, input);
             let unmerged = self.relative_copies(&gs, &gd, &slice, src.parts());
             stats.unmerged += unmerged * n_layers;
-            out.reserve(self.rel.len() * n_layers as usize);
+            let (cells, rows) = (grid.cells.len(), grid.rows.len());
+            grid.cells.extend_from_slice(&self.rel);
+            let bases = |l: &KvLayout, first: u32, per: u32| {
+                let at = |p: u32| if p < per { l.region_bases[(first + p) as usize] } else { 0 };
+                [at(0), at(1)]
+            };
             for layer in group_layers {
-                let (ls, ld) = (layer - sl.start, layer - dl.start);
-                for rc in &self.rel {
-                    let src_region = ls * per_s + rc.src_region;
-                    let dst_region = ld * per_d + rc.dst_region;
-                    out.push(Copy {
-                        src_region,
-                        dst_region,
-                        src_addr: src.region_bases[src_region as usize] + rc.src_addr,
-                        dst_addr: dst.region_bases[dst_region as usize] + rc.dst_addr,
-                        len: rc.len,
-                    });
-                }
+                let (s0, d0) = ((layer - sl.start) * per_s, (layer - dl.start) * per_d);
+                grid.rows.push(GridRow {
+                    src_region: s0,
+                    dst_region: d0,
+                    src: bases(src, s0, per_s),
+                    dst: bases(dst, d0, per_d),
+                });
             }
+            let group = GridGroup { cells: cells..grid.cells.len(), rows: rows..grid.rows.len() };
+            stats.merged += group.copies() as u64;
+            grid.groups.push(group);
             let group_bytes: u64 = self.rel.iter().map(|c| c.len).sum();
             stats.bytes += group_bytes * n_layers;
         }
-        stats.merged = out.len() as u64;
         Ok(stats)
     }
 
@@ -540,6 +650,57 @@ mod tests {
         let elem = 8;
         // Full group: 64 tokens x K,V; window group: last 20 tokens x K,V.
         assert_eq!(st.bytes, (64 + 20) * 2 * elem);
+    }
+
+    #[test]
+    fn grid_is_compact_and_expands_to_the_plan() {
+        // Two groups (full and sliding window), Separate on one side and Joint on the other,
+        // fragmented ids: one cell per block and part, one row per layer, and the expansion is the
+        // plan, copy for copy.
+        let groups = vec![
+            KvGroup { kind: GroupKind::Full, layers: vec![0, 2, 3] },
+            KvGroup { kind: GroupKind::SlidingWindow { window_tokens: 32 }, layers: vec![1] },
+        ];
+        let m = model(4, 2, groups);
+        let s = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 30);
+        let d = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Joint, Parallel::SINGLE, 1 << 34);
+        let src_ids: Vec<u32> = (0..8).map(|i| (i * 5) % 8).collect();
+        let dst_ids: Vec<u32> = (0..8).map(|i| 40 - 3 * i).collect();
+        let input = PlanInput {
+            src: &s,
+            dst: &d,
+            src_blocks: &[src_ids.clone(), src_ids],
+            dst_blocks: &[dst_ids.clone(), dst_ids],
+            num_tokens: 128,
+        };
+        let mut planner = Planner::new();
+        let mut grid = Grid::default();
+        let st = planner.plan_grid(&input, &mut grid).expect("plans");
+        let mut out = Vec::new();
+        assert_eq!(planner.plan(&input, &mut out).expect("plans"), st);
+        assert_eq!(grid.groups.len(), 2);
+        // Full group: one cell per block and part (a block's heads are contiguous on both sides).
+        assert_eq!(grid.groups[0].rows.len(), 3);
+        assert_eq!(grid.groups[0].cells.len(), 8 * 2);
+        // Window of 32 tokens: the last 2 blocks.
+        assert_eq!(grid.groups[1].rows.len(), 1);
+        assert_eq!(grid.groups[1].cells.len(), 2 * 2);
+        assert_eq!(grid.copies() as u64, st.merged);
+        assert_eq!(grid.bytes(), st.bytes);
+        let mut expanded = Vec::new();
+        grid.for_each(|c| expanded.push(c));
+        assert_eq!(expanded, out);
+        assert!(grid.cells.iter().all(|c| c.src_region < 2 && c.dst_region < 1));
+        // Layer 2 (the full group's second row): source regions 4 and 5, destination region 2.
+        let row = grid.rows[grid.groups[0].rows.start + 1];
+        assert_eq!((row.src_region, row.dst_region), (4, 2));
+        assert_eq!(row.src, [s.region_bases[4], s.region_bases[5]]);
+        assert_eq!(row.dst, [d.region_bases[2], 0]);
+        // An error leaves the grid empty.
+        let far = vec![vec![1000u32; 8], vec![1000u32; 8]];
+        let bad = PlanInput { dst_blocks: &far, ..input };
+        assert!(matches!(planner.plan_grid(&bad, &mut grid), Err(PlanError::DestinationBlocks(_))));
+        assert_eq!(grid, Grid::default());
     }
 
     #[test]

@@ -15,6 +15,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::device::MemRegion;
+use crate::proto::plan::Grid;
 
 pub mod loopback;
 pub mod nixl;
@@ -189,6 +190,15 @@ pub trait Transport: Send + Sync + fmt::Debug {
     /// Posts a transfer of `descs` with `peer`; `notif`, if any, is delivered to the peer after every
     /// byte landed. Returns at once.
     fn post(&self, op: Op, peer: &str, descs: &[Desc], notif: Option<&[u8]>) -> Result<XferId, TransportError>;
+    /// Posts a WRITE to `peer` of a plan in grid form (sources local, destinations the peer's), as
+    /// [`Transport::post`] would post its expansion. `None`: this transport does not take grids, or
+    /// not this one; the caller posts the expanded descriptors instead (the default). Transports
+    /// that run a grid without expanding it (staging) save the per-descriptor work of a fragmented
+    /// request.
+    fn post_grid(&self, peer: &str, grid: &Grid, notif: Option<&[u8]>) -> Option<Result<XferId, TransportError>> {
+        let _ = (peer, grid, notif);
+        None
+    }
     /// The state of a posted transfer. `Done` and errors release the handle.
     fn poll(&self, id: XferId) -> Result<XferState, TransportError>;
     /// Moves received notifications into `out`; returns how many.

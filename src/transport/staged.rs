@@ -47,6 +47,7 @@ use std::time::{Duration, Instant};
 use super::{Desc, Notification, Op, Transport, TransportError, Units, Waker, XferId, XferState};
 use crate::device::stage::{StageEntry, Stager, ENTRY_BYTES, STAGE_ALIGN};
 use crate::device::{Buffer, Device, MemRegion};
+use crate::proto::plan::Grid;
 
 /// First bytes of every staging notification (engine frames start with `KP`).
 pub const MAGIC: [u8; 2] = *b"KS";
@@ -134,6 +135,8 @@ impl StagingConfig {
 pub struct StagingCounts {
     /// Transfers sent staged.
     pub transfers: u64,
+    /// Of those, posted as a planner's grid ([`Transport::post_grid`]) rather than descriptors.
+    pub grids: u64,
     /// Pieces written (one WRITE each).
     pub pieces: u64,
     /// Table entries gathered.
@@ -276,6 +279,12 @@ struct OutPiece {
     state: PieceState,
 }
 
+impl OutPiece {
+    fn starting(first: usize, skip: u64) -> OutPiece {
+        OutPiece { first, skip, entries: 0, bytes: 0, state: PieceState::Waiting }
+    }
+}
+
 /// How a transfer is cut: a piece's data bytes, its entries, and the longest entry; and where the
 /// data starts in the receiver's slot (after its table area).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -300,10 +309,130 @@ enum PieceState {
     Written,
 }
 
+/// What an outgoing transfer moves: descriptors, or a planner's grid, which is expanded only piece
+/// by piece as pieces are filled (a fragmented request never exists as 131072 descriptors).
+#[derive(Debug)]
+enum Source {
+    Descs(Vec<Desc>),
+    Grid(Grid),
+}
+
+/// The descriptors of a [`Source`] from some index on, in order.
+enum DescIter<'a> {
+    Descs(std::slice::Iter<'a, Desc>),
+    Grid { grid: &'a Grid, group: usize, row: usize, cell: usize },
+}
+
+impl Source {
+    /// Descriptors from number `k` on.
+    fn from(&self, k: usize) -> DescIter<'_> {
+        match self {
+            Source::Descs(d) => DescIter::Descs(d.get(k..).unwrap_or_default().iter()),
+            Source::Grid(grid) => {
+                let mut k = k;
+                for (group, g) in grid.groups.iter().enumerate() {
+                    if k < g.copies() {
+                        let n = g.cells.len();
+                        return DescIter::Grid { grid, group, row: g.rows.start + k / n, cell: g.cells.start + k % n };
+                    }
+                    k -= g.copies();
+                }
+                DescIter::Grid { grid, group: grid.groups.len(), row: 0, cell: 0 }
+            }
+        }
+    }
+
+    fn bytes(&self) -> u64 {
+        match self {
+            Source::Descs(d) => d.iter().map(|d| d.len).sum(),
+            Source::Grid(g) => g.bytes(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Source::Descs(d) => d.len(),
+            Source::Grid(g) => g.copies(),
+        }
+    }
+}
+
+impl Iterator for DescIter<'_> {
+    type Item = Desc;
+
+    #[inline]
+    fn next(&mut self) -> Option<Desc> {
+        match self {
+            DescIter::Descs(it) => it.next().copied(),
+            DescIter::Grid { grid, group, row, cell } => {
+                let g = grid.groups.get(*group)?;
+                let c = grid.at(&grid.rows[*row], &grid.cells[*cell]);
+                *cell += 1;
+                if *cell == g.cells.end {
+                    *cell = g.cells.start;
+                    *row += 1;
+                    if *row == g.rows.end {
+                        *group += 1;
+                        while let Some(next) = grid.groups.get(*group) {
+                            if next.copies() > 0 {
+                                (*row, *cell) = (next.rows.start, next.cells.start);
+                                break;
+                            }
+                            *group += 1;
+                        }
+                    }
+                }
+                Some(Desc { local: c.src_addr, remote: c.dst_addr, len: c.len })
+            }
+        }
+    }
+}
+
+/// Cuts descriptors into pieces, one descriptor at a time (see [`Staged::cut`]).
+struct Cutter {
+    cut: Cut,
+    pieces: Vec<OutPiece>,
+    cur: OutPiece,
+}
+
+impl Cutter {
+    fn new(cut: Cut) -> Cutter {
+        Cutter { cut, pieces: Vec::new(), cur: OutPiece::starting(0, 0) }
+    }
+
+    /// Descriptor number `k` of `len` bytes.
+    #[inline]
+    fn desc(&mut self, k: usize, len: u64) {
+        let cut = self.cut;
+        let mut done = 0;
+        while done < len {
+            if self.cur.bytes == cut.data || self.cur.entries as usize == cut.max_entries {
+                self.pieces.push(std::mem::replace(&mut self.cur, OutPiece::starting(k, done)));
+            }
+            let n = (len - done).min(cut.chunk).min(cut.data - self.cur.bytes);
+            self.cur.entries += 1;
+            self.cur.bytes += n;
+            done += n;
+        }
+    }
+
+    /// Whether `bytes` in `entries` more entries fit the current piece without closing it early.
+    fn fits(&self, bytes: u64, entries: u64) -> bool {
+        self.cur.bytes + bytes <= self.cut.data && self.cur.entries as u64 + entries <= self.cut.max_entries as u64
+    }
+
+    fn finish(mut self) -> Vec<OutPiece> {
+        if self.cur.entries > 0 {
+            self.pieces.push(self.cur);
+        }
+        self.pieces
+    }
+}
+
 #[derive(Debug)]
 struct Outgoing {
     peer: String,
-    descs: Vec<Desc>,
+    src: Source,
     cut: Cut,
     pieces: Vec<OutPiece>,
     written: usize,
@@ -504,50 +633,140 @@ impl Staged {
         }
     }
 
-    /// Cuts `descs` into pieces (one pass of arithmetic; [`Staged::fill`] builds a piece's table).
-    fn cut(cut: Cut, descs: &[Desc]) -> Vec<OutPiece> {
-        let empty = |first, skip| OutPiece { first, skip, entries: 0, bytes: 0, state: PieceState::Waiting };
-        let mut pieces = Vec::new();
-        let mut cur = empty(0, 0);
-        for (k, d) in descs.iter().enumerate() {
-            let mut done = 0;
-            while done < d.len {
-                if cur.bytes == cut.data || cur.entries as usize == cut.max_entries {
-                    pieces.push(std::mem::replace(&mut cur, empty(k, done)));
+    /// Whether a WRITE of `grid` to `peer` is staged, and the peer's geometry: as
+    /// [`Staged::qualifies`] for its expansion, checked per row (each row's part lies in one
+    /// registered region) rather than per descriptor.
+    fn qualifies_grid(&self, st: &State, peer: &str, grid: &Grid) -> Option<PeerCaps> {
+        let copies = grid.copies();
+        if copies < self.cfg.min_descs {
+            return None;
+        }
+        let caps = *st.peers.get(peer)?;
+        let aligned = |x: u64| x.is_multiple_of(STAGE_ALIGN);
+        let mut last = None::<&MemRegion>;
+        for g in &grid.groups {
+            let cells = &grid.cells[g.cells.clone()];
+            // Each source part's extent, relative to its base.
+            let mut ext = [(u64::MAX, 0u64); 2];
+            for c in cells {
+                if !aligned(c.src_addr | c.dst_addr | c.len) || c.len == 0 || c.src_region > 1 || c.dst_region > 1 {
+                    return None;
                 }
-                let len = (d.len - done).min(cut.chunk).min(cut.data - cur.bytes);
-                cur.entries += 1;
-                cur.bytes += len;
-                done += len;
+                let e = &mut ext[c.src_region as usize];
+                *e = (e.0.min(c.src_addr), e.1.max(c.src_addr + c.len));
+            }
+            for r in &grid.rows[g.rows.clone()] {
+                if !aligned(r.src[0] | r.src[1] | r.dst[0] | r.dst[1]) {
+                    return None;
+                }
+                for (p, &(lo, hi)) in ext.iter().enumerate().filter(|(_, e)| e.0 < e.1) {
+                    let (addr, len) = (r.src[p].checked_add(lo)?, hi - lo);
+                    if !last.is_some_and(|m| m.contains(addr, len)) {
+                        last = Some(st.regions.iter().find(|m| m.contains(addr, len))?);
+                    }
+                }
             }
         }
-        if cur.entries > 0 {
-            pieces.push(cur);
+        (grid.bytes() / copies as u64 <= self.cfg.max_mean_desc).then_some(caps)
+    }
+
+    /// Cuts `src` into pieces that fit both sides' slots: the pieces' bounds and sizes only, by
+    /// arithmetic ([`Staged::fill`] builds a piece's tables). A grid's rows that fit the current
+    /// piece whole are taken in one step, so cutting costs per row, not per descriptor.
+    fn cut(cut: Cut, src: &Source) -> Vec<OutPiece> {
+        let mut c = Cutter::new(cut);
+        match src {
+            Source::Descs(descs) => descs.iter().enumerate().for_each(|(k, d)| c.desc(k, d.len)),
+            Source::Grid(grid) => {
+                let mut k = 0;
+                for g in &grid.groups {
+                    let cells = &grid.cells[g.cells.clone()];
+                    let bytes: u64 = cells.iter().map(|x| x.len).sum();
+                    let entries: u64 = cells.iter().map(|x| x.len.div_ceil(cut.chunk)).sum();
+                    for _ in g.rows.clone() {
+                        if c.fits(bytes, entries) {
+                            c.cur.bytes += bytes;
+                            c.cur.entries += entries as u32;
+                            k += cells.len();
+                        } else {
+                            for x in cells {
+                                c.desc(k, x.len);
+                                k += 1;
+                            }
+                        }
+                    }
+                }
+            }
         }
-        pieces
+        c.finish()
     }
 
     /// Builds piece `p`'s gather entries (local addresses) and its table for the receiver (remote
     /// addresses, table form), the same entries [`Staged::cut`] counted.
-    fn fill(cut: Cut, descs: &[Desc], p: &OutPiece, gather: &mut Vec<u8>, table: &mut Vec<u8>) {
+    fn fill(cut: Cut, src: &Source, p: &OutPiece, gather: &mut Vec<u8>, table: &mut Vec<u8>) {
         gather.clear();
         table.clear();
-        let (mut k, mut done, mut bytes) = (p.first, p.skip, 0u64);
         let want = p.entries as usize * ENTRY_BYTES;
-        while gather.len() < want {
-            let Some(d) = descs.get(k) else { break };
-            if done == d.len {
-                k += 1;
-                done = 0;
-                continue;
+        gather.reserve(want);
+        table.reserve(want);
+        let (mut done, mut bytes) = (p.skip, 0u64);
+        for d in src.from(p.first) {
+            while done < d.len && gather.len() < want {
+                let len = (d.len - done).min(cut.chunk).min(cut.data - bytes);
+                let (off, n) = (bytes as u32, len as u32);
+                gather.extend_from_slice(&StageEntry { addr: d.local + done, off, len: n }.to_bytes());
+                table.extend_from_slice(&StageEntry { addr: d.remote + done, off, len: n }.to_bytes());
+                bytes += len;
+                done += len;
             }
-            let len = (d.len - done).min(cut.chunk).min(cut.data - bytes);
-            let (off, n) = (bytes as u32, len as u32);
-            gather.extend_from_slice(&StageEntry { addr: d.local + done, off, len: n }.to_bytes());
-            table.extend_from_slice(&StageEntry { addr: d.remote + done, off, len: n }.to_bytes());
-            bytes += len;
-            done += len;
+            if gather.len() >= want {
+                break;
+            }
+            done = 0;
         }
+    }
+
+    /// Starts a staged transfer of `src`: cuts it, sends the REQUEST, and keeps it for the pumps.
+    fn start(
+        &self,
+        mut st: MutexGuard<'_, State>,
+        caps: PeerCaps,
+        peer: &str,
+        src: Source,
+        notif: Option<&[u8]>,
+        started: Instant,
+    ) -> Result<XferId, TransportError> {
+        let cut = self.geometry(caps);
+        let pieces = Self::cut(cut, &src);
+        let tag = self.next.fetch_add(1, Ordering::Relaxed);
+        let request = Frame::Request { tag, pieces: pieces.len() as u32, notif: notif.unwrap_or_default().to_vec() };
+        self.inner.send_notification(peer, &request.encode())?;
+        tracing::trace!(
+            tag,
+            descs = src.len(),
+            pieces = pieces.len(),
+            us = started.elapsed().as_micros() as u64,
+            "staging: requested"
+        );
+        st.counts.transfers += 1;
+        st.counts.grids += u64::from(matches!(src, Source::Grid(_)));
+        st.counts.bytes += src.bytes();
+        let o = Outgoing {
+            peer: peer.to_owned(),
+            src,
+            cut,
+            pieces,
+            written: 0,
+            failed: None,
+            cancel_sent: false,
+            done: false,
+            outcome: None,
+            reported: false,
+            moved: Instant::now(),
+        };
+        st.out.insert(tag, o);
+        st.out_order.push_back(tag);
+        Ok(XferId(STAGED_BIT | tag))
     }
 
     // ---- Sender. ----
@@ -636,7 +855,7 @@ impl Staged {
                         any = true;
                         let base = self.send_slot(lane);
                         let (mut gather, mut table) = (std::mem::take(&mut st.gather), std::mem::take(&mut st.table));
-                        Self::fill(o.cut, &o.descs, &o.pieces[i], &mut gather, &mut table);
+                        Self::fill(o.cut, &o.src, &o.pieces[i], &mut gather, &mut table);
                         // SAFETY: the send slot `lane` is free (no transfer or gather uses it) and lies in
                         // `send_buf`, which this wrapper owns; the table fits its table area (at most
                         // max_entries entries, checked when cutting) and the data its data area; the
@@ -1076,38 +1295,15 @@ impl Transport for Staged {
             drop(st);
             return self.inner.post(op, peer, descs, notif);
         };
-        let cut = self.geometry(caps);
-        let pieces = Self::cut(cut, descs);
-        let tag = self.next.fetch_add(1, Ordering::Relaxed);
-        let request = Frame::Request { tag, pieces: pieces.len() as u32, notif: notif.unwrap_or_default().to_vec() };
-        self.inner.send_notification(peer, &request.encode())?;
-        tracing::trace!(
-            tag,
-            descs = descs.len(),
-            pieces = pieces.len(),
-            us = started.elapsed().as_micros() as u64,
-            "staging: requested"
-        );
-        st.counts.transfers += 1;
-        st.counts.bytes += descs.iter().map(|d| d.len).sum::<u64>();
-        st.out.insert(
-            tag,
-            Outgoing {
-                peer: peer.to_owned(),
-                descs: descs.to_vec(),
-                cut,
-                pieces,
-                written: 0,
-                failed: None,
-                cancel_sent: false,
-                done: false,
-                outcome: None,
-                reported: false,
-                moved: Instant::now(),
-            },
-        );
-        st.out_order.push_back(tag);
-        Ok(XferId(STAGED_BIT | tag))
+        self.start(st, caps, peer, Source::Descs(descs.to_vec()), notif, started)
+    }
+
+    fn post_grid(&self, peer: &str, grid: &Grid, notif: Option<&[u8]>) -> Option<Result<XferId, TransportError>> {
+        let started = Instant::now();
+        let st = lock(&self.state);
+        // Not qualifying as a grid: the caller posts the expansion (`post` decides again).
+        let caps = self.qualifies_grid(&st, peer, grid)?;
+        Some(self.start(st, caps, peer, Source::Grid(grid.clone()), notif, started))
     }
 
     fn poll(&self, id: XferId) -> Result<XferState, TransportError> {
@@ -1170,6 +1366,8 @@ impl Drop for Staged {
 mod tests {
     use super::*;
     use crate::device::host::HostDevice;
+    use crate::proto::plan::{GridGroup, GridRow};
+    use crate::proto::Copy;
     use crate::transport::loopback::Fabric;
 
     #[test]
@@ -1236,13 +1434,14 @@ mod tests {
             Desc { local: 0x40000, remote: 0xc0000, len: 48 },
             Desc { local: 0x50000, remote: 0xd0000, len: 32 },
         ];
-        let pieces = Staged::cut(cut, &descs);
+        let src = Source::Descs(descs.to_vec());
+        let pieces = Staged::cut(cut, &src);
         let total: u64 = pieces.iter().map(|p| p.bytes).sum();
         assert_eq!(total, descs.iter().map(|d| d.len).sum::<u64>());
         let (mut gather, mut table) = (Vec::new(), Vec::new());
         let mut covered = Vec::new();
         for p in &pieces {
-            Staged::fill(cut, &descs, p, &mut gather, &mut table);
+            Staged::fill(cut, &src, p, &mut gather, &mut table);
             let gather = crate::device::stage::parse_table(&gather);
             assert_eq!(gather.len(), p.entries as usize, "{p:?}");
             assert!(p.bytes <= 4096 && gather.len() <= 4, "{p:?}");
@@ -1274,6 +1473,107 @@ mod tests {
         assert_eq!(covered, expect);
         // 2048 + 2048 fill the first piece's data; 1024 + 16 + 1024 + 48 its four entries; 32 is left.
         assert_eq!(pieces.iter().map(|p| (p.entries, p.bytes)).collect::<Vec<_>>(), [(2, 4096), (4, 2112), (1, 32)]);
+    }
+
+    /// A grid of `groups` (cells as (src part, dst part, length in 16-byte words), rows) at made-up
+    /// bases: row `r`'s source part `p` at `SRC + r * 1 MiB + p * 256 KiB`, destination likewise.
+    /// A test grid's group: cells (source part, destination part, 16-byte words) and a row count.
+    type TestGroup = (Vec<(u32, u32, u64)>, usize);
+
+    fn grid_of(groups: &[TestGroup]) -> Grid {
+        const SRC: u64 = 0x1000_0000;
+        const DST: u64 = 0x8000_0000;
+        let mut grid = Grid::default();
+        for (cells, rows) in groups {
+            let (c0, r0) = (grid.cells.len(), grid.rows.len());
+            for (i, &(sp, dp, words)) in cells.iter().enumerate() {
+                let off = i as u64 * 8192;
+                let len = words * 16;
+                let (src_region, dst_region) = (sp, dp);
+                grid.cells.push(Copy { src_region, dst_region, src_addr: off, dst_addr: off + 16, len });
+            }
+            for _ in 0..*rows {
+                let r = grid.rows.len() as u64;
+                let at = |base: u64, p: u64| base + r * (1 << 20) + p * (256 << 10);
+                grid.rows.push(GridRow {
+                    src_region: 2 * r as u32,
+                    dst_region: 2 * r as u32,
+                    src: [at(SRC, 0), at(SRC, 1)],
+                    dst: [at(DST, 0), at(DST, 1)],
+                });
+            }
+            grid.groups.push(GridGroup { cells: c0..grid.cells.len(), rows: r0..grid.rows.len() });
+        }
+        grid
+    }
+
+    fn expanded(grid: &Grid) -> Vec<Desc> {
+        let mut descs = Vec::new();
+        grid.for_each(|c| descs.push(Desc { local: c.src_addr, remote: c.dst_addr, len: c.len }));
+        descs
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+        /// A grid is cut and filled exactly as its expansion would be: the same pieces, the same
+        /// tables, byte for byte (the grid's row-at-once cutting and lazy expansion change nothing).
+        #[test]
+        fn grids_cut_and_fill_as_their_expansion(
+            groups in proptest::collection::vec(
+                (proptest::collection::vec((0u32..2, 0u32..2, 1u64..300), 0..6), 0usize..4), 1..4),
+            data_words in 64u64..600,
+            max_entries in 1usize..12,
+        ) {
+            let grid = grid_of(&groups);
+            let cut = Cut { data: data_words * 16, max_entries, chunk: 2048, remote_table: 4096 };
+            let (g, d) = (Source::Grid(grid.clone()), Source::Descs(expanded(&grid)));
+            let key = |p: &OutPiece| (p.first, p.skip, p.entries, p.bytes);
+            let (pg, pd) = (Staged::cut(cut, &g), Staged::cut(cut, &d));
+            proptest::prop_assert_eq!(pg.iter().map(key).collect::<Vec<_>>(), pd.iter().map(key).collect::<Vec<_>>());
+            proptest::prop_assert_eq!(pg.iter().map(|p| p.bytes).sum::<u64>(), grid.bytes());
+            proptest::prop_assert_eq!(g.len(), d.len());
+            let (mut ga, mut ta, mut gb, mut tb) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for p in &pg {
+                Staged::fill(cut, &g, p, &mut ga, &mut ta);
+                Staged::fill(cut, &d, p, &mut gb, &mut tb);
+                proptest::prop_assert_eq!(&ga, &gb);
+                proptest::prop_assert_eq!(&ta, &tb);
+                proptest::prop_assert_eq!(ga.len(), p.entries as usize * ENTRY_BYTES);
+            }
+        }
+    }
+
+    #[test]
+    fn grids_qualify_only_inside_registered_memory() {
+        let fabric = Fabric::new();
+        let cfg = StagingConfig { slots: 1, slot_bytes: 8192, max_entries: 4, ..StagingConfig::default() };
+        let a = Staged::new(Arc::new(fabric.endpoint("a").unwrap()), &HostDevice::new(), cfg).unwrap().unwrap();
+        let grid = grid_of(&[(vec![(0, 0, 4), (1, 1, 4), (0, 1, 8)], 3)]);
+        let caps = PeerCaps { slot_bytes: 8192, max_entries: 4, table_bytes: 256 };
+        let region = |addr, len| MemRegion { addr, len, kind: crate::device::MemKind::Dram, dev_id: 0 };
+        {
+            let mut st = lock(&a.state);
+            // No staging capabilities: not staged.
+            assert!(a.qualifies_grid(&st, "b", &grid).is_none());
+            st.peers.insert("b".into(), caps);
+            // Not registered memory.
+            assert!(a.qualifies_grid(&st, "b", &grid).is_none());
+            // Rows 0 and 1 registered, row 2 not.
+            st.regions.push(region(0x1000_0000, 2 << 20));
+            assert!(a.qualifies_grid(&st, "b", &grid).is_none());
+            st.regions.push(region(0x1000_0000 + (2 << 20), 1 << 20));
+            assert_eq!(a.qualifies_grid(&st, "b", &grid), Some(caps));
+            assert!(a.qualifies(&st, Op::Write, "b", &expanded(&grid)).is_some(), "its expansion qualifies too");
+            // A misaligned cell or base disqualifies it.
+            let mut odd = grid.clone();
+            odd.cells[1].len += 8;
+            assert!(a.qualifies_grid(&st, "b", &odd).is_none());
+            let mut odd = grid.clone();
+            odd.rows[2].dst[1] += 8;
+            assert!(a.qualifies_grid(&st, "b", &odd).is_none());
+            // One copy is not staged (min_descs).
+            assert!(a.qualifies_grid(&st, "b", &grid_of(&[(vec![(0, 0, 4)], 1)])).is_none());
+        }
     }
 
     #[test]
