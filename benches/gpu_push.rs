@@ -286,6 +286,9 @@ struct EngineCounts {
     /// Staged transfers the engine handed over in grid form (the rest as descriptors).
     #[serde(default)]
     grids: u64,
+    /// First pieces gathered ahead of their grant.
+    #[serde(default)]
+    ahead: u64,
     pieces: u64,
     entries: u64,
     direct: u64,
@@ -307,6 +310,7 @@ impl EngineCounts {
             bytes: c.bytes,
             staged_transfers: st.transfers,
             grids: st.grids,
+            ahead: st.ahead,
             pieces: st.pieces,
             entries: st.entries,
             direct: st.direct,
@@ -324,6 +328,7 @@ impl EngineCounts {
             bytes: self.bytes.saturating_sub(before.bytes),
             staged_transfers: self.staged_transfers.saturating_sub(before.staged_transfers),
             grids: self.grids.saturating_sub(before.grids),
+            ahead: self.ahead.saturating_sub(before.ahead),
             pieces: self.pieces.saturating_sub(before.pieces),
             entries: self.entries.saturating_sub(before.entries),
             direct: self.direct.saturating_sub(before.direct),

@@ -26,9 +26,9 @@ use crate::transport::{Desc, Notification, Op, XferId, XferState};
 const IDLE_WAIT: Duration = Duration::from_millis(100);
 /// First polling interval while waiting for a peer on a polled transport.
 const POLL_MIN: Duration = Duration::from_micros(10);
-/// How long a writer keeps looking at its inbox after work before it sleeps for real.
+/// How long a writer keeps polling its transport after work before it sleeps for real.
 const LINGER: Duration = Duration::from_millis(2);
-/// How often a lingering writer looks at its inbox.
+/// How often a lingering writer polls its transport (commands wake it at once).
 const LINGER_TICK: Duration = Duration::from_micros(100);
 /// Longest polling interval while only waiting for a peer's notification (a polled transport).
 const POLL_WAITING_MAX: Duration = Duration::from_micros(200);
@@ -132,10 +132,10 @@ impl Writer {
         let mut commands = Vec::new();
         loop {
             let mut wait = self.next_wait();
-            // Right after work the writer lingers, looking at its inbox every LINGER_TICK: the engine
-            // loop's next call then costs no wake-up. Only past LINGER does it sleep for real.
-            let lingering = self.last_active.elapsed() < LINGER;
-            if lingering {
+            // Right after work the writer lingers: it polls its transport at least every LINGER_TICK
+            // (a peer's next frame is likely soon). Its sleeps are still rung by the engine loop's
+            // commands, so a push that arrives meanwhile starts at once, not at the next tick.
+            if self.last_active.elapsed() < LINGER {
                 wait = wait.min(LINGER_TICK);
             }
             let first = if wait.is_zero() {
@@ -147,7 +147,7 @@ impl Writer {
                     Err(crossbeam_channel::TryRecvError::Empty) => None,
                     Err(crossbeam_channel::TryRecvError::Disconnected) => return,
                 }
-            } else if !lingering && !inbox.prepare_sleep() {
+            } else if !inbox.prepare_sleep() {
                 // Commands arrived while we were about to sleep: look at them instead.
                 None
             } else {

@@ -137,6 +137,8 @@ pub struct StagingCounts {
     pub transfers: u64,
     /// Of those, posted as a planner's grid ([`Transport::post_grid`]) rather than descriptors.
     pub grids: u64,
+    /// First pieces gathered ahead of their grant (while the REQUEST travelled).
+    pub ahead: u64,
     /// Pieces written (one WRITE each).
     pub pieces: u64,
     /// Table entries gathered.
@@ -290,6 +292,9 @@ impl OutPiece {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Cut {
     data: u64,
+    /// Data bytes of the first piece (a fraction of `data`): it is gathered and on the wire sooner,
+    /// so the link starts while the next, full pieces are being gathered.
+    first: u64,
     max_entries: usize,
     chunk: u64,
     remote_table: u64,
@@ -301,8 +306,11 @@ enum PieceState {
     Waiting,
     /// Granted receive slot and its address, waiting for a send slot.
     Granted { slot: u32, addr: u64 },
-    /// Being gathered in send slot `lane`.
-    Gathering { lane: usize, slot: u32, addr: u64 },
+    /// Being gathered in send slot `lane`; with its grant (receive slot and address), or gathered
+    /// ahead of it (a transfer's first piece, while its REQUEST travels).
+    Gathering { lane: usize, grant: Option<(u32, u64)> },
+    /// Gathered ahead of its grant in send slot `lane`.
+    Gathered { lane: usize },
     /// Being written from send slot `lane`.
     Writing { lane: usize, inner: XferId },
     /// Written.
@@ -400,25 +408,38 @@ impl Cutter {
         Cutter { cut, pieces: Vec::new(), cur: OutPiece::starting(0, 0) }
     }
 
+    /// Data bytes the current piece may hold.
+    #[inline]
+    fn limit(&self) -> u64 {
+        if self.pieces.is_empty() {
+            self.cut.first
+        } else {
+            self.cut.data
+        }
+    }
+
     /// Descriptor number `k` of `len` bytes.
     #[inline]
     fn desc(&mut self, k: usize, len: u64) {
-        let cut = self.cut;
         let mut done = 0;
         while done < len {
-            if self.cur.bytes == cut.data || self.cur.entries as usize == cut.max_entries {
+            if self.cur.bytes == self.limit() || self.cur.entries as usize == self.cut.max_entries {
                 self.pieces.push(std::mem::replace(&mut self.cur, OutPiece::starting(k, done)));
             }
-            let n = (len - done).min(cut.chunk).min(cut.data - self.cur.bytes);
+            let n = (len - done).min(self.cut.chunk).min(self.limit() - self.cur.bytes);
             self.cur.entries += 1;
             self.cur.bytes += n;
             done += n;
         }
     }
 
-    /// Whether `bytes` in `entries` more entries fit the current piece without closing it early.
-    fn fits(&self, bytes: u64, entries: u64) -> bool {
-        self.cur.bytes + bytes <= self.cut.data && self.cur.entries as u64 + entries <= self.cut.max_entries as u64
+    /// Whether `bytes` in `entries` more entries, from descriptor `k` on, fit the current piece
+    /// without closing it early. A full piece is closed first (as [`Cutter::desc`] would at `k`).
+    fn fits(&mut self, k: usize, bytes: u64, entries: u64) -> bool {
+        if self.cur.bytes == self.limit() || self.cur.entries as usize == self.cut.max_entries {
+            self.pieces.push(std::mem::replace(&mut self.cur, OutPiece::starting(k, 0)));
+        }
+        self.cur.bytes + bytes <= self.limit() && self.cur.entries as u64 + entries <= self.cut.max_entries as u64
     }
 
     fn finish(mut self) -> Vec<OutPiece> {
@@ -452,7 +473,9 @@ struct Outgoing {
 
 impl Outgoing {
     fn busy_pieces(&self) -> bool {
-        self.pieces.iter().any(|p| matches!(p.state, PieceState::Gathering { .. } | PieceState::Writing { .. }))
+        self.pieces.iter().any(|p| {
+            matches!(p.state, PieceState::Gathering { .. } | PieceState::Gathered { .. } | PieceState::Writing { .. })
+        })
     }
 }
 
@@ -530,6 +553,22 @@ impl fmt::Debug for Staged {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A failed transfer's pieces that have nothing in flight are done with: those waiting for a grant
+/// or a send slot, and those gathered ahead of a grant (their send slot is free again). Pieces being
+/// gathered or written keep their send slots until that ends (the next pumps).
+fn abandon(pieces: &mut [OutPiece], send_free: &mut [bool]) {
+    for p in pieces {
+        match p.state {
+            PieceState::Waiting | PieceState::Granted { .. } => p.state = PieceState::Written,
+            PieceState::Gathered { lane } => {
+                send_free[lane] = true;
+                p.state = PieceState::Written;
+            }
+            _ => {}
+        }
+    }
 }
 
 fn failed(id: XferId, peer: &str, detail: String) -> TransportError {
@@ -625,8 +664,10 @@ impl Staged {
 
     /// How transfers to a peer of geometry `caps` are cut: pieces that fit both sides' slots.
     fn geometry(&self, caps: PeerCaps) -> Cut {
+        let data = self.cfg.slot_bytes.min(caps.slot_bytes);
         Cut {
-            data: self.cfg.slot_bytes.min(caps.slot_bytes),
+            data,
+            first: (data / 4).next_multiple_of(STAGE_ALIGN).min(data),
             max_entries: self.cfg.max_entries.min(caps.max_entries),
             chunk: self.cfg.max_entry_bytes,
             remote_table: caps.table_bytes,
@@ -684,7 +725,7 @@ impl Staged {
                     let bytes: u64 = cells.iter().map(|x| x.len).sum();
                     let entries: u64 = cells.iter().map(|x| x.len.div_ceil(cut.chunk)).sum();
                     for _ in g.rows.clone() {
-                        if c.fits(bytes, entries) {
+                        if c.fits(k, bytes, entries) {
                             c.cur.bytes += bytes;
                             c.cur.entries += entries as u32;
                             k += cells.len();
@@ -702,25 +743,53 @@ impl Staged {
     }
 
     /// Builds piece `p`'s gather entries (local addresses) and its table for the receiver (remote
-    /// addresses, table form), the same entries [`Staged::cut`] counted.
+    /// addresses, table form), the same entries [`Staged::cut`] counted (an entry the cut shortened
+    /// at the piece's end is shortened at `p.bytes` here).
     fn fill(cut: Cut, src: &Source, p: &OutPiece, gather: &mut Vec<u8>, table: &mut Vec<u8>) {
-        gather.clear();
-        table.clear();
-        let want = p.entries as usize * ENTRY_BYTES;
-        gather.reserve(want);
-        table.reserve(want);
+        let want = p.entries as usize;
+        gather.resize(want * ENTRY_BYTES, 0);
+        table.resize(want * ENTRY_BYTES, 0);
+        let (mut gs, mut ts) = (gather.chunks_exact_mut(ENTRY_BYTES), table.chunks_exact_mut(ENTRY_BYTES));
         let (mut done, mut bytes) = (p.skip, 0u64);
-        for d in src.from(p.first) {
-            while done < d.len && gather.len() < want {
-                let len = (d.len - done).min(cut.chunk).min(cut.data - bytes);
+        if let (Source::Grid(grid), DescIter::Grid { group, row, cell, .. }) = (src, src.from(p.first)) {
+            // The same loop over the grid's rows and cells directly (the common case, and the
+            // per-entry cost of a fragmented request).
+            let (mut row, mut cell) = (row, cell);
+            for g in grid.groups.get(group..).unwrap_or_default() {
+                if g.copies() == 0 {
+                    continue;
+                }
+                let cells = &grid.cells[g.cells.clone()];
+                for r in &grid.rows[row.max(g.rows.start)..g.rows.end] {
+                    for c in &cells[cell.max(g.cells.start) - g.cells.start..] {
+                        let local = r.src[(c.src_region & 1) as usize] + c.src_addr;
+                        let remote = r.dst[(c.dst_region & 1) as usize] + c.dst_addr;
+                        while done < c.len {
+                            let (Some(ge), Some(te)) = (gs.next(), ts.next()) else { return };
+                            let len = (c.len - done).min(cut.chunk).min(p.bytes - bytes);
+                            let (off, n) = (bytes as u32, len as u32);
+                            ge.copy_from_slice(&StageEntry { addr: local + done, off, len: n }.to_bytes());
+                            te.copy_from_slice(&StageEntry { addr: remote + done, off, len: n }.to_bytes());
+                            bytes += len;
+                            done += len;
+                        }
+                        done = 0;
+                    }
+                    cell = 0;
+                }
+                row = 0;
+            }
+            return;
+        }
+        'descs: for d in src.from(p.first) {
+            while done < d.len {
+                let (Some(g), Some(t)) = (gs.next(), ts.next()) else { break 'descs };
+                let len = (d.len - done).min(cut.chunk).min(p.bytes - bytes);
                 let (off, n) = (bytes as u32, len as u32);
-                gather.extend_from_slice(&StageEntry { addr: d.local + done, off, len: n }.to_bytes());
-                table.extend_from_slice(&StageEntry { addr: d.remote + done, off, len: n }.to_bytes());
+                g.copy_from_slice(&StageEntry { addr: d.local + done, off, len: n }.to_bytes());
+                t.copy_from_slice(&StageEntry { addr: d.remote + done, off, len: n }.to_bytes());
                 bytes += len;
                 done += len;
-            }
-            if gather.len() >= want {
-                break;
             }
             done = 0;
         }
@@ -810,14 +879,19 @@ impl Staged {
                             o.failed.get_or_insert(format!("WRITE of piece {i}: {e}"));
                         }
                     },
-                    PieceState::Gathering { lane, slot, addr } => match st.stager.is_done(lane) {
+                    PieceState::Gathering { lane, grant } => match st.stager.is_done(lane) {
                         Ok(false) => {}
                         Ok(true) if o.failed.is_some() => {
                             any = true;
                             st.send_free[lane] = true;
                             o.pieces[i].state = PieceState::Written;
                         }
+                        Ok(true) if grant.is_none() => {
+                            any = true;
+                            o.pieces[i].state = PieceState::Gathered { lane };
+                        }
                         Ok(true) => {
+                            let (slot, addr) = grant.unwrap_or_default();
                             any = true;
                             let p = &o.pieces[i];
                             let base = self.send_slot(lane);
@@ -850,7 +924,20 @@ impl Staged {
                             o.failed.get_or_insert(format!("gather of piece {i}: {e}"));
                         }
                     },
-                    PieceState::Granted { slot, addr } if o.failed.is_none() => {
+                    PieceState::Gathered { lane } if o.failed.is_some() => {
+                        any = true;
+                        st.send_free[lane] = true;
+                        o.pieces[i].state = PieceState::Written;
+                    }
+                    // Granted pieces take any free send slot; a transfer's first piece is gathered
+                    // before its grant only while another send slot stays free, so granted pieces
+                    // always find one (no send slot can be held up by every receiver at once).
+                    state @ (PieceState::Granted { .. } | PieceState::Waiting) if o.failed.is_none() => {
+                        let grant = match state {
+                            PieceState::Granted { slot, addr } => Some((slot, addr)),
+                            _ if i == 0 && st.send_free.iter().filter(|&&f| f).count() >= 2 => None,
+                            _ => break,
+                        };
                         let Some(lane) = st.send_free.iter().position(|&f| f) else { break };
                         any = true;
                         let base = self.send_slot(lane);
@@ -869,8 +956,15 @@ impl Staged {
                         match started {
                             Ok(()) => {
                                 st.send_free[lane] = false;
-                                o.pieces[i].state = PieceState::Gathering { lane, slot, addr };
-                                tracing::trace!(tag, piece = i, lane, "staging: gather queued");
+                                o.pieces[i].state = PieceState::Gathering { lane, grant };
+                                st.counts.ahead += u64::from(grant.is_none());
+                                tracing::trace!(
+                                    tag,
+                                    piece = i,
+                                    lane,
+                                    ahead = grant.is_none(),
+                                    "staging: gather queued"
+                                );
                             }
                             Err(e) => {
                                 o.pieces[i].state = PieceState::Written;
@@ -928,24 +1022,29 @@ impl Staged {
         };
         o.moved = Instant::now();
         match f {
-            Frame::Grant { piece, slot, addr, .. } => match o.pieces.get_mut(piece as usize) {
-                Some(p) if p.state == PieceState::Waiting => {
-                    tracing::trace!(tag, piece, slot, "staging: grant received");
-                    if o.failed.is_some() {
-                        p.state = PieceState::Written;
-                    } else {
-                        p.state = PieceState::Granted { slot, addr };
+            Frame::Grant { piece, slot, addr, .. } => {
+                tracing::trace!(tag, piece, slot, "staging: grant received");
+                match o.pieces.get_mut(piece as usize) {
+                    Some(p) if p.state == PieceState::Waiting => {
+                        if o.failed.is_some() {
+                            p.state = PieceState::Written;
+                        } else {
+                            p.state = PieceState::Granted { slot, addr };
+                        }
                     }
+                    // Gathered ahead: the next pump writes it (a failed one frees its slot there).
+                    Some(p) => match p.state {
+                        PieceState::Gathering { lane, grant: None } | PieceState::Gathered { lane } => {
+                            p.state = PieceState::Gathering { lane, grant: Some((slot, addr)) };
+                        }
+                        _ => st.counts.malformed += 1,
+                    },
+                    None => st.counts.malformed += 1,
                 }
-                _ => st.counts.malformed += 1,
-            },
+            }
             Frame::Fail { detail, .. } => {
                 o.failed.get_or_insert(format!("{from} failed the staged transfer: {detail}"));
-                for p in &mut o.pieces {
-                    if matches!(p.state, PieceState::Waiting | PieceState::Granted { .. }) {
-                        p.state = PieceState::Written;
-                    }
-                }
+                abandon(&mut o.pieces, &mut st.send_free);
             }
             // (It may overtake the completion of our last WRITE: the outcome waits for both.)
             Frame::Done { .. } => o.done = true,
@@ -1259,11 +1358,7 @@ impl Transport for Staged {
             for o in st.out.values_mut().filter(|o| o.peer == peer && o.outcome.is_none()) {
                 o.failed.get_or_insert(format!("peer {peer} lost"));
                 o.outcome = Some(Err(format!("peer {peer} lost during a staged transfer")));
-                for p in &mut o.pieces {
-                    if matches!(p.state, PieceState::Waiting | PieceState::Granted { .. }) {
-                        p.state = PieceState::Written;
-                    }
-                }
+                abandon(&mut o.pieces, &mut st.send_free);
             }
             // Incoming: nothing more arrives; slots being scattered free themselves when done.
             let keys: Vec<usize> = st.incoming.iter().filter(|(_, i)| i.peer == peer).map(|(k, _)| *k).collect();
@@ -1426,7 +1521,7 @@ mod tests {
         let s = Staged::new(inner, &HostDevice::new(), cfg).unwrap().unwrap();
         // The peer's slots are smaller: its geometry wins.
         let cut = s.geometry(PeerCaps { slot_bytes: 4096, max_entries: 8, table_bytes: 256 });
-        assert_eq!(cut, Cut { data: 4096, max_entries: 4, chunk: 2048, remote_table: 256 });
+        assert_eq!(cut, Cut { data: 4096, first: 1024, max_entries: 4, chunk: 2048, remote_table: 256 });
         let descs = [
             Desc { local: 0x10000, remote: 0x90000, len: 5120 },
             Desc { local: 0x20000, remote: 0xa0000, len: 16 },
@@ -1471,8 +1566,9 @@ mod tests {
             }
         }
         assert_eq!(covered, expect);
-        // 2048 + 2048 fill the first piece's data; 1024 + 16 + 1024 + 48 its four entries; 32 is left.
-        assert_eq!(pieces.iter().map(|p| (p.entries, p.bytes)).collect::<Vec<_>>(), [(2, 4096), (4, 2112), (1, 32)]);
+        // The first piece is a quarter slot (1024 of the first descriptor); 2048 + 2048 fill the second
+        // piece's data; 16 + 1024 + 48 + 32 are the third's four entries.
+        assert_eq!(pieces.iter().map(|p| (p.entries, p.bytes)).collect::<Vec<_>>(), [(1, 1024), (2, 4096), (4, 1120)]);
     }
 
     /// A grid of `groups` (cells as (src part, dst part, length in 16-byte words), rows) at made-up
@@ -1522,15 +1618,19 @@ mod tests {
             groups in proptest::collection::vec(
                 (proptest::collection::vec((0u32..2, 0u32..2, 1u64..300), 0..6), 0usize..4), 1..4),
             data_words in 64u64..600,
+            first_words in 1u64..600,
             max_entries in 1usize..12,
         ) {
             let grid = grid_of(&groups);
-            let cut = Cut { data: data_words * 16, max_entries, chunk: 2048, remote_table: 4096 };
+            let (data, first) = (data_words * 16, first_words.min(data_words) * 16);
+            let cut = Cut { data, first, max_entries, chunk: 2048, remote_table: 4096 };
             let (g, d) = (Source::Grid(grid.clone()), Source::Descs(expanded(&grid)));
             let key = |p: &OutPiece| (p.first, p.skip, p.entries, p.bytes);
             let (pg, pd) = (Staged::cut(cut, &g), Staged::cut(cut, &d));
             proptest::prop_assert_eq!(pg.iter().map(key).collect::<Vec<_>>(), pd.iter().map(key).collect::<Vec<_>>());
             proptest::prop_assert_eq!(pg.iter().map(|p| p.bytes).sum::<u64>(), grid.bytes());
+            let fit = pg.iter().enumerate().all(|(i, p)| p.bytes <= if i == 0 { first } else { data });
+            proptest::prop_assert!(fit, "a piece exceeds its limit");
             proptest::prop_assert_eq!(g.len(), d.len());
             let (mut ga, mut ta, mut gb, mut tb) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
             for p in &pg {
