@@ -289,6 +289,9 @@ struct EngineCounts {
     /// First pieces gathered ahead of their grant.
     #[serde(default)]
     ahead: u64,
+    /// Pieces whose tables were built ahead of their turn.
+    #[serde(default)]
+    prefilled: u64,
     pieces: u64,
     entries: u64,
     direct: u64,
@@ -311,6 +314,7 @@ impl EngineCounts {
             staged_transfers: st.transfers,
             grids: st.grids,
             ahead: st.ahead,
+            prefilled: st.prefilled,
             pieces: st.pieces,
             entries: st.entries,
             direct: st.direct,
@@ -329,6 +333,7 @@ impl EngineCounts {
             staged_transfers: self.staged_transfers.saturating_sub(before.staged_transfers),
             grids: self.grids.saturating_sub(before.grids),
             ahead: self.ahead.saturating_sub(before.ahead),
+            prefilled: self.prefilled.saturating_sub(before.prefilled),
             pieces: self.pieces.saturating_sub(before.pieces),
             entries: self.entries.saturating_sub(before.entries),
             direct: self.direct.saturating_sub(before.direct),

@@ -139,6 +139,8 @@ pub struct StagingCounts {
     pub grids: u64,
     /// First pieces gathered ahead of their grant (while the REQUEST travelled).
     pub ahead: u64,
+    /// Pieces whose tables were built ahead of their turn (while the writer waited).
+    pub prefilled: u64,
     /// Pieces written (one WRITE each).
     pub pieces: u64,
     /// Table entries gathered.
@@ -530,7 +532,16 @@ struct State {
     /// When a piece last landed from each sender: a sender still delivering pieces is alive, and a
     /// granted slot of its that waits is queued behind its other work, not lost.
     landed: HashMap<String, Instant>,
-    /// Scratch for building a piece's two tables (ours for the gather, the receiver's).
+    /// Pieces' tables built ahead of their turn, while the writer had nothing else to do (at most
+    /// one per slot), and spare table buffers.
+    prefilled: Vec<Prefilled>,
+    spare: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+/// A piece's two tables (ours for the gather, the receiver's), built before its grant or send slot.
+struct Prefilled {
+    tag: u64,
+    piece: usize,
     gather: Vec<u8>,
     table: Vec<u8>,
 }
@@ -616,8 +627,8 @@ impl Staged {
             delivered: Vec::new(),
             counts: StagingCounts::default(),
             landed: HashMap::new(),
-            gather: Vec::new(),
-            table: Vec::new(),
+            prefilled: Vec::new(),
+            spare: Vec::new(),
         };
         Ok(Some(Staged { inner, cfg, send_buf, recv_buf, state: Mutex::new(state), next: AtomicU64::new(0) }))
     }
@@ -851,7 +862,44 @@ impl Staged {
         // Reported transfers whose last slot came free are gone.
         st.out.retain(|_, o| !o.reported || o.busy_pieces());
         st.out_order.retain(|t| st.out.contains_key(t));
+        // Tables built ahead for pieces that will never be gathered go back to the spares.
+        let State { prefilled, out, spare, .. } = st;
+        prefilled.retain_mut(|f| {
+            let waiting = |p: &OutPiece| matches!(p.state, PieceState::Waiting | PieceState::Granted { .. });
+            let keep =
+                out.get(&f.tag).is_some_and(|o| o.failed.is_none() && o.pieces.get(f.piece).is_some_and(waiting));
+            if !keep {
+                spare.push((std::mem::take(&mut f.gather), std::mem::take(&mut f.table)));
+            }
+            keep
+        });
+        spare.truncate(self.cfg.slots + 1);
+        if !any {
+            self.prefill(st);
+        }
         any
+    }
+
+    /// Builds the tables of the next piece that will need them (the first waiting for a grant or a
+    /// send slot, in post order), unless `slots` pieces' tables are built already: work the writer
+    /// does while it waits, so a grant finds the piece's tables ready.
+    fn prefill(&self, st: &mut State) {
+        if st.prefilled.len() >= self.cfg.slots {
+            return;
+        }
+        for tag in &st.out_order {
+            let Some(o) = st.out.get(tag).filter(|o| o.failed.is_none() && o.outcome.is_none()) else { continue };
+            let next = o.pieces.iter().enumerate().find(|&(i, p)| {
+                matches!(p.state, PieceState::Waiting | PieceState::Granted { .. })
+                    && !st.prefilled.iter().any(|f| f.tag == *tag && f.piece == i)
+            });
+            if let Some((i, p)) = next {
+                let (mut gather, mut table) = st.spare.pop().unwrap_or_default();
+                Self::fill(o.cut, &o.src, p, &mut gather, &mut table);
+                st.prefilled.push(Prefilled { tag: *tag, piece: i, gather, table });
+                return;
+            }
+        }
     }
 
     fn pump_one(&self, st: &mut State, tag: u64) -> bool {
@@ -905,10 +953,12 @@ impl Staged {
                             ];
                             let note = Frame::Piece { tag, piece: i as u32, slot, entries: p.entries, bytes: p.bytes }
                                 .encode();
+                            let posting = Instant::now();
                             match self.inner.post(Op::Write, &o.peer, &descs, Some(&note)) {
                                 Ok(inner) => {
                                     o.pieces[i].state = PieceState::Writing { lane, inner };
-                                    tracing::trace!(tag, piece = i, "staging: WRITE posted");
+                                    let us = posting.elapsed().as_micros() as u64;
+                                    tracing::trace!(tag, piece = i, us, "staging: WRITE posted");
                                 }
                                 Err(e) => {
                                     st.send_free[lane] = true;
@@ -941,8 +991,20 @@ impl Staged {
                         let Some(lane) = st.send_free.iter().position(|&f| f) else { break };
                         any = true;
                         let base = self.send_slot(lane);
-                        let (mut gather, mut table) = (std::mem::take(&mut st.gather), std::mem::take(&mut st.table));
-                        Self::fill(o.cut, &o.src, &o.pieces[i], &mut gather, &mut table);
+                        let filling = Instant::now();
+                        let (gather, table) = match st.prefilled.iter().position(|f| f.tag == tag && f.piece == i) {
+                            Some(k) => {
+                                let f = st.prefilled.swap_remove(k);
+                                st.counts.prefilled += 1;
+                                (f.gather, f.table)
+                            }
+                            None => {
+                                let (mut gather, mut table) = st.spare.pop().unwrap_or_default();
+                                Self::fill(o.cut, &o.src, &o.pieces[i], &mut gather, &mut table);
+                                (gather, table)
+                            }
+                        };
+                        let filled = filling.elapsed();
                         // SAFETY: the send slot `lane` is free (no transfer or gather uses it) and lies in
                         // `send_buf`, which this wrapper owns; the table fits its table area (at most
                         // max_entries entries, checked when cutting) and the data its data area; the
@@ -952,7 +1014,7 @@ impl Staged {
                             st.stager.gather_with_table(lane, &gather, base + self.cfg.table_bytes(), base, &table)
                         };
                         st.counts.entries += (gather.len() / ENTRY_BYTES) as u64;
-                        (st.gather, st.table) = (gather, table);
+                        st.spare.push((gather, table));
                         match started {
                             Ok(()) => {
                                 st.send_free[lane] = false;
@@ -963,6 +1025,8 @@ impl Staged {
                                     piece = i,
                                     lane,
                                     ahead = grant.is_none(),
+                                    fill_us = filled.as_micros() as u64,
+                                    us = filling.elapsed().as_micros() as u64,
                                     "staging: gather queued"
                                 );
                             }
@@ -1109,10 +1173,12 @@ impl Staged {
                     i.moved = Instant::now();
                 }
                 st.landed.insert(from.to_owned(), Instant::now());
+                let scattering = Instant::now();
                 match self.start_scatter(st, s, entries, bytes) {
                     Ok(()) => {
                         st.recv[s] = RecvSlot::Scattering { key };
-                        tracing::trace!(tag, piece, entries, "staging: landed, scatter queued");
+                        let us = scattering.elapsed().as_micros() as u64;
+                        tracing::trace!(tag, piece, entries, us, "staging: landed, scatter queued");
                     }
                     Err(why) => {
                         st.recv[s] = RecvSlot::Free;
