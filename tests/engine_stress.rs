@@ -1820,7 +1820,7 @@ fn assert_staged(d: &Driver, ctx: &str) {
         assert!(c.transfers > 0 && c.pieces > c.transfers, "{ctx}: P[{i}] staged {c:?}");
         // The engine hands its plans over in grid form; none was expanded to be staged.
         assert_eq!(c.grids, c.transfers, "{ctx}: P[{i}] staged descriptors: {c:?}");
-        assert!(c.ahead > 0, "{ctx}: P[{i}] never gathered a first piece ahead of its grant: {c:?}");
+        assert!(c.ahead > 0, "{ctx}: P[{i}] never gathered a piece ahead of its grant: {c:?}");
         assert!(c.prefilled > 0, "{ctx}: P[{i}] never built a piece's tables ahead: {c:?}");
         assert_eq!(c.malformed, 0, "{ctx}: P[{i}] {c:?}");
     }

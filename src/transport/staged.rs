@@ -137,7 +137,8 @@ pub struct StagingCounts {
     pub transfers: u64,
     /// Of those, posted as a planner's grid ([`Transport::post_grid`]) rather than descriptors.
     pub grids: u64,
-    /// First pieces gathered ahead of their grant (while the REQUEST travelled).
+    /// Pieces gathered ahead of their grant (the first while the REQUEST travels, later ones while
+    /// earlier pieces are on the wire).
     pub ahead: u64,
     /// Pieces whose tables were built ahead of their turn (while the writer waited).
     pub prefilled: u64,
@@ -522,6 +523,8 @@ struct State {
     /// Outgoing tags in post order (gathers are served in this order).
     out_order: VecDeque<u64>,
     send_free: Vec<bool>,
+    /// Send slots taken by a piece gathered ahead of its grant (meaningful while not free).
+    lane_ahead: Vec<bool>,
     recv: Vec<RecvSlot>,
     /// Incoming transfers by a small key; `incoming_order` is the grant queue.
     incoming: HashMap<usize, Incoming>,
@@ -536,6 +539,13 @@ struct State {
     /// one per slot), and spare table buffers.
     prefilled: Vec<Prefilled>,
     spare: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+impl State {
+    /// Send slots held by pieces gathered ahead of their grant.
+    fn held_ahead(&self) -> usize {
+        self.lane_ahead.iter().zip(&self.send_free).filter(|&(&ahead, &free)| ahead && !free).count()
+    }
 }
 
 /// A piece's two tables (ours for the gather, the receiver's), built before its grant or send slot.
@@ -620,6 +630,7 @@ impl Staged {
             out: HashMap::new(),
             out_order: VecDeque::new(),
             send_free: vec![true; cfg.slots],
+            lane_ahead: vec![false; cfg.slots],
             recv: vec![RecvSlot::Free; cfg.slots],
             incoming: HashMap::new(),
             incoming_order: VecDeque::new(),
@@ -979,13 +990,15 @@ impl Staged {
                         st.send_free[lane] = true;
                         o.pieces[i].state = PieceState::Written;
                     }
-                    // Granted pieces take any free send slot; a transfer's first piece is gathered
-                    // before its grant only while another send slot stays free, so granted pieces
-                    // always find one (no send slot can be held up by every receiver at once).
+                    // Granted pieces take any free send slot. A waiting piece is gathered ahead of
+                    // its grant (so the grant finds it ready to write) only while, after it, at least
+                    // one send slot is not held by a piece waiting for a grant: granted pieces always
+                    // find a slot (a free one, or one whose WRITE ends), so no send slot can be held
+                    // up by every receiver at once.
                     state @ (PieceState::Granted { .. } | PieceState::Waiting) if o.failed.is_none() => {
                         let grant = match state {
                             PieceState::Granted { slot, addr } => Some((slot, addr)),
-                            _ if i == 0 && st.send_free.iter().filter(|&&f| f).count() >= 2 => None,
+                            _ if st.held_ahead() + 1 < self.cfg.slots => None,
                             _ => break,
                         };
                         let Some(lane) = st.send_free.iter().position(|&f| f) else { break };
@@ -1018,6 +1031,7 @@ impl Staged {
                         match started {
                             Ok(()) => {
                                 st.send_free[lane] = false;
+                                st.lane_ahead[lane] = grant.is_none();
                                 o.pieces[i].state = PieceState::Gathering { lane, grant };
                                 st.counts.ahead += u64::from(grant.is_none());
                                 tracing::trace!(
@@ -1100,6 +1114,7 @@ impl Staged {
                     Some(p) => match p.state {
                         PieceState::Gathering { lane, grant: None } | PieceState::Gathered { lane } => {
                             p.state = PieceState::Gathering { lane, grant: Some((slot, addr)) };
+                            st.lane_ahead[lane] = false;
                         }
                         _ => st.counts.malformed += 1,
                     },
