@@ -30,8 +30,10 @@
 //!
 //! and, in the same run, the ceiling: one `--ceiling-mib` single-descriptor WRITE between the same two
 //! processes. The JSON (`--json`) carries every sample and, for 16k tokens, `contiguous_ratio` and
-//! `fragmented_ratio` (best kvpush method over the ceiling, medians), and `engine_contiguous_ratio`
-//! and `engine_fragmented_ratio` (the `engine` method over the ceiling).
+//! `fragmented_ratio`: kvpush's engine (the `engine` method; where it did not run, the best of the
+//! bench's own methods) over the ceiling, medians; `engine_contiguous_ratio` and
+//! `engine_fragmented_ratio` repeat the engine's; `pipeline` holds the best of the bench's own
+//! pipelines (`direct`, `staged`) beside it.
 //!
 //! Process model: this binary is the orchestrator; it starts itself twice (`--role p`, `--role d`)
 //! and drives both in lock step over their stdin/stdout (JSON lines prefixed `@@kvp `; anything else a
@@ -1652,20 +1654,26 @@ fn orchestrate(args: &Args) -> Result<serde_json::Value, String> {
     let end_ceiling = c2.gbps_median;
     results.push(c2);
 
-    let best = |tokens: u64, pattern: Pattern| {
+    // kvpush's figure is the engine method's (what a user of kvpush gets); where it did not run, the
+    // best of the bench's own pipelines. The best pipeline is reported beside it either way.
+    let best = |tokens: u64, pattern: Pattern, engine: bool| {
         results
             .iter()
             .filter(|r| r.tokens == tokens && r.pattern == Some(pattern) && r.method != Method::PerBlock && r.verified)
+            .filter(|r| !engine || r.method == Method::Engine)
+            .filter(|r| engine || r.method != Method::Engine)
             .max_by(|a, b| a.gbps_median.total_cmp(&b.gbps_median))
             .map(|r| (r.method, r.gbps_median))
     };
     let largest = args.tokens.iter().copied().max().unwrap_or(0);
-    let summary = |pattern: Pattern, target: f64| {
+    let summary = |pattern: Pattern, target: f64, engine: bool| {
         let per_block = results
             .iter()
             .find(|r| r.tokens == largest && r.pattern == Some(pattern) && r.method == Method::PerBlock)
             .map(|r| r.gbps_median);
-        match best(largest, pattern) {
+        let found =
+            best(largest, pattern, engine).or_else(|| if engine { best(largest, pattern, false) } else { None });
+        match found {
             Some((m, g)) => serde_json::json!({
                 "method": m, "gbps": g, "ratio": g / ceiling_gbps, "target": target, "met": g / ceiling_gbps >= target,
                 "per_block_gbps": per_block, "per_block_ratio": per_block.map(|p| p / ceiling_gbps),
@@ -1673,9 +1681,12 @@ fn orchestrate(args: &Args) -> Result<serde_json::Value, String> {
             None => serde_json::Value::Null,
         }
     };
-    let contiguous = summary(Pattern::Contiguous, 0.8);
-    let fragmented = summary(Pattern::Fragmented, 0.4);
-    // kvpush's own figure: the engine method at the largest size over the ceiling (verified only).
+    let contiguous = summary(Pattern::Contiguous, 0.8, true);
+    let fragmented = summary(Pattern::Fragmented, 0.4, true);
+    let pipeline = serde_json::json!({
+        "contiguous": summary(Pattern::Contiguous, 0.8, false),
+        "fragmented": summary(Pattern::Fragmented, 0.4, false),
+    });
     let engine_ratio = |pattern: Pattern| {
         results
             .iter()
@@ -1702,6 +1713,7 @@ fn orchestrate(args: &Args) -> Result<serde_json::Value, String> {
         "engine_error": engine_error,
         "contiguous": contiguous,
         "fragmented": fragmented,
+        "pipeline": pipeline,
         "all_verified": all_verified,
         "wall_s": started.elapsed().as_secs_f64(),
         "cases": results,
@@ -1734,12 +1746,21 @@ fn print_table(v: &serde_json::Value) {
         );
     }
     println!(
-        "contiguous_ratio {} (target 0.8), fragmented_ratio {} (target 0.4), all verified: {}",
-        v["contiguous_ratio"], v["fragmented_ratio"], v["all_verified"]
+        "contiguous_ratio {} (target 0.8, {}), fragmented_ratio {} (target 0.4, {}), all verified: {}",
+        v["contiguous_ratio"],
+        v["contiguous"]["method"],
+        v["fragmented_ratio"],
+        v["fragmented"]["method"],
+        v["all_verified"]
     );
     println!(
-        "engine_contiguous_ratio {}, engine_fragmented_ratio {}",
-        v["engine_contiguous_ratio"], v["engine_fragmented_ratio"]
+        "engine_contiguous_ratio {}, engine_fragmented_ratio {}; the bench's own pipelines: {} ({}), {} ({})",
+        v["engine_contiguous_ratio"],
+        v["engine_fragmented_ratio"],
+        v["pipeline"]["contiguous"]["ratio"],
+        v["pipeline"]["contiguous"]["method"],
+        v["pipeline"]["fragmented"]["ratio"],
+        v["pipeline"]["fragmented"]["method"]
     );
 }
 

@@ -10,14 +10,21 @@
 //! receiver's wrapper swallows the staging messages and delivers the sender's notification only after
 //! every byte is in place. Everything else passes straight through to the inner transport.
 //!
+//! The engine hands a push over as the planner's grid ([`Transport::post_grid`]): a layer's copies
+//! and the layers they repeat over. Cutting works per row and a piece's tables are expanded only when
+//! the piece is filled, so a 16k-token fragmented request (131072 copies) never exists as
+//! descriptors. The sender does that work off the critical path where it can: a piece's tables are
+//! built while the writer waits ([`Staged`]'s prefill), and pieces are gathered ahead of their grants
+//! (the first, a quarter slot, while the REQUEST travels), so a grant is answered by a WRITE at once.
+//!
 //! Protocol (notifications carry frames starting with [`MAGIC`]; `tag` names one staged transfer of
 //! one sender):
 //!
 //! ```text
 //! sender (P)                                   receiver (D)
 //!   post: cut into pieces ── REQUEST(tag, pieces, notification) ──▶ queue
-//!                         ◀── GRANT(tag, piece, slot, address) ──── a free receive slot
-//!   gather the piece into a free send slot (table + data)
+//!   gather pieces into free send slots
+//!   (table + data), ahead of their grants ◀── GRANT(tag, piece, slot, address) ── a free receive slot
 //!   WRITE send slot → granted slot, with ── PIECE(tag, piece, slot, entries, bytes) ──▶
 //!                                          read the table, check every entry lies in registered KV
 //!                                          memory, scatter; the slot is free again (next GRANT)
@@ -31,8 +38,11 @@
 //! `CANCELLED(tag)`; only then does the sender's handle report the failure (so the engine's failure
 //! message can never overtake a scatter into the consumer's blocks). A transfer the receiver failed
 //! is never delivered, and its sender learns of it (DONE never comes; FAIL does), so the engine's own
-//! failure message follows. A lost peer ends everything with it at once. Grants are given in arrival order and a sender gathers only granted pieces, so no
-//! send slot ever waits on a remote grant (no cycle between senders and receivers can form).
+//! failure message follows. A lost peer ends everything with it at once.
+//!
+//! No cycle between senders and receivers can form: grants are given in arrival order, and a sender
+//! gathers a piece ahead of its grant only while at least one other send slot is not held that way,
+//! so a granted piece always finds a send slot (a free one, or one whose WRITE ends on its own).
 //!
 //! Capabilities travel in the metadata: [`Transport::local_metadata`] is prefixed with [`MD_MAGIC`],
 //! the receive slot geometry, then the inner transport's metadata; a peer without the prefix never
