@@ -151,6 +151,10 @@ struct DemoArgs {
     /// Staging slot size in KiB (0: the default, 32 MiB).
     #[arg(long, default_value_t = 0)]
     staging_slot_kib: u64,
+    /// How the demo's block pools hand out ids: runs of consecutive ids (first fit), or a FIFO free
+    /// queue like vLLM's (scattered ids after churn: one descriptor per block per layer).
+    #[arg(long, value_enum, default_value = "runs")]
+    allocator: kvpush::demo::AllocatorFlag,
     /// Write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -241,6 +245,7 @@ fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         staging: a.staging,
         staging_slots: a.staging_slots,
         staging_slot_bytes: a.staging_slot_kib << 10,
+        allocator: a.allocator,
     };
     let work = Workload {
         requests: a.requests,

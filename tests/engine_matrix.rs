@@ -17,6 +17,8 @@ fn topology(p_tp: u16, d_tp: u16, p_block: u32, d_block: u32) -> Topology {
         num_blocks: 512,
         window_every: 2,
         window_tokens: 40,
+        // vLLM's FIFO pool: scattered ids, so transfers exercise both merged and unmerged copies.
+        allocator: kvpush::demo::AllocatorFlag::Fifo,
         ..Topology::default()
     }
 }

@@ -61,6 +61,8 @@ pub struct Topology {
     pub staging_slots: usize,
     /// Bytes of one staging slot (0: the default).
     pub staging_slot_bytes: u64,
+    /// How the block pools hand out ids.
+    pub allocator: AllocatorFlag,
 }
 
 /// `--staging`: whether the engines stage fragmented WRITEs ([`Staging`]).
@@ -128,6 +130,7 @@ impl Default for Topology {
             staging: StagingFlag::Auto,
             staging_slots: 0,
             staging_slot_bytes: 0,
+            allocator: AllocatorFlag::Runs,
         }
     }
 }
@@ -307,20 +310,89 @@ pub(crate) fn worker_layout(
     Ok((l, buffers))
 }
 
+/// `--allocator`: how the demo's block pools hand out block ids.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum AllocatorFlag {
+    /// A request's blocks as one run of consecutive ids where a free run is long enough (first
+    /// fit), else the lowest free ids: transfers merge into a few descriptors per layer.
+    #[default]
+    Runs,
+    /// A FIFO free queue, like vLLM's block pool: after some churn a request's ids are scattered, and
+    /// transfers post about one descriptor per block per layer.
+    Fifo,
+}
+
+impl AllocatorFlag {
+    /// The flag's value on a command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AllocatorFlag::Runs => "runs",
+            AllocatorFlag::Fifo => "fifo",
+        }
+    }
+}
+
 /// A block pool shared by the workers of one engine (they share the block table, as in vLLM).
 pub(crate) struct Pool {
-    pub(crate) free: VecDeque<u32>,
+    kind: AllocatorFlag,
+    /// FIFO: the free ids in queue order.
+    queue: VecDeque<u32>,
+    /// Runs: whether each id is free.
+    is_free: Vec<bool>,
+    free: usize,
 }
 
 impl Pool {
-    pub(crate) fn new(n: u32) -> Self {
-        Self { free: (0..n).collect() }
+    pub(crate) fn new(n: u32, kind: AllocatorFlag) -> Self {
+        let (queue, is_free) = match kind {
+            AllocatorFlag::Fifo => ((0..n).collect(), Vec::new()),
+            AllocatorFlag::Runs => (VecDeque::new(), vec![true; n as usize]),
+        };
+        Self { kind, queue, is_free, free: n as usize }
     }
+
+    /// Free blocks.
+    pub(crate) fn free(&self) -> usize {
+        self.free
+    }
+
     pub(crate) fn take(&mut self, n: usize) -> Option<Vec<u32>> {
-        (self.free.len() >= n).then(|| self.free.drain(..n).collect())
+        if self.free < n {
+            return None;
+        }
+        self.free -= n;
+        let ids: Vec<u32> = match self.kind {
+            AllocatorFlag::Fifo => self.queue.drain(..n).collect(),
+            AllocatorFlag::Runs => {
+                // First fit: the first run of `n` free ids; failing that, the lowest free ids.
+                let mut run = 0;
+                let end = self.is_free.iter().position(|&f| {
+                    run = if f { run + 1 } else { 0 };
+                    run == n
+                });
+                match end {
+                    Some(end) => (end + 1 - n..=end).map(|i| i as u32).collect(),
+                    None => {
+                        self.is_free.iter().enumerate().filter(|(_, &f)| f).map(|(i, _)| i as u32).take(n).collect()
+                    }
+                }
+            }
+        };
+        for &i in ids.iter().filter(|_| self.kind == AllocatorFlag::Runs) {
+            self.is_free[i as usize] = false;
+        }
+        Some(ids)
     }
+
     pub(crate) fn give(&mut self, ids: impl IntoIterator<Item = u32>) {
-        self.free.extend(ids);
+        for i in ids {
+            self.free += 1;
+            match self.kind {
+                AllocatorFlag::Fifo => self.queue.push_back(i),
+                AllocatorFlag::Runs => self.is_free[i as usize] = true,
+            }
+        }
     }
 }
 
@@ -475,8 +547,8 @@ fn run_mode(
         }
     }
     let groups = p[0].engine.layout().model.groups.len();
-    let mut p_pool = Pool::new(t.num_blocks);
-    let mut d_pool = Pool::new(t.num_blocks);
+    let mut p_pool = Pool::new(t.num_blocks, t.allocator);
+    let mut d_pool = Pool::new(t.num_blocks, t.allocator);
     let specs = requests(w);
     let mut reqs: Vec<Req> = Vec::with_capacity(specs.len());
     let mut rng = Rng(w.seed ^ 0x5eed);
@@ -545,7 +617,7 @@ fn run_mode(
             let pn = blocks_for(tokens, t.p_block) as usize;
             let dn = blocks_for(tokens, t.d_block) as usize;
             let d_now = mode == Mode::Push && registration_first;
-            if p_pool.free.len() < pn * groups || (d_now && d_pool.free.len() < dn * groups) {
+            if p_pool.free() < pn * groups || (d_now && d_pool.free() < dn * groups) {
                 break;
             }
             let p_blocks: Vec<Vec<u32>> = (0..groups).filter_map(|_| p_pool.take(pn)).collect();
@@ -610,7 +682,7 @@ fn run_mode(
                 Due::Consumer(i) => {
                     let r = &mut reqs[i];
                     let dn = blocks_for(r.tokens, t.d_block) as usize;
-                    if d_pool.free.len() < dn * groups {
+                    if d_pool.free() < dn * groups {
                         // Retry shortly: D has no room yet.
                         due.push(std::cmp::Reverse((Instant::now() + Duration::from_micros(100), Due::Consumer(i))));
                         continue;
@@ -816,7 +888,31 @@ pub fn table(r: &Report) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::median;
+    use super::{median, AllocatorFlag, Pool};
+
+    #[test]
+    fn run_pools_hand_out_runs_first_fit_and_fifo_pools_in_queue_order() {
+        let mut p = Pool::new(16, AllocatorFlag::Runs);
+        assert_eq!(p.take(4), Some(vec![0, 1, 2, 3]));
+        assert_eq!(p.take(4), Some(vec![4, 5, 6, 7]));
+        assert_eq!(p.take(4), Some(vec![8, 9, 10, 11]));
+        // Holes of 2 (ids 1, 2) and 4 (ids 8..12): a request of 3 takes the first hole that fits.
+        p.give([1, 2]);
+        p.give([8, 9, 10, 11]);
+        assert_eq!(p.free(), 10);
+        assert_eq!(p.take(3), Some(vec![8, 9, 10]));
+        // No run of 7 is free (1, 2, 11, 12..16): the lowest free ids.
+        assert_eq!(p.take(7), Some(vec![1, 2, 11, 12, 13, 14, 15]));
+        assert_eq!((p.free(), p.take(1)), (0, None));
+        p.give([5]);
+        assert_eq!(p.take(1), Some(vec![5]));
+
+        let mut f = Pool::new(8, AllocatorFlag::Fifo);
+        assert_eq!(f.take(3), Some(vec![0, 1, 2]));
+        f.give([1, 0]);
+        assert_eq!(f.take(6), Some(vec![3, 4, 5, 6, 7, 1]));
+        assert_eq!((f.free(), f.take(2)), (1, None));
+    }
 
     #[test]
     fn median_of_odd_even_and_empty() {

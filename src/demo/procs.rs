@@ -156,6 +156,9 @@ pub struct WorkerSpec {
     /// Staging slot size in KiB (0: the default).
     #[arg(long, default_value_t = 0)]
     pub staging_slot_kib: u64,
+    /// How the block pool hands out ids.
+    #[arg(long, value_enum, default_value = "runs")]
+    pub allocator: super::AllocatorFlag,
     /// Producer lease: how long finished blocks wait for their registrations (ms).
     #[arg(long, default_value_t = 30_000)]
     pub lease_ms: u64,
@@ -206,6 +209,7 @@ impl WorkerSpec {
             staging: t.staging,
             staging_slots: t.staging_slots,
             staging_slot_kib: t.staging_slot_bytes >> 10,
+            allocator: t.allocator,
             lease_ms: 30_000,
             timeout_ms: 120_000,
             heartbeat_ms: 1_000,
@@ -245,6 +249,7 @@ impl WorkerSpec {
             staging: self.staging,
             staging_slots: self.staging_slots,
             staging_slot_bytes: self.staging_slot_kib << 10,
+            allocator: self.allocator,
         }
     }
 
@@ -272,6 +277,7 @@ impl WorkerSpec {
         flag(&mut v, "staging", self.staging.as_str().into());
         flag(&mut v, "staging-slots", self.staging_slots.to_string());
         flag(&mut v, "staging-slot-kib", self.staging_slot_kib.to_string());
+        flag(&mut v, "allocator", self.allocator.as_str().into());
         flag(&mut v, "lease-ms", self.lease_ms.to_string());
         flag(&mut v, "timeout-ms", self.timeout_ms.to_string());
         flag(&mut v, "heartbeat-ms", self.heartbeat_ms.to_string());
@@ -1556,7 +1562,7 @@ impl WorkerState {
             spec: spec.clone(),
             dev,
             workers,
-            pool: Pool::new(spec.num_blocks),
+            pool: Pool::new(spec.num_blocks, spec.allocator),
             total_blocks: spec.num_blocks as usize,
             groups,
             reqs: HashMap::new(),
@@ -1653,7 +1659,7 @@ impl WorkerState {
                 self.out.emit(&ev);
             }
             Command::Pool => {
-                let ev = Event::Pool { free: self.pool.free.len(), total: self.total_blocks };
+                let ev = Event::Pool { free: self.pool.free(), total: self.total_blocks };
                 self.out.emit(&ev);
             }
             Command::CeilingSetup { bytes } => match self.ceiling_setup(bytes) {
@@ -1731,8 +1737,8 @@ impl WorkerState {
             return self.error("prefill: this is the decode worker".into());
         }
         let n = blocks_for(tokens, self.spec.p_block) as usize;
-        if self.pool.free.len() < n * self.groups {
-            let free = self.pool.free.len();
+        if self.pool.free() < n * self.groups {
+            let free = self.pool.free();
             return self.error(format!("request {req}: {} blocks needed, {free} free", n * self.groups));
         }
         let blocks: BlockLists = (0..self.groups).filter_map(|_| self.pool.take(n)).collect();
@@ -1815,8 +1821,8 @@ impl WorkerState {
             return self.error("decode: this is the prefill worker".into());
         }
         let n = blocks_for(tokens, self.spec.d_block) as usize;
-        if self.pool.free.len() < n * self.groups {
-            let free = self.pool.free.len();
+        if self.pool.free() < n * self.groups {
+            let free = self.pool.free();
             return self.error(format!("request {req}: {} blocks needed, {free} free", n * self.groups));
         }
         let blocks: BlockLists = (0..self.groups).filter_map(|_| self.pool.take(n)).collect();
