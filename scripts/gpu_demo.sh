@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `kvpush demo` (two processes over NIXL) on the GPU machine, whose CPUs are otherwise idle: the
-# host-memory runs of docs/benchmarks.md (pinned to 2 cores with taskset, staging off and on, NIXL
-# with two UCX threads). (The demo with its caches in GPU memory, KVPUSH_DEVICE=cuda, fills and checks
+# host-memory runs of docs/benchmarks.md (pinned to 2 cores with taskset: the demo's run-keeping
+# allocator and vLLM-like FIFO pools, staging off and on, NIXL with two UCX threads). (The demo with its caches in GPU memory, KVPUSH_DEVICE=cuda, fills and checks
 # them through small copies and does not finish in these limits: the GPU figures come from gpu_push.)
 # Everything comes from the carried
 # directory that `scripts/gpu_bench.sh --prepare` fills (plus a release `kvpush` binary copied there).
@@ -28,12 +28,17 @@ export KVPUSH_CUDA_PTX="$PWD/$G/kernels.ptx"
 # name | environment | command arguments
 runs() {
   cat <<'EOF'
-host-off-a|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging off
-host-on1m-a|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging on --staging-slot-kib 1024
-host-on8m-a|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging on --staging-slot-kib 8192
-host-off-b|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging off
-host-on1m-b|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging on --staging-slot-kib 1024
-host-threads2|KVPUSH_DEVICE=host KVPUSH_NIXL_PARAMS=num_threads=2|taskset -c 0,1 KVPUSH --staging off
+host-runs-a|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --allocator runs
+host-runs-b|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --allocator runs
+host-runs-c|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --allocator runs
+host-fifo|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --allocator fifo
+host-runs-threads2|KVPUSH_DEVICE=host KVPUSH_NIXL_PARAMS=num_threads=2|taskset -c 0,1 KVPUSH --allocator runs
+host-off-a|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging off --allocator fifo
+host-on1m-a|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging on --staging-slot-kib 1024 --allocator fifo
+host-on8m-a|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging on --staging-slot-kib 8192 --allocator fifo
+host-off-b|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging off --allocator fifo
+host-on1m-b|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging on --staging-slot-kib 1024 --allocator fifo
+host-threads2|KVPUSH_DEVICE=host KVPUSH_NIXL_PARAMS=num_threads=2|taskset -c 0,1 KVPUSH --staging off --allocator fifo
 EOF
 }
 
