@@ -535,6 +535,9 @@ struct State {
     send_free: Vec<bool>,
     /// Send slots taken by a piece gathered ahead of its grant (meaningful while not free).
     lane_ahead: Vec<bool>,
+    /// Pieces the current pump may still gather ahead of their grants: one per pump, so the writer
+    /// looks at its notifications (a grant is answered by a WRITE) between such gathers.
+    ahead_budget: usize,
     recv: Vec<RecvSlot>,
     /// Incoming transfers by a small key; `incoming_order` is the grant queue.
     incoming: HashMap<usize, Incoming>,
@@ -641,6 +644,7 @@ impl Staged {
             out_order: VecDeque::new(),
             send_free: vec![true; cfg.slots],
             lane_ahead: vec![false; cfg.slots],
+            ahead_budget: 0,
             recv: vec![RecvSlot::Free; cfg.slots],
             incoming: HashMap::new(),
             incoming_order: VecDeque::new(),
@@ -876,6 +880,7 @@ impl Staged {
     /// gathered pieces onto the wire, failures into cancels.
     fn pump_out(&self, st: &mut State) -> bool {
         let mut any = false;
+        st.ahead_budget = 1;
         let tags: Vec<u64> = st.out_order.iter().copied().collect();
         for tag in tags {
             any |= self.pump_one(st, tag);
@@ -1008,7 +1013,7 @@ impl Staged {
                     state @ (PieceState::Granted { .. } | PieceState::Waiting) if o.failed.is_none() => {
                         let grant = match state {
                             PieceState::Granted { slot, addr } => Some((slot, addr)),
-                            _ if st.held_ahead() + 1 < self.cfg.slots => None,
+                            _ if st.ahead_budget > 0 && st.held_ahead() + 1 < self.cfg.slots => None,
                             _ => break,
                         };
                         let Some(lane) = st.send_free.iter().position(|&f| f) else { break };
@@ -1042,6 +1047,7 @@ impl Staged {
                             Ok(()) => {
                                 st.send_free[lane] = false;
                                 st.lane_ahead[lane] = grant.is_none();
+                                st.ahead_budget -= usize::from(grant.is_none());
                                 o.pieces[i].state = PieceState::Gathering { lane, grant };
                                 st.counts.ahead += u64::from(grant.is_none());
                                 tracing::trace!(
