@@ -1190,7 +1190,7 @@ fn abort_plan(rng: &mut Rng, i: usize, mode: Mode) -> Req {
     Req::new(label, id, tokens, steps, vec![(1, expect)])
 }
 
-fn aborts(setup: Setup, requests: usize, seed: u64) {
+fn aborts(setup: Setup, requests: usize, seed: u64) -> Driver {
     let mode = setup.mode;
     let mut rng = Rng(seed);
     let mut d = Driver::new(setup);
@@ -1198,6 +1198,7 @@ fn aborts(setup: Setup, requests: usize, seed: u64) {
     d.run(reqs, Duration::from_secs(40));
     d.check();
     eprintln!("aborts: {}", d.summary());
+    d
 }
 
 fn abort_setup(mode: Mode, p_tp: u16, d_tp: u16, writers: usize) -> Setup {
@@ -1852,7 +1853,10 @@ fn staged_push_concurrent_requests_p1_d2() {
 
 #[test]
 fn staged_push_aborts_at_every_stage_p2_d2() {
-    aborts(staged(abort_setup(Mode::Push, 2, 2, 2)), 300, 0x5ab3);
+    let d = aborts(staged(abort_setup(Mode::Push, 2, 2, 2)), 300, 0x5ab3);
+    // Aborts that reached P while its staged WRITE was in flight cut the transfer short.
+    let cancelled: u64 = d.c.p.iter().map(|w| w.engine.staging_counts().expect("on").cancelled).sum();
+    assert!(cancelled > 0, "no staged transfer was cancelled by an abort");
 }
 
 #[test]

@@ -447,7 +447,18 @@ impl Writer {
             }
             Message::Abort(a) => {
                 self.rdv.handle_abort(now, a.key);
-                let writing = self.inflight.values().any(|f| f.key == a.key && f.peer == from && !f.orphaned);
+                let ours: Vec<XferId> = self
+                    .inflight
+                    .iter()
+                    .filter(|(_, f)| f.key == a.key && f.peer == from && !f.orphaned)
+                    .map(|(id, _)| *id)
+                    .collect();
+                // The consumer gave up: a transfer still in flight into its blocks is cut short where
+                // the transport can (its end, a failure, is then our final word sooner).
+                for id in &ours {
+                    self.shared.transport.cancel(*id);
+                }
+                let writing = !ours.is_empty();
                 let granted = self.grants.contains_key(&(a.key, from.clone()));
                 if self.registered_by.get(&a.key).is_none_or(|peers| !peers.contains(&from)) && !writing && !granted {
                     // A consumer that gave up waits for each producer's final word before it reuses

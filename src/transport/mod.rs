@@ -199,6 +199,13 @@ pub trait Transport: Send + Sync + fmt::Debug {
         let _ = (peer, grid, notif);
         None
     }
+    /// Asks the transport to end a posted transfer early: its consumer gave up on it. The handle
+    /// still reports its end through [`Transport::poll`] (an error where it was cut short), and
+    /// nothing of it is in flight by then. Transports that cannot cut a transfer short let it run
+    /// (the default).
+    fn cancel(&self, id: XferId) {
+        let _ = id;
+    }
     /// The state of a posted transfer. `Done` and errors release the handle.
     fn poll(&self, id: XferId) -> Result<XferState, TransportError>;
     /// Moves received notifications into `out`; returns how many.

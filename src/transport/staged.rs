@@ -164,6 +164,8 @@ pub struct StagingCounts {
     pub received: u64,
     /// Staged transfers that failed (either side).
     pub failed: u64,
+    /// Outgoing staged transfers cut short because their consumer gave up ([`Transport::cancel`]).
+    pub cancelled: u64,
     /// Staging frames that could not be parsed or did not fit the state.
     pub malformed: u64,
     /// Outgoing staged transfers not yet reported finished (a gauge, not cumulative).
@@ -841,7 +843,12 @@ impl Staged {
         notif: Option<&[u8]>,
         started: Instant,
     ) -> Result<XferId, TransportError> {
-        let cut = self.geometry(caps);
+        let mut cut = self.geometry(caps);
+        if src.bytes() <= 4 * cut.data {
+            // A short first piece starts the link sooner only where many full pieces follow; a small
+            // transfer would just pay one more round trip.
+            cut.first = cut.data;
+        }
         let pieces = Self::cut(cut, &src);
         let tag = self.next.fetch_add(1, Ordering::Relaxed);
         let request = Frame::Request { tag, pieces: pieces.len() as u32, notif: notif.unwrap_or_default().to_vec() };
@@ -1496,6 +1503,21 @@ impl Transport for Staged {
         // Not qualifying as a grid: the caller posts the expansion (`post` decides again).
         let caps = self.qualifies_grid(&st, peer, grid)?;
         Some(self.start(st, caps, peer, Source::Grid(grid.clone()), notif, started))
+    }
+
+    fn cancel(&self, id: XferId) {
+        if id.0 & STAGED_BIT == 0 {
+            return self.inner.cancel(id);
+        }
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
+        if let Some(o) = st.out.get_mut(&(id.0 & !STAGED_BIT)).filter(|o| o.outcome.is_none() && o.failed.is_none()) {
+            // The usual failure path from here: nothing more is gathered or written, the receiver
+            // is told to drop what it holds (CANCEL once our WRITEs ended), then the handle fails.
+            o.failed = Some("cancelled: the consumer gave up on the request".into());
+            abandon(&mut o.pieces, &mut st.send_free);
+            st.counts.cancelled += 1;
+        }
     }
 
     fn poll(&self, id: XferId) -> Result<XferState, TransportError> {
