@@ -15,7 +15,8 @@
 //! the piece is filled, so a 16k-token fragmented request (131072 copies) never exists as
 //! descriptors. The sender does that work off the critical path where it can: a piece's tables are
 //! built while the writer waits ([`Staged`]'s prefill), and pieces are gathered ahead of their grants
-//! (the first, a quarter slot, while the REQUEST travels), so a grant is answered by a WRITE at once.
+//! (the first while the REQUEST travels; a quarter slot when many follow), so a grant is answered by
+//! a WRITE at once.
 //!
 //! Protocol (notifications carry frames starting with [`MAGIC`]; `tag` names one staged transfer of
 //! one sender):
