@@ -1660,8 +1660,7 @@ fn orchestrate(args: &Args) -> Result<serde_json::Value, String> {
         results
             .iter()
             .filter(|r| r.tokens == tokens && r.pattern == Some(pattern) && r.method != Method::PerBlock && r.verified)
-            .filter(|r| !engine || r.method == Method::Engine)
-            .filter(|r| engine || r.method != Method::Engine)
+            .filter(|r| (r.method == Method::Engine) == engine)
             .max_by(|a, b| a.gbps_median.total_cmp(&b.gbps_median))
             .map(|r| (r.method, r.gbps_median))
     };

@@ -362,24 +362,20 @@ impl Pool {
             return None;
         }
         self.free -= n;
-        let ids: Vec<u32> = match self.kind {
-            AllocatorFlag::Fifo => self.queue.drain(..n).collect(),
-            AllocatorFlag::Runs => {
-                // First fit: the first run of `n` free ids; failing that, the lowest free ids.
-                let mut run = 0;
-                let end = self.is_free.iter().position(|&f| {
-                    run = if f { run + 1 } else { 0 };
-                    run == n
-                });
-                match end {
-                    Some(end) => (end + 1 - n..=end).map(|i| i as u32).collect(),
-                    None => {
-                        self.is_free.iter().enumerate().filter(|(_, &f)| f).map(|(i, _)| i as u32).take(n).collect()
-                    }
-                }
-            }
+        if self.kind == AllocatorFlag::Fifo {
+            return Some(self.queue.drain(..n).collect());
+        }
+        // First fit: the first run of `n` free ids; failing that, the lowest free ids.
+        let mut run = 0;
+        let end = self.is_free.iter().position(|&f| {
+            run = if f { run + 1 } else { 0 };
+            run == n
+        });
+        let ids: Vec<u32> = match end {
+            Some(end) => (end + 1 - n..=end).map(|i| i as u32).collect(),
+            None => self.is_free.iter().enumerate().filter(|(_, &f)| f).map(|(i, _)| i as u32).take(n).collect(),
         };
-        for &i in ids.iter().filter(|_| self.kind == AllocatorFlag::Runs) {
+        for &i in &ids {
             self.is_free[i as usize] = false;
         }
         Some(ids)

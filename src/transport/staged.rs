@@ -341,31 +341,7 @@ enum Source {
     Grid(Grid),
 }
 
-/// The descriptors of a [`Source`] from some index on, in order.
-enum DescIter<'a> {
-    Descs(std::slice::Iter<'a, Desc>),
-    Grid { grid: &'a Grid, group: usize, row: usize, cell: usize },
-}
-
 impl Source {
-    /// Descriptors from number `k` on.
-    fn from(&self, k: usize) -> DescIter<'_> {
-        match self {
-            Source::Descs(d) => DescIter::Descs(d.get(k..).unwrap_or_default().iter()),
-            Source::Grid(grid) => {
-                let mut k = k;
-                for (group, g) in grid.groups.iter().enumerate() {
-                    if k < g.copies() {
-                        let n = g.cells.len();
-                        return DescIter::Grid { grid, group, row: g.rows.start + k / n, cell: g.cells.start + k % n };
-                    }
-                    k -= g.copies();
-                }
-                DescIter::Grid { grid, group: grid.groups.len(), row: 0, cell: 0 }
-            }
-        }
-    }
-
     fn bytes(&self) -> u64 {
         match self {
             Source::Descs(d) => d.iter().map(|d| d.len).sum(),
@@ -377,37 +353,6 @@ impl Source {
         match self {
             Source::Descs(d) => d.len(),
             Source::Grid(g) => g.copies(),
-        }
-    }
-}
-
-impl Iterator for DescIter<'_> {
-    type Item = Desc;
-
-    #[inline]
-    fn next(&mut self) -> Option<Desc> {
-        match self {
-            DescIter::Descs(it) => it.next().copied(),
-            DescIter::Grid { grid, group, row, cell } => {
-                let g = grid.groups.get(*group)?;
-                let c = grid.at(&grid.rows[*row], &grid.cells[*cell]);
-                *cell += 1;
-                if *cell == g.cells.end {
-                    *cell = g.cells.start;
-                    *row += 1;
-                    if *row == g.rows.end {
-                        *group += 1;
-                        while let Some(next) = grid.groups.get(*group) {
-                            if next.copies() > 0 {
-                                (*row, *cell) = (next.rows.start, next.cells.start);
-                                break;
-                            }
-                            *group += 1;
-                        }
-                    }
-                }
-                Some(Desc { local: c.src_addr, remote: c.dst_addr, len: c.len })
-            }
         }
     }
 }
@@ -590,6 +535,18 @@ impl fmt::Debug for Staged {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Where copy number `k` of `grid`'s expansion is: (group, row, cell), indices into its vectors.
+fn grid_position(grid: &Grid, mut k: usize) -> (usize, usize, usize) {
+    for (group, g) in grid.groups.iter().enumerate() {
+        if k < g.copies() {
+            let n = g.cells.len();
+            return (group, g.rows.start + k / n, g.cells.start + k % n);
+        }
+        k -= g.copies();
+    }
+    (grid.groups.len(), 0, 0)
 }
 
 /// A failed transfer's pieces that have nothing in flight are done with: those waiting for a grant
@@ -789,48 +746,46 @@ impl Staged {
         gather.resize(want * ENTRY_BYTES, 0);
         table.resize(want * ENTRY_BYTES, 0);
         let (mut gs, mut ts) = (gather.chunks_exact_mut(ENTRY_BYTES), table.chunks_exact_mut(ENTRY_BYTES));
-        let (mut done, mut bytes) = (p.skip, 0u64);
-        if let (Source::Grid(grid), DescIter::Grid { group, row, cell, .. }) = (src, src.from(p.first)) {
-            // The same loop over the grid's rows and cells directly (the common case, and the
-            // per-entry cost of a fragmented request).
-            let (mut row, mut cell) = (row, cell);
-            for g in grid.groups.get(group..).unwrap_or_default() {
-                if g.copies() == 0 {
-                    continue;
-                }
-                let cells = &grid.cells[g.cells.clone()];
-                for r in &grid.rows[row.max(g.rows.start)..g.rows.end] {
-                    for c in &cells[cell.max(g.cells.start) - g.cells.start..] {
-                        let local = r.src[(c.src_region & 1) as usize] + c.src_addr;
-                        let remote = r.dst[(c.dst_region & 1) as usize] + c.dst_addr;
-                        while done < c.len {
-                            let (Some(ge), Some(te)) = (gs.next(), ts.next()) else { return };
-                            let len = (c.len - done).min(cut.chunk).min(p.bytes - bytes);
-                            let (off, n) = (bytes as u32, len as u32);
-                            ge.copy_from_slice(&StageEntry { addr: local + done, off, len: n }.to_bytes());
-                            te.copy_from_slice(&StageEntry { addr: remote + done, off, len: n }.to_bytes());
-                            bytes += len;
-                            done += len;
-                        }
-                        done = 0;
+        let mut bytes = 0u64;
+        // One descriptor's entries from its byte `done` on; `false` once the piece is full.
+        let mut put = |local: u64, remote: u64, len: u64, mut done: u64| {
+            while done < len {
+                let (Some(g), Some(t)) = (gs.next(), ts.next()) else { return false };
+                let n = (len - done).min(cut.chunk).min(p.bytes - bytes);
+                let (off, n32) = (bytes as u32, n as u32);
+                g.copy_from_slice(&StageEntry { addr: local + done, off, len: n32 }.to_bytes());
+                t.copy_from_slice(&StageEntry { addr: remote + done, off, len: n32 }.to_bytes());
+                bytes += n;
+                done += n;
+            }
+            true
+        };
+        let mut skip = p.skip;
+        match src {
+            Source::Descs(descs) => {
+                for d in descs.get(p.first..).unwrap_or_default() {
+                    if !put(d.local, d.remote, d.len, std::mem::take(&mut skip)) {
+                        return;
                     }
-                    cell = 0;
                 }
-                row = 0;
             }
-            return;
-        }
-        'descs: for d in src.from(p.first) {
-            while done < d.len {
-                let (Some(g), Some(t)) = (gs.next(), ts.next()) else { break 'descs };
-                let len = (d.len - done).min(cut.chunk).min(p.bytes - bytes);
-                let (off, n) = (bytes as u32, len as u32);
-                g.copy_from_slice(&StageEntry { addr: d.local + done, off, len: n }.to_bytes());
-                t.copy_from_slice(&StageEntry { addr: d.remote + done, off, len: n }.to_bytes());
-                bytes += len;
-                done += len;
+            // The grid's rows and cells directly, from the piece's first copy on.
+            Source::Grid(grid) => {
+                let (group, mut row, mut cell) = grid_position(grid, p.first);
+                for g in grid.groups.get(group..).unwrap_or_default() {
+                    let cells = &grid.cells[g.cells.clone()];
+                    for r in &grid.rows[row.max(g.rows.start)..g.rows.end] {
+                        for c in &cells[cell.max(g.cells.start) - g.cells.start..] {
+                            let c = grid.at(r, c);
+                            if !put(c.src_addr, c.dst_addr, c.len, std::mem::take(&mut skip)) {
+                                return;
+                            }
+                        }
+                        cell = 0;
+                    }
+                    row = 0;
+                }
             }
-            done = 0;
         }
     }
 
