@@ -8,5 +8,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/nixl.sh
 . scripts/nixl.sh
-cargo build --release --quiet
+cargo build --release --quiet -p kvpush-cli
 exec ./target/release/kvpush demo "$@"

@@ -32,7 +32,7 @@ step "loom model of the pool's hand-off primitives (--cfg kvpush_loom, own targe
 RUSTFLAGS="--cfg kvpush_loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom_pool
 
 step "kvpush demo (the main job) on a small workload"
-cargo run --release --quiet -- demo --requests 40 --quiet --json target/demo-ci.json
+cargo run --release --quiet -p kvpush-cli -- demo --requests 40 --quiet --json target/demo-ci.json
 
 step "Python: vLLM (CPU build), NIXL wheels, test tools (scripts/python.sh; cached in .cache/)"
 # shellcheck source=scripts/python.sh

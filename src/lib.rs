@@ -3,16 +3,15 @@
 //! moment its blocks are ready.
 //!
 //! The crate is layered (docs/architecture.md): [`proto`] is the sans-IO protocol core every other
-//! layer drives.
+//! layer drives. This crate is the library only (the cdylib that vLLM and C/C++ engines load): the
+//! `kvpush` command lives in `cli/`, the router in `router/` and the demo's workload driver in
+//! `testkit/`.
 
-pub mod demo;
 pub mod device;
-pub mod doctor;
 pub mod engine;
 pub mod ffi;
 pub mod pool;
 pub mod proto;
 #[cfg(feature = "python")]
 pub mod python;
-pub mod router;
 pub mod transport;

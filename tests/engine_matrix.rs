@@ -2,8 +2,8 @@
 //! sliding-window group, through the real engines (writer threads, loopback transport, control link),
 //! every byte verified on D against the expected contents. Push for every pairing, pull for a subset.
 
-use kvpush::demo::{self, Topology, Workload};
 use kvpush::proto::Mode;
+use kvpush_testkit::demo::{self, Topology, Workload};
 
 fn topology(p_tp: u16, d_tp: u16, p_block: u32, d_block: u32) -> Topology {
     Topology {
@@ -18,7 +18,7 @@ fn topology(p_tp: u16, d_tp: u16, p_block: u32, d_block: u32) -> Topology {
         window_every: 2,
         window_tokens: 40,
         // vLLM's FIFO pool: scattered ids, so transfers exercise both merged and unmerged copies.
-        allocator: kvpush::demo::AllocatorFlag::Fifo,
+        allocator: kvpush_testkit::demo::AllocatorFlag::Fifo,
         ..Topology::default()
     }
 }

@@ -26,7 +26,6 @@ use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpush::demo::pattern;
 use kvpush::device::host::HostDevice;
 use kvpush::device::{Buffer, Device};
 use kvpush::engine::{Config, Engine, Finished, LocalHub, Staging, StatsSnapshot};
@@ -39,6 +38,7 @@ use kvpush::proto::rendezvous::{ReleaseReason, RendezvousConfig};
 use kvpush::proto::{Key, Mode};
 use kvpush::transport::loopback::{Fabric, Fault, FaultRates, LoopbackTransport};
 use kvpush::transport::staged::StagingConfig;
+use kvpush_testkit::demo::pattern;
 
 const BLOCK_TOKENS: u32 = 16;
 const P_ENGINE: &str = "prefill";

@@ -660,8 +660,8 @@ fn demo_engines_run_on_fake_neuron_memory() {
 #[test]
 #[ignore = "run by demo_engines_run_on_fake_neuron_memory in a child process"]
 fn child_demo() {
-    use kvpush::demo::{self, Topology, Workload};
     use kvpush::proto::Mode;
+    use kvpush_testkit::demo::{self, Topology, Workload};
 
     let lib = std::env::var("KVPUSH_LIBNRT").expect("run by the parent test, which sets KVPUSH_LIBNRT");
     assert_eq!(std::env::var("KVPUSH_DEVICE").as_deref(), Ok("neuron"));

@@ -5,7 +5,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpush::demo::pattern;
 use kvpush::device::{host::HostDevice, Buffer, Device};
 use kvpush::engine::side::{SideChannel, SideConfig, SideError};
 use kvpush::engine::{Config, Engine, Finished};
@@ -14,6 +13,7 @@ use kvpush::proto::layout::{
 };
 use kvpush::proto::{Key, Mode};
 use kvpush::transport::loopback::Fabric;
+use kvpush_testkit::demo::pattern;
 
 struct Worker {
     engine: Engine,

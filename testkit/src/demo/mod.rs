@@ -16,14 +16,14 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use serde::Serialize;
 
-use crate::device::{self, Buffer, Device};
-use crate::engine::{Config, Engine, EngineError, Finished, LocalHub, Staging};
-use crate::proto::layout::{
+use kvpush::device::{self, Buffer, Device};
+use kvpush::engine::{Config, Engine, EngineError, Finished, LocalHub, Staging};
+use kvpush::proto::layout::{
     BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, ModelShape, Parallel,
 };
-use crate::proto::msg::{blocks_for, Mode};
-use crate::proto::Key;
-use crate::transport::loopback::Fabric;
+use kvpush::proto::msg::{blocks_for, Mode};
+use kvpush::proto::Key;
+use kvpush::transport::loopback::Fabric;
 
 pub mod pattern;
 pub mod procs;
@@ -81,7 +81,7 @@ pub enum StagingFlag {
 impl StagingFlag {
     /// The engine setting; `slots` and `slot_bytes` (0: the default) shape the slots when on.
     pub fn engine(self, slots: usize, slot_bytes: u64) -> Staging {
-        let mut c = crate::transport::staged::StagingConfig::default();
+        let mut c = kvpush::transport::staged::StagingConfig::default();
         if slots > 0 {
             c.slots = slots;
         }
@@ -93,7 +93,7 @@ impl StagingFlag {
             StagingFlag::On => Staging::On(c),
             StagingFlag::Off => Staging::Off,
         };
-        if c == crate::transport::staged::StagingConfig::default() {
+        if c == kvpush::transport::staged::StagingConfig::default() {
             setting
         } else {
             setting.with_geometry(c)
@@ -243,7 +243,7 @@ pub enum DemoError {
     Engine(#[from] EngineError),
     /// The transport could not be set up.
     #[error("transport: {0}")]
-    Transport(#[from] crate::transport::TransportError),
+    Transport(#[from] kvpush::transport::TransportError),
     /// The configuration cannot work.
     #[error("configuration: {0}")]
     Config(String),

@@ -15,10 +15,10 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver};
-use kvpush::demo::procs::{Command, Event, Incoming, Role, WorkerProc, WorkerSpec};
-use kvpush::demo::Topology;
 use kvpush::proto::{Key, Mode};
 use kvpush::transport::nixl;
+use kvpush_testkit::demo::procs::{Command, Event, Incoming, Role, WorkerProc, WorkerSpec};
+use kvpush_testkit::demo::Topology;
 
 const EXE: &str = env!("CARGO_BIN_EXE_kvpush");
 

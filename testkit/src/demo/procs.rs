@@ -40,14 +40,14 @@ use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
 use serde::{Deserialize, Serialize};
 
 use super::{pattern, pct, requests, BlockLists, DemoError, ModeReport, Pool, Report, Rng, Topology, Workload};
-use crate::device::{self, Buffer, Device, MemRegion};
-use crate::engine::side::{SideChannel, SideConfig};
-use crate::engine::{Config, Engine, Finished};
-use crate::proto::layout::BlockOrder;
-use crate::proto::msg::{blocks_for, Mode};
-use crate::proto::Key;
-use crate::transport::nixl::{self, NixlConfig, NixlTransport};
-use crate::transport::{Desc, Op, Transport, XferState};
+use kvpush::device::{self, Buffer, Device, MemRegion};
+use kvpush::engine::side::{SideChannel, SideConfig};
+use kvpush::engine::{Config, Engine, Finished};
+use kvpush::proto::layout::BlockOrder;
+use kvpush::proto::msg::{blocks_for, Mode};
+use kvpush::proto::Key;
+use kvpush::transport::nixl::{self, NixlConfig, NixlTransport};
+use kvpush::transport::{Desc, Op, Transport, XferState};
 
 /// Rounds of the bandwidth references (a ceiling WRITE, then a push of the workload, per round).
 pub const BANDWIDTH_ROUNDS: usize = 5;
@@ -529,7 +529,7 @@ pub enum Event {
 mod key_text {
     use serde::{Deserialize, Deserializer, Serializer};
 
-    use crate::proto::Key;
+    use kvpush::proto::Key;
 
     pub(super) fn serialize<S: Serializer>(k: &Key, s: S) -> Result<S::Ok, S::Error> {
         s.collect_str(k)

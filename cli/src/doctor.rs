@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use crate::device;
-use crate::transport::nixl::{self, NixlConfig, NixlTransport};
+use kvpush::device;
+use kvpush::transport::nixl::{self, NixlConfig, NixlTransport};
 
 /// How a check came out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -89,7 +89,7 @@ pub fn run(opts: &DoctorOptions) -> Vec<Finding> {
         format!(
             "{} (wire protocol {}, nixl-sys 1.5.2 with stub-api)",
             env!("CARGO_PKG_VERSION"),
-            crate::proto::codec::PROTOCOL_VERSION
+            kvpush::proto::codec::PROTOCOL_VERSION
         ),
         "",
     )];

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use fake::*;
 use http_body_util::BodyExt;
-use kvpush::router::{self, Config, InstanceConfig, RouterArgs, RouterError, RouterHandle, TransferMode};
+use kvpush_router::{self as router, Config, InstanceConfig, RouterArgs, RouterError, RouterHandle, TransferMode};
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;

@@ -1,14 +1,16 @@
 //! The `kvpush` command: `kvpush demo` runs the main job (see `kvpush --help`).
 
+mod doctor;
+
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use kvpush::demo::{self, Topology, Workload};
 use kvpush::proto::layout::BlockOrder;
 use kvpush::proto::Mode;
+use kvpush_testkit::demo::{self, Topology, Workload};
 
 #[derive(Parser, Debug)]
 #[command(name = "kvpush", version, about = "Push-mode KV-cache transfer for disaggregated LLM serving")]
@@ -31,7 +33,7 @@ enum Command {
     Doctor(DoctorArgs),
     /// Serve an OpenAI-compatible P/D router in front of prefill and decode servers: in push mode it sends
     /// both legs of every request at once (docs/router.md).
-    Router(kvpush::router::RouterArgs),
+    Router(kvpush_router::RouterArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -144,7 +146,7 @@ struct DemoArgs {
     writers: usize,
     /// Stage fragmented WRITEs through bounded slots on the device (auto: on for GPU memory).
     #[arg(long, value_enum, default_value = "auto")]
-    staging: kvpush::demo::StagingFlag,
+    staging: kvpush_testkit::demo::StagingFlag,
     /// Staging slots per side (0: the default, 4).
     #[arg(long, default_value_t = 0)]
     staging_slots: usize,
@@ -154,7 +156,7 @@ struct DemoArgs {
     /// How the demo's block pools hand out ids: runs of consecutive ids (first fit), or a FIFO free
     /// queue like vLLM's (scattered ids after churn: one descriptor per block per layer).
     #[arg(long, value_enum, default_value = "runs")]
-    allocator: kvpush::demo::AllocatorFlag,
+    allocator: kvpush_testkit::demo::AllocatorFlag,
     /// Write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -174,10 +176,10 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     match cli.command {
-        Command::Router(a) => kvpush::router::run(a),
+        Command::Router(a) => kvpush_router::run(a),
         Command::Doctor(a) => {
-            let opts = kvpush::doctor::DoctorOptions { host: a.host, port: a.port, backends: a.backends };
-            let findings = kvpush::doctor::run(&opts);
+            let opts = doctor::DoctorOptions { host: a.host, port: a.port, backends: a.backends };
+            let findings = doctor::run(&opts);
             if a.json {
                 match serde_json::to_string_pretty(&findings) {
                     Ok(s) => println!("{s}"),
@@ -188,7 +190,7 @@ fn main() -> ExitCode {
                     println!("{f}");
                 }
             }
-            let problems = findings.iter().filter(|f| f.level == kvpush::doctor::Level::Problem).count();
+            let problems = findings.iter().filter(|f| f.level == doctor::Level::Problem).count();
             if problems > 0 {
                 eprintln!("kvpush doctor: {problems} problem(s) found");
                 ExitCode::FAILURE

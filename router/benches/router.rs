@@ -1,5 +1,5 @@
 //! Router overhead per request: the latency `kvpush router` adds, at 200 concurrent client streams,
-//! against fake P and D servers on loopback (the same fakes as tests/router.rs).
+//! against fake P and D servers on loopback (the same fakes as router/tests/router.rs).
 //!
 //! Two phases in the same run, alternated twice: **direct** — every stream sends its requests straight
 //! to the fake D; **router** — the same requests through a push-mode router, which sends each one to the
@@ -26,7 +26,7 @@ use fake::*;
 use http_body_util::{BodyExt, Full};
 use hyper::header::CONTENT_TYPE;
 use hyper::Request;
-use kvpush::router::{self, Config, InstanceConfig, TransferMode};
+use kvpush_router::{self as router, Config, InstanceConfig, TransferMode};
 use serde_json::json;
 
 const CHUNKS: usize = 8;

@@ -7,9 +7,9 @@
 //! verify exactly, byte for byte, with no data shipped out of band. A checksum of what arrived is
 //! compared with the checksum of what should have arrived.
 
-use crate::device::{Buffer, DeviceError};
-use crate::proto::layout::{BlockOrder, GroupKind, KvLayout};
-use crate::proto::msg::blocks_for;
+use kvpush::device::{Buffer, DeviceError};
+use kvpush::proto::layout::{BlockOrder, GroupKind, KvLayout};
+use kvpush::proto::msg::blocks_for;
 
 /// splitmix64: a fast, well-mixed 64-bit hash step.
 fn mix(mut z: u64) -> u64 {

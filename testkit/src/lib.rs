@@ -1,0 +1,5 @@
+//! kvpush's test kit: the workload the demo plays (in one process over the loopback transport, or
+//! P and D as two processes over NIXL), deterministic KV contents and their verification. Used by the
+//! `kvpush` command (`cli/`), the integration tests and the benches; never by the library itself.
+
+pub mod demo;
