@@ -8,6 +8,7 @@
 //! `testkit/`.
 
 pub mod device;
+pub mod embed;
 pub mod engine;
 pub mod ffi;
 pub mod pool;

@@ -25,7 +25,7 @@ use std::ffi::{c_char, c_int, CStr, CString};
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use super::{
+use crate::embed::{
     key_of, key_parts, panic_message, status, EngineSpec, FfiEngine, FfiError, GroupSpec, Hub, LayoutSpec,
     TransportSpec,
 };

@@ -11,7 +11,7 @@ use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 
 use super::cxx::{Completion, Counters, EngineSpec, GroupSpec, Key, LayoutSpec};
-use super::{key_of, key_parts, panic_message, FfiEngine, FfiError, Hub, TransportSpec};
+use crate::embed::{key_of, key_parts, panic_message, FfiEngine, FfiError, Hub, TransportSpec};
 use crate::proto::layout::Parallel;
 
 thread_local! {
@@ -67,8 +67,8 @@ fn none_if_empty(s: &str) -> Option<String> {
     (!s.is_empty()).then(|| s.to_owned())
 }
 
-fn engine_spec(s: &EngineSpec, transport: TransportSpec) -> super::EngineSpec {
-    super::EngineSpec {
+fn engine_spec(s: &EngineSpec, transport: TransportSpec) -> crate::embed::EngineSpec {
+    crate::embed::EngineSpec {
         engine_id: s.engine_id.clone(),
         mode: s.mode,
         device: none_if_empty(&s.device),
@@ -80,8 +80,8 @@ fn engine_spec(s: &EngineSpec, transport: TransportSpec) -> super::EngineSpec {
     }
 }
 
-fn layout_spec(l: &LayoutSpec) -> super::LayoutSpec {
-    super::LayoutSpec {
+fn layout_spec(l: &LayoutSpec) -> crate::embed::LayoutSpec {
+    crate::embed::LayoutSpec {
         total_layers: l.total_layers,
         kv_heads: l.kv_heads,
         head_dim: l.head_dim,
@@ -96,7 +96,7 @@ fn layout_spec(l: &LayoutSpec) -> super::LayoutSpec {
         groups: l
             .groups
             .iter()
-            .map(|g: &GroupSpec| super::GroupSpec { window_tokens: g.window_tokens, layers: g.layers.clone() })
+            .map(|g: &GroupSpec| crate::embed::GroupSpec { window_tokens: g.window_tokens, layers: g.layers.clone() })
             .collect(),
         region_bases: l.region_bases.clone(),
         region_lens: l.region_lens.clone(),
@@ -106,7 +106,7 @@ fn layout_spec(l: &LayoutSpec) -> super::LayoutSpec {
 /// # Safety
 ///
 /// [`FfiEngine::new`]'s contract for the regions of `layout`.
-unsafe fn new_engine(spec: super::EngineSpec, layout: &LayoutSpec) -> Result<Box<RustEngine>, FfiError> {
+unsafe fn new_engine(spec: crate::embed::EngineSpec, layout: &LayoutSpec) -> Result<Box<RustEngine>, FfiError> {
     if layout.region_bases.is_empty() {
         return Err(FfiError::invalid("layout.region_bases", "is empty: a layout needs its region base addresses"));
     }
@@ -310,10 +310,10 @@ mod tests {
     fn errors_carry_their_code_once() {
         let r: Result<(), String> = run("t", || Err(FfiError::Null("p")));
         assert_eq!(r, Err("t: argument `p` is null".to_owned()));
-        assert_eq!(take_error_code(), super::super::status::NULL);
+        assert_eq!(take_error_code(), crate::embed::status::NULL);
         assert_eq!(take_error_code(), 0);
         let r: Result<(), String> = run("t", || panic!("boom"));
         assert!(r.expect_err("caught").contains("boom"));
-        assert_eq!(take_error_code(), super::super::status::PANIC);
+        assert_eq!(take_error_code(), crate::embed::status::PANIC);
     }
 }

@@ -22,7 +22,7 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::ffi::{self, EngineSpec, FfiEngine, FfiError, GroupSpec, LayoutSpec, TransportSpec};
+use crate::embed::{self, EngineSpec, FfiEngine, FfiError, GroupSpec, LayoutSpec, TransportSpec};
 use crate::proto::layout::{tp_sources, Parallel};
 use crate::proto::Key;
 
@@ -35,15 +35,15 @@ create_exception!(_native, ClosedError, KvpushError, "The worker has shut down."
 fn py_err(e: FfiError) -> PyErr {
     let text = e.to_string();
     match e.code() {
-        ffi::status::INCOMPATIBLE => IncompatibleError::new_err(text),
-        ffi::status::TRANSPORT | ffi::status::SIDE_CHANNEL => TransportError::new_err(text),
-        ffi::status::CLOSED => ClosedError::new_err(text),
-        ffi::status::NULL
-        | ffi::status::INVALID_ARGUMENT
-        | ffi::status::LAYOUT
-        | ffi::status::BLOCKS
-        | ffi::status::WRONG_MODE
-        | ffi::status::DEVICE => ConfigError::new_err(text),
+        embed::status::INCOMPATIBLE => IncompatibleError::new_err(text),
+        embed::status::TRANSPORT | embed::status::SIDE_CHANNEL => TransportError::new_err(text),
+        embed::status::CLOSED => ClosedError::new_err(text),
+        embed::status::NULL
+        | embed::status::INVALID_ARGUMENT
+        | embed::status::LAYOUT
+        | embed::status::BLOCKS
+        | embed::status::WRONG_MODE
+        | embed::status::DEVICE => ConfigError::new_err(text),
         _ => KvpushError::new_err(text),
     }
 }
