@@ -15,4 +15,5 @@ pub mod pool;
 pub mod proto;
 #[cfg(feature = "python")]
 pub mod python;
+mod sync;
 pub mod transport;

@@ -16,7 +16,7 @@ use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::device::{self, DeviceError};
@@ -29,6 +29,7 @@ use crate::proto::layout::{
 use crate::proto::msg::{Message, Mode};
 use crate::proto::rendezvous::ReleaseReason;
 use crate::proto::Key;
+use crate::sync::lock;
 use crate::transport::loopback::Fabric;
 use crate::transport::nixl::{NixlConfig, NixlTransport};
 use crate::transport::TransportError;
@@ -522,10 +523,6 @@ impl fmt::Debug for FfiEngine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FfiEngine").field("addr", self.engine.addr()).finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl FfiEngine {

@@ -26,7 +26,7 @@ use std::fmt;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -38,6 +38,7 @@ use super::link::{ControlLink, LinkError, PeerAddr};
 use crate::proto::codec::{self, frame_len, HEADER_LEN};
 use crate::proto::compat;
 use crate::proto::msg::{Handshake, Heartbeat, Message};
+use crate::sync::lock;
 
 const MAGIC: &[u8; 8] = b"KVPSIDE1";
 const MAC_LABEL: &[u8] = b"kvpush-side-v1";
@@ -192,10 +193,6 @@ impl fmt::Debug for SideChannel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SideChannel").field("listening", &self.inner.local).finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn nonce() -> Result<[u8; 16], SideError> {

@@ -12,11 +12,8 @@ pub(crate) use std::sync::atomic::{fence, AtomicBool, Ordering};
 #[cfg(not(kvpush_loom))]
 pub(crate) use std::sync::Mutex;
 
-/// Locks `m`, recovering the data if a holder panicked (the data is plain queues, always valid).
 #[cfg(not(kvpush_loom))]
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
+pub(crate) use crate::sync::lock;
 
 /// Locks `m` (loom's mutex does not poison).
 #[cfg(kvpush_loom)]

@@ -14,7 +14,7 @@
 //! Python (PyO3 turns one into `PanicException`, and the engine never panics on bad input).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use pyo3::conversion::FromPyObjectOwned;
 use pyo3::create_exception;
@@ -25,6 +25,7 @@ use pyo3::types::{PyDict, PyList};
 use crate::embed::{self, EngineSpec, FfiEngine, FfiError, GroupSpec, LayoutSpec, TransportSpec};
 use crate::proto::layout::{tp_sources, Parallel};
 use crate::proto::Key;
+use crate::sync::lock;
 
 create_exception!(_native, KvpushError, PyException, "Base class of every kvpush error.");
 create_exception!(_native, ConfigError, KvpushError, "A configuration value or argument is invalid.");
@@ -46,10 +47,6 @@ fn py_err(e: FfiError) -> PyErr {
         | embed::status::DEVICE => ConfigError::new_err(text),
         _ => KvpushError::new_err(text),
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The transfer key of a router-minted transfer id (32 hex digits) and attempt.

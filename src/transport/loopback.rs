@@ -31,7 +31,7 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::fmt;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -39,6 +39,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 
 use super::{Desc, Notification, Op, Transport, TransportError, Waker, XferId, XferState};
 use crate::device::MemRegion;
+use crate::sync::lock;
 
 /// NIXL's `NIXL_ERR_INVALID_PARAM`: a call was given a bad argument.
 pub const STATUS_INVALID_PARAM: i32 = -2;
@@ -991,12 +992,6 @@ fn run_xfer(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Lock helpers: nothing here panics while holding a lock, but a panicking waker or caller thread must
-// not turn every later call into a panic, so poisoning is ignored.
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
     l.read().unwrap_or_else(PoisonError::into_inner)

@@ -21,7 +21,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 
 use std::sync::Arc;
 
@@ -32,6 +32,7 @@ use nixl_sys::{
 
 use super::{Desc, Notification, Op, Transport, TransportError, Units, Waker, XferId, XferState};
 use crate::device::{MemKind, MemRegion};
+use crate::sync::lock;
 
 /// NIXL status codes (nixl_types.h), for errors and failure notifications.
 pub mod status {
@@ -237,10 +238,6 @@ impl fmt::Debug for NixlTransport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NixlTransport").field("name", &self.name).finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl NixlTransport {

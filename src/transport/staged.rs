@@ -59,6 +59,7 @@ use super::{Desc, Notification, Op, Transport, TransportError, Units, Waker, Xfe
 use crate::device::stage::{StageEntry, Stager, ENTRY_BYTES, STAGE_ALIGN};
 use crate::device::{Buffer, Device, MemRegion};
 use crate::proto::plan::Grid;
+use crate::sync::lock;
 
 /// First bytes of every staging notification (engine frames start with `KP`).
 pub const MAGIC: [u8; 2] = *b"KS";
@@ -531,10 +532,6 @@ impl fmt::Debug for Staged {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Staged").field("inner", &self.inner).field("cfg", &self.cfg).finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Where copy number `k` of `grid`'s expansion is: (group, row, cell), indices into its vectors.
