@@ -28,19 +28,23 @@ impl fmt::Display for PeerAddr {
 }
 
 /// Why a frame could not be sent.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum LinkError {
     /// No endpoint with that address is attached or connected.
     #[error("no control link to {0}")]
     UnknownPeer(PeerAddr),
-    /// The peer refused or failed to take the frame.
-    #[error("control link to {peer} failed: {reason}")]
-    Failed {
+    /// The connection to the peer is closed.
+    #[error("control link to {0} is closed")]
+    Closed(PeerAddr),
+    /// The peer's engine refused the frame (an in-process link hands back the peer's error).
+    #[error("control link to {peer}: the peer refused the frame")]
+    Refused {
         /// The peer.
         peer: PeerAddr,
-        /// Why.
-        reason: String,
+        /// The peer engine's error.
+        #[source]
+        source: Box<super::EngineError>,
     },
 }
 
@@ -54,7 +58,7 @@ pub trait ControlLink: Send + Sync + fmt::Debug {
 /// Receives frames for one attached worker (implemented by the engine).
 pub trait FrameSink: Send + Sync {
     /// Takes one frame sent by `from`.
-    fn deliver(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), String>;
+    fn deliver(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), super::EngineError>;
 }
 
 /// In-process control link: engines attach their workers and frames are handed over directly.
@@ -92,6 +96,6 @@ impl ControlLink for LocalHub {
     fn send(&self, from: &PeerAddr, to: &PeerAddr, frame: Vec<u8>) -> Result<(), LinkError> {
         let sink = self.sinks.read().unwrap_or_else(|p| p.into_inner()).get(to).and_then(Weak::upgrade);
         let sink = sink.ok_or_else(|| LinkError::UnknownPeer(to.clone()))?;
-        sink.deliver(from, &frame).map_err(|reason| LinkError::Failed { peer: to.clone(), reason })
+        sink.deliver(from, &frame).map_err(|e| LinkError::Refused { peer: to.clone(), source: Box::new(e) })
     }
 }

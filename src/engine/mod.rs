@@ -76,14 +76,19 @@ pub enum Staging {
     On(StagingConfig),
 }
 
+/// A staging setting that is none of `auto`, `on` or `off`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("staging {0:?}: expected auto, on or off")]
+pub struct ParseStagingError(pub String);
+
 impl Staging {
     /// Parses `auto`, `off` or `on` (`on` takes the default geometry).
-    pub fn parse(s: &str) -> Result<Staging, String> {
+    pub fn parse(s: &str) -> Result<Staging, ParseStagingError> {
         match s.trim().to_ascii_lowercase().as_str() {
             "auto" | "" => Ok(Staging::Auto),
             "off" | "0" | "false" => Ok(Staging::Off),
             "on" | "1" | "true" => Ok(Staging::On(StagingConfig::default())),
-            other => Err(format!("staging {other:?}: expected auto, on or off")),
+            other => Err(ParseStagingError(other.to_owned())),
         }
     }
 
@@ -372,14 +377,14 @@ impl side::Endpoint for Shared {
     fn me(&self) -> PeerAddr {
         self.me.clone()
     }
-    fn local_handshake(&self) -> Result<Handshake, String> {
-        self.handshake().map_err(|e| e.to_string())
+    fn local_handshake(&self) -> Result<Handshake, EngineError> {
+        self.handshake()
     }
-    fn add_peer(&self, peer: &Handshake) -> Result<PeerAddr, String> {
-        Shared::add_peer(self, peer).map_err(|e| e.to_string())
+    fn add_peer(&self, peer: &Handshake) -> Result<PeerAddr, EngineError> {
+        Shared::add_peer(self, peer)
     }
-    fn deliver(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), String> {
-        self.handle_frame(from, frame).map_err(|e| e.to_string())
+    fn deliver(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), EngineError> {
+        self.handle_frame(from, frame)
     }
     fn peer_lost(&self, peer: &PeerAddr, reason: &str) {
         tracing::warn!(worker = %self.me, %peer, %reason, "peer lost");
@@ -390,8 +395,8 @@ impl side::Endpoint for Shared {
 }
 
 impl FrameSink for Shared {
-    fn deliver(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), String> {
-        self.handle_frame(from, frame).map_err(|e| format!("{}: {e}", self.me))
+    fn deliver(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), EngineError> {
+        self.handle_frame(from, frame)
     }
 }
 

@@ -35,6 +35,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use super::link::{ControlLink, LinkError, PeerAddr};
+use super::EngineError;
 use crate::proto::codec::{self, frame_len, HEADER_LEN};
 use crate::proto::compat;
 use crate::proto::msg::{Handshake, Heartbeat, Message};
@@ -50,11 +51,11 @@ pub trait Endpoint: Send + Sync {
     /// This worker's address.
     fn me(&self) -> PeerAddr;
     /// This worker's handshake.
-    fn local_handshake(&self) -> Result<Handshake, String>;
+    fn local_handshake(&self) -> Result<Handshake, EngineError>;
     /// Accepts a peer whose handshake passed the checks (loads its transport metadata).
-    fn add_peer(&self, peer: &Handshake) -> Result<PeerAddr, String>;
+    fn add_peer(&self, peer: &Handshake) -> Result<PeerAddr, EngineError>;
     /// Takes one control frame from a handshaken peer.
-    fn deliver(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), String>;
+    fn deliver(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), EngineError>;
     /// A peer went away: fail what is in flight with it.
     fn peer_lost(&self, peer: &PeerAddr, reason: &str);
 }
@@ -316,7 +317,7 @@ impl Drop for SideChannel {
 impl ControlLink for SideChannel {
     fn send(&self, _from: &PeerAddr, to: &PeerAddr, frame: Vec<u8>) -> Result<(), LinkError> {
         let conn = lock(&self.inner.conns).get(to).cloned().ok_or_else(|| LinkError::UnknownPeer(to.clone()))?;
-        conn.tx.send(frame).map_err(|_| LinkError::Failed { peer: to.clone(), reason: "connection closed".into() })
+        conn.tx.send(frame).map_err(|_| LinkError::Closed(to.clone()))
     }
 }
 
@@ -382,7 +383,7 @@ impl Inner {
         theirs.copy_from_slice(&theirs_hello[8..]);
 
         // 2. Handshakes with their MACs.
-        let local = endpoint.local_handshake().map_err(refused)?;
+        let local = endpoint.local_handshake().map_err(|e| refused(e.to_string()))?;
         let frame = codec::to_vec(&Message::Handshake(Box::new(local.clone())))
             .map_err(|e| refused(format!("cannot encode our handshake: {e}")))?;
         let secret = this.config.secret.as_deref();
@@ -440,7 +441,7 @@ impl Inner {
         };
         let hs = verdict.map_err(refused).map_err(count_refusal)?;
         theirs_ok.map_err(refused).map_err(count_refusal)?;
-        let peer = endpoint.add_peer(&hs).map_err(refused).map_err(count_refusal)?;
+        let peer = endpoint.add_peer(&hs).map_err(|e| refused(e.to_string())).map_err(count_refusal)?;
         this.counters.handshakes.fetch_add(1, Ordering::Relaxed);
         tracing::info!(me = %endpoint.me(), %peer, via = %name, "side channel connected");
 

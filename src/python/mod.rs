@@ -276,7 +276,7 @@ fn specs(d: &Bound<'_, PyDict>) -> PyResult<(EngineSpec, LayoutSpec)> {
         lease_ms: get(d, "lease_ms")?.unwrap_or(0),
         timeout_ms: get(d, "timeout_ms")?.unwrap_or(0),
         staging: match get::<String>(d, "staging")? {
-            Some(s) => crate::engine::Staging::parse(&s).map_err(ConfigError::new_err)?,
+            Some(s) => crate::engine::Staging::parse(&s).map_err(|e| ConfigError::new_err(e.to_string()))?,
             None => crate::engine::Staging::Auto,
         },
         transport: TransportSpec::Nixl {

@@ -125,21 +125,39 @@ impl StagingConfig {
     }
 
     /// Checks the geometry.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), GeometryError> {
         if self.slots == 0 || self.slots > 1024 {
-            return Err(format!("staging slots {}: must be 1 to 1024", self.slots));
+            return Err(GeometryError::Slots(self.slots));
         }
         if self.slot_bytes < 4096 || !self.slot_bytes.is_multiple_of(STAGE_ALIGN) || self.slot_bytes > u32::MAX as u64 {
-            return Err(format!("staging slot of {} bytes: must be 4 KiB to 4 GiB, a multiple of 16", self.slot_bytes));
+            return Err(GeometryError::SlotBytes(self.slot_bytes));
         }
         if self.max_entries == 0 || self.max_entries > 1 << 24 {
-            return Err(format!("{} staging entries per slot: must be 1 to 2^24", self.max_entries));
+            return Err(GeometryError::Entries(self.max_entries));
         }
         if self.max_entry_bytes < STAGE_ALIGN || !self.max_entry_bytes.is_multiple_of(STAGE_ALIGN) {
-            return Err(format!("longest staging entry {}: must be a multiple of 16", self.max_entry_bytes));
+            return Err(GeometryError::EntryBytes(self.max_entry_bytes));
         }
         Ok(())
     }
+}
+
+/// Why a staging geometry ([`StagingConfig`]) was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GeometryError {
+    /// The number of slots.
+    #[error("staging slots {0}: must be 1 to 1024")]
+    Slots(usize),
+    /// The size of a slot.
+    #[error("staging slot of {0} bytes: must be 4 KiB to 4 GiB, a multiple of 16")]
+    SlotBytes(u64),
+    /// Table entries per slot.
+    #[error("{0} staging entries per slot: must be 1 to 2^24")]
+    Entries(usize),
+    /// The longest entry.
+    #[error("longest staging entry {0}: must be a multiple of 16")]
+    EntryBytes(u64),
 }
 
 /// What the staged transport did (cumulative).
@@ -248,28 +266,67 @@ impl Frame {
     }
 
     /// `None`: not a staging frame. `Some(Err)`: a malformed one.
-    fn decode(msg: &[u8]) -> Option<Result<Frame, ()>> {
+    fn decode(msg: &[u8]) -> Option<Result<Frame, FrameError>> {
         if msg.len() < 3 || msg[..2] != MAGIC {
             return None;
         }
         let kind = msg[2];
         let mut r = Reader(&msg[3..]);
+        let truncated = FrameError::Truncated { kind };
         let parsed = (|| {
-            let tag = r.u64()?;
+            let tag = r.u64().ok_or(truncated)?;
             let f = match kind {
-                REQUEST => Frame::Request { tag, pieces: r.u32()?, notif: std::mem::take(&mut r.0).to_vec() },
-                GRANT => Frame::Grant { tag, piece: r.u32()?, slot: r.u32()?, addr: r.u64()? },
-                PIECE => Frame::Piece { tag, piece: r.u32()?, slot: r.u32()?, entries: r.u32()?, bytes: r.u64()? },
+                REQUEST => {
+                    Frame::Request { tag, pieces: r.u32().ok_or(truncated)?, notif: std::mem::take(&mut r.0).to_vec() }
+                }
+                GRANT => Frame::Grant {
+                    tag,
+                    piece: r.u32().ok_or(truncated)?,
+                    slot: r.u32().ok_or(truncated)?,
+                    addr: r.u64().ok_or(truncated)?,
+                },
+                PIECE => Frame::Piece {
+                    tag,
+                    piece: r.u32().ok_or(truncated)?,
+                    slot: r.u32().ok_or(truncated)?,
+                    entries: r.u32().ok_or(truncated)?,
+                    bytes: r.u64().ok_or(truncated)?,
+                },
                 FAIL => Frame::Fail { tag, detail: String::from_utf8_lossy(std::mem::take(&mut r.0)).into_owned() },
                 CANCEL => Frame::Cancel { tag },
                 CANCELLED => Frame::Cancelled { tag },
                 DONE => Frame::Done { tag },
-                _ => return None,
+                _ => return Err(FrameError::UnknownKind(kind)),
             };
-            r.0.is_empty().then_some(f)
+            match r.0.len() {
+                0 => Ok(f),
+                extra => Err(FrameError::Trailing { kind, extra }),
+            }
         })();
-        Some(parsed.ok_or(()))
+        Some(parsed)
     }
+}
+
+/// Why a staging frame (magic `KS`) was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+enum FrameError {
+    /// Shorter than its kind's fixed fields.
+    #[error("staging frame of kind {kind} is cut short")]
+    Truncated {
+        /// The frame's kind byte.
+        kind: u8,
+    },
+    /// A kind this version does not know.
+    #[error("unknown staging frame kind {0}")]
+    UnknownKind(u8),
+    /// Bytes after a fixed-size frame's last field.
+    #[error("staging frame of kind {kind} has {extra} trailing bytes")]
+    Trailing {
+        /// The frame's kind byte.
+        kind: u8,
+        /// How many.
+        extra: usize,
+    },
 }
 
 // ---- State. ----
@@ -575,7 +632,7 @@ impl Staged {
         cfg: StagingConfig,
     ) -> Result<Option<Staged>, TransportError> {
         let bad = |what: String| TransportError::Unavailable { transport: "staging", reason: what };
-        cfg.validate().map_err(bad)?;
+        cfg.validate().map_err(|e| bad(e.to_string()))?;
         let Some(stager) = device.stager(2 * cfg.slots, cfg.max_entries).map_err(|e| bad(e.to_string()))? else {
             return Ok(None);
         };
@@ -1336,9 +1393,9 @@ impl Staged {
         for note in raw {
             match Frame::decode(&note.msg) {
                 None => out.push(note),
-                Some(Err(())) => {
+                Some(Err(e)) => {
                     st.counts.malformed += 1;
-                    tracing::warn!(peer = %note.from, "malformed staging frame");
+                    tracing::warn!(peer = %note.from, error = %e, "malformed staging frame");
                 }
                 Some(Ok(f)) => match f {
                     Frame::Grant { .. } | Frame::Fail { .. } | Frame::Cancelled { .. } | Frame::Done { .. } => {
@@ -1557,13 +1614,13 @@ mod tests {
                 Frame::Fail { .. } => 11,
                 _ => b.len(),
             };
-            assert_eq!(Frame::decode(&b[..fixed - 1]).map(|r| r.is_err()), Some(true), "{b:?}");
+            assert!(matches!(Frame::decode(&b[..fixed - 1]), Some(Err(FrameError::Truncated { .. }))), "{b:?}");
         }
         assert_eq!(Frame::decode(b"KP\x01rest"), None, "engine frames pass through");
-        assert_eq!(Frame::decode(b"KS\x09\0\0\0\0\0\0\0\0"), Some(Err(())), "unknown kind");
+        assert_eq!(Frame::decode(b"KS\x09\0\0\0\0\0\0\0\0"), Some(Err(FrameError::UnknownKind(9))), "unknown kind");
         let mut long = Frame::Cancel { tag: 1 }.encode();
         long.push(0);
-        assert_eq!(Frame::decode(&long), Some(Err(())), "trailing bytes");
+        assert!(matches!(Frame::decode(&long), Some(Err(FrameError::Trailing { extra: 1, .. }))), "trailing bytes");
     }
 
     #[test]
@@ -1778,6 +1835,6 @@ mod tests {
         assert_eq!(Staging::parse("AUTO"), Ok(Staging::Auto));
         assert_eq!(Staging::parse("off"), Ok(Staging::Off));
         assert_eq!(Staging::parse("on"), Ok(Staging::On(StagingConfig::default())));
-        assert!(Staging::parse("sometimes").unwrap_err().contains("auto, on or off"));
+        assert!(Staging::parse("sometimes").unwrap_err().to_string().contains("auto, on or off"));
     }
 }
