@@ -7,7 +7,6 @@
 
 use std::mem::{offset_of, size_of};
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::OnceLock;
 
 use kvpush::ffi::capi::{
@@ -16,26 +15,14 @@ use kvpush::ffi::capi::{
 };
 
 mod ffi_support;
-use ffi_support::{cdylib, compile, nixl_or_skip, root, run_ok, stage, tool};
+use ffi_support::{build, cdylib, nixl_or_skip, root, run_ok, stage};
 
 /// The test program, built once per test binary.
 fn program() -> &'static PathBuf {
     static EXE: OnceLock<PathBuf> = OnceLock::new();
     EXE.get_or_init(|| {
         let dir = stage("ffi-c", &[cdylib()]);
-        let exe = dir.join("c_api_test");
-        let mut cc = Command::new(tool("CC", "cc"));
-        cc.args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-g", "-I"])
-            .arg(root().join("cpp/include"))
-            .arg(root().join("cpp/tests/c_api_test.c"))
-            .arg("-L")
-            .arg(&dir)
-            .arg("-lkvpush")
-            .arg(format!("-Wl,-rpath,{}", dir.display()))
-            .arg("-o")
-            .arg(&exe);
-        compile(cc, "cpp/tests/c_api_test.c");
-        exe
+        build(&dir, "c_api_test", &root().join("cpp/tests/c_api_test.c"), &[])
     })
 }
 
