@@ -243,16 +243,19 @@ static void push_requests(worker *p, worker *d, const char *producer, int count,
     EXPECT(s->outcome == KVPUSH_OUTCOME_SENT && s->release == KVPUSH_RELEASE_SENT);
     bytes += verify(d, &rq[r], r);
   }
-  kvpush_stats ps, ds;
-  CHECK(kvpush_engine_stats(p->engine, &ps));
-  CHECK(kvpush_engine_stats(d->engine, &ds));
-  EXPECT(ds.received >= (uint64_t)count);
-  EXPECT(ps.posts >= (uint64_t)count && ps.bytes >= bytes);
-  EXPECT(ps.descriptors_posted <= ps.descriptors_unmerged);
+  kvpush_stats pst, dst;
+  CHECK(kvpush_engine_stats(p->engine, &pst));
+  CHECK(kvpush_engine_stats(d->engine, &dst));
+  const kvpush_counters *ps = &pst.counters, *ds = &dst.counters;
+  EXPECT(ds->received >= (uint64_t)count);
+  EXPECT(ps->posts >= (uint64_t)count && ps->bytes >= bytes);
+  EXPECT(ps->descriptors_posted <= ps->descriptors_unmerged);
+  EXPECT(pst.failures.post == 0 && pst.failures.transfer == 0 && dst.failures.timeout == 0);
+  EXPECT(dst.receive.count == ds->received && dst.receive.p50_us <= dst.receive.max_us);
   printf("push ok: %d requests, %zu bytes verified, producer posted %llu bytes in %llu descriptors (%llu before "
          "merging)\n",
-         count, bytes, (unsigned long long)ps.bytes, (unsigned long long)ps.descriptors_posted,
-         (unsigned long long)ps.descriptors_unmerged);
+         count, bytes, (unsigned long long)ps->bytes, (unsigned long long)ps->descriptors_posted,
+         (unsigned long long)ps->descriptors_unmerged);
 }
 
 static void pull_request(kvpush_hub *hub) {
