@@ -6,32 +6,17 @@
 //! message; then the same push over real NIXL and the TCP side channel.
 
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::OnceLock;
 
 mod ffi_support;
-use ffi_support::{cdylib, compile, nixl_or_skip, root, run_ok, stage, tool};
+use ffi_support::{build, cdylib, nixl_or_skip, root, run_ok, stage};
 
 /// The test program, built once per test binary.
 fn program() -> &'static PathBuf {
     static EXE: OnceLock<PathBuf> = OnceLock::new();
     EXE.get_or_init(|| {
-        let archive = PathBuf::from(env!("KVPUSH_CXX_LIB"));
-        let dir = stage("ffi-cpp", &[cdylib(), archive]);
-        let exe = dir.join("cpp_api_test");
-        let mut cxx = Command::new(tool("CXX", "c++"));
-        cxx.args(["-std=c++17", "-Wall", "-Wextra", "-Werror", "-g", "-pthread", "-I"])
-            .arg(root().join("cpp/include"))
-            .arg(root().join("cpp/tests/cpp_api_test.cc"))
-            .arg(dir.join("libkvpush_cxx.a"))
-            .arg("-L")
-            .arg(&dir)
-            .arg("-lkvpush")
-            .arg(format!("-Wl,-rpath,{}", dir.display()))
-            .arg("-o")
-            .arg(&exe);
-        compile(cxx, "cpp/tests/cpp_api_test.cc");
-        exe
+        let dir = stage("ffi-cpp", &[cdylib(), PathBuf::from(env!("KVPUSH_CXX_LIB"))]);
+        build(&dir, "cpp_api_test", &root().join("cpp/tests/cpp_api_test.cc"), &["libkvpush_cxx.a"])
     })
 }
 

@@ -173,11 +173,10 @@ typedef struct kvpush_completion {
   char message[KVPUSH_MESSAGE_LEN]; /* failure or release reason; NUL-terminated, truncated */
 } kvpush_completion;
 
-typedef struct kvpush_latency {
-  uint64_t count, p50_us, p90_us, p99_us, max_us;
-} kvpush_latency;
-
-typedef struct kvpush_stats {
+/* Counters of an engine. The same struct as Counters in src/engine/stats.rs (#[repr(C)], all
+ * uint64_t): a new counter is added there and here, in the same place; tests/ffi_c.rs checks that
+ * every field's name and offset agree. */
+typedef struct kvpush_counters {
   uint64_t registrations;        /* sent (consumer) or received (producer) */
   uint64_t matches;              /* transfers matched by the rendezvous */
   uint64_t posts;                /* transfers posted */
@@ -188,8 +187,30 @@ typedef struct kvpush_stats {
   uint64_t received;             /* consumer: requests received */
   uint64_t failed;               /* consumer: requests failed */
   uint64_t aborted;              /* aborts handled */
-  uint64_t fail_post, fail_transfer, fail_plan, fail_lease_expired, fail_timeout, fail_remote,
-      fail_malformed, fail_unknown_peer, fail_link;
+} kvpush_counters;
+
+/* Failures by kind. The same struct as Failures in src/engine/stats.rs (as kvpush_counters). */
+typedef struct kvpush_failures {
+  uint64_t post;          /* posting a transfer failed */
+  uint64_t transfer;      /* a posted transfer failed */
+  uint64_t plan;          /* planning failed */
+  uint64_t lease_expired; /* producer: leases or registration waits that ran out */
+  uint64_t timeout;       /* consumer: requests that timed out waiting for their parts */
+  uint64_t remote;        /* consumer: failure notifications received from a peer */
+  uint64_t malformed;     /* frames that could not be decoded or were out of range */
+  uint64_t unknown_peer;  /* frames or transfers concerning unknown peers */
+  uint64_t link;          /* control-link sends that failed */
+} kvpush_failures;
+
+/* Percentiles of a latency histogram, in microseconds. */
+typedef struct kvpush_latency {
+  uint64_t count, p50_us, p90_us, p99_us, max_us;
+} kvpush_latency;
+
+/* Everything kvpush_engine_stats reports (C++: kvpush::Stats). */
+typedef struct kvpush_stats {
+  kvpush_counters counters;
+  kvpush_failures failures;
   kvpush_latency wait_registration_first; /* producer: registration waiting for prefill */
   kvpush_latency wait_blocks_first;       /* producer: blocks waiting for the registration */
   kvpush_latency post;                    /* plan + merge + post of one transfer */

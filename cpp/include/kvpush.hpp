@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "kvpush.h"
+
 namespace kvpush {
 
 // Status codes; the same values as kvpush_status in kvpush.h.
@@ -126,14 +128,9 @@ struct Completion {
   std::string message;  // failure or release reason
 };
 
-struct Counters {
-  std::uint64_t registrations = 0, matches = 0, posts = 0, descriptors_unmerged = 0,
-                descriptors_posted = 0, bytes = 0, released = 0, received = 0, failed = 0,
-                aborted = 0;
-  std::uint64_t fail_post = 0, fail_transfer = 0, fail_plan = 0, fail_lease_expired = 0,
-                fail_timeout = 0, fail_remote = 0, fail_malformed = 0, fail_unknown_peer = 0,
-                fail_link = 0;
-};
+// Counters, failures and latency percentiles of an engine: the C struct itself (kvpush.h), so a
+// field added there is here too. stats().counters.bytes, stats().failures.timeout, stats().receive.p99_us.
+using Stats = ::kvpush_stats;
 
 class Engine;
 
@@ -196,7 +193,7 @@ class Engine {
   // Appends at most `max` finished results to `out`; returns how many. Cheap when there are none.
   std::size_t poll(std::vector<Completion> &out, std::size_t max = 1024);
 
-  Counters counters() const;
+  Stats stats() const;
   std::string stats_json() const;
 
  private:

@@ -198,31 +198,8 @@ std::size_t Engine::poll(std::vector<Completion> &out, std::size_t max) {
   });
 }
 
-Counters Engine::counters() const {
-  return call([&] {
-    bridge::Counters c = impl().engine->counters();
-    Counters out;
-    out.registrations = c.registrations;
-    out.matches = c.matches;
-    out.posts = c.posts;
-    out.descriptors_unmerged = c.descriptors_unmerged;
-    out.descriptors_posted = c.descriptors_posted;
-    out.bytes = c.bytes;
-    out.released = c.released;
-    out.received = c.received;
-    out.failed = c.failed;
-    out.aborted = c.aborted;
-    out.fail_post = c.fail_post;
-    out.fail_transfer = c.fail_transfer;
-    out.fail_plan = c.fail_plan;
-    out.fail_lease_expired = c.fail_lease_expired;
-    out.fail_timeout = c.fail_timeout;
-    out.fail_remote = c.fail_remote;
-    out.fail_malformed = c.fail_malformed;
-    out.fail_unknown_peer = c.fail_unknown_peer;
-    out.fail_link = c.fail_link;
-    return out;
-  });
+Stats Engine::stats() const {
+  return call([&] { return impl().engine->stats(); });
 }
 
 std::string Engine::stats_json() const {

@@ -4,7 +4,6 @@
  *   c_api_test loopback   push and pull transfers between a producer and a consumer in this
  *                         process (loopback transport), every byte verified; aborts; error paths
  *   c_api_test nixl       push transfers over real NIXL (UCX) and the TCP side channel
- *   c_api_test abi        prints struct sizes and offsets, compared with Rust's by the test
  *   c_api_test bench [N]  engine-thread time per request through the C ABI (see run_bench)
  *
  * Prints one line per check; exits 0 when all passed, 1 at the first failure (with the library's
@@ -243,16 +242,19 @@ static void push_requests(worker *p, worker *d, const char *producer, int count,
     EXPECT(s->outcome == KVPUSH_OUTCOME_SENT && s->release == KVPUSH_RELEASE_SENT);
     bytes += verify(d, &rq[r], r);
   }
-  kvpush_stats ps, ds;
-  CHECK(kvpush_engine_stats(p->engine, &ps));
-  CHECK(kvpush_engine_stats(d->engine, &ds));
-  EXPECT(ds.received >= (uint64_t)count);
-  EXPECT(ps.posts >= (uint64_t)count && ps.bytes >= bytes);
-  EXPECT(ps.descriptors_posted <= ps.descriptors_unmerged);
+  kvpush_stats pst, dst;
+  CHECK(kvpush_engine_stats(p->engine, &pst));
+  CHECK(kvpush_engine_stats(d->engine, &dst));
+  const kvpush_counters *ps = &pst.counters, *ds = &dst.counters;
+  EXPECT(ds->received >= (uint64_t)count);
+  EXPECT(ps->posts >= (uint64_t)count && ps->bytes >= bytes);
+  EXPECT(ps->descriptors_posted <= ps->descriptors_unmerged);
+  EXPECT(pst.failures.post == 0 && pst.failures.transfer == 0 && dst.failures.timeout == 0);
+  EXPECT(dst.receive.count == ds->received && dst.receive.p50_us <= dst.receive.max_us);
   printf("push ok: %d requests, %zu bytes verified, producer posted %llu bytes in %llu descriptors (%llu before "
          "merging)\n",
-         count, bytes, (unsigned long long)ps.bytes, (unsigned long long)ps.descriptors_posted,
-         (unsigned long long)ps.descriptors_unmerged);
+         count, bytes, (unsigned long long)ps->bytes, (unsigned long long)ps->descriptors_posted,
+         (unsigned long long)ps->descriptors_unmerged);
 }
 
 static void pull_request(kvpush_hub *hub) {
@@ -584,31 +586,16 @@ static void run_bench(size_t n) {
   printf("bench done\n");
 }
 
-static void print_abi(void) {
-  printf("kvpush_key %zu %zu\n", sizeof(kvpush_key), offsetof(kvpush_key, attempt));
-  printf("kvpush_block_list %zu %zu\n", sizeof(kvpush_block_list), offsetof(kvpush_block_list, len));
-  printf("kvpush_kv_group %zu %zu\n", sizeof(kvpush_kv_group), offsetof(kvpush_kv_group, num_layers));
-  printf("kvpush_layout %zu %zu\n", sizeof(kvpush_layout), offsetof(kvpush_layout, block_stride));
-  printf("kvpush_layout.pp_size %zu %zu\n", sizeof(uint16_t), offsetof(kvpush_layout, pp_size));
-  printf("kvpush_layout.region_lens %zu %zu\n", sizeof(void *), offsetof(kvpush_layout, region_lens));
-  printf("kvpush_engine_config %zu %zu\n", sizeof(kvpush_engine_config), offsetof(kvpush_engine_config, lease_ms));
-  printf("kvpush_engine_config.secret %zu %zu\n", sizeof(void *), offsetof(kvpush_engine_config, secret));
-  printf("kvpush_completion %zu %zu\n", sizeof(kvpush_completion), offsetof(kvpush_completion, message));
-  printf("kvpush_stats %zu %zu\n", sizeof(kvpush_stats), offsetof(kvpush_stats, receive));
-}
-
 int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "loopback";
   if (strcmp(mode, "loopback") == 0) {
     run_loopback();
   } else if (strcmp(mode, "nixl") == 0) {
     run_nixl();
-  } else if (strcmp(mode, "abi") == 0) {
-    print_abi();
   } else if (strcmp(mode, "bench") == 0) {
     run_bench(argc > 2 ? (size_t)strtoul(argv[2], NULL, 10) : 5000);
   } else {
-    fprintf(stderr, "usage: %s [loopback|nixl|abi|bench [N]]\n", argv[0]);
+    fprintf(stderr, "usage: %s [loopback|nixl|bench [N]]\n", argv[0]);
     return 2;
   }
   return 0;

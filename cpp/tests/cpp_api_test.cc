@@ -145,8 +145,11 @@ void push(Worker &p, Worker &d, const std::string &producer, int count, std::uin
           bytes++;
         }
   }
-  kvpush::Counters pc = p.engine.counters(), dc = d.engine.counters();
+  kvpush::Stats ps = p.engine.stats(), ds = d.engine.stats();
+  const kvpush_counters &pc = ps.counters, &dc = ds.counters;
   EXPECT(dc.received >= std::uint64_t(count) && pc.bytes >= bytes && pc.posts >= std::uint64_t(count));
+  EXPECT(ps.failures.post == 0 && ps.failures.transfer == 0 && ds.failures.timeout == 0);
+  EXPECT(ds.receive.count == dc.received && ds.receive.p50_us <= ds.receive.max_us);
   std::printf("push ok: %d requests, %zu bytes verified, %llu descriptors posted (%llu before merging)\n", count,
               bytes, (unsigned long long)pc.descriptors_posted, (unsigned long long)pc.descriptors_unmerged);
 }

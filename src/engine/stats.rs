@@ -63,6 +63,11 @@ pub struct LatencySummary {
 }
 
 /// Failures by kind.
+///
+/// The C ABI uses this struct as it is (`kvpush_failures` in `cpp/include/kvpush.h`, the field
+/// `failures` of `kvpush_stats`): it is `#[repr(C)]` and every field is a `u64`. Adding a kind is
+/// done as for [`Counters`].
+#[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Failures {
     /// Posting a transfer failed.
@@ -105,6 +110,16 @@ pub struct Stats {
 }
 
 /// Monotonic counters.
+///
+/// One source for every binding: the C ABI uses this struct as it is (`kvpush_counters` in
+/// `cpp/include/kvpush.h`, the field `counters` of `kvpush_stats`, which C++ sees as
+/// `kvpush::Stats`), and Python and the JSON of `kvpush_engine_stats_json` get it through serde. So
+/// it is `#[repr(C)]` and every field is a `u64`.
+///
+/// Adding a counter touches two files: a field here (and its line in [`Stats::add`]), and the same
+/// field at the same place in `kvpush_counters` in `kvpush.h`. `tests/ffi_c.rs` fails until the
+/// two agree in every field's name and offset.
+#[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Counters {
     /// Registrations sent (consumer) or received (producer).

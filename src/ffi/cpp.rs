@@ -10,7 +10,8 @@ use std::mem::ManuallyDrop;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 
-use super::cxx::{Completion, Counters, EngineSpec, GroupSpec, Key, LayoutSpec};
+use super::capi::kvpush_stats;
+use super::cxx::{Completion, EngineSpec, GroupSpec, Key, LayoutSpec};
 use crate::embed::{key_of, key_parts, panic_message, FfiEngine, FfiError, Hub, TransportSpec};
 use crate::proto::layout::Parallel;
 
@@ -258,32 +259,8 @@ impl RustEngine {
         })
     }
 
-    pub(super) fn counters(&self) -> Result<Counters, String> {
-        run("Engine::counters", || {
-            let s = self.0.stats();
-            let (c, f) = (s.counters, s.failures);
-            Ok(Counters {
-                registrations: c.registrations,
-                matches: c.matches,
-                posts: c.posts,
-                descriptors_unmerged: c.descriptors_unmerged,
-                descriptors_posted: c.descriptors_posted,
-                bytes: c.bytes,
-                released: c.released,
-                received: c.received,
-                failed: c.failed,
-                aborted: c.aborted,
-                fail_post: f.post,
-                fail_transfer: f.transfer,
-                fail_plan: f.plan,
-                fail_lease_expired: f.lease_expired,
-                fail_timeout: f.timeout,
-                fail_remote: f.remote,
-                fail_malformed: f.malformed,
-                fail_unknown_peer: f.unknown_peer,
-                fail_link: f.link,
-            })
-        })
+    pub(super) fn stats(&self) -> Result<kvpush_stats, String> {
+        run("Engine::stats", || Ok(self.0.stats().into()))
     }
 
     pub(super) fn stats_json(&self) -> Result<String, String> {

@@ -6,9 +6,22 @@
 //! these in RAII types and turn `rust::Error` into `kvpush::Error`. `build.rs` runs cxx-build on this
 //! file, so editing it rebuilds the C++ side. Every fallible function returns `Result` (a C++
 //! exception) and catches panics itself, so none reaches cxx's abort-on-panic guard.
+//!
+//! Statistics cross as the C ABI's own `kvpush_stats` (a trivial extern type, returned by value), so
+//! the C++ API has no mirror of the counters to keep in step.
 
-pub use self::bridge::{Completion, Counters, EngineSpec, GroupSpec, Key, LayoutSpec};
+pub use self::bridge::{Completion, EngineSpec, GroupSpec, Key, LayoutSpec};
+use super::capi::kvpush_stats;
 use super::cpp::{new_hub, new_loopback_engine, new_nixl_engine, take_error_code, RustEngine, RustHub};
+
+// SAFETY: `kvpush_stats` is `#[repr(C)]` and mirrors the C struct of the same name in `kvpush.h`
+// field for field (`tests/ffi_c.rs` checks every field's name and offset against the header); it
+// holds only `u64`s, so it has no destructor and no move constructor, and C++ may copy and move it
+// as raw bytes, which is what `Trivial` promises. Its C++ name is `::kvpush_stats`.
+unsafe impl ::cxx::ExternType for kvpush_stats {
+    type Id = ::cxx::type_id!("kvpush_stats");
+    type Kind = ::cxx::kind::Trivial;
+}
 
 // `start_pull` passes two flattened block lists: eight arguments.
 #[allow(clippy::too_many_arguments)]
@@ -75,28 +88,12 @@ mod bridge {
         message: String,
     }
 
-    /// Counters and failures of an engine.
-    #[derive(Clone, Copy, Debug, Default)]
-    struct Counters {
-        registrations: u64,
-        matches: u64,
-        posts: u64,
-        descriptors_unmerged: u64,
-        descriptors_posted: u64,
-        bytes: u64,
-        released: u64,
-        received: u64,
-        failed: u64,
-        aborted: u64,
-        fail_post: u64,
-        fail_transfer: u64,
-        fail_plan: u64,
-        fail_lease_expired: u64,
-        fail_timeout: u64,
-        fail_remote: u64,
-        fail_malformed: u64,
-        fail_unknown_peer: u64,
-        fail_link: u64,
+    #[namespace = ""]
+    unsafe extern "C++" {
+        include!("kvpush.h");
+
+        /// `kvpush_stats` of the C ABI, passed by value: the same struct in C, C++ and Rust.
+        type kvpush_stats = crate::ffi::capi::kvpush_stats;
     }
 
     extern "Rust" {
@@ -148,7 +145,7 @@ mod bridge {
         ) -> Result<()>;
         fn abort(self: &RustEngine, key: &Key) -> Result<()>;
         fn poll(self: &RustEngine, out: &mut Vec<Completion>, max: usize) -> Result<usize>;
-        fn counters(self: &RustEngine) -> Result<Counters>;
+        fn stats(self: &RustEngine) -> Result<kvpush_stats>;
         fn stats_json(self: &RustEngine) -> Result<String>;
     }
 }

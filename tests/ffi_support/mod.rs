@@ -1,7 +1,7 @@
 //! Shared by tests/ffi_c.rs and tests/ffi_cpp.rs: finds the `libkvpush.so` cargo built for this test
 //! run, stages it (and anything else to link) in a private directory under `CARGO_TARGET_TMPDIR` so a
-//! concurrent rebuild cannot swap it mid-test, compiles a test program with the system compiler and
-//! runs it under a time limit.
+//! concurrent rebuild cannot swap it mid-test, compiles a test program with the system compiler
+//! ([`build`]) and runs it under a time limit.
 //!
 //! A missing compiler is a failure, never a skip: CI has gcc and g++, and so must a developer
 //! machine (or set `CC` / `CXX`).
@@ -52,7 +52,7 @@ pub fn stage(name: &str, files: &[PathBuf]) -> PathBuf {
 }
 
 /// Runs a compiler command line; panics with its output if it fails or cannot start.
-pub fn compile(mut cmd: Command, what: &str) {
+fn compile(mut cmd: Command, what: &str) {
     let program = cmd.get_program().to_string_lossy().into_owned();
     let out = cmd.output().unwrap_or_else(|e| {
         panic!("cannot run the compiler `{program}` for {what}: {e} (install gcc and g++, or set CC / CXX)")
@@ -65,8 +65,39 @@ pub fn compile(mut cmd: Command, what: &str) {
     );
 }
 
+/// A compiler: the environment variable that names it, the program to use without it, and flags.
+struct Compiler {
+    var: &'static str,
+    default: &'static str,
+    flags: &'static [&'static str],
+}
+
+/// The C compiler (`$CC`, else `cc`) and the flags every C test program is built with.
+const C: Compiler =
+    Compiler { var: "CC", default: "cc", flags: &["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-g"] };
+
+/// The C++ compiler (`$CXX`, else `c++`) and the flags every C++ test program is built with.
+const CXX: Compiler =
+    Compiler { var: "CXX", default: "c++", flags: &["-std=c++17", "-Wall", "-Wextra", "-Werror", "-g", "-pthread"] };
+
+/// Compiles `source` (C for `.c`, else C++) against the headers of `cpp/include` into `dir/name`, linked
+/// with the static libraries `archives` (file names in `dir`) and then the `libkvpush.so` that
+/// [`stage`] put in `dir` (found there at run time through an rpath). Returns the executable.
+pub fn build(dir: &Path, name: &str, source: &Path, archives: &[&str]) -> PathBuf {
+    let compiler = if source.extension().is_some_and(|e| e == "c") { C } else { CXX };
+    let exe = dir.join(name);
+    let mut cmd = Command::new(tool(compiler.var, compiler.default));
+    cmd.args(compiler.flags).arg("-I").arg(root().join("cpp/include")).arg(source);
+    for a in archives {
+        cmd.arg(dir.join(a));
+    }
+    cmd.arg("-L").arg(dir).arg("-lkvpush").arg(format!("-Wl,-rpath,{}", dir.display())).arg("-o").arg(&exe);
+    compile(cmd, &source.display().to_string());
+    exe
+}
+
 /// The compiler named by `var` (e.g. `CC`), else `default`.
-pub fn tool(var: &str, default: &str) -> String {
+fn tool(var: &str, default: &str) -> String {
     std::env::var(var).ok().filter(|s| !s.is_empty()).unwrap_or_else(|| default.to_owned())
 }
 
