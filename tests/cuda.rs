@@ -500,10 +500,10 @@ fn nvrtc_missing_is_a_clear_error_and_present_compiles() {
 
 /// Device 0, or `None` where no CUDA driver loads (as the tests above: a machine with a driver must
 /// open device 0).
-fn gpu_or_skip(test: &str) -> Option<kvpush::device::cuda::CudaDevice> {
+fn gpu_or_skip() -> Option<kvpush::device::cuda::CudaDevice> {
     match kvpush_cuda::driver_available() {
         Err(e) => {
-            eprintln!("{test}: no CUDA driver ({e}); not run");
+            kvpush_testkit::require_gpu(format!("no CUDA driver ({e})"), false);
             None
         }
         Ok(()) => Some(kvpush::device::cuda::CudaDevice::open(0).expect("device 0 on a GPU machine")),
@@ -562,7 +562,7 @@ fn random_entries(cache_len: u64, slot_len: u64, mut s: u64) -> Vec<(u64, u32, u
 
 #[test]
 fn cuda_stager_gathers_and_scatters_every_byte() {
-    let Some(dev) = gpu_or_skip("cuda_stager_gathers_and_scatters_every_byte") else { return };
+    let Some(dev) = gpu_or_skip() else { return };
     let (cache_len, slot_len) = (16u64 << 20, 4u64 << 20);
     let cache = dev.alloc_cuda(cache_len).unwrap();
     let slot = dev.alloc_cuda(slot_len).unwrap();
@@ -625,7 +625,7 @@ fn cuda_stager_gathers_and_scatters_every_byte() {
 
 #[test]
 fn cuda_stager_refuses_misaligned_entries_and_unknown_lanes() {
-    let Some(dev) = gpu_or_skip("cuda_stager_refuses_misaligned_entries_and_unknown_lanes") else { return };
+    let Some(dev) = gpu_or_skip() else { return };
     let buf = dev.alloc_cuda(1 << 20).unwrap();
     let slot = dev.alloc_cuda(1 << 16).unwrap();
     let (b, s) = (buf.region().addr, slot.region().addr);
@@ -673,7 +673,7 @@ fn cuda_stager_refuses_misaligned_entries_and_unknown_lanes() {
 /// after the call changes nothing.
 #[test]
 fn cuda_stager_scatters_a_checked_snapshot_of_a_device_table() {
-    let Some(dev) = gpu_or_skip("cuda_stager_scatters_a_checked_snapshot_of_a_device_table") else { return };
+    let Some(dev) = gpu_or_skip() else { return };
     let (cache_len, slot_len) = (16u64 << 20, 4u64 << 20);
     let slot = dev.alloc_cuda(slot_len).unwrap();
     let cache = dev.alloc_cuda(cache_len).unwrap();
