@@ -1765,12 +1765,8 @@ fn print_table(v: &serde_json::Value) {
 
 /// `cargo test` runs benches without `--bench`: a small pass over host memory and real NIXL.
 fn self_test() -> Result<(), String> {
-    if !kvpush::transport::nixl::available() {
-        let msg = "gpu_push self-test: libnixl_capi.so cannot be loaded (source scripts/nixl.sh)";
-        if std::env::var("CI").is_ok_and(|v| v == "true") {
-            return Err(msg.into());
-        }
-        eprintln!("{msg}; not run");
+    let what = "NIXL for the gpu_push self-test (libnixl_capi.so: source scripts/nixl.sh)";
+    if !kvpush_testkit::require(what, kvpush::transport::nixl::available()) {
         return Ok(());
     }
     let args = Args::parse_from([

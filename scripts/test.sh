@@ -15,6 +15,11 @@ step "NIXL (libclang for bindgen, the nixl-cu12 wheel's libraries; cached in .ca
 . scripts/nixl.sh
 echo "NIXL libraries: $NIXL_LIB_DIR"
 
+step "NVRTC (the nvidia-cuda-nvrtc wheel's libraries, for compiling the CUDA kernels; cached in .cache/)"
+# shellcheck source=scripts/nvrtc.sh
+. scripts/nvrtc.sh
+echo "NVRTC libraries: $KVPUSH_NVRTC_DIR"
+
 step "cargo fmt --check"
 cargo fmt --all --check
 

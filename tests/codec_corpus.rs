@@ -138,6 +138,7 @@ fn layout_detail(e: &LayoutError) -> String {
         LayoutError::RankOutOfRange { what, .. } => format!("RankOutOfRange:{what}"),
         LayoutError::HeadsNotDivisible { .. } => "HeadsNotDivisible".into(),
         LayoutError::PlacementMismatch { .. } => "PlacementMismatch".into(),
+        LayoutError::PlacementOrder { .. } => "PlacementOrder".into(),
         LayoutError::LatentHeads(_) => "LatentHeads".into(),
         LayoutError::StrideTooSmall { .. } => "StrideTooSmall".into(),
         LayoutError::RegionCount { .. } => "RegionCount".into(),

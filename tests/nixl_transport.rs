@@ -11,15 +11,10 @@ use kvpush::transport::nixl::{self, NixlConfig, NixlTransport};
 use kvpush::transport::{Desc, Notification, Op, Transport, TransportError, Units, XferState};
 
 fn nixl_or_skip() -> bool {
-    if nixl::available() {
-        return true;
-    }
-    let msg = "NIXL is not available: run `. scripts/nixl.sh` first (scripts/test.sh does)";
-    if std::env::var("CI").is_ok_and(|v| v == "true" || v == "1") {
-        panic!("{msg}");
-    }
-    eprintln!("SKIPPED (not under CI): {msg}");
-    false
+    kvpush_testkit::require(
+        "NIXL (libnixl_capi.so: run `. scripts/nixl.sh` first; scripts/test.sh does)",
+        nixl::available(),
+    )
 }
 
 fn region(buf: &mut [u8]) -> MemRegion {

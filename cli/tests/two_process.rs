@@ -26,13 +26,8 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 /// Takes the lock that runs these tests one at a time, or returns `None` (SKIP) without NIXL.
 fn nixl_or_skip(test: &str) -> Option<MutexGuard<'static, ()>> {
-    if !nixl::available() {
-        let msg = "NIXL is not available (libnixl_capi.so cannot be loaded): run `. scripts/nixl.sh` first \
-                   (scripts/test.sh does)";
-        if std::env::var("CI").is_ok_and(|v| v == "true" || v == "1") {
-            panic!("{test}: {msg}");
-        }
-        eprintln!("\n*** SKIPPED {test} (not under CI): {msg} ***\n");
+    let what = format!("NIXL for {test} (libnixl_capi.so: run `. scripts/nixl.sh` first; scripts/test.sh does)");
+    if !kvpush_testkit::require(what, nixl::available()) {
         return None;
     }
     Some(SERIAL.lock().unwrap_or_else(|p| p.into_inner()))

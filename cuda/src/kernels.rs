@@ -573,16 +573,4 @@ mod tests {
             assert!(SOURCE.contains(&decl), "{name}'s parameters changed: {decl}");
         }
     }
-
-    #[test]
-    fn the_source_compiles_where_nvrtc_loads() {
-        match compile_ptx("compute_90") {
-            Ok(ptx) => {
-                for name in KERNEL_NAMES {
-                    assert!(ptx.contains(&format!(".entry {name}(")), "{name} missing from the PTX");
-                }
-            }
-            Err(e) => assert!(matches!(e, CudaError::Unavailable { .. }), "NVRTC loads but compiling failed: {e}"),
-        }
-    }
 }

@@ -6,9 +6,13 @@
 //! cd fuzz && cargo run --example gen_corpus -- --check  # exit 1 if the committed corpus is stale
 //! ```
 //!
-//! Every entry is decoded here before it is written, and the generator refuses to write anything if
-//! one does not fail with the variant (and inner error) it is meant to show: a mismatch is either a
-//! codec regression or a wrong expectation, and must be looked at. Output is deterministic.
+//! Every entry's expected error is written here by hand from docs/protocol.md (the header rules of
+//! §1, the field encodings of §1–§3, the checks of §2 and §3.1), including the bit flips
+//! ([`header_flip_expectation`], [`PAYLOAD_FLIPS`]): nothing is recorded from what `decode()`
+//! returns. Every entry is decoded before it is written, and the generator refuses to write anything
+//! (and `--check` fails) if one does not fail with the variant (and inner error) it is meant to
+//! show: a mismatch is either a codec regression or a wrong expectation, and must be looked at.
+//! Output is deterministic.
 //!
 //! Out-of-range messages cannot be built with kvpush's checked constructors, and `to_vec` refuses to
 //! encode them, so their payloads are serialized with postcard directly: public wire types where
@@ -268,51 +272,181 @@ fn truncations(c: &mut Corpus, valid: &[(&'static str, Vec<u8>)]) {
     }
 }
 
-/// Single bit flips of valid frames: of those that make decoding fail, up to `PER_OUTCOME` per frame
-/// kind and outcome, evenly spread over the frame.
-fn bit_flips(c: &mut Corpus, valid: &[(&'static str, Vec<u8>)]) {
-    const PER_OUTCOME: usize = 3;
-    let peer = peer_layout();
-    let mut accepted = 0usize;
-    let mut total = 0usize;
-    for (name, bytes) in valid {
-        let mut by_outcome: BTreeMap<(&'static str, String), Vec<(usize, u8)>> = BTreeMap::new();
-        for byte in 0..bytes.len() {
-            for bit in 0..8u8 {
-                let mut f = bytes.clone();
-                f[byte] ^= 1 << bit;
-                total += 1;
-                match decode(&f, Some(&peer)) {
-                    Ok(_) => accepted += 1,
-                    Err(e) => by_outcome.entry(describe(&e)).or_default().push((byte, bit)),
-                }
+/// The header bits flipped in every valid frame; the expected error follows from §1 alone.
+const HEADER_FLIP_BITS: [u8; 3] = [0, 6, 7];
+
+/// What docs/protocol.md §1 says a frame of kind `kind` with `payload` bytes must give when bit
+/// `bit` of header byte `byte` is flipped: the header is checked field by field (magic, version,
+/// kind, length against the kind's limit, length against the bytes present) before the payload is
+/// looked at. `None` where the flipped kind byte names another valid kind: then the payload is
+/// parsed as that kind, and the outcome is written by hand in [`PAYLOAD_FLIPS`].
+fn header_flip_expectation(kind: u8, payload: usize, byte: usize, bit: u8) -> Option<(&'static str, String)> {
+    let mask = 1u32 << bit;
+    Some(match byte {
+        0 | 1 => ("BadMagic", format!("magic byte {byte} no longer {:?}", MAGIC[byte] as char)),
+        2 | 3 => ("UnsupportedVersion", format!("version {}", u32::from(PROTOCOL_VERSION) ^ (mask << (8 * (byte - 2))))),
+        4 => {
+            let k = kind ^ (1 << bit);
+            if (HANDSHAKE..=HEARTBEAT).contains(&k) {
+                return None;
+            }
+            ("UnknownKind", format!("kind byte {k}"))
+        }
+        5..=8 => {
+            let len = u32::try_from(payload).expect("small payload");
+            let flipped = len ^ (mask << (8 * (byte - 5)));
+            let max = if kind == HANDSHAKE { MAX_HANDSHAKE_PAYLOAD } else { MAX_PAYLOAD };
+            if flipped > max {
+                ("TooLarge", format!("declared length {flipped} > limit {max}"))
+            } else if flipped > len {
+                ("Truncated", format!("declared length {flipped}, {len} present"))
+            } else {
+                ("TrailingBytes", format!("declared length {flipped}, {len} present"))
             }
         }
-        for ((variant, detail), flips) in by_outcome {
-            let n = flips.len();
-            let picks: Vec<usize> = if n <= PER_OUTCOME {
-                (0..n).collect()
-            } else {
-                (0..PER_OUTCOME).map(|i| i * (n - 1) / (PER_OUTCOME - 1)).collect()
-            };
-            for i in picks {
-                let (byte, bit) = flips[i];
+        _ => unreachable!("header byte {byte}"),
+    })
+}
+
+/// Single bit flips inside valid frames (and of the kind byte into another valid kind), each with
+/// the error worked out by hand from docs/protocol.md §1–§3 for the frames of `valid_messages()`
+/// (peer layout: `fuzz/src/lib.rs`). `(frame, byte, bit, expected, why)`; the byte is the index in
+/// the whole frame (the payload starts at 9).
+///
+/// The frames, for reference (key 0xdeadbeef#3 = `ef fd b6 f5 0d 03`, peer rank tp1/pp0 = `01 00`):
+/// registration `.. | key | 08 "decode-0" | 01 00 | 21 | 02 03 04 05 06 01 09`,
+/// completion `.. | key | 01 00`, failure `.. | key | 01 00 | 01 05 | 0b "post failed"`,
+/// abort `.. | key | 01 00 | 10 "client went away"`, heartbeat `.. | 2a`; handshake: 9 protocol
+/// `01`, 10 `05 "0.1.0"`, 16 `08 "engine-a"`, 25 mode `00`, 26 `04 01 02 03 04`, 31 total_layers 4,
+/// 32 kv_heads 2, 33 head_dim 8, 34 dtype `01` (Bf16), 35 kind `00`, 36 groups `02 | 00 02 00 02 |
+/// 01 40 02 01 03`, 46 block_tokens 16, 47 order, 48 placement, 49 stride `80 02`, 51 num_blocks
+/// 64, 52 parallel `01 02 00 01`, 56 region count 8, 57..97 eight 5-byte bases, 97..107 the hash (a
+/// 10-byte varint ending in `01`).
+const PAYLOAD_FLIPS: &[(&str, usize, u8, &str, &str)] = &[
+    // The kind byte naming another valid kind: the payload is parsed as that kind.
+    ("handshake", 4, 1, "TrailingBytes", "kind 3: read as a completion (tid 1, attempt 5, rank tp48/pp46), 94 bytes left"),
+    ("handshake", 4, 2, "Malformed", "kind 5: read as an abort whose 49-byte reason holds byte 0x80, not UTF-8"),
+    ("registration", 4, 0, "TrailingBytes", "kind 3: read as a completion (rank tp8/pp100), the rest left over"),
+    ("registration", 4, 2, "TrailingBytes", "kind 6: read as a heartbeat (seq = the transfer id), the rest left over"),
+    ("completion", 4, 0, "Malformed", "kind 2: read as a registration whose engine id is 1 byte, then no rank"),
+    ("completion", 4, 1, "Malformed", "kind 1: read as a handshake whose protocol varint overflows u16"),
+    ("failure", 4, 0, "TrailingBytes", "kind 5: read as an abort with a 1-byte reason, 12 bytes left"),
+    ("failure", 4, 1, "TrailingBytes", "kind 6: read as a heartbeat (seq = the transfer id), the rest left over"),
+    ("abort", 4, 0, "Malformed", "kind 4: read as a failure whose FailureKind is 16"),
+    ("abort", 4, 2, "Malformed", "kind 1: read as a handshake whose protocol varint overflows u16"),
+    ("heartbeat", 4, 1, "Malformed", "kind 4: read as a failure that ends after its transfer id"),
+    ("heartbeat", 4, 2, "Malformed", "kind 2: read as a registration that ends after its transfer id"),
+    // Registration.
+    ("registration", 13, 7, "Malformed", "transfer id varint runs on; engine id then claims 100 bytes"),
+    ("registration", 14, 7, "Malformed", "attempt varint runs on; engine id then claims 100 bytes"),
+    ("registration", 15, 0, "Malformed", "engine id of 9 bytes shifts the rest: the second list runs past the end"),
+    ("registration", 16, 7, "Malformed", "engine id starts with 0xe4 then 'e': not UTF-8"),
+    ("registration", 24, 1, "Range Rank", "rank tp3/pp0 from peer tp1/pp0"),
+    ("registration", 25, 0, "Range Rank", "rank tp1/pp1 from peer tp1/pp0"),
+    ("registration", 26, 5, "Range TooManyBlocks", "num_tokens 1: group 0's 3 blocks are more than 1"),
+    ("registration", 26, 7, "Malformed", "num_tokens varint takes the list count; the lists then run past the end"),
+    ("registration", 27, 0, "Malformed", "3 block lists, 2 present"),
+    ("registration", 27, 1, "TrailingBytes", "0 block lists, the 6 bytes of the lists left over"),
+    ("registration", 28, 0, "Malformed", "group 0 of 2 ids shifts the rest: group 1 claims 6, has 2"),
+    ("registration", 31, 6, "Range BlockId", "block id 70 of 64 in group 0"),
+    ("registration", 32, 1, "Malformed", "group 1 claims 3 ids, has 1"),
+    ("registration", 33, 6, "Range BlockId", "block id 73 of 64 in group 1"),
+    ("registration", 33, 7, "Malformed", "last block id varint runs past the end"),
+    // Completion.
+    ("completion", 13, 7, "Malformed", "transfer id varint takes the attempt; rank.pp missing"),
+    ("completion", 14, 7, "Malformed", "attempt varint takes rank.tp; rank.pp missing"),
+    ("completion", 15, 0, "Range Rank", "rank tp0/pp0 from peer tp1/pp0"),
+    ("completion", 15, 7, "Malformed", "rank.tp varint takes rank.pp; rank.pp missing"),
+    ("completion", 16, 0, "Range Rank", "rank tp1/pp1 from peer tp1/pp0"),
+    ("completion", 16, 7, "Malformed", "rank.pp varint runs past the end"),
+    // Failure.
+    ("failure", 15, 0, "Range Rank", "rank tp0/pp0 from peer tp1/pp0"),
+    ("failure", 17, 2, "TrailingBytes", "kind 5 (PeerLost, no status): detail is 5 bytes, 7 left over"),
+    ("failure", 17, 3, "Malformed", "FailureKind 9"),
+    ("failure", 18, 7, "Malformed", "status varint takes the detail length; detail then claims 112 bytes"),
+    ("failure", 19, 0, "TrailingBytes", "detail length 10 of 11: 1 byte left over"),
+    ("failure", 19, 4, "Malformed", "detail claims 27 bytes, has 11"),
+    ("failure", 20, 7, "Malformed", "detail starts with 0xf0 then 'o': not UTF-8"),
+    ("failure", 30, 7, "Malformed", "detail ends with 0xe4: a cut UTF-8 sequence"),
+    // Abort.
+    ("abort", 15, 0, "Range Rank", "rank tp0/pp0 from peer tp1/pp0"),
+    ("abort", 16, 1, "Range Rank", "rank tp1/pp2 from peer tp1/pp0"),
+    ("abort", 17, 0, "Malformed", "reason claims 17 bytes, has 16"),
+    ("abort", 17, 4, "TrailingBytes", "reason length 0: its 16 bytes left over"),
+    ("abort", 17, 5, "Malformed", "reason claims 48 bytes, has 16"),
+    ("abort", 18, 7, "Malformed", "reason starts with 0xe3 then 'l': not UTF-8"),
+    ("abort", 33, 7, "Malformed", "reason ends with 0xf9, never valid in UTF-8"),
+    // Heartbeat.
+    ("heartbeat", 9, 7, "Malformed", "seq varint 0xaa runs past the end"),
+    // Handshake: parse, then lengths and layout.validate(), then the hash.
+    ("handshake", 9, 0, "HashMismatch", "protocol 0: valid, but the hash covers the protocol"),
+    ("handshake", 10, 7, "Malformed", "software length varint 85 30 claims 6149 bytes"),
+    ("handshake", 17, 7, "Malformed", "engine id starts with 0xe5 then 'n': not UTF-8"),
+    ("handshake", 25, 0, "HashMismatch", "mode Pull under the push hash"),
+    ("handshake", 25, 1, "Malformed", "Mode 2"),
+    ("handshake", 31, 2, "Range Layout:OutOfRange:total_layers", "total_layers 0"),
+    ("handshake", 32, 0, "Range Layout:HeadsNotDivisible", "3 KV heads over TP 2"),
+    ("handshake", 32, 1, "Range Layout:OutOfRange:kv_heads", "kv_heads 0"),
+    ("handshake", 34, 0, "HashMismatch", "dtype F16: a valid layout, but the hash covers the dtype"),
+    ("handshake", 34, 3, "Malformed", "DType 9"),
+    ("handshake", 35, 0, "Range Layout:PlacementMismatch", "Latent with placement Separate"),
+    ("handshake", 35, 1, "Malformed", "KvKind 2"),
+    ("handshake", 40, 0, "Range Layout:Groups", "group 0 holds layers 0, 3: layer 3 twice, layer 2 in none"),
+    ("handshake", 42, 6, "Range Layout:Groups", "sliding window of 0 tokens"),
+    ("handshake", 42, 7, "Range Layout:Groups", "window varint takes the layer count: group 1 is SW(320) [3], layer 1 in none"),
+    ("handshake", 46, 4, "Range Layout:OutOfRange:block_tokens", "block_tokens 0"),
+    ("handshake", 47, 0, "HashMismatch", "order Nhd: a valid layout, but the hash covers the order"),
+    ("handshake", 47, 1, "Malformed", "BlockOrder 2"),
+    ("handshake", 48, 0, "Range Layout:StrideTooSmall", "placement Joint needs a stride of 2 parts, has 1"),
+    ("handshake", 48, 1, "Range Layout:PlacementMismatch", "keys and values with placement Single"),
+    ("handshake", 48, 2, "Malformed", "KvPlacement 4"),
+    ("handshake", 51, 6, "Range Layout:OutOfRange:num_blocks", "num_blocks 0"),
+    ("handshake", 52, 1, "Range Layout:RankOutOfRange:tp", "tp_rank 3 of 2"),
+    ("handshake", 53, 0, "Range Layout:HeadsNotDivisible", "2 KV heads over TP 3"),
+    ("handshake", 53, 1, "Range Layout:OutOfRange:tp_size", "tp_size 0"),
+    ("handshake", 54, 0, "Range Layout:RankOutOfRange:pp", "pp_rank 1 of 1"),
+    ("handshake", 55, 0, "Range Layout:OutOfRange:pp_size", "pp_size 0"),
+    ("handshake", 56, 0, "Malformed", "9 region bases: the 9th is the hash, then the hash is missing"),
+    ("handshake", 56, 3, "TrailingBytes", "0 region bases: the first base is read as the hash, the rest left over"),
+    ("handshake", 97, 0, "HashMismatch", "hash with its lowest bit flipped"),
+    ("handshake", 106, 0, "HashMismatch", "hash's 10th varint byte 00: bit 63 cleared"),
+    ("handshake", 106, 1, "Malformed", "hash's 10th varint byte 03: above u64"),
+    ("handshake", 106, 7, "Malformed", "hash varint with 11 bytes"),
+];
+
+fn bit_flips(c: &mut Corpus, valid: &[(&'static str, Vec<u8>)]) {
+    for (name, bytes) in valid {
+        let kind = bytes[4];
+        for byte in 0..HEADER_LEN {
+            for bit in HEADER_FLIP_BITS {
+                let Some((variant, why)) = header_flip_expectation(kind, bytes.len() - HEADER_LEN, byte, bit) else {
+                    continue;
+                };
                 let mut f = bytes.clone();
                 f[byte] ^= 1 << bit;
-                let expect = if detail == "-" { variant.to_string() } else { format!("{variant} {detail}") };
                 c.add(
                     format!("flip_{name}_byte{byte:03}_bit{bit}.bin"),
                     f,
                     true,
-                    &expect,
-                    format!(
-                        "{name} frame with bit {bit} of byte {byte} flipped ({n} flips of this frame give this error)"
-                    ),
+                    variant,
+                    format!("{name} frame, header bit {bit} of byte {byte} flipped: {why}"),
                 );
             }
         }
     }
-    eprintln!("bit flips: {total} tried, {accepted} still decode (key, ids, free text, region bases...)");
+    for &(name, byte, bit, expect, why) in PAYLOAD_FLIPS {
+        let bytes = &valid.iter().find(|(k, _)| *k == name).expect("a valid frame of that name").1;
+        assert!(byte < bytes.len(), "{name} has no byte {byte}");
+        let mut f = bytes.clone();
+        f[byte] ^= 1 << bit;
+        c.add(
+            format!("flip_{name}_byte{byte:03}_bit{bit}.bin"),
+            f,
+            true,
+            expect,
+            format!("{name} frame, bit {bit} of byte {byte} flipped: {why}"),
+        );
+    }
 }
 
 fn registrations(c: &mut Corpus) {
@@ -611,6 +745,12 @@ fn handshakes(c: &mut Corpus) {
         l.placement = KvPlacement::Single;
         regions(l, 4);
     });
+    layout_case("head_joint_nhd", "PlacementOrder", "placement HeadJoint with order Nhd", &|l| {
+        l.placement = KvPlacement::HeadJoint;
+        l.order = kvpush::proto::layout::BlockOrder::Nhd;
+        l.block_stride *= 2;
+        regions(l, 4);
+    });
     layout_case("stride_short", "StrideTooSmall", "block stride one byte short", &|l| l.block_stride -= 1);
     layout_case("stride_joint", "StrideTooSmall", "joint placement with a one-part stride", &|l| {
         l.placement = KvPlacement::Joint;
@@ -747,6 +887,7 @@ fn manifest(c: &Corpus) -> String {
     let mut s = String::new();
     s.push_str("# kvpush codec corpus: malformed frames and the DecodeError each must give.\n");
     s.push_str("# Generated by fuzz/examples/gen_corpus.rs (see fuzz/README.md); do not edit by hand.\n");
+    s.push_str("# Each expectation is written in the generator from docs/protocol.md, never recorded from decode().\n");
     s.push_str("# peer = decoded with the peer layout of fuzz/src/lib.rs and tests/codec_corpus.rs; none = without.\n");
     s.push_str("# detail = the inner RangeError / LayoutError where there is one, else '-'.\n");
     s.push_str(&format!("# peer_fingerprint\t{:#018x}\n", fingerprint()));

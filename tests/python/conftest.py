@@ -11,6 +11,12 @@
 
 When a test fails, the tail of the log of every server and router that was running during it is added
 to its report. All logs stay under ``target/pytest-logs/``.
+
+No silent skips under CI (CONTRIBUTING.md, "Tests that can fail"): with ``CI=true``, every skip, in a
+test (``pytest.skip``, ``skipif``) or of a whole module (``pytest.importorskip``), is turned into a
+failure, except a GPU-presence skip, whose reason starts with ``GPU_SKIP_PREFIX`` ("no GPU"). Outside CI
+skips stay skips and are listed by ``-rA``. Every ``xfail`` marker must be ``strict=True`` and name the
+exception it expects (``raises=``); a marker that does not is a usage error, CI or not.
 """
 
 from __future__ import annotations
@@ -29,6 +35,52 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import servers as srv  # noqa: E402
 import tiny_model  # noqa: E402
+
+
+GPU_SKIP_PREFIX = "no GPU"
+"""The only skip allowed under ``CI=true``: ``pytest.skip("no GPU: ...")`` when the machine has none."""
+
+
+def _skip_reason(longrepr: Any) -> str:
+    # A skip's longrepr is (path, lineno, "Skipped: <reason>").
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+def _fail_forbidden_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """Turns ``report`` into a failure if it is a skip that CI does not allow (an xfail is not a skip)."""
+    if not (srv.IN_CI and report.skipped) or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report.longrepr)
+    if reason.startswith(GPU_SKIP_PREFIX):
+        return
+    report.outcome = "failed"
+    report.longrepr = (
+        f"skipped under CI=true: {reason}\n(only a skip whose reason starts with {GPU_SKIP_PREFIX!r} may pass "
+        "in CI; a missing dependency is a failure: see scripts/python.sh)"
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    # A module-level pytest.importorskip / pytest.skip(allow_module_level=True) skips at collection.
+    outcome = yield
+    report = outcome.get_result()
+    _fail_forbidden_skip(report)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    loose = [
+        item.nodeid
+        for item in items
+        for m in item.iter_markers("xfail")
+        if m.kwargs.get("strict") is not True or "raises" not in m.kwargs
+    ]
+    if loose:
+        raise pytest.UsageError(
+            "xfail markers must be strict=True and name the exception they expect (raises=...): " + ", ".join(loose)
+        )
 
 
 def _fail_or_skip(reason: str) -> None:
@@ -130,6 +182,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
+    _fail_forbidden_skip(report)
     if report.failed and report.when in ("setup", "call"):
         t0 = item.stash.get(_TEST_STARTED_AT, 0.0)
         for s in reversed(srv.STARTED):

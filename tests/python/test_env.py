@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
+import requests
 
 import servers as srv
 import tiny_model
@@ -131,22 +132,29 @@ def _check_pd(
             servers.stop(s)
 
 
-@pytest.mark.xfail(
-    reason="vLLM 0.32's own NixlConnector on this shared 2-core machine: in the CI-like run of 2026-11-30 17:54 UTC "
-    "its P (NIXL progress thread spinning a core, beside D's) missed a 2 s health probe and one transfer stayed "
-    "'in progress' for 20 s; it passed in the other runs. kvpush's own pull test does not depend on it.",
-    strict=False,
-)
+# vLLM 0.32's own connectors are flaky on this shared 2-core machine, and they are not ours: these two
+# tests prove the environment, and kvpush's own pull and push tests do not depend on them. They are not
+# strict xfails, because they pass in most runs (a strict xfail would then fail CI), nor blanket
+# non-strict xfails, which hid every failure, wrong tokens included. Only the two known ways stock vLLM
+# stalls (the router answering with an error: ServerError; no answer within STOCK_TIMEOUT_S:
+# requests.Timeout) mark the test xfailed; anything else, an output that differs included, fails it.
+_STOCK_FLAKES = (srv.ServerError, requests.Timeout)
+
+
 def test_stock_nixl_pull_behind_router_matches_single_engine(servers: "object", single: SingleEngine) -> None:
-    _check_pd(servers, single, "NixlConnector", "pull", retry=True)
+    try:
+        _check_pd(servers, single, "NixlConnector", "pull", retry=True)
+    except _STOCK_FLAKES as e:
+        # In the CI-like run of 2026-11-30 17:54 UTC its P (NIXL progress thread spinning a core, beside
+        # D's) missed a 2 s health probe and one transfer stayed 'in progress' for 20 s.
+        pytest.xfail(f"stock NixlConnector stalled on this machine ({type(e).__name__}): {str(e)[:500]}")
 
 
-@pytest.mark.xfail(
-    reason="vLLM 0.32's own NixlPushConnector hangs now and then on this shared 2-core machine (its side-channel "
-    "handshake timeout is a hard-coded 5 s; in the CI run of 2026-11-30 16:00 UTC D's leg did not answer in 600 s); "
-    "it passed in earlier runs. kvpush's own push tests do not depend on it.",
-    strict=False,
-)
 def test_stock_nixl_push_behind_router_matches_single_engine(servers: "object", single: SingleEngine) -> None:
     # Unmodified: the router's push request to D carries the remote_request_id stock push D requires.
-    _check_pd(servers, single, "NixlPushConnector", "push", None, retry=True)
+    try:
+        _check_pd(servers, single, "NixlPushConnector", "push", None, retry=True)
+    except _STOCK_FLAKES as e:
+        # Its side-channel handshake timeout is a hard-coded 5 s; in the CI run of 2026-11-30 16:00 UTC
+        # D's leg did not answer in 600 s.
+        pytest.xfail(f"stock NixlPushConnector stalled on this machine ({type(e).__name__}): {str(e)[:500]}")
