@@ -447,24 +447,42 @@ impl Worker {
         PyList::new(py, out)
     }
 
-    /// Counters of this worker (transfers, bytes, descriptors, failures, side-channel figures).
-    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    /// Statistics of this worker, as nested dicts: `counters`, `failures` and the latency summaries
+    /// (the same names and shape as the C API's `kvpush_stats` and the JSON of `stats_json`).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let s = py.detach(|| self.inner.engine.stats());
         let value = serde_json::to_value(&s).map_err(|e| KvpushError::new_err(e.to_string()))?;
-        let d = PyDict::new(py);
-        if let serde_json::Value::Object(map) = value {
-            for (k, v) in map {
-                if let Some(n) = v.as_u64() {
-                    d.set_item(k, n)?;
-                } else if let Some(f) = v.as_f64() {
-                    d.set_item(k, f)?;
-                } else if !v.is_object() && !v.is_array() {
-                    d.set_item(k, v.to_string())?;
-                }
-            }
-        }
-        Ok(d)
+        json_to_py(py, &value)
     }
+}
+
+/// A JSON value as the Python object `json.loads` would give.
+fn json_to_py<'py>(py: Python<'py>, v: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
+    use serde_json::Value;
+    Ok(match v {
+        Value::Null => py.None().into_bound(py),
+        Value::Bool(b) => b.into_pyobject(py)?.to_owned().into_any(),
+        Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+            (Some(u), _) => u.into_pyobject(py)?.into_any(),
+            (None, Some(i)) => i.into_pyobject(py)?.into_any(),
+            _ => n.as_f64().unwrap_or(f64::NAN).into_pyobject(py)?.into_any(),
+        },
+        Value::String(s) => s.into_pyobject(py)?.into_any(),
+        Value::Array(items) => {
+            let list = PyList::empty(py);
+            for item in items {
+                list.append(json_to_py(py, item)?)?;
+            }
+            list.into_any()
+        }
+        Value::Object(map) => {
+            let d = PyDict::new(py);
+            for (k, item) in map {
+                d.set_item(k, json_to_py(py, item)?)?;
+            }
+            d.into_any()
+        }
+    })
 }
 
 /// Whether the NIXL library can be loaded in this process.

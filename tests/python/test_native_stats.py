@@ -1,0 +1,68 @@
+"""The native worker's statistics reach Python whole: nested counters, failures and latencies, with
+the names the C header gives them (cpp/include/kvpush.h is the oracle, not the Rust code)."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import pytest
+
+kvpush = pytest.importorskip("kvpush", reason="the kvpush package (maturin develop)")
+vllm_glue = pytest.importorskip("kvpush.vllm", reason="the kvpush package and vLLM")
+
+HEADER = Path(__file__).resolve().parents[2] / "cpp" / "include" / "kvpush.h"
+
+
+def header_fields(struct: str) -> list[str]:
+    """The field names of `typedef struct <struct> { ... } <struct>;` in kvpush.h."""
+    text = HEADER.read_text()
+    body = re.search(r"typedef struct %s \{(.*?)\} %s;" % (struct, struct), text, re.S)
+    assert body, f"{struct} not in {HEADER}"
+    code = re.sub(r"/\*.*?\*/", "", body.group(1), flags=re.S)
+    names = []
+    for decl in code.split(";"):
+        decl = decl.strip()
+        if not decl:
+            continue
+        _, _, rest = decl.partition(" ")
+        names += [n.strip().lstrip("*") for n in rest.split(",")]
+    return names
+
+
+def test_stats_are_nested_with_the_headers_names() -> None:
+    vllm_glue._load_nixl()
+    blocks, block_tokens, head_dim, layers = 4, 16, 8, 2
+    block_bytes = 2 * block_tokens * head_dim * 2  # K and V, one head, float16
+    buf = ctypes.create_string_buffer(layers * blocks * block_bytes)
+    base = ctypes.addressof(buf)
+    worker = kvpush.Worker(
+        {
+            "engine_id": "stats-test",
+            "mode": "push",
+            "dtype": "float16",
+            "placement": "joint",
+            "total_layers": layers,
+            "kv_heads": 1,
+            "head_dim": head_dim,
+            "block_tokens": block_tokens,
+            "num_blocks": blocks,
+            "groups": [(list(range(layers)), 0)],
+            "region_bases": [base + i * blocks * block_bytes for i in range(layers)],
+            "region_lens": [blocks * block_bytes] * layers,
+            "side_channel_host": "127.0.0.1",
+            "side_channel_port": 0,
+            "device": "host",
+        }
+    )
+    stats = worker.stats()
+    assert sorted(stats["counters"]) == sorted(header_fields("kvpush_counters"))
+    assert sorted(stats["failures"]) == sorted(header_fields("kvpush_failures"))
+    assert all(v == 0 for v in stats["counters"].values()), stats["counters"]
+    latency = set(header_fields("kvpush_latency"))
+    for name in header_fields("kvpush_stats"):
+        if name in ("counters", "failures"):
+            continue
+        assert latency <= set(stats[name]), (name, stats[name])
+        assert stats[name]["count"] == 0
