@@ -27,20 +27,20 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpush::device::host::HostDevice;
-use kvpush::device::{Buffer, Device};
-use kvpush::engine::{Config, Engine, Finished, LocalHub, Staging, StatsSnapshot};
+use kvpush::device::Device;
+use kvpush::engine::{Config, Finished, LocalHub, Staging, StatsSnapshot};
 use kvpush::proto::completion::CompletionConfig;
-use kvpush::proto::layout::{
-    BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, ModelShape, Parallel,
-};
 use kvpush::proto::msg::blocks_for;
 use kvpush::proto::rendezvous::{ReleaseReason, RendezvousConfig};
 use kvpush::proto::{Key, Mode};
-use kvpush::transport::loopback::{Fabric, Fault, FaultRates, LoopbackTransport};
+use kvpush::transport::loopback::{Fabric, Fault, FaultRates};
 use kvpush::transport::staged::StagingConfig;
 use kvpush_testkit::demo::pattern;
+use kvpush_testkit::engines::{self, wait_for, Worker};
+use kvpush_testkit::layouts;
+use kvpush_testkit::rng::Rng;
 
-const BLOCK_TOKENS: u32 = 16;
+const BLOCK_TOKENS: u32 = layouts::BLOCK_TOKENS;
 const P_ENGINE: &str = "prefill";
 const D_ENGINE: &str = "decode";
 
@@ -100,26 +100,6 @@ impl Setup {
     }
 }
 
-/// Two layers, two KV heads of dimension 8 (bf16), one full-attention group.
-fn model() -> ModelShape {
-    ModelShape {
-        total_layers: 2,
-        kv_heads: 2,
-        head_dim: 8,
-        dtype: DType::Bf16,
-        kind: KvKind::KeyValue,
-        groups: vec![KvGroup { kind: GroupKind::Full, layers: vec![0, 1] }],
-    }
-}
-
-/// One worker. Field order is drop order: the engine (which deregisters its memory) goes first, the
-/// memory last.
-struct Worker {
-    engine: Engine,
-    transport: Arc<LoopbackTransport>,
-    buffers: Vec<Box<dyn Buffer>>,
-}
-
 struct Cluster {
     setup: Setup,
     p: Vec<Worker>,
@@ -128,39 +108,25 @@ struct Cluster {
     _fabric: Fabric,
 }
 
+/// The engines of one side: `tp` workers of two layers, two KV heads of dimension 8 (bf16).
 fn build_side(setup: &Setup, engine_id: &str, tp: u16, fabric: &Fabric, hub: &Arc<LocalHub>) -> Vec<Worker> {
-    let dev = HostDevice::new();
-    let device: Arc<dyn Device> = Arc::new(dev);
+    let device: Arc<dyn Device> = Arc::new(HostDevice::new());
     (0..tp)
         .map(|r| {
-            let mut layout = KvLayout {
-                model: model(),
-                block_tokens: BLOCK_TOKENS,
-                order: BlockOrder::Hnd,
-                placement: KvPlacement::Separate,
-                block_stride: 0,
-                num_blocks: setup.num_blocks,
-                parallel: Parallel { tp_rank: r, tp_size: tp, pp_rank: 0, pp_size: 1 },
-                region_bases: Vec::new(),
-            };
-            layout.block_stride = layout.part_bytes();
-            let mut buffers = Vec::new();
-            for _ in 0..pattern::region_count(&layout) {
-                let b = dev.alloc(layout.region_len()).expect("host memory");
-                layout.region_bases.push(b.region().addr);
-                buffers.push(b);
+            let layout = layouts::separate(layouts::full_model(2, 2, 8), setup.num_blocks, layouts::tp(r, tp));
+            // SAFETY: (precondition 2) the driver follows the block ownership rules: P's blocks return
+            // to the pool (and are refilled) only after `Finished::Sent` from every P worker, D's are
+            // read (verified) and reused only after every D worker reported the request's outcome.
+            unsafe {
+                engines::loopback_worker(
+                    setup.config(engine_id),
+                    layout,
+                    &device,
+                    fabric,
+                    &format!("{engine_id}/{r}"),
+                    hub,
+                )
             }
-            let transport = Arc::new(fabric.endpoint(&format!("{engine_id}/{r}")).expect("endpoint"));
-            // SAFETY: the regions are `buffers`, allocated just above and owned by the same `Worker`
-            // as the engine, which drops its engine first. The driver follows the block ownership
-            // rules: P's blocks return to the pool (and are refilled) only after `Finished::Sent` from
-            // every P worker, D's are read (verified) and reused only after every D worker reported
-            // the request's outcome.
-            let engine =
-                unsafe { Engine::new(setup.config(engine_id), layout, device.clone(), transport.clone(), hub.clone()) }
-                    .expect("engine starts");
-            hub.attach(engine.addr().clone(), engine.sink());
-            Worker { engine, transport, buffers }
         })
         .collect()
 }
@@ -173,8 +139,7 @@ impl Cluster {
         let d = build_side(&setup, D_ENGINE, setup.d_tp, &fabric, &hub);
         for a in &p {
             for b in &d {
-                b.engine.add_peer(&a.engine.handshake().expect("handshake")).expect("D accepts P");
-                a.engine.add_peer(&b.engine.handshake().expect("handshake")).expect("P accepts D");
+                engines::connect(&a.engine, &b.engine);
             }
         }
         Cluster { setup, p, d, _hub: hub, _fabric: fabric }
@@ -995,22 +960,17 @@ impl Driver {
 // ---------------------------------------------------------------------------------------------
 // Workload generation.
 
-struct Rng(u64);
+/// What a script draws from the one PRNG.
+trait Draw {
+    /// A sleep of up to `max` ms.
+    fn ms(&mut self, max: u64) -> Step;
+    /// A random transfer id whose low bits are `i` (unique within a run).
+    fn id(&mut self, i: usize) -> u128;
+    /// A prompt length of 1 to 200 tokens.
+    fn tokens(&mut self) -> u64;
+}
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn coin(&mut self) -> bool {
-        self.next() & 1 == 0
-    }
+impl Draw for Rng {
     fn ms(&mut self, max: u64) -> Step {
         Step::Sleep(Duration::from_micros(self.below(max * 1000 + 1)))
     }
@@ -1740,21 +1700,6 @@ fn lease_expiry_p2_d1() {
 // fed by another producer engine (below), or by the same worker's other writer thread that posts
 // first (the randomized abort tests saw that without the driver's quarantine).
 
-/// Polls `engine` until `pred` accepts a result (returned) or 20 s pass.
-fn wait_for(engine: &Engine, what: &str, pred: impl Fn(&Finished) -> bool) -> Finished {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut out = Vec::new();
-    loop {
-        engine.poll(&mut out);
-        if let Some(i) = out.iter().position(&pred) {
-            return out.swap_remove(i);
-        }
-        out.clear();
-        assert!(Instant::now() < deadline, "{}: no {what} within 20 s", engine.addr());
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
 #[test]
 fn consumer_abort_while_another_producer_writes_keeps_reused_blocks_intact() {
     let setup = Setup::new(Mode::Push, 1, 1);
@@ -1764,8 +1709,7 @@ fn consumer_abort_while_another_producer_writes_keeps_reused_blocks_intact() {
     let p2 = build_side(&setup, "prefill-b", 1, &fabric, &hub).remove(0);
     let d = build_side(&setup, D_ENGINE, 1, &fabric, &hub).remove(0);
     for p in [&p1, &p2] {
-        d.engine.add_peer(&p.engine.handshake().expect("handshake")).expect("D accepts P");
-        p.engine.add_peer(&d.engine.handshake().expect("handshake")).expect("P accepts D");
+        engines::connect(&p.engine, &d.engine);
     }
     let tokens = 64;
     let blocks = vec![vec![10, 11, 12, 13]];
@@ -1784,14 +1728,24 @@ fn consumer_abort_while_another_producer_writes_keeps_reused_blocks_intact() {
         std::thread::sleep(Duration::from_millis(1));
     }
     d.engine.abort(a).expect("abort a");
-    wait_for(&d.engine, "end of a", |f| matches!(f, Finished::Ended { key } if *key == a));
+    wait_for(&d.engine, "end of a", Duration::from_secs(20), |f| matches!(f, Finished::Ended { key } if *key == a));
 
     // A is over on D: the engine hands the same blocks to request B, fed by the other producer.
     d.engine.blocks_allocated(b, "prefill-b", blocks.clone(), tokens).expect("register b");
     p2.engine.request_finished(b, vec![vec![1, 2, 3, 4]], tokens).expect("finished b");
-    wait_for(&d.engine, "receipt of b", |f| matches!(f, Finished::Received { key } if *key == b));
+    wait_for(
+        &d.engine,
+        "receipt of b",
+        Duration::from_secs(20),
+        |f| matches!(f, Finished::Received { key } if *key == b),
+    );
     // Once A's late write is done (nothing writes any more), B must still be intact.
-    wait_for(&p1.engine, "release of a", |f| matches!(f, Finished::Sent { key, .. } if *key == a));
+    wait_for(
+        &p1.engine,
+        "release of a",
+        Duration::from_secs(20),
+        |f| matches!(f, Finished::Sent { key, .. } if *key == a),
+    );
     let v = pattern::verify(d.engine.layout(), &d.buffers, &blocks, tokens, seed_of(b)).expect("verify");
     assert!(v.ok(), "request b's KV was overwritten by aborted request a's late write: {v:?}");
 }

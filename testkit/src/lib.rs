@@ -3,3 +3,6 @@
 //! `kvpush` command (`cli/`), the integration tests and the benches; never by the library itself.
 
 pub mod demo;
+pub mod engines;
+pub mod layouts;
+pub mod rng;
