@@ -71,7 +71,9 @@ fn push_over_the_side_channel_with_a_shared_secret() {
         wait_for(&d, "received", |f| matches!(f, Finished::Received { key: k } if *k == key));
         wait_for(&p, "sent", |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
         let v = pattern::verify(d.engine.layout(), &d.buffers, &db, tokens, i as u64).expect("verify");
-        assert!(v.ok() && v.bytes > 0, "{v:?}");
+        // Every token of 2 layers × K and V × 2 heads × 16 elements of 2 bytes.
+        assert!(v.ok(), "{v:?}");
+        assert_eq!(v.bytes, tokens * 2 * 2 * 2 * 16 * 2, "{v:?}");
     }
     let s = d.side.stats();
     assert_eq!(s.handshakes, 1);
@@ -138,12 +140,17 @@ fn a_lost_consumer_releases_the_producer_blocks_and_a_lost_producer_fails_the_co
     // the blocks it reports ready come back at once, not after the lease.
     let key = Key::new(7, 1);
     d.engine.blocks_allocated(key, "prefill", vec![vec![1, 2]], 32).expect("register");
-    std::thread::sleep(Duration::from_millis(100));
+    poll_until(
+        "P received the registration",
+        Duration::from_secs(5),
+        || p.engine.stats().counters,
+        |c| c.registrations == 1,
+    );
     let Worker { engine, side, buffers } = d;
     drop(side);
     drop(engine);
     drop(buffers);
-    std::thread::sleep(Duration::from_millis(200));
+    poll_until("P noticed D's loss", Duration::from_secs(5), || p.side.stats(), |s| s.peers_lost == 1);
     let t0 = Instant::now();
     p.engine.request_finished(key, vec![vec![3, 4]], 32).expect("ready");
     wait_for(&p, "released", |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
