@@ -241,10 +241,8 @@ fn aborts_in_flight_in(mut s: Setup, writers: usize) {
     let delay = Duration::from_millis(250);
     let (p_tp, d_tp) = (s.p_tp, s.d_tp);
     s.writers = writers;
+    // The follow-up request below reuses D's blocks right after D ended (quarantine is off).
     let mut d = Driver::new(s);
-    // The follow-up request below reuses D's blocks right after D ended: safe here because the late
-    // write was posted before it, on the same (P worker, D worker) pair, which runs in order.
-    d.quarantine = false;
     let mut rng = Rng(u64::from(p_tp) << 8 | u64::from(d_tp));
 
     // P aborts while its writes are in flight: the data still lands and verifies; P's blocks come
@@ -721,13 +719,14 @@ fn lease_expiry_p2_d1() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Known issue: D reports a request over (Ended on abort or when superseded, Failed on a timeout or on
-// one producer's failure) while another producer's write into its blocks may still be in flight or not
-// even posted yet, so the engine reuses blocks that are still written. The loopback transport runs the
-// jobs of one (initiator, target) pair in order, which hides this while the next owner of the blocks
-// is fed by the same producer worker and its write is posted later; it shows when the next owner is
-// fed by another producer engine (below), or by the same worker's other writer thread that posts
-// first (the randomized abort tests saw that without the driver's quarantine).
+// Block reuse while a producer still writes (fixed by the consumer's drain): D once reported a request
+// over (Ended on abort or when superseded, Failed on a timeout or on one producer's failure) while
+// another producer's write into its blocks was still in flight or not even posted, so the engine
+// reused blocks that were still written. The loopback transport runs the jobs of one (initiator,
+// target) pair in order, which hides this while the next owner of the blocks is fed by the same
+// producer worker; it shows when the next owner is fed by another producer engine (below), or by the
+// same worker's other writer thread that posts first (the randomized abort tests, which reuse D's
+// blocks at once). D now holds such an outcome until every producer gave its final word.
 
 #[test]
 fn consumer_abort_while_another_producer_writes_keeps_reused_blocks_intact() {
