@@ -12,42 +12,21 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpush::device::{host::HostDevice, Buffer, Device};
-use kvpush::engine::{Config, Engine, Finished, LocalHub};
-use kvpush::proto::layout::{
-    BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, ModelShape, Parallel,
-};
+use kvpush::device::{host::HostDevice, Device};
+use kvpush::engine::{Config, Finished, LocalHub};
+use kvpush::proto::layout::Parallel;
 use kvpush::proto::{Key, Mode};
 use kvpush::transport::loopback::Fabric;
+use kvpush_testkit::engines::{self, Worker};
+use kvpush_testkit::layouts;
 
 const REQUESTS: usize = 5000;
 
-fn engine(id: &str, dev: &Arc<dyn Device>, fabric: &Fabric, hub: &Arc<LocalHub>) -> (Engine, Vec<Box<dyn Buffer>>) {
-    let mut l = KvLayout {
-        model: ModelShape {
-            total_layers: 16,
-            kv_heads: 1,
-            head_dim: 128,
-            dtype: DType::Bf16,
-            kind: KvKind::KeyValue,
-            groups: vec![KvGroup { kind: GroupKind::Full, layers: (0..16).collect() }],
-        },
-        block_tokens: 16,
-        order: BlockOrder::Hnd,
-        placement: KvPlacement::Separate,
-        block_stride: 16 * 128 * 2,
-        num_blocks: 1024,
-        parallel: Parallel::SINGLE,
-        region_bases: Vec::new(),
-    };
-    let buffers: Vec<Box<dyn Buffer>> = (0..32).map(|_| dev.alloc(l.region_len()).expect("alloc")).collect();
-    l.region_bases = buffers.iter().map(|b| b.region().addr).collect();
-    let t = Arc::new(fabric.endpoint(id).expect("endpoint"));
-    // SAFETY: the regions are `buffers`, returned with the engine and dropped after it; block ids
-    // are reused only after the request's outcome.
-    let e = unsafe { Engine::new(Config::new(id, Mode::Push), l, dev.clone(), t, hub.clone()) }.expect("engine");
-    hub.attach(e.addr().clone(), e.sink());
-    (e, buffers)
+/// An engine of 16 layers, one KV head of dimension 128, 1024 blocks, on host memory.
+fn engine(id: &str, dev: &Arc<dyn Device>, fabric: &Fabric, hub: &Arc<LocalHub>) -> Worker {
+    let layout = layouts::separate(layouts::full_model(16, 1, 128), 1024, Parallel::SINGLE);
+    // SAFETY: (precondition 2) block ids are reused only after the request's outcome.
+    unsafe { engines::loopback_worker(Config::new(id, Mode::Push), layout, dev, fabric, id, hub) }
 }
 
 fn pct(v: &mut [f64], q: f64) -> f64 {
@@ -65,10 +44,9 @@ fn main() {
     let dev: Arc<dyn Device> = Arc::new(HostDevice::new());
     let fabric = Fabric::new();
     let hub = LocalHub::new();
-    let (p, _pb) = engine("p", &dev, &fabric, &hub);
-    let (d, _db) = engine("d", &dev, &fabric, &hub);
-    p.add_peer(&d.handshake().expect("hs")).expect("peer");
-    d.add_peer(&p.handshake().expect("hs")).expect("peer");
+    let (pw, dw) = (engine("p", &dev, &fabric, &hub), engine("d", &dev, &fabric, &hub));
+    engines::connect(&pw.engine, &dw.engine);
+    let (p, d) = (&pw.engine, &dw.engine);
 
     let (mut p_side, mut d_side, mut total) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
     let mut empty_polls = Vec::new();

@@ -11,54 +11,22 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvpush::proto::layout::{
-    BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, ModelShape, Parallel,
-};
+use kvpush::proto::layout::KvLayout;
 use kvpush::proto::plan::{PlanInput, Planner};
+use kvpush_testkit::layouts;
+use kvpush_testkit::rng::Rng;
 
 const LAYERS: u32 = 64;
 const BLOCKS: u32 = 4096;
 const TOKENS: u64 = 16384;
 
 fn layout(base: u64) -> KvLayout {
-    let model = ModelShape {
-        total_layers: LAYERS,
-        kv_heads: 8,
-        head_dim: 128,
-        dtype: DType::Bf16,
-        kind: KvKind::KeyValue,
-        groups: vec![KvGroup { kind: GroupKind::Full, layers: (0..LAYERS).collect() }],
-    };
-    let mut l = KvLayout {
-        model,
-        block_tokens: 16,
-        order: BlockOrder::Hnd,
-        placement: KvPlacement::Separate,
-        block_stride: 0,
-        num_blocks: BLOCKS,
-        parallel: Parallel { tp_rank: 0, tp_size: 8, pp_rank: 0, pp_size: 1 },
-        region_bases: Vec::new(),
-    };
-    l.block_stride = l.part_bytes();
+    let mut l = layouts::separate(layouts::qwen3_32b(), BLOCKS, layouts::tp(0, 8));
     // vLLM's per-layer `[2, num_blocks, ...]` tensor: K region then V region, layers 1 GiB apart.
     let region = l.region_len();
     l.region_bases = (0..LAYERS as u64).flat_map(|i| [base + (i << 30), base + (i << 30) + region]).collect();
     l.validate().expect("bench layout is valid");
     l
-}
-
-/// A deterministic xorshift permutation of `0..n`, first `take` entries.
-fn permutation(n: u32, take: usize, seed: u64) -> Vec<u32> {
-    let mut v: Vec<u32> = (0..n).collect();
-    let mut s = seed;
-    for i in (1..v.len()).rev() {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        v.swap(i, (s % (i as u64 + 1)) as usize);
-    }
-    v.truncate(take);
-    v
 }
 
 fn bench(c: &mut Criterion) {
@@ -69,8 +37,8 @@ fn bench(c: &mut Criterion) {
         ("contiguous", contiguous.clone(), contiguous),
         (
             "fragmented",
-            permutation(BLOCKS, blocks, 0x9e37_79b9_7f4a_7c15),
-            permutation(BLOCKS, blocks, 0xd1b5_4a32_d192_ed03),
+            Rng(0x9e37_79b9_7f4a_7c15).permutation(BLOCKS, blocks),
+            Rng(0xd1b5_4a32_d192_ed03).permutation(BLOCKS, blocks),
         ),
     ];
     let mut group = c.benchmark_group("plan/qwen3_32b_tp8_16k");

@@ -12,6 +12,7 @@ use kvpush::device::{select, Buffer, Device, DeviceError, DeviceKind, StageEntry
 use kvpush_cuda::pointer::{validate, MemoryType, PointerQueries};
 use kvpush_cuda::staging::{self, Piece, Side, StagingError, UnitSpace};
 use kvpush_cuda::{CudaError, DriverStatus, Gpu};
+use kvpush_testkit::rng::Rng;
 use proptest::prelude::*;
 
 // ---- a mock of the driver's pointer queries ----
@@ -287,19 +288,6 @@ proptest! {
     }
 }
 
-/// A deterministic permutation of `0..n` (first `take`).
-fn permutation(n: u32, take: usize, mut s: u64) -> Vec<u32> {
-    let mut v: Vec<u32> = (0..n).collect();
-    for i in (1..v.len()).rev() {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        v.swap(i, (s % (i as u64 + 1)) as usize);
-    }
-    v.truncate(take);
-    v
-}
-
 /// Runs a whole staged transfer with the reference gather/scatter: P's blocks (filled with the
 /// pattern) → P slot → D slot → D's blocks, slots reused; then checks every unit on D and that no
 /// other block of D changed.
@@ -309,8 +297,9 @@ fn staged_round_trip(regions: u32, pool: u32, blocks: u32, unit: u64, slot_bytes
     let (p_base, d_base) = (0x1000_0000u64, 0x9000_0000u64);
     let p_bases: Vec<u64> = (0..u64::from(regions)).map(|r| p_base + r * region_len).collect();
     let d_bases: Vec<u64> = (0..u64::from(regions)).map(|r| d_base + r * region_len).collect();
-    let p_ids = permutation(pool, blocks as usize, seed | 1);
-    let d_ids = permutation(pool, blocks as usize, (seed >> 1) | 3);
+    let mut rng = Rng(seed);
+    let p_ids = rng.permutation(pool, blocks as usize);
+    let d_ids = rng.permutation(pool, blocks as usize);
     let p = Side { bases: &p_bases, ids: &p_ids, stride: unit };
     let d = Side { bases: &d_bases, ids: &d_ids, stride: unit };
     let mut p_mem = vec![0u8; (region_len * u64::from(regions)) as usize];

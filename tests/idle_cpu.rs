@@ -6,13 +6,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpush::device::{host::HostDevice, Buffer, Device};
-use kvpush::engine::{Config, Engine, LocalHub};
-use kvpush::proto::layout::{
-    BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, ModelShape, Parallel,
-};
+use kvpush::device::{host::HostDevice, Device};
+use kvpush::engine::{Config, LocalHub};
+use kvpush::proto::layout::Parallel;
 use kvpush::proto::Mode;
 use kvpush::transport::loopback::Fabric;
+use kvpush_testkit::engines::{self, Worker};
+use kvpush_testkit::layouts;
 
 /// User + system CPU seconds of this process so far.
 fn cpu_seconds() -> f64 {
@@ -24,31 +24,11 @@ fn cpu_seconds() -> f64 {
     ticks / 100.0 // USER_HZ is 100 on Linux
 }
 
-fn engine(id: &str, dev: &Arc<dyn Device>, fabric: &Fabric, hub: &Arc<LocalHub>) -> (Engine, Vec<Box<dyn Buffer>>) {
-    let mut l = KvLayout {
-        model: ModelShape {
-            total_layers: 2,
-            kv_heads: 1,
-            head_dim: 64,
-            dtype: DType::Bf16,
-            kind: KvKind::KeyValue,
-            groups: vec![KvGroup { kind: GroupKind::Full, layers: vec![0, 1] }],
-        },
-        block_tokens: 16,
-        order: BlockOrder::Hnd,
-        placement: KvPlacement::Separate,
-        block_stride: 16 * 64 * 2,
-        num_blocks: 64,
-        parallel: Parallel::SINGLE,
-        region_bases: Vec::new(),
-    };
-    let buffers: Vec<Box<dyn Buffer>> = (0..4).map(|_| dev.alloc(l.region_len()).expect("alloc")).collect();
-    l.region_bases = buffers.iter().map(|b| b.region().addr).collect();
-    let t = Arc::new(fabric.endpoint(id).expect("endpoint"));
-    // SAFETY: the regions are `buffers`, returned with the engine and dropped after it by the test.
-    let e = unsafe { Engine::new(Config::new(id, Mode::Push), l, dev.clone(), t, hub.clone()) }.expect("engine");
-    hub.attach(e.addr().clone(), e.sink());
-    (e, buffers)
+/// An engine of two layers, one KV head of dimension 64, 64 blocks, on host memory.
+fn engine(id: &str, dev: &Arc<dyn Device>, fabric: &Fabric, hub: &Arc<LocalHub>) -> Worker {
+    let layout = layouts::separate(layouts::full_model(2, 1, 64), 64, Parallel::SINGLE);
+    // SAFETY: (precondition 2) no request is ever made.
+    unsafe { engines::loopback_worker(Config::new(id, Mode::Push), layout, dev, fabric, id, hub) }
 }
 
 #[test]
@@ -56,10 +36,9 @@ fn idle_engines_use_under_one_percent_of_a_core() {
     let dev: Arc<dyn Device> = Arc::new(HostDevice::new());
     let fabric = Fabric::new();
     let hub = LocalHub::new();
-    let (p, _pb) = engine("p", &dev, &fabric, &hub);
-    let (d, _db) = engine("d", &dev, &fabric, &hub);
-    p.add_peer(&d.handshake().expect("hs")).expect("peer");
-    d.add_peer(&p.handshake().expect("hs")).expect("peer");
+    let p = engine("p", &dev, &fabric, &hub);
+    let d = engine("d", &dev, &fabric, &hub);
+    engines::connect(&p.engine, &d.engine);
     std::thread::sleep(Duration::from_millis(300));
     let (c0, t0) = (cpu_seconds(), Instant::now());
     std::thread::sleep(Duration::from_secs(5));

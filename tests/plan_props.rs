@@ -33,6 +33,7 @@ use kvpush::proto::layout::{
 };
 use kvpush::proto::merge::{merge_unordered, Copy};
 use kvpush::proto::plan::{PlanError, PlanInput, PlanStats, Planner};
+use kvpush_testkit::rng::Rng;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
@@ -425,24 +426,6 @@ struct Scenario {
     ascending: bool,
 }
 
-/// splitmix64: enough randomness for shuffles derived from one drawn seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (`n > 0`).
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 fn dtype() -> impl Strategy<Value = DType> {
     prop_oneof![
         Just(DType::F16),
@@ -568,9 +551,7 @@ fn engine_layouts(
                 Regions::Adjacent => (0..n as u64).map(|i| base + i * len).collect(),
                 Regions::AdjacentShuffled => {
                     let mut slots: Vec<u64> = (0..n as u64).collect();
-                    for i in (1..slots.len()).rev() {
-                        slots.swap(i, rng.below(i as u64 + 1) as usize);
-                    }
+                    rng.shuffle(&mut slots);
                     slots.iter().map(|s| base + s * len).collect()
                 }
                 Regions::Gaps => {

@@ -8,40 +8,17 @@ use std::time::{Duration, Instant};
 use kvpush::device::{host::HostDevice, Buffer, Device};
 use kvpush::engine::side::{SideChannel, SideConfig, SideError};
 use kvpush::engine::{Config, Engine, Finished};
-use kvpush::proto::layout::{
-    BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, ModelShape, Parallel,
-};
+use kvpush::proto::layout::Parallel;
 use kvpush::proto::{Key, Mode};
 use kvpush::transport::loopback::Fabric;
 use kvpush_testkit::demo::pattern;
+use kvpush_testkit::engines::{self, poll_until};
+use kvpush_testkit::layouts;
 
 struct Worker {
     engine: Engine,
     side: Arc<SideChannel>,
     buffers: Vec<Box<dyn Buffer>>,
-}
-
-fn layout(dev: &dyn Device) -> (KvLayout, Vec<Box<dyn Buffer>>) {
-    let mut l = KvLayout {
-        model: ModelShape {
-            total_layers: 2,
-            kv_heads: 2,
-            head_dim: 16,
-            dtype: DType::Bf16,
-            kind: KvKind::KeyValue,
-            groups: vec![KvGroup { kind: GroupKind::Full, layers: vec![0, 1] }],
-        },
-        block_tokens: 16,
-        order: BlockOrder::Hnd,
-        placement: KvPlacement::Separate,
-        block_stride: 16 * 2 * 16 * 2,
-        num_blocks: 64,
-        parallel: Parallel::SINGLE,
-        region_bases: Vec::new(),
-    };
-    let buffers: Vec<Box<dyn Buffer>> = (0..4).map(|_| dev.alloc(l.region_len()).expect("alloc")).collect();
-    l.region_bases = buffers.iter().map(|b| b.region().addr).collect();
-    (l, buffers)
 }
 
 fn side_config(secret: Option<&[u8]>) -> SideConfig {
@@ -56,7 +33,9 @@ fn side_config(secret: Option<&[u8]>) -> SideConfig {
 
 fn worker(id: &str, mode: Mode, fabric: &Fabric, secret: Option<&[u8]>) -> Worker {
     let dev: Arc<dyn Device> = Arc::new(HostDevice::new());
-    let (l, buffers) = layout(dev.as_ref());
+    // Two layers, two KV heads of dimension 16, 64 blocks.
+    let mut l = layouts::separate(layouts::full_model(2, 2, 16), 64, Parallel::SINGLE);
+    let buffers = layouts::allocate(&mut l, dev.as_ref()).expect("host memory");
     let side = Arc::new(SideChannel::bind(side_config(secret)).expect("bind"));
     let transport = Arc::new(fabric.endpoint(id).expect("endpoint"));
     let mut config = Config::new(id, mode);
@@ -69,16 +48,7 @@ fn worker(id: &str, mode: Mode, fabric: &Fabric, secret: Option<&[u8]>) -> Worke
 }
 
 fn wait_for(w: &Worker, what: &str, pred: impl Fn(&Finished) -> bool) -> Finished {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut out = Vec::new();
-    loop {
-        w.engine.poll(&mut out);
-        if let Some(i) = out.iter().position(&pred) {
-            return out.remove(i);
-        }
-        assert!(Instant::now() < deadline, "{what}: nothing after 10 s (got {out:?})");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    engines::wait_for(&w.engine, what, Duration::from_secs(10), pred)
 }
 
 #[test]
@@ -89,11 +59,7 @@ fn push_over_the_side_channel_with_a_shared_secret() {
     let peer = d.side.connect(p.side.local_addr()).expect("handshake");
     assert_eq!(peer.engine, "prefill");
     // The producer side learned the consumer too.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while p.side.peers().is_empty() {
-        assert!(Instant::now() < deadline, "P never registered the connection");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    poll_until("P registered the connection", Duration::from_secs(5), || p.side.peers(), |p| !p.is_empty());
     for (i, tokens) in [(1u128, 40u64), (2, 64), (3, 1)] {
         let key = Key::new(i, 1);
         let n = tokens.div_ceil(16) as u32;
@@ -105,7 +71,9 @@ fn push_over_the_side_channel_with_a_shared_secret() {
         wait_for(&d, "received", |f| matches!(f, Finished::Received { key: k } if *k == key));
         wait_for(&p, "sent", |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
         let v = pattern::verify(d.engine.layout(), &d.buffers, &db, tokens, i as u64).expect("verify");
-        assert!(v.ok() && v.bytes > 0, "{v:?}");
+        // Every token of 2 layers × K and V × 2 heads × 16 elements of 2 bytes.
+        assert!(v.ok(), "{v:?}");
+        assert_eq!(v.bytes, tokens * 2 * 2 * 2 * 16 * 2, "{v:?}");
     }
     let s = d.side.stats();
     assert_eq!(s.handshakes, 1);
@@ -121,11 +89,7 @@ fn mode_mismatch_is_refused_on_both_sides_with_the_compatibility_message() {
     let text = e.to_string();
     assert!(matches!(e, SideError::Refused { .. }), "{text}");
     assert!(text.contains("mode differs (local pull, remote push)"), "{text}");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while p.side.stats().refused == 0 {
-        assert!(Instant::now() < deadline, "P did not count the refusal");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    poll_until("P counted the refusal", Duration::from_secs(5), || p.side.stats(), |s| s.refused == 1);
     assert!(p.side.peers().is_empty() && d.side.peers().is_empty());
 }
 
@@ -155,17 +119,14 @@ fn a_malformed_frame_closes_the_connection_and_is_counted() {
     let d = worker("decode", Mode::Push, &fabric, None);
     let peer = d.side.connect(p.side.local_addr()).expect("handshake");
     d.side.send(d.engine.addr(), &peer, b"KP\x01\x00\x63\x00\x00\x00\x00".to_vec()).expect("queued");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while p.side.stats().malformed == 0 || !p.side.peers().is_empty() {
-        assert!(Instant::now() < deadline, "P kept the connection: {:?}", p.side.stats());
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    poll_until(
+        "P counted the frame and closed",
+        Duration::from_secs(5),
+        || (p.side.stats(), p.side.peers()),
+        |(s, p)| s.malformed == 1 && p.is_empty(),
+    );
     // D notices the close and can handshake afresh.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !d.side.peers().is_empty() {
-        assert!(Instant::now() < deadline, "D kept the dead connection");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    poll_until("D dropped the dead connection", Duration::from_secs(5), || d.side.peers(), |p| p.is_empty());
     d.side.connect(p.side.local_addr()).expect("reconnect");
 }
 
@@ -179,12 +140,17 @@ fn a_lost_consumer_releases_the_producer_blocks_and_a_lost_producer_fails_the_co
     // the blocks it reports ready come back at once, not after the lease.
     let key = Key::new(7, 1);
     d.engine.blocks_allocated(key, "prefill", vec![vec![1, 2]], 32).expect("register");
-    std::thread::sleep(Duration::from_millis(100));
+    poll_until(
+        "P received the registration",
+        Duration::from_secs(5),
+        || p.engine.stats().counters,
+        |c| c.registrations == 1,
+    );
     let Worker { engine, side, buffers } = d;
     drop(side);
     drop(engine);
     drop(buffers);
-    std::thread::sleep(Duration::from_millis(200));
+    poll_until("P noticed D's loss", Duration::from_secs(5), || p.side.stats(), |s| s.peers_lost == 1);
     let t0 = Instant::now();
     p.engine.request_finished(key, vec![vec![3, 4]], 32).expect("ready");
     wait_for(&p, "released", |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));

@@ -33,13 +33,12 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use kvpush::proto::completion::{CompletionConfig, Completions, Event, FailReason};
-use kvpush::proto::layout::{
-    expected_notifications, tp_targets, BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement,
-    ModelShape, Parallel,
-};
+use kvpush::proto::layout::{expected_notifications, tp_targets, KvLayout};
 use kvpush::proto::msg::{Completion, Failure, FailureKind, Registration};
 use kvpush::proto::rendezvous::{Action, ReleaseReason, Rendezvous, RendezvousConfig, SourceBlocks, Target};
 use kvpush::proto::{Instant, Key, Rank};
+use kvpush_testkit::layouts;
+use kvpush_testkit::rng::Rng;
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 
@@ -53,40 +52,6 @@ const TOKENS: u64 = 40;
 const FIRST_TOKEN: u32 = 1_000_000;
 /// Steps after which a run is considered stuck.
 const MAX_STEPS: usize = 100_000;
-
-// ---------------------------------------------------------------------------------------------
-// Layouts
-
-fn model() -> ModelShape {
-    ModelShape {
-        total_layers: 4,
-        kv_heads: 2,
-        head_dim: 8,
-        dtype: DType::Bf16,
-        kind: KvKind::KeyValue,
-        groups: vec![
-            KvGroup { kind: GroupKind::Full, layers: vec![0, 2] },
-            KvGroup { kind: GroupKind::SlidingWindow { window_tokens: 64 }, layers: vec![1, 3] },
-        ],
-    }
-}
-
-/// A worker's layout: 64 blocks of 16 tokens, at TP rank `tp_rank` of `tp_size` (PP 1).
-fn layout(tp_rank: u16, tp_size: u16) -> KvLayout {
-    let mut l = KvLayout {
-        model: model(),
-        block_tokens: 16,
-        order: BlockOrder::Hnd,
-        placement: KvPlacement::Separate,
-        block_stride: 0,
-        num_blocks: 64,
-        parallel: Parallel { tp_rank, tp_size, pp_rank: 0, pp_size: 1 },
-        region_bases: (0..8).map(|i| 0x1000_0000 + i * 0x10_0000).collect(),
-    };
-    l.block_stride = l.part_bytes();
-    l.validate().expect("simulated layout is valid");
-    l
-}
 
 // ---------------------------------------------------------------------------------------------
 // Schedules
@@ -225,28 +190,6 @@ fn schedule() -> impl Strategy<Value = (Params, Vec<Step>)> {
 // ---------------------------------------------------------------------------------------------
 // The simulator
 
-/// SplitMix64: the simulator's only source of randomness, seeded by the schedule.
-#[derive(Debug)]
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn range(&mut self, (lo, hi): (u64, u64)) -> u64 {
-        lo + self.next() % (hi - lo + 1)
-    }
-
-    fn percent(&mut self, pct: u8) -> bool {
-        self.next() % 100 < u64::from(pct)
-    }
-}
-
 #[derive(Clone, Debug)]
 enum ToP {
     Registration(Registration, u16),
@@ -343,8 +286,8 @@ struct Sim {
 
 impl Sim {
     fn new(p: Params) -> Self {
-        let d_layouts: Vec<KvLayout> = (0..p.d_ranks).map(|r| layout(r, p.d_ranks)).collect();
-        let src = layout(0, 1);
+        let d_layouts: Vec<KvLayout> = (0..p.d_ranks).map(|r| layouts::small(r, p.d_ranks)).collect();
+        let src = layouts::small(0, 1);
         let fan_out = tp_targets(&src.model, 1, 0, p.d_ranks).len() as u16;
         assert_eq!(fan_out, p.d_ranks, "TP 1 writes into every consumer rank");
         let expected = d_layouts.iter().map(|d| expected_notifications(&src.model, src.parallel, d.parallel)).collect();
@@ -383,10 +326,10 @@ impl Sim {
     /// Sends a message: delivered after a random delay, sometimes twice.
     fn send(&mut self, msg: Msg) {
         if self.rng.percent(self.p.dup_pct) {
-            let delay = self.rng.range(self.p.net_us);
+            let delay = self.rng.between(self.p.net_us.0, self.p.net_us.1);
             self.schedule(delay, Ev::Deliver(msg.clone()));
         }
-        let delay = self.rng.range(self.p.net_us);
+        let delay = self.rng.between(self.p.net_us.0, self.p.net_us.1);
         self.schedule(delay, Ev::Deliver(msg));
     }
 
@@ -497,7 +440,7 @@ impl Sim {
                         Ok(())
                     };
                     let target = Target { engine: D_ENGINE.into(), rank: registration.rank() };
-                    let took = self.rng.range(self.p.transfer_us);
+                    let took = self.rng.between(self.p.transfer_us.0, self.p.transfer_us.1);
                     self.schedule(took, Ev::TransferDone { key, target, result });
                 }
                 Action::Release { key, blocks, reason } => {

@@ -1,8 +1,15 @@
 //! kvpush's test kit: the workload the demo plays (in one process over the loopback transport, or
-//! P and D as two processes over NIXL), deterministic KV contents and their verification. Used by the
-//! `kvpush` command (`cli/`), the integration tests and the benches; never by the library itself.
+//! P and D as two processes over NIXL), deterministic KV contents and their verification, the one
+//! PRNG ([`rng`]), the shared layouts ([`layouts`]), host-memory engines ([`engines`]), the engine
+//! stress driver ([`stress`]) and the rule for tests whose prerequisites are missing ([`require`]).
+//! Used by the `kvpush` command (`cli/`), the integration tests and the benches; never by the
+//! library itself.
 
 pub mod demo;
+pub mod engines;
+pub mod layouts;
 pub mod require;
+pub mod rng;
+pub mod stress;
 
 pub use require::{in_ci, require, require_gpu};

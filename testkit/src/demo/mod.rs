@@ -25,6 +25,9 @@ use kvpush::proto::msg::{blocks_for, Mode};
 use kvpush::proto::Key;
 use kvpush::transport::loopback::Fabric;
 
+// The workload's random source; `procs` seeds its own from the workload's seed too.
+pub(crate) use crate::rng::Rng;
+
 pub mod pattern;
 pub mod procs;
 
@@ -300,12 +303,7 @@ pub(crate) fn worker_layout(
         region_bases: Vec::new(),
     };
     l.block_stride = l.part_bytes();
-    let mut buffers = Vec::new();
-    for _ in 0..pattern::region_count(&l) {
-        let b = dev.alloc(l.region_len())?;
-        l.region_bases.push(b.region().addr);
-        buffers.push(b);
-    }
+    let buffers = crate::layouts::allocate(&mut l, dev)?;
     l.validate().map_err(|e| DemoError::Config(e.to_string()))?;
     Ok((l, buffers))
 }
@@ -426,21 +424,6 @@ enum Due {
     PrefillDone(usize),
     /// The consumer leg arrives: allocate and register (push) or start the read (pull).
     Consumer(usize),
-}
-
-/// Splitmix-based generator for the workload.
-pub(crate) struct Rng(pub(crate) u64);
-impl Rng {
-    pub(crate) fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 /// Prompt lengths and orders of the workload (log-uniform lengths).

@@ -1,0 +1,95 @@
+//! Engines on host memory and the loopback transport, in this process: the fixture behind the
+//! stress driver, the idle-CPU test and the engine-thread bench.
+//!
+//! [`loopback_worker`] allocates a layout's regions, opens a fabric endpoint and starts an engine
+//! whose control link is a [`LocalHub`]; [`connect`] introduces two engines to each other;
+//! [`wait_for`] polls an engine for one outcome against a deadline. Nothing here decides when a
+//! block may be reused: that stays with the caller (see [`loopback_worker`]'s `# Safety`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvpush::device::{Buffer, Device};
+use kvpush::engine::{Config, Engine, Finished, LocalHub};
+use kvpush::proto::layout::KvLayout;
+use kvpush::transport::loopback::{Fabric, LoopbackTransport};
+
+use crate::layouts;
+
+/// One worker: an engine, its loopback endpoint, and the memory its layout points at. Field order
+/// is drop order: the engine (which deregisters its memory) goes first, the memory last.
+#[derive(Debug)]
+pub struct Worker {
+    pub engine: Engine,
+    pub transport: Arc<LoopbackTransport>,
+    pub buffers: Vec<Box<dyn Buffer>>,
+}
+
+/// Starts an engine with `config` on `layout`, whose regions it allocates on `dev`, over an endpoint
+/// of `fabric` named `endpoint`, attached to `hub`.
+///
+/// # Safety
+///
+/// [`Engine::new`]'s precondition 1 holds by construction (the regions are the returned worker's
+/// buffers, dropped after its engine). The caller guarantees precondition 2: a request's blocks are
+/// not written while the engine reads them nor read or reused while peers write them, until the
+/// request's [`Finished`] outcome.
+pub unsafe fn loopback_worker(
+    config: Config,
+    mut layout: KvLayout,
+    dev: &Arc<dyn Device>,
+    fabric: &Fabric,
+    endpoint: &str,
+    hub: &Arc<LocalHub>,
+) -> Worker {
+    let buffers = layouts::allocate(&mut layout, dev.as_ref()).expect("host memory");
+    let transport = Arc::new(fabric.endpoint(endpoint).expect("endpoint"));
+    // SAFETY: precondition 1: the regions are `buffers`, allocated just above on `dev` and owned by
+    // the returned `Worker`, which drops its engine first. Precondition 2 is the caller's (this
+    // function's own precondition).
+    let engine =
+        unsafe { Engine::new(config, layout, dev.clone(), transport.clone(), hub.clone()) }.expect("engine starts");
+    hub.attach(engine.addr().clone(), engine.sink());
+    Worker { engine, transport, buffers }
+}
+
+/// Introduces `a` and `b` to each other (each accepts the other's handshake).
+pub fn connect(a: &Engine, b: &Engine) {
+    b.add_peer(&a.handshake().expect("handshake")).expect("peer accepted");
+    a.add_peer(&b.handshake().expect("handshake")).expect("peer accepted");
+}
+
+/// Polls `engine` until `pred` accepts an outcome (returned; the others seen meanwhile are dropped)
+/// or `limit` passes (a panic naming `what` and the outcomes seen).
+pub fn wait_for(engine: &Engine, what: &str, limit: Duration, pred: impl Fn(&Finished) -> bool) -> Finished {
+    let deadline = Instant::now() + limit;
+    let mut out = Vec::new();
+    let mut seen = Vec::new();
+    loop {
+        engine.poll(&mut out);
+        if let Some(i) = out.iter().position(&pred) {
+            return out.swap_remove(i);
+        }
+        seen.append(&mut out);
+        assert!(Instant::now() < deadline, "{}: no {what} within {limit:?}; saw {seen:?}", engine.addr());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Polls `cond` until it holds or `limit` passes (a panic naming `what` and `state()`, what was seen).
+pub fn poll_until<S: std::fmt::Debug>(
+    what: &str,
+    limit: Duration,
+    mut state: impl FnMut() -> S,
+    cond: impl Fn(&S) -> bool,
+) -> S {
+    let deadline = Instant::now() + limit;
+    loop {
+        let s = state();
+        if cond(&s) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "{what}: not within {limit:?}; last seen {s:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
