@@ -1,9 +1,9 @@
 //! Shared pieces of kvpush's codec fuzzing: the fixed peer layout that the fuzz target, the corpus
-//! generator (`examples/gen_corpus.rs`) and the replay test (`tests/codec_corpus.rs` in the parent
+//! generator (`examples/gen_corpus.rs`) and the replay test (`tests/proto/codec_corpus.rs` in the parent
 //! crate) all decode against, the valid sample messages, and the naming of decode errors used in
 //! `tests/corpus/codec/MANIFEST.tsv`.
 //!
-//! `tests/codec_corpus.rs` cannot depend on this crate, so it defines [`peer_layout`],
+//! `tests/proto/codec_corpus.rs` cannot depend on this crate, so it defines [`peer_layout`],
 //! [`peer_handshake`], [`valid_messages`], [`describe`] and [`fingerprint`] again, identically; the
 //! manifest records [`fingerprint`] of the peer handshake so the test notices if the two drift.
 

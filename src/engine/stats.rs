@@ -117,7 +117,7 @@ pub struct Stats {
 /// it is `#[repr(C)]` and every field is a `u64`.
 ///
 /// Adding a counter touches two files: a field here (and its line in [`Stats::add`]), and the same
-/// field at the same place in `kvpush_counters` in `kvpush.h`. `tests/ffi_c.rs` fails until the
+/// field at the same place in `kvpush_counters` in `kvpush.h`. `tests/ffi/ffi_c.rs` fails until the
 /// two agree in every field's name and offset.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]

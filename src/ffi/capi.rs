@@ -190,7 +190,7 @@ pub type kvpush_counters = Counters;
 pub type kvpush_failures = Failures;
 
 /// Percentiles of a latency histogram (µs). `Serialize` names its fields for the ABI test
-/// (`tests/ffi_c.rs`), as for [`Counters`].
+/// (`tests/ffi/ffi_c.rs`), as for [`Counters`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct kvpush_latency {

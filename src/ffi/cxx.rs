@@ -15,7 +15,7 @@ use super::capi::kvpush_stats;
 use super::cpp::{new_hub, new_loopback_engine, new_nixl_engine, take_error_code, RustEngine, RustHub};
 
 // SAFETY: `kvpush_stats` is `#[repr(C)]` and mirrors the C struct of the same name in `kvpush.h`
-// field for field (`tests/ffi_c.rs` checks every field's name and offset against the header); it
+// field for field (`tests/ffi/ffi_c.rs` checks every field's name and offset against the header); it
 // holds only `u64`s, so it has no destructor and no move constructor, and C++ may copy and move it
 // as raw bytes, which is what `Trivial` promises. Its C++ name is `::kvpush_stats`.
 unsafe impl ::cxx::ExternType for kvpush_stats {

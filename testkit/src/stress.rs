@@ -1,6 +1,6 @@
 //! The engine stress driver: a producer (P) and a consumer (D) engine with 1 or 2 TP workers each, on
 //! host memory, the loopback transport and a [`LocalHub`] control link, driven by a scripted loop that
-//! plays both engine loops. The tests are in `tests/engine_stress.rs`; read [`Driver::run`] and
+//! plays both engine loops. The tests are in `tests/engine/engine_stress.rs`; read [`Driver::run`] and
 //! [`Driver::check`] first. Never used by the library itself.
 //!
 //! Every request is a script of steps (fill P's blocks and call `request_finished`, allocate D's blocks

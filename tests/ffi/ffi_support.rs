@@ -1,4 +1,4 @@
-//! Shared by tests/ffi_c.rs and tests/ffi_cpp.rs: finds the `libkvpush.so` cargo built for this test
+//! Shared by tests/ffi/ffi_c.rs and tests/ffi/ffi_cpp.rs: finds the `libkvpush.so` cargo built for this test
 //! run, stages it (and anything else to link) in a private directory under `CARGO_TARGET_TMPDIR` so a
 //! concurrent rebuild cannot swap it mid-test, compiles a test program with the system compiler
 //! ([`build`]) and runs it under a time limit.

@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-mod ffi_support;
+use crate::ffi_support;
 use ffi_support::{build, cdylib, nixl_or_skip, root, run_ok, stage};
 
 /// The test program, built once per test binary.

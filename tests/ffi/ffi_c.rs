@@ -25,7 +25,7 @@ use kvpush::ffi::capi::{
 use kvpush::ffi::status;
 use serde::Serialize;
 
-mod ffi_support;
+use crate::ffi_support;
 use ffi_support::{build, cdylib, nixl_or_skip, root, run_ok, stage};
 
 /// The test program, built once per test binary.

@@ -1,0 +1,7 @@
+//! Real engines (writer threads, control link) on host memory: the TP x block-size matrix, stress and
+//! fault injection, and the TCP side channel. One test binary (tests/README.md maps features to
+//! tests).
+
+mod engine_matrix;
+mod engine_stress;
+mod side_channel;
