@@ -844,8 +844,14 @@ async fn a_server_stays_in_rotation_until_unhealthy_after_probes_failed_in_a_row
     cfg.unhealthy_after = 1_000_000;
     let (_r, base) = start(cfg).await;
     let c = client();
+    let before = d.probes.load(std::sync::atomic::Ordering::SeqCst);
     d.health.store(HEALTH_503, std::sync::atomic::Ordering::SeqCst);
-    tokio::time::sleep(Duration::from_millis(600)).await; // ~12 failed probes
+    // Wait until the router has really probed it and been refused many times in a row.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while d.probes.load(std::sync::atomic::Ordering::SeqCst) < before + 10 {
+        assert!(Instant::now() < deadline, "the router did not probe D ten times within 10 s");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let (status, _, health) = get(&c, &format!("{base}/health")).await;
     assert_eq!(status, 200, "{health}");
     assert_eq!(serde_json::from_str::<Value>(&health).unwrap()["decode"][0]["up"], true, "{health}");

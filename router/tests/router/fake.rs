@@ -7,7 +7,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -110,6 +110,8 @@ pub struct Fake {
     pub url: String,
     pub seen: Arc<Mutex<Vec<Seen>>>,
     pub health: Arc<AtomicU8>,
+    /// `GET /health` requests answered so far (whatever the answer).
+    pub probes: Arc<AtomicUsize>,
     tasks: Arc<Mutex<Vec<AbortHandle>>>,
 }
 
@@ -130,21 +132,25 @@ impl Fake {
         let addr = listener.local_addr().unwrap();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let health = Arc::new(AtomicU8::new(HEALTH_OK));
+        let probes = Arc::new(AtomicUsize::new(0));
         let tasks: Arc<Mutex<Vec<AbortHandle>>> = Arc::new(Mutex::new(Vec::new()));
-        let (seen2, health2, tasks2) = (seen.clone(), health.clone(), tasks.clone());
+        let (seen2, health2, probes2, tasks2) = (seen.clone(), health.clone(), probes.clone(), tasks.clone());
         let accept = tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else { continue };
                 let _ = stream.set_nodelay(true);
-                let (seen, health, info, h) = (seen2.clone(), health2.clone(), info.clone(), h.clone());
+                let (seen, health, probes, info, h) =
+                    (seen2.clone(), health2.clone(), probes2.clone(), info.clone(), h.clone());
                 let conn = tokio::spawn(async move {
                     let svc = service_fn(move |req: Request<Incoming>| {
-                        let (seen, health, info, h) = (seen.clone(), health.clone(), info.clone(), h.clone());
+                        let (seen, health, probes, info, h) =
+                            (seen.clone(), health.clone(), probes.clone(), info.clone(), h.clone());
                         async move {
                             let (parts, body) = req.into_parts();
                             let raw = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
                             let path = parts.uri.path().to_owned();
                             if parts.method == Method::GET && path == "/health" {
+                                probes.fetch_add(1, Ordering::SeqCst);
                                 match health.load(Ordering::SeqCst) {
                                     HEALTH_OK => return Ok::<_, Infallible>(text_reply(200, "")),
                                     HEALTH_503 => return Ok(text_reply(503, "unhealthy")),
@@ -174,7 +180,7 @@ impl Fake {
             }
         });
         tasks.lock().unwrap().push(accept.abort_handle());
-        Fake { addr, url: format!("http://{addr}"), seen, health, tasks }
+        Fake { addr, url: format!("http://{addr}"), seen, health, probes, tasks }
     }
 
     pub fn requests(&self) -> Vec<Seen> {
