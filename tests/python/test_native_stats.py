@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 kvpush = pytest.importorskip("kvpush", reason="the kvpush package (maturin develop)")
-vllm_glue = pytest.importorskip("kvpush.vllm", reason="the kvpush package and vLLM")
 
 HEADER = Path(__file__).resolve().parents[2] / "cpp" / "include" / "kvpush.h"
 
@@ -32,7 +31,6 @@ def header_fields(struct: str) -> list[str]:
 
 
 def test_stats_are_nested_with_the_headers_names() -> None:
-    vllm_glue._load_nixl()
     blocks, block_tokens, head_dim, layers = 4, 16, 8, 2
     block_bytes = 2 * block_tokens * head_dim * 2  # K and V, one head, float16
     buf = ctypes.create_string_buffer(layers * blocks * block_bytes)
