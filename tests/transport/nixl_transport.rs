@@ -289,3 +289,21 @@ fn metadata_names_the_device_and_a_cut_short_prefix_is_refused() {
     drop((a, b));
     drop(buf);
 }
+
+/// The wheel's LIBFABRIC plugin cannot load on these machines (docs/deployment.md, "LIBFABRIC on a
+/// machine without EFA": it needs libfabric's FABRIC_1.10 symbols, libcuda.so.1 and hwloc). Asking
+/// for it must be an error that names the backend and where plugins come from, never an abort or a
+/// silent fallback to UCX.
+#[test]
+fn a_libfabric_plugin_that_cannot_load_is_a_clear_error() {
+    if !nixl_or_skip() {
+        return;
+    }
+    let mut cfg = NixlConfig::new("t-libfabric");
+    cfg.backend = "LIBFABRIC".into();
+    let e = NixlTransport::new(&cfg).expect_err("the LIBFABRIC plugin has no libfabric here");
+    let msg = e.to_string();
+    assert!(msg.contains("LIBFABRIC") && msg.contains("NIXL_PLUGIN_DIR"), "{msg}");
+    // The same agent name with UCX works: the failure is the plugin's, not NIXL's.
+    assert!(NixlTransport::new(&NixlConfig::new("t-libfabric")).is_ok());
+}
