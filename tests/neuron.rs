@@ -267,9 +267,10 @@ fn own_mode_inits_once_and_closes_after_the_last_buffer() {
     let dev = fake.open(RuntimeMode::Own).unwrap();
     assert_eq!(dev.mode(), RuntimeMode::Own);
     assert_eq!((fake.get("init_calls"), fake.get("initialized")), (1, 1));
-    // A second owner of the same runtime is refused before it calls nrt_init.
+    // A second owner of the same runtime is refused before it calls nrt_init: the runtime runs.
     let err = fake.open(RuntimeMode::Own).unwrap_err();
-    assert!(matches!(err, NeuronError::Init { .. }) && err.to_string().contains("already initialised"), "{err}");
+    assert!(matches!(err, NeuronError::FrameworkOwnsRuntime { .. }), "{err:?}");
+    assert!(err.to_string().contains("KVPUSH_NEURON_RUNTIME=attach"), "{err}");
     assert_eq!(fake.get("init_calls"), 1);
 
     let buf = dev.alloc(8192).unwrap();
@@ -422,7 +423,8 @@ fn describe_accepts_known_tensors_only_and_attributes_their_core() {
     // A framework tensor on core 1: unknown until registered, then attributed to core 1.
     let kv = framework.allocate(Placement::Device, 1, 32 << 10, "framework-kv").unwrap();
     let va = kv.va().unwrap().unwrap();
-    assert!(dev.describe(va, 64).is_err());
+    // Framework mode: libnrt maps it, so it is accepted, on the device's own core until registered.
+    assert_eq!(dev.describe(va, 64).unwrap().dev_id, 0);
     let handle = NonNull::new(kv.as_raw().as_ptr().cast::<c_void>()).unwrap();
     // SAFETY: `kv` is a live tensor of this libnrt on core 1 and outlives the registration.
     let reg = unsafe { dev.register_tensor(handle, 1) }.unwrap();
@@ -437,13 +439,64 @@ fn describe_accepts_known_tensors_only_and_attributes_their_core() {
     let err = unsafe { dev.register_tensor(handle, 7) }.unwrap_err();
     assert!(matches!(err, NeuronError::BadCore { core: 7, .. }), "{err:?}");
     drop(reg);
-    assert!(dev.describe(va, 64).is_err(), "forgotten once the registration is dropped");
+    assert_eq!(dev.describe(va, 64).unwrap().dev_id, 0, "the registration's core is forgotten once dropped");
     drop(buf);
     assert!(dev.describe(r.addr, 8).is_err(), "forgotten once the buffer is freed");
     drop(kv);
     drop(dev);
     drop(framework);
     assert_eq!((fake.get("live_tensors"), fake.get("close_calls")), (0, 1));
+}
+
+/// vllm-neuron's worker: the framework starts the runtime with NEURON_RT_MAP_HBM=1, allocates one
+/// KV tensor per layer shaped `(2, blocks, heads, block_size, head_dim)` and hands kvpush each
+/// tensor's `data_ptr()`, never an `nrt_tensor_t*`. kvpush accepts exactly what libnrt maps.
+#[test]
+fn framework_mode_accepts_what_libnrt_maps_and_nothing_else() {
+    let fake = Fake::new(Variant::Full);
+    fake.set("FAKE_NRT_NC_COUNT", 4); // two Neuron devices (cores 0-1, 2-3), one EFA device each
+    let framework = Runtime::init(Lib::open_path(&fake.path).unwrap()).unwrap();
+    // Own mode sees the framework's runtime without a second nrt_init.
+    let err = fake.open(RuntimeMode::Own).unwrap_err();
+    assert!(matches!(err, NeuronError::FrameworkOwnsRuntime { .. }), "{err:?}");
+    assert_eq!(fake.get("init_calls"), 1, "detection never calls nrt_init");
+    let dev = fake.open(RuntimeMode::Attach).unwrap();
+
+    let (blocks, heads, block_size, head_dim, elem) = (8u64, 2u64, 16u64, 64u64, 2u64);
+    let layer_bytes = 2 * blocks * heads * block_size * head_dim * elem;
+    let layers: Vec<_> = (0..3)
+        .map(|l| framework.allocate(Placement::Device, 0, layer_bytes as usize, &format!("layer{l}")).unwrap())
+        .collect();
+    for t in &layers {
+        let va = t.va().unwrap().unwrap();
+        let before = fake.get("dmabuf_calls");
+        let r = dev.describe(va, layer_bytes).unwrap();
+        assert_eq!((r.addr, r.len, r.kind, r.dev_id), (va, layer_bytes, MemKind::Vram, 0));
+        assert_eq!(fake.get("dmabuf_calls"), before + 1, "validated through nrt_get_dmabuf_fd");
+        // The V half of block 3 alone.
+        let v3 = va + layer_bytes / 2 + 3 * heads * block_size * head_dim * elem;
+        assert_eq!(dev.describe(v3, heads * block_size * head_dim * elem).unwrap().addr, v3);
+        let err = dev.describe(va + 8, layer_bytes).unwrap_err().to_string();
+        assert!(err.contains("libnrt does not map it as Neuron device memory"), "{err}");
+    }
+    // Host memory is not mapped device memory.
+    let host = vec![0u8; 4096];
+    let err = dev.describe(host.as_ptr() as u64, 64).unwrap_err().to_string();
+    assert!(err.contains("nrt_get_dmabuf_fd failed with NRT_INVALID"), "{err}");
+    // A tensor on the other Neuron device: libnrt names another EFA device.
+    let other = framework.allocate(Placement::Device, 2, 4096, "other-device").unwrap();
+    let err = dev.describe(other.va().unwrap().unwrap(), 64).unwrap_err().to_string();
+    assert!(err.contains("EFA 0000:11:1c.0, not on NeuronCore 0's (EFA 0000:10:1c.0)"), "{err}");
+    // libnrt refusing the dma-buf refuses the range.
+    let va0 = layers[0].va().unwrap().unwrap();
+    fake.set("FAKE_NRT_FAIL_DMABUF", 1);
+    assert!(dev.describe(va0, 64).is_err());
+    fake.set("FAKE_NRT_FAIL_DMABUF", 0);
+    // Freed memory is refused.
+    drop(layers);
+    assert!(dev.describe(va0, 64).is_err(), "a freed tensor is no longer mapped");
+    drop((other, dev, framework));
+    assert_eq!(fake.get("live_tensors"), 0);
 }
 
 // ---- device addresses, dma-buf, EFA ----

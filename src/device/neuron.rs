@@ -22,6 +22,12 @@
 //! then `/opt/aws/neuron/lib/libnrt.so.1`), `KVPUSH_NEURON_RUNTIME=attach|own` (default attach),
 //! `KVPUSH_NEURON_CORE` (the NeuronCore kvpush allocates on; default 0).
 //!
+//! When the framework owns the runtime (attach mode), [`Device::describe`] also accepts device
+//! ranges the framework allocated and kvpush never saw, as vLLM's Neuron worker hands them over
+//! (`tensor.data_ptr()` on device `neuron`), once libnrt proves them mapped (`nrt_get_dmabuf_fd`)
+//! and on the right Neuron device (`nrt_get_attached_efa_bdf`). Own mode never asks `nrt_init` to
+//! tell whether a framework started the runtime: it asks the runtime first ([`NeuronError::FrameworkOwnsRuntime`]).
+//!
 //! This module must never accept memory it cannot attribute, never close a runtime it attached to,
 //! and never let a libnrt type or status code out other than as text and numbers.
 
@@ -136,6 +142,16 @@ pub enum NeuronError {
         library: PathBuf,
         /// The status libnrt answered with.
         status: String,
+    },
+    /// Own mode, but the runtime already runs in this process: a framework (or another owner) started it.
+    #[error(
+        "the Neuron runtime of {} already runs in this process (a framework, or another kvpush device, \
+         started it): use {ENV_RUNTIME}=attach",
+        .library.display()
+    )]
+    FrameworkOwnsRuntime {
+        /// The library.
+        library: PathBuf,
     },
     /// Own mode, but the runtime could not be started.
     #[error("cannot start the Neuron runtime ({}): {reason}", .library.display())]
@@ -273,6 +289,9 @@ pub struct NeuronDevice {
     total: u32,
     visible: u32,
     shared: Arc<Shared>,
+    /// The EFA device attached to the Neuron device of [`Self::core`] (from the probe tensor), where
+    /// libnrt can tell: a framework range on another Neuron device is refused (framework mode).
+    efa_bdf: Option<String>,
 }
 
 impl NeuronDevice {
@@ -301,18 +320,25 @@ impl NeuronDevice {
         }
         let rt = match cfg.mode {
             RuntimeMode::Attach => Runtime::attach(Arc::clone(&lib)),
-            RuntimeMode::Own => Runtime::init(Arc::clone(&lib))
-                .map_err(|e| NeuronError::Init { library: lib.path().to_owned(), reason: e.to_string() })?,
+            RuntimeMode::Own => {
+                // Never rely on a second nrt_init failing: ask the runtime whether it already runs.
+                if runtime_running(&lib, cfg.core) {
+                    return Err(NeuronError::FrameworkOwnsRuntime { library: lib.path().to_owned() });
+                }
+                Runtime::init(Arc::clone(&lib))
+                    .map_err(|e| NeuronError::Init { library: lib.path().to_owned(), reason: e.to_string() })?
+            }
         };
-        let dev = NeuronDevice { rt, core: cfg.core, total, visible, shared: Arc::new(Shared::default()) };
-        dev.probe()?;
+        let mut dev =
+            NeuronDevice { rt, core: cfg.core, total, visible, shared: Arc::new(Shared::default()), efa_bdf: None };
+        dev.efa_bdf = dev.probe()?;
         tracing::debug!(library = %lib.path().display(), mode = %cfg.mode, core = cfg.core, total, visible, "neuron: device open");
         Ok(dev)
     }
 
     /// Allocates and frees one small tensor on the device's core: the runtime runs and maps device
-    /// memory.
-    fn probe(&self) -> Result<(), NeuronError> {
+    /// memory. Returns the EFA device attached to the core's Neuron device, where libnrt tells.
+    fn probe(&self) -> Result<Option<String>, NeuronError> {
         let probe =
             self.rt.allocate(Placement::Device, self.core, PROBE_BYTES, "kvpush-probe").map_err(|e| match e {
                 neuron_sys::Error::Status { status, .. } if neuron_sys::safe::is_not_running(status) => {
@@ -321,9 +347,39 @@ impl NeuronDevice {
                 e => nrt_error(e),
             })?;
         match probe.va().map_err(nrt_error)? {
-            Some(_) => Ok(()),
+            Some(_) => Ok(probe.attached_efa_bdf().ok()),
             None => Err(self.not_mapped(self.core, format!("a {PROBE_BYTES}-byte probe tensor"))),
         }
+    }
+
+    /// Framework mode: accepts `[addr, addr + len)` that kvpush never saw if libnrt maps it as device
+    /// memory, which `nrt_get_dmabuf_fd` proves (the Neuron driver hands out a dma-buf only for a
+    /// range inside one mapped device allocation; the fd is closed at once), and, where libnrt names
+    /// the EFA device of an address, only if that is the EFA device of this device's NeuronCore.
+    /// libnrt has no call that names the NeuronCore of an address: the range is attributed to the
+    /// core this device was opened for (`KVPUSH_NEURON_CORE`, the worker's core; vLLM's Neuron
+    /// worker sees exactly one).
+    fn describe_mapped(&self, addr: u64, len: u64) -> Result<MemRegion, String> {
+        if self.mode() != RuntimeMode::Attach {
+            return Err("kvpush owns the Neuron runtime here, so no framework memory can exist".into());
+        }
+        match self.rt.dmabuf_fd(addr, len) {
+            Ok(fd) => drop(fd),
+            Err(e) => return Err(format!("libnrt does not map it as Neuron device memory ({e})")),
+        }
+        if let Some(ours) = &self.efa_bdf {
+            match self.rt.attached_efa_bdf(addr) {
+                Ok(theirs) if &theirs != ours => {
+                    return Err(format!(
+                        "it is on the Neuron device attached to EFA {theirs}, not on NeuronCore {}'s (EFA {ours})",
+                        self.core
+                    ))
+                }
+                Ok(_) => {}
+                Err(e) => return Err(format!("libnrt cannot name its EFA device ({e})")),
+            }
+        }
+        Ok(MemRegion { addr, len, kind: MemKind::Vram, dev_id: self.core })
     }
 
     fn not_mapped(&self, core: u32, what: String) -> NeuronError {
@@ -478,8 +534,9 @@ impl Device for NeuronDevice {
         })
     }
 
-    /// Accepts `[addr, addr + len)` only if it lies entirely inside one tensor this device allocated
-    /// or had registered, and attributes it to that tensor's NeuronCore.
+    /// Accepts `[addr, addr + len)` if it lies entirely inside one tensor this device allocated or had
+    /// registered (attributed to that tensor's NeuronCore), or, when the framework owns the runtime,
+    /// if libnrt proves it mapped device memory (see `describe_mapped`).
     fn describe(&self, addr: u64, len: u64) -> Result<MemRegion, DeviceError> {
         let reject = |reason: String| DeviceError::NotDeviceMemory { device: DeviceKind::Neuron, addr, len, reason };
         if len == 0 {
@@ -500,10 +557,13 @@ impl Device for NeuronDevice {
             }
             _ => {
                 let (allocated, registered) = books.counts();
-                Err(reject(format!(
-                    "not inside any Neuron tensor this device knows ({allocated} allocated by kvpush, {registered} \
-                     registered); register the framework's KV tensors with NeuronDevice::register_tensor"
-                )))
+                drop(books);
+                self.describe_mapped(addr, len).map_err(|why| {
+                    reject(format!(
+                        "not inside any Neuron tensor this device knows ({allocated} allocated by kvpush, \
+                         {registered} registered), and {why}"
+                    ))
+                })
             }
         }
     }
@@ -518,6 +578,13 @@ impl fmt::Debug for NeuronDevice {
             .field("stats", &self.stats())
             .finish()
     }
+}
+
+/// Whether the runtime of `lib` already runs in this process, asked without `nrt_init`: a one-byte
+/// device allocation through an attached handle succeeds only on a running runtime (before
+/// `nrt_init`, or after `nrt_close`, libnrt answers with a status, and nothing is allocated).
+fn runtime_running(lib: &Arc<Lib>, core: u32) -> bool {
+    Runtime::attach(Arc::clone(lib)).allocate(Placement::Device, core, 1, "kvpush-running?").is_ok()
 }
 
 /// Opens the backend for [`super::select`]: a machine without libnrt or without a Neuron device is

@@ -104,9 +104,81 @@ impl NixlConfig {
     }
 }
 
-/// First bytes of a kvpush NIXL agent's metadata: then its device ordinal (u32, little endian), then
-/// NIXL's own metadata. The peer's NIXL names the memory of remote descriptors by that ordinal.
+/// First bytes of version 1 of a kvpush NIXL agent's metadata: then one device ordinal (u32, little
+/// endian) for all of its memory, then NIXL's own metadata. Still decoded; no longer sent.
 pub const MD_MAGIC: [u8; 4] = *b"KNX1";
+
+/// First bytes of version 2 (sent now): the number of registered regions `n` (u32), then `n` times
+/// `(addr: u64, len: u64, device: u32)`, all little endian, then NIXL's own metadata. The peer's
+/// NIXL names the memory of a remote descriptor by the device of the region holding it, so one agent
+/// may register memory of several devices (a worker's NeuronCores, or GPUs).
+pub const MD_MAGIC_V2: [u8; 4] = *b"KNX2";
+
+/// Bytes of one region entry in [`MD_MAGIC_V2`] metadata.
+const MD_REGION_BYTES: usize = 20;
+
+/// The devices of a peer's memory, as its metadata says.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct PeerDevices {
+    /// The device of memory outside every listed region (v1: all memory; v2: the first region's).
+    default: u32,
+    /// `(addr, len, device)` of each registered region (v2), sorted by address.
+    regions: Vec<(u64, u64, u32)>,
+}
+
+impl PeerDevices {
+    /// The device of the peer's memory at `[addr, addr + len)`.
+    fn device_of(&self, addr: u64, len: u64) -> u32 {
+        let i = self.regions.partition_point(|&(a, _, _)| a <= addr);
+        match i.checked_sub(1).map(|i| self.regions[i]) {
+            Some((a, l, dev)) if addr.checked_add(len).is_some_and(|end| end <= a.saturating_add(l)) => dev,
+            _ => self.default,
+        }
+    }
+}
+
+/// Splits kvpush metadata (v2, v1, or NIXL's own, whose memory is taken to be on device 0) into the
+/// peer's devices and NIXL's metadata.
+fn decode_metadata(metadata: &[u8]) -> Result<(PeerDevices, &[u8]), TransportError> {
+    let short = || TransportError::BadMetadata("kvpush NIXL metadata cut short".into());
+    if let Some(rest) = metadata.strip_prefix(&MD_MAGIC_V2[..]) {
+        let n = rest.get(..4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).ok_or_else(short)? as usize;
+        let table = n.checked_mul(MD_REGION_BYTES).and_then(|t| rest.get(4..4 + t)).ok_or_else(short)?;
+        let mut regions: Vec<(u64, u64, u32)> = table
+            .chunks_exact(MD_REGION_BYTES)
+            .map(|c| {
+                let u64_at = |o: usize| u64::from_le_bytes(c[o..o + 8].try_into().unwrap_or([0; 8]));
+                (u64_at(0), u64_at(8), u32::from_le_bytes(c[16..20].try_into().unwrap_or([0; 4])))
+            })
+            .collect();
+        let default = regions.first().map(|r| r.2).unwrap_or(0);
+        regions.sort_unstable_by_key(|r| r.0);
+        return Ok((PeerDevices { default, regions }, &rest[4 + table.len()..]));
+    }
+    match metadata.strip_prefix(&MD_MAGIC[..]) {
+        Some(rest) if rest.len() >= 4 => {
+            let default = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
+            Ok((PeerDevices { default, regions: Vec::new() }, &rest[4..]))
+        }
+        Some(_) => Err(short()),
+        None => Ok((PeerDevices::default(), metadata)),
+    }
+}
+
+/// [`MD_MAGIC_V2`] metadata for `regions` and NIXL's metadata `md`.
+fn encode_metadata(regions: &[MemRegion], md: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(8 + regions.len() * MD_REGION_BYTES + md.len());
+    out.extend_from_slice(&MD_MAGIC_V2);
+    // Fits: a transport registers far fewer than 2^32 regions (one per KV region).
+    out.extend_from_slice(&(regions.len() as u32).to_le_bytes());
+    for r in regions {
+        out.extend_from_slice(&r.addr.to_le_bytes());
+        out.extend_from_slice(&r.len.to_le_bytes());
+        out.extend_from_slice(&r.dev_id.to_le_bytes());
+    }
+    out.extend_from_slice(md);
+    out
+}
 
 /// Backend parameters from the environment, added after the configured ones (so they win):
 /// `KVPUSH_NIXL_PARAMS="key=value,key=value"` (UCX, for instance, takes `num_threads`).
@@ -230,8 +302,9 @@ pub struct NixlTransport {
     xfers: Mutex<HashMap<u64, Posted>>,
     next: AtomicU64,
     peers: Mutex<Vec<String>>,
-    /// Each peer's device ordinal, as its metadata says (names its memory in remote descriptors).
-    peer_dev: Mutex<HashMap<String, u32>>,
+    /// The devices of each peer's memory, as its metadata says (name its memory in remote
+    /// descriptors).
+    peer_dev: Mutex<HashMap<String, PeerDevices>>,
 }
 
 impl fmt::Debug for NixlTransport {
@@ -291,9 +364,9 @@ impl NixlTransport {
         })
     }
 
-    /// The device ordinal a peer's metadata named (0 if unknown).
-    fn peer_device(&self, peer: &str) -> u32 {
-        lock(&self.peer_dev).get(peer).copied().unwrap_or(0)
+    /// The devices of a peer's memory, as its metadata named them (all on device 0 if unknown).
+    fn peer_devices(&self, peer: &str) -> PeerDevices {
+        lock(&self.peer_dev).get(peer).cloned().unwrap_or_default()
     }
 
     /// Plugins the NIXL library finds (for `kvpush doctor`).
@@ -375,27 +448,18 @@ impl Transport for NixlTransport {
             .map_err(|e| call_err("deregisterMem", None, &e, format!("{:#x}+{}", region.addr, region.len)))
     }
 
-    /// [`MD_MAGIC`], this agent's device ordinal (of its first registered region; 0 for host memory),
-    /// then NIXL's metadata.
+    /// [`MD_MAGIC_V2`]: every registered region with its device, then NIXL's metadata.
     fn local_metadata(&self) -> Result<Vec<u8>, TransportError> {
-        let dev = lock(&self.regs).first().map(|(r, _)| r.dev_id).unwrap_or(0);
+        let regions: Vec<MemRegion> = lock(&self.regs).iter().map(|(r, _)| *r).collect();
         let md =
             self.agent.get_local_md().map_err(|e| call_err("getLocalMD", None, &e, format!("agent {}", self.name)))?;
-        let mut out = Vec::with_capacity(md.len() + 8);
-        out.extend_from_slice(&MD_MAGIC);
-        out.extend_from_slice(&dev.to_le_bytes());
-        out.extend_from_slice(&md);
-        Ok(out)
+        Ok(encode_metadata(&regions, &md))
     }
 
-    /// Loads metadata from [`Transport::local_metadata`] (or NIXL's own, whose peer is taken to be
-    /// on device 0).
+    /// Loads metadata from [`Transport::local_metadata`] (v2 or v1), or NIXL's own, whose peer is
+    /// taken to be on device 0.
     fn load_remote(&self, metadata: &[u8]) -> Result<String, TransportError> {
-        let (dev, metadata) = match metadata.strip_prefix(&MD_MAGIC[..]) {
-            Some(rest) if rest.len() >= 4 => (u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]), &rest[4..]),
-            Some(_) => return Err(TransportError::BadMetadata("kvpush NIXL metadata cut short".into())),
-            None => (0, metadata),
-        };
+        let (dev, metadata) = decode_metadata(metadata)?;
         let name = self
             .agent
             .load_remote_md(metadata)
@@ -441,8 +505,8 @@ impl Transport for NixlTransport {
             }
         }
         // Memory kind and device: our registered regions say; a peer's memory is of the same kind
-        // (as for posts, see `post`), on the device its metadata named.
-        let (kind, dev_id) = {
+        // (as for posts, see `post`), on the device its metadata named for the region holding it.
+        let (kind, dev_of) = {
             let regs = lock(&self.regs);
             let first = regs.first().map(|(r, _)| *r).ok_or_else(|| invalid("no memory registered".into()))?;
             if peer.is_none() {
@@ -453,19 +517,28 @@ impl Transport for NixlTransport {
                     }
                 }
             }
-            let dev = match peer {
-                Some(p) => self.peer_device(p),
-                None => first.dev_id,
+            let dev_of: Box<dyn Fn(u64, u64) -> u32> = match peer {
+                Some(p) => {
+                    let devs = self.peer_devices(p);
+                    Box::new(move |addr, len| devs.device_of(addr, len))
+                }
+                None => {
+                    let ours: Vec<MemRegion> = regs.iter().map(|(r, _)| *r).collect();
+                    Box::new(move |addr, len| {
+                        ours.iter().find(|r| r.contains(addr, len)).map_or(first.dev_id, |r| r.dev_id)
+                    })
+                }
             };
-            (first.kind, dev)
+            (first.kind, dev_of)
         };
         let err = |call, e: NixlError| call_err(call, peer, &e, format!("{total} units of {who}"));
         let mut list = XferDescList::new(mem_type(kind)).map_err(|e| err("createXferDList", e))?;
         let mut indexed = Vec::with_capacity(spans.len());
         let mut next = 0i32;
         for u in spans {
+            let dev_id = u64::from(dev_of(u.base, u.unit * u.count));
             for i in 0..u.count {
-                list.add_desc((u.base + i * u.unit) as usize, u.unit as usize, u64::from(dev_id));
+                list.add_desc((u.base + i * u.unit) as usize, u.unit as usize, dev_id);
             }
             indexed.push((u, next));
             // At most MAX_PREPARED_UNITS in all.
@@ -528,7 +601,7 @@ impl Transport for NixlTransport {
             side: "local",
         })?;
         let mt = mem_type(region.kind);
-        let peer_dev = self.peer_device(peer);
+        let peer_devs = self.peer_devices(peer);
         let build = |e: NixlError| call_err("createXferDList", Some(peer), &e, format!("{} descriptors", descs.len()));
         let mut local = XferDescList::new(mt).map_err(build)?;
         let mut remote = XferDescList::new(mt).map_err(build)?;
@@ -541,8 +614,8 @@ impl Transport for NixlTransport {
                     .find(|r| r.contains(d.local, d.len))
                     .ok_or(TransportError::NotRegistered { index, addr: d.local, len: d.len, side: "local" })?;
                 local.add_desc(d.local as usize, d.len as usize, u64::from(r.dev_id));
-                // The peer's memory is of the same kind, on the device its metadata named.
-                remote.add_desc(d.remote as usize, d.len as usize, u64::from(peer_dev));
+                // The peer's memory is of the same kind, on the device its metadata named for it.
+                remote.add_desc(d.remote as usize, d.len as usize, u64::from(peer_devs.device_of(d.remote, d.len)));
             }
         }
         let args = self.opt_args(notif).map_err(|e| call_err("optArgs", Some(peer), &e, "notification".into()))?;
@@ -632,5 +705,43 @@ mod tests {
         );
         assert!(super::parse_params("num_threads").unwrap_err().contains("not key=value"));
         assert!(super::parse_params("=3").is_err());
+    }
+
+    /// Metadata bytes written by hand from the layout `MD_MAGIC_V2` documents, not by the encoder.
+    #[test]
+    fn metadata_carries_a_device_per_region_and_still_reads_v1() {
+        use super::{decode_metadata, encode_metadata, PeerDevices};
+        use crate::device::{MemKind, MemRegion};
+        #[rustfmt::skip]
+        let v2: Vec<u8> = [
+            &b"KNX2"[..], &[2, 0, 0, 0],
+            &[0x00, 0x10, 0, 0, 0, 0, 0, 0], &[0x00, 0x01, 0, 0, 0, 0, 0, 0], &[3, 0, 0, 0],
+            &[0x00, 0x00, 0, 0, 1, 0, 0, 0], &[0x00, 0x10, 0, 0, 0, 0, 0, 0], &[1, 0, 0, 0],
+            b"nixl",
+        ].concat();
+        let regions = [
+            MemRegion { addr: 0x1000, len: 0x100, kind: MemKind::Vram, dev_id: 3 },
+            MemRegion { addr: 0x1_0000_0000, len: 0x1000, kind: MemKind::Vram, dev_id: 1 },
+        ];
+        assert_eq!(encode_metadata(&regions, b"nixl"), v2);
+        let (devs, md) = decode_metadata(&v2).unwrap();
+        assert_eq!(md, b"nixl");
+        assert_eq!(devs.device_of(0x1000, 0x100), 3);
+        assert_eq!(devs.device_of(0x1_0000_0800, 0x800), 1);
+        assert_eq!(devs.device_of(0x1_0000_0800, 0x801), 3, "outside every region: the first region's device");
+        assert_eq!(devs.device_of(0x10ff, 2), 3);
+        // Version 1: one device for everything; NIXL's own metadata: device 0.
+        let v1 = [&b"KNX1"[..], &[7, 0, 0, 0], b"md"].concat();
+        let (devs, md) = decode_metadata(&v1).unwrap();
+        assert_eq!((devs.device_of(0x1000, 1), md), (7, &b"md"[..]));
+        assert_eq!(decode_metadata(b"raw nixl").unwrap(), (PeerDevices::default(), &b"raw nixl"[..]));
+        // Cut short anywhere in the header or the table: an error, never a guess.
+        for cut in [5, 8, 27, 47] {
+            let e = decode_metadata(&v2[..cut]).unwrap_err();
+            assert!(e.to_string().contains("cut short"), "{cut}: {e}");
+        }
+        assert!(decode_metadata(b"KNX1\x01").is_err());
+        let huge = [&b"KNX2"[..], &u32::MAX.to_le_bytes()].concat();
+        assert!(decode_metadata(&huge).is_err(), "a count beyond the bytes present is refused");
     }
 }

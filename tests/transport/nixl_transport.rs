@@ -227,7 +227,7 @@ fn staged_write_over_ucx_lands_every_byte() {
     }
     let md = p.local_metadata().expect("md");
     assert_eq!(&md[..4], b"KSM1", "staging capabilities come first");
-    assert!(md.windows(4).any(|w| w == nixl::MD_MAGIC), "then the NIXL agent's metadata with its device");
+    assert!(md.windows(4).any(|w| w == nixl::MD_MAGIC_V2), "then the NIXL agent's metadata with its devices");
     let name_d = p.load_remote(&d.local_metadata().expect("md")).expect("load d");
     let name_p = d.load_remote(&md).expect("load p");
     assert_eq!((name_d.as_str(), name_p.as_str()), ("s-decode", "s-prefill"));
@@ -265,7 +265,8 @@ fn staged_write_over_ucx_lands_every_byte() {
     drop((src, dst));
 }
 
-/// kvpush's NIXL metadata starts with its device ordinal; cut short, it is refused before NIXL sees it.
+/// kvpush's NIXL metadata starts with its regions and their devices; cut short, it is refused before
+/// NIXL sees it.
 #[test]
 fn metadata_names_the_device_and_a_cut_short_prefix_is_refused() {
     if !nixl_or_skip() {
@@ -274,8 +275,35 @@ fn metadata_names_the_device_and_a_cut_short_prefix_is_refused() {
     let a = NixlTransport::new(&NixlConfig::new("md-a")).expect("agent");
     let b = NixlTransport::new(&NixlConfig::new("md-b")).expect("agent");
     let md = b.local_metadata().expect("md");
-    assert_eq!((&md[..4], &md[4..8]), (&nixl::MD_MAGIC[..], &[0u8, 0, 0, 0][..]), "host memory: device 0");
+    assert_eq!((&md[..4], &md[4..8]), (&nixl::MD_MAGIC_V2[..], &[0u8, 0, 0, 0][..]), "no region registered yet");
+    let mut buf = vec![0u8; 4096];
+    let r = MemRegion { addr: buf.as_mut_ptr() as u64, len: 4096, kind: MemKind::Dram, dev_id: 0 };
+    // SAFETY: `buf` outlives `b` (dropped at the end of the test after it); nothing transfers into it.
+    unsafe { b.register(&r) }.expect("register");
+    let md = b.local_metadata().expect("md");
+    let entry = [&r.addr.to_le_bytes()[..], &4096u64.to_le_bytes(), &[0, 0, 0, 0]].concat();
+    assert_eq!((&md[4..8], &md[8..28]), (&[1u8, 0, 0, 0][..], &entry[..]), "one region, on device 0");
     let e = a.load_remote(&md[..6]).expect_err("cut short");
     assert!(matches!(&e, TransportError::BadMetadata(m) if m.contains("cut short")), "{e}");
     assert_eq!(a.load_remote(&md).expect("whole"), "md-b");
+    drop((a, b));
+    drop(buf);
+}
+
+/// The wheel's LIBFABRIC plugin cannot load on these machines (docs/deployment.md, "LIBFABRIC on a
+/// machine without EFA": it needs libfabric's FABRIC_1.10 symbols, libcuda.so.1 and hwloc). Asking
+/// for it must be an error that names the backend and where plugins come from, never an abort or a
+/// silent fallback to UCX.
+#[test]
+fn a_libfabric_plugin_that_cannot_load_is_a_clear_error() {
+    if !nixl_or_skip() {
+        return;
+    }
+    let mut cfg = NixlConfig::new("t-libfabric");
+    cfg.backend = "LIBFABRIC".into();
+    let e = NixlTransport::new(&cfg).expect_err("the LIBFABRIC plugin has no libfabric here");
+    let msg = e.to_string();
+    assert!(msg.contains("LIBFABRIC") && msg.contains("NIXL_PLUGIN_DIR"), "{msg}");
+    // The same agent name with UCX works: the failure is the plugin's, not NIXL's.
+    assert!(NixlTransport::new(&NixlConfig::new("t-libfabric")).is_ok());
 }
