@@ -5,6 +5,7 @@
 //! Used by the `kvpush` command (`cli/`), the integration tests and the benches; never by the
 //! library itself.
 
+pub mod child;
 pub mod demo;
 pub mod engines;
 pub mod layouts;
