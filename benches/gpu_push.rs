@@ -1285,6 +1285,16 @@ impl Proc {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let mut cmd = Command::new(exe);
         cmd.args(child_args(args, role)).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        // P and D authenticate their side channel with one secret made for this run.
+        static RUN_SECRET: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let secret = match RUN_SECRET.get() {
+            Some(s) => s.clone(),
+            None => {
+                let s = kvpush::engine::side::random_secret().map_err(|e| e.to_string())?;
+                RUN_SECRET.get_or_init(|| s).clone()
+            }
+        };
+        cmd.env(kvpush::engine::side::SECRET_ENV, secret);
         if args.memory == MemoryKind::Cuda && args.visible == Visible::Split {
             let gpu = args.gpus[if role == Role::P { 0 } else { 1 }];
             cmd.env("CUDA_VISIBLE_DEVICES", gpu.to_string());

@@ -130,8 +130,11 @@ impl Pair {
     fn start(p: &WorkerSpec, d: &WorkerSpec) -> (Pair, Vec<u16>) {
         let (tx, rx) = unbounded();
         let exe = Path::new(EXE);
-        let p = WorkerProc::spawn(exe, p, &[], tx.clone(), None).expect("spawn prefill");
-        let d = WorkerProc::spawn(exe, d, &[], tx, None).expect("spawn decode");
+        // The two children authenticate their side channel with a secret made for this pair.
+        let secret = kvpush::engine::side::random_secret().expect("a secret");
+        let env = [(kvpush::engine::side::SECRET_ENV.to_owned(), secret)];
+        let p = WorkerProc::spawn(exe, p, &env, tx.clone(), None).expect("spawn prefill");
+        let d = WorkerProc::spawn(exe, d, &env, tx, None).expect("spawn decode");
         let pair = Pair { p, d, rx };
         let mut ports = HashMap::new();
         while ports.len() < 2 {

@@ -162,7 +162,9 @@ typedef struct kvpush_engine_config {
   const char *agent_name;   /* NIXL agent name; default "<engine_id>/<tp_rank>.<pp_rank>" */
   const char *nixl_backend; /* NIXL backend plugin; default "UCX" ("LIBFABRIC" for EFA) */
   const char *listen;       /* side channel; default "0.0.0.0:<5600 + tp_rank>"; port 0: any */
-  const char *secret;       /* side-channel shared secret; default none */
+  const char *secret;       /* side-channel shared secret (docs/security.md); NULL: $KVPUSH_SECRET;
+                               "" is an error; none at all refuses a non-loopback listen address
+                               unless $KVPUSH_INSECURE=1 */
 } kvpush_engine_config;
 
 /* One finished result, from kvpush_poll. */

@@ -115,7 +115,9 @@ struct EngineConfig {
   std::string agent_name;    // default "<engine_id>/<tp_rank>.<pp_rank>"
   std::string nixl_backend;  // default "UCX"
   std::string listen;        // side channel, default "0.0.0.0:<5600 + tp_rank>"; port 0: any
-  std::string secret;        // side-channel shared secret, default none
+  std::string secret;        // side-channel shared secret (docs/security.md); empty: $KVPUSH_SECRET,
+                             // and with none a non-loopback listen address refuses to start unless
+                             // $KVPUSH_INSECURE=1
 };
 
 // Block ids per KV group.

@@ -62,6 +62,7 @@ DEFAULTS: dict[str, Any] = {
     "peer_timeout_ms": 15000,
     "writers": 1,
     "secret": None,
+    "insecure": False,
     "device": None,
     "staging": "auto",
 }
@@ -83,6 +84,7 @@ class KVPushConfig:
     peer_timeout_ms: int
     writers: int
     secret: str | None
+    insecure: bool
     device: str | None
     staging: str
 
@@ -101,8 +103,12 @@ class KVPushConfig:
             raise ValueError(f"kvpush: mode must be 'push' or 'pull', got {values['mode']!r}")
         if str(values["staging"]).lower() not in ("auto", "on", "off"):
             raise ValueError(f"kvpush: staging must be 'auto', 'on' or 'off', got {values['staging']!r}")
+        # One meaning of "secret" everywhere (docs/security.md): unset here means $KVPUSH_SECRET, and
+        # an empty one is refused by the engine; insecure mode is only ever explicit.
         if values["secret"] is None:
             values["secret"] = os.environ.get("KVPUSH_SECRET")
+        if not isinstance(values["insecure"], bool):
+            raise ValueError(f"kvpush: insecure must be true or false, got {values['insecure']!r}")
         return cls(
             mode=values["mode"],
             side_channel_host=str(values["side_channel_host"]),
@@ -114,6 +120,7 @@ class KVPushConfig:
             peer_timeout_ms=int(values["peer_timeout_ms"]),
             writers=int(values["writers"]),
             secret=values["secret"],
+            insecure=values["insecure"],
             device=values["device"],
             staging=str(values["staging"]).lower(),
         )
@@ -492,6 +499,7 @@ class _Worker:
             peer_timeout_ms=self.cfg.peer_timeout_ms,
             writers=self.cfg.writers,
             secret=self.cfg.secret,
+            insecure=self.cfg.insecure,
             device=_device_spec(self.cfg.device, device),
             staging=self.cfg.staging,
         )

@@ -175,7 +175,7 @@ impl FfiError {
                 EngineError::Transport(_) => status::TRANSPORT,
                 EngineError::Incompatible(_) => status::INCOMPATIBLE,
                 EngineError::Blocks { .. } => status::BLOCKS,
-                EngineError::Decode { .. } => status::DECODE,
+                EngineError::Decode { .. } | EngineError::StalePeer { .. } => status::DECODE,
                 EngineError::WrongMode { .. } => status::WRONG_MODE,
                 EngineError::Closed(_) => status::CLOSED,
             },
@@ -455,8 +455,11 @@ pub enum TransportSpec {
         backend: Option<String>,
         /// Side-channel listen address (default `0.0.0.0:<5600 + tp_rank>`; port 0 picks one).
         listen: Option<String>,
-        /// Side-channel shared secret (default none).
+        /// Side-channel shared secret (default `$KVPUSH_SECRET`; empty is an error; see
+        /// [`SideConfig::secret`] for what unset means).
         secret: Option<Vec<u8>>,
+        /// No side-channel authentication (default `$KVPUSH_INSECURE=1`); warned at every start.
+        insecure: bool,
         /// A peer silent this long is lost (0: the default, 5 s). Heartbeats go every fifth of it, at
         /// most every second.
         peer_timeout_ms: u64,
@@ -570,7 +573,7 @@ impl FfiEngine {
                 hub.link.attach(engine.addr().clone(), engine.sink());
                 (engine, Medium::Loopback(Arc::clone(hub)))
             }
-            TransportSpec::Nixl { agent_name, backend, listen, secret, peer_timeout_ms } => {
+            TransportSpec::Nixl { agent_name, backend, listen, secret, insecure, peer_timeout_ms } => {
                 let nixl = NixlConfig {
                     agent_name: agent_name.clone().unwrap_or(default_name),
                     backend: backend.clone().unwrap_or_else(|| "UCX".to_owned()),
@@ -581,7 +584,10 @@ impl FfiEngine {
                 if let Some(l) = listen {
                     side.listen = l.clone();
                 }
-                side.secret = secret.clone();
+                if secret.is_some() {
+                    side.secret = secret.clone();
+                }
+                side.insecure |= *insecure;
                 if *peer_timeout_ms > 0 {
                     side.peer_timeout = Duration::from_millis(*peer_timeout_ms);
                     side.heartbeat = side.heartbeat.min(side.peer_timeout / 5);

@@ -37,6 +37,14 @@ pub enum LinkError {
     /// The connection to the peer is closed.
     #[error("control link to {0} is closed")]
     Closed(PeerAddr),
+    /// The peer's send queue is full (it does not read fast enough); the frame was not queued.
+    #[error("control link to {peer} is full: {what}")]
+    Full {
+        /// The peer.
+        peer: PeerAddr,
+        /// Which limit.
+        what: String,
+    },
     /// The peer's engine refused the frame (an in-process link hands back the peer's error).
     #[error("control link to {peer}: the peer refused the frame")]
     Refused {

@@ -174,6 +174,13 @@ pub enum EngineError {
         /// The engine's mode.
         mode: Mode,
     },
+    /// A frame came from a previous process of a peer that has since handshaken again as a new
+    /// one; it was dropped.
+    #[error("frame from {peer}: it comes from a previous incarnation of the peer, which restarted")]
+    StalePeer {
+        /// The sender.
+        peer: PeerAddr,
+    },
     /// The engine has shut down.
     #[error("engine {0} has shut down")]
     Closed(String),
@@ -218,6 +225,8 @@ pub(crate) struct Peer {
     pub(crate) addr: PeerAddr,
     pub(crate) layout: Arc<KvLayout>,
     pub(crate) agent: String,
+    /// The peer process's incarnation, where the side channel told it (`None` for in-process links).
+    pub(crate) incarnation: Option<side::Incarnation>,
 }
 
 /// Peers by address and by transport agent name.
@@ -230,12 +239,38 @@ pub(crate) struct Peers {
 /// Commands from the engine loop, the control link and other shards to a writer.
 #[derive(Debug)]
 pub(crate) enum Cmd {
-    BlocksReady { key: Key, blocks: SourceBlocks },
-    Register { key: Key, producer: String, block_ids: Vec<Vec<u32>>, num_tokens: u64 },
-    Pull { key: Key, producer: String, remote_blocks: Vec<Vec<u32>>, local_blocks: Vec<Vec<u32>>, num_tokens: u64 },
-    Abort { key: Key },
-    Msg { from: PeerAddr, msg: Message },
-    PeerLost { peer: PeerAddr, reason: String },
+    BlocksReady {
+        key: Key,
+        blocks: SourceBlocks,
+    },
+    Register {
+        key: Key,
+        producer: String,
+        block_ids: Vec<Vec<u32>>,
+        num_tokens: u64,
+    },
+    Pull {
+        key: Key,
+        producer: String,
+        remote_blocks: Vec<Vec<u32>>,
+        local_blocks: Vec<Vec<u32>>,
+        num_tokens: u64,
+    },
+    Abort {
+        key: Key,
+    },
+    /// `incarnation`: the sender's process, where the side channel told it.
+    Msg {
+        from: PeerAddr,
+        incarnation: Option<side::Incarnation>,
+        msg: Message,
+    },
+    /// `incarnation`: only that process of the peer is lost (`None`: whichever is known).
+    PeerLost {
+        peer: PeerAddr,
+        incarnation: Option<side::Incarnation>,
+        reason: String,
+    },
     Wake,
     Stop,
 }
@@ -308,7 +343,12 @@ impl Shared {
     }
 
     /// Routes a decoded message to the shard owning its transfer.
-    pub(crate) fn route(&self, from: PeerAddr, msg: Message) -> Result<(), EngineError> {
+    pub(crate) fn route(
+        &self,
+        from: PeerAddr,
+        incarnation: Option<side::Incarnation>,
+        msg: Message,
+    ) -> Result<(), EngineError> {
         let key = match &msg {
             Message::Registration(r) => r.key(),
             Message::Completion(c) => c.key,
@@ -316,7 +356,7 @@ impl Shared {
             Message::Abort(a) => a.key,
             Message::Handshake(_) | Message::Heartbeat(_) => return Ok(()),
         };
-        self.send(key, Cmd::Msg { from, msg })
+        self.send(key, Cmd::Msg { from, incarnation, msg })
     }
 }
 
@@ -337,16 +377,49 @@ impl Shared {
     }
 
     /// See [`Engine::add_peer`].
-    pub(crate) fn add_peer(&self, peer: &Handshake) -> Result<PeerAddr, EngineError> {
+    pub(crate) fn add_peer(
+        &self,
+        peer: &Handshake,
+        incarnation: Option<side::Incarnation>,
+    ) -> Result<PeerAddr, EngineError> {
         let mine = self.handshake()?;
         compat::check(&mine, peer)?;
         peer.layout.validate()?;
+        let addr = PeerAddr { engine: peer.engine_id.clone(), rank: peer.layout.parallel.rank() };
+        // A peer that comes back as another process restarted: everything in flight with its
+        // previous process fails now (fail-closed), before the new one can send a frame; the
+        // shards see this ahead of any frame of the new connection.
+        // Its entry goes first, so the shard that forgets lost peers finds nothing of it to forget
+        // once the new process is known (its agent may have the same name).
+        let restarted = {
+            let mut peers = self.peers.write().unwrap_or_else(|p| p.into_inner());
+            match (peers.by_addr.get(&addr).and_then(|p| p.incarnation), incarnation) {
+                (Some(old), Some(new)) if old != new => {
+                    let gone = peers.by_addr.remove(&addr);
+                    if let Some(g) = &gone {
+                        peers.by_agent.remove(&g.agent);
+                    }
+                    // Under the lock: see `handle_frame`.
+                    self.lose_peer(&addr, Some(old), "restarted (new incarnation)");
+                    gone.map(|g| (g, old))
+                }
+                _ => None,
+            }
+        };
+        if let Some((gone, old)) = restarted {
+            tracing::warn!(worker = %self.me, peer = %addr, %old, "peer restarted: failed what was in flight with its previous process");
+            self.transport.drop_peer(&gone.agent);
+        }
         let agent = self.transport.load_remote(&peer.agent_metadata)?;
         if let Err(e) = self.transport.prepare(Some(&agent), &units(&peer.layout)) {
             tracing::warn!(worker = %self.me, peer = %agent, error = %e, "cannot prepare the peer's descriptor list");
         }
-        let addr = PeerAddr { engine: peer.engine_id.clone(), rank: peer.layout.parallel.rank() };
-        let p = Arc::new(Peer { addr: addr.clone(), layout: Arc::new(peer.layout.clone()), agent: agent.clone() });
+        let p = Arc::new(Peer {
+            addr: addr.clone(),
+            layout: Arc::new(peer.layout.clone()),
+            agent: agent.clone(),
+            incarnation,
+        });
         let mut peers = self.peers.write().unwrap_or_else(|p| p.into_inner());
         if let Some(old) = peers.by_addr.insert(addr.clone(), Arc::clone(&p)) {
             if old.agent != agent {
@@ -358,18 +431,40 @@ impl Shared {
         Ok(addr)
     }
 
+    /// Tells every shard that `incarnation` of `peer` is gone.
+    fn lose_peer(&self, peer: &PeerAddr, incarnation: Option<side::Incarnation>, reason: &str) {
+        for s in &self.shards {
+            let _ = s.tx.send(Cmd::PeerLost { peer: peer.clone(), incarnation, reason: reason.to_owned() });
+        }
+    }
+
     /// Decodes a control frame from `from` against its handshake layout and routes it.
-    pub(crate) fn handle_frame(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), EngineError> {
-        let peer = self
-            .peer_by_addr(from)
+    pub(crate) fn handle_frame(
+        &self,
+        from: &PeerAddr,
+        incarnation: Option<side::Incarnation>,
+        frame: &[u8],
+    ) -> Result<(), EngineError> {
+        // The peers' read lock is held until the frame is queued: a restart of this peer (which
+        // takes the write lock to drop its previous process) then queues its failure either after
+        // this frame, so it fails it too, or before the lookup, so the frame is refused as stale.
+        let peers = self.peers.read().unwrap_or_else(|p| p.into_inner());
+        let peer = peers
+            .by_addr
+            .get(from)
             .ok_or_else(|| EngineError::Transport(TransportError::UnknownPeer(from.to_string())))?;
+        if incarnation.is_some() && peer.incarnation != incarnation {
+            return Err(EngineError::StalePeer { peer: from.clone() });
+        }
         let msg = codec::decode(frame, Some(&peer.layout)).map_err(|source| {
             if let Ok(mut s) = self.shards[0].stats.lock() {
                 s.failures.malformed += 1;
             }
             EngineError::Decode { peer: from.clone(), source }
         })?;
-        self.route(from.clone(), msg)
+        let routed = self.route(from.clone(), incarnation, msg);
+        drop(peers);
+        routed
     }
 }
 
@@ -380,23 +475,21 @@ impl side::Endpoint for Shared {
     fn local_handshake(&self) -> Result<Handshake, EngineError> {
         self.handshake()
     }
-    fn add_peer(&self, peer: &Handshake) -> Result<PeerAddr, EngineError> {
-        Shared::add_peer(self, peer)
+    fn add_peer(&self, peer: &Handshake, incarnation: side::Incarnation) -> Result<PeerAddr, EngineError> {
+        Shared::add_peer(self, peer, Some(incarnation))
     }
-    fn deliver(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), EngineError> {
-        self.handle_frame(from, frame)
+    fn deliver(&self, from: &PeerAddr, incarnation: side::Incarnation, frame: &[u8]) -> Result<(), EngineError> {
+        self.handle_frame(from, Some(incarnation), frame)
     }
-    fn peer_lost(&self, peer: &PeerAddr, reason: &str) {
+    fn peer_lost(&self, peer: &PeerAddr, incarnation: side::Incarnation, reason: &str) {
         tracing::warn!(worker = %self.me, %peer, %reason, "peer lost");
-        for s in &self.shards {
-            let _ = s.tx.send(Cmd::PeerLost { peer: peer.clone(), reason: reason.to_owned() });
-        }
+        self.lose_peer(peer, Some(incarnation), reason);
     }
 }
 
 impl FrameSink for Shared {
     fn deliver(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), EngineError> {
-        self.handle_frame(from, frame)
+        self.handle_frame(from, None, frame)
     }
 }
 
@@ -537,7 +630,7 @@ impl Engine {
     /// Accepts a peer worker from its handshake: checks compatibility (refusing with every differing
     /// field) and loads its transport metadata. A peer that was known already is replaced (restart).
     pub fn add_peer(&self, peer: &Handshake) -> Result<PeerAddr, EngineError> {
-        self.shared.add_peer(peer)
+        self.shared.add_peer(peer, None)
     }
 
     /// The endpoint a [`side::SideChannel`] serves for this worker (held weakly by it).
@@ -548,7 +641,7 @@ impl Engine {
 
     /// Takes one frame a peer sent over the control link.
     pub fn handle_frame(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), EngineError> {
-        self.shared.handle_frame(from, frame)
+        self.shared.handle_frame(from, None, frame)
     }
 
     /// Producer: prefill of `key` finished; its KV is in `block_ids` (per KV group) and stays there

@@ -1,50 +1,86 @@
 //! The side channel: TCP connections between workers of different engines, carrying the handshake
 //! and then the control frames (registrations, failures, aborts, pull grants, heartbeats).
 //!
-//! Read [`SideChannel`]. Each worker listens on one TCP port (default 5600 + TP rank); a consumer
-//! worker dials each producer worker it needs ([`SideChannel::connect`], called off the engine loop).
-//! A connection starts with a handshake, the same on both ends:
+//! Read [`SideChannel`], then docs/security.md (the threat model and why Noise). Each worker
+//! listens on one TCP port (default 5600 + TP rank); a consumer worker dials each producer worker it
+//! needs ([`SideChannel::connect`], called off the engine loop). A connection starts like this:
 //!
 //! ```text
-//! both send   "KVPSIDE1" + 16-byte random nonce
-//! both send   Handshake frame (proto codec) + 1 byte "secret in use" + 32-byte HMAC-SHA256(secret,
-//!             "kvpush-side-v1" | sender nonce | receiver nonce | frame)       (zeros without a secret)
-//! both check  the MAC (a configured secret must be proven by the peer) and proto's compatibility check
-//! both send   verdict: 0 = accepted, or 1 + the reason (u32 length + UTF-8), and read the peer's
+//! both send   greeting: "KVPSIDE2" | version u16 | role (0 dialer, 1 listener) | auth (1 psk, 0 none)
+//!             | rank tp u16 | rank pp u16 | engine id length u16 | engine id   (cleartext, little-endian)
+//! Noise       Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s (Noise_NN_… in insecure mode), prologue =
+//!             "kvpush side channel v2" | dialer's greeting | listener's greeting;
+//!             dialer → "psk, e" ; listener → "e, ee"
+//! dialer      → hello: 16-byte incarnation | Handshake frame (agent metadata, layout) (encrypted)
+//! listener    → hello                                                                  (encrypted)
+//! both        → verdict: 0, or 1 + the reason (UTF-8)                                  (encrypted)
 //! ```
 //!
-//! so a refusal (mode, model, secret) is reported on both sides with the same reason. A stranger
-//! without the secret can neither handshake nor, therefore, register for a transfer: frames are only
-//! accepted on handshaken connections. After the handshake each connection has a reader thread (one
-//! frame at a time, size-limited by the codec's header; a malformed frame closes the connection and
-//! is counted) and a writer thread (queued frames, and a heartbeat when idle). A peer that closes,
-//! errs or stays silent past the peer timeout is lost: the engine fails everything in flight with it.
-//! A restarted peer simply connects and handshakes again.
+//! Every byte after the greetings is a Noise transport message: a record is `u16 big-endian length |
+//! ciphertext` (at most 65,535 bytes), whose plaintext is one flag byte (1: the message continues in
+//! the next record) and a chunk of a message. Messages after the verdicts are the proto codec's
+//! frames, unchanged. Noise's nonces make a replayed, reordered, reflected or forged record fail to
+//! decrypt; the connection then closes and the failure is counted. The psk and the prologue bind the
+//! session to the shared secret, both roles and both engine ids: a relay that splices two handshakes
+//! or reflects one gets no session. The agent metadata travels only inside the channel, and the
+//! listener sends its own only after the dialer's hello proved the dialer holds the session keys.
+//!
+//! What must never happen here: an unauthenticated peer costing more than a handshake slot, a
+//! thread and a few hundred bytes for at most the handshake deadline; a frame from a peer reaching
+//! the engine before its handshake was accepted; a peer that restarted (new incarnation) inheriting
+//! the registrations of its previous process.
+//!
+//! After the handshake each connection has a reader thread (one record at a time; a record that does
+//! not verify, or a frame the engine refuses, closes the connection and is counted) and a writer
+//! thread (a bounded queue of frames, and a heartbeat when idle). A peer that closes, errs or stays
+//! silent past the peer timeout is lost: the engine fails everything in flight with it.
 
 use std::collections::HashMap;
 use std::fmt;
 use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{unbounded, RecvTimeoutError, Sender};
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
+use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TrySendError};
+use sha2::{Digest, Sha256};
+use snow::{HandshakeState, TransportState};
 
 use super::link::{ControlLink, LinkError, PeerAddr};
 use super::EngineError;
-use crate::proto::codec::{self, frame_len, HEADER_LEN};
+use crate::proto::codec::{self, HEADER_LEN};
 use crate::proto::compat;
-use crate::proto::msg::{Handshake, Heartbeat, Message};
+use crate::proto::msg::{Handshake, Heartbeat, Message, MAX_ENGINE_ID};
+use crate::proto::Rank;
 use crate::sync::lock;
 
-const MAGIC: &[u8; 8] = b"KVPSIDE1";
-const MAC_LABEL: &[u8] = b"kvpush-side-v1";
-/// Longest refusal reason accepted from a peer.
-const MAX_REASON: usize = 64 * 1024;
+const MAGIC: &[u8; 8] = b"KVPSIDE2";
+/// Version of the side channel's framing (not the proto codec's, which the handshake checks).
+const SIDE_VERSION: u16 = 2;
+const PROLOGUE_LABEL: &[u8] = b"kvpush side channel v2";
+const NOISE_PSK: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
+const NOISE_INSECURE: &str = "Noise_NN_25519_ChaChaPoly_BLAKE2s";
+const PSK_LABEL: &[u8] = b"kvpush side-channel psk v1\0";
+/// The greeting's fixed part: magic, version, role, auth, rank, engine id length.
+const GREETING_FIXED: usize = 8 + 2 + 1 + 1 + 4 + 2;
+/// Longest greeting (the longest engine id).
+pub const MAX_GREETING: usize = GREETING_FIXED + MAX_ENGINE_ID;
+/// Longest record before the Noise handshake completed: its messages are an ephemeral key (32
+/// bytes) and a tag (16), with an empty payload.
+pub const MAX_PRE_AUTH_RECORD: usize = 96;
+/// Longest Noise message (snow's limit).
+const MAX_RECORD: usize = 65_535;
+const TAG_LEN: usize = 16;
+/// Plaintext per record: the record, less the tag and the continuation flag.
+const MAX_CHUNK: usize = MAX_RECORD - TAG_LEN - 1;
+/// Longest hello: incarnation and the largest Handshake frame the codec accepts.
+const MAX_HELLO: usize = 16 + HEADER_LEN + codec::MAX_HANDSHAKE_PAYLOAD as usize;
+/// Longest verdict (a refusal reason is cut to fit).
+const MAX_VERDICT: usize = 4096;
+/// Longest control frame after the handshake.
+const MAX_FRAME: usize = HEADER_LEN + codec::MAX_PAYLOAD as usize;
 
 /// What the side channel needs from the engine it serves.
 pub trait Endpoint: Send + Sync {
@@ -52,12 +88,54 @@ pub trait Endpoint: Send + Sync {
     fn me(&self) -> PeerAddr;
     /// This worker's handshake.
     fn local_handshake(&self) -> Result<Handshake, EngineError>;
-    /// Accepts a peer whose handshake passed the checks (loads its transport metadata).
-    fn add_peer(&self, peer: &Handshake) -> Result<PeerAddr, EngineError>;
-    /// Takes one control frame from a handshaken peer.
-    fn deliver(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), EngineError>;
-    /// A peer went away: fail what is in flight with it.
-    fn peer_lost(&self, peer: &PeerAddr, reason: &str);
+    /// Accepts a peer whose handshake passed the checks (loads its transport metadata). A known
+    /// peer that comes back with another `incarnation` restarted: what was in flight with its
+    /// previous process fails.
+    fn add_peer(&self, peer: &Handshake, incarnation: Incarnation) -> Result<PeerAddr, EngineError>;
+    /// Takes one control frame from the peer's `incarnation`; refuses it if the peer has since come
+    /// back as another.
+    fn deliver(&self, from: &PeerAddr, incarnation: Incarnation, frame: &[u8]) -> Result<(), EngineError>;
+    /// The connection to `incarnation` of `peer` went away: fail what is in flight with it.
+    fn peer_lost(&self, peer: &PeerAddr, incarnation: Incarnation, reason: &str);
+}
+
+/// A random id each side channel draws when it starts: a peer that handshakes again with another
+/// one is a new process, not a reconnection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Incarnation(pub u128);
+
+impl fmt::Display for Incarnation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+/// Limits on what peers, and strangers, may cost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SideLimits {
+    /// Handshakes of accepted connections in progress at once (each holds one thread for at most
+    /// the handshake deadline); more connections are closed at once.
+    pub max_handshakes: usize,
+    /// Handshakes in progress at once from one IP address.
+    pub max_handshakes_per_address: usize,
+    /// Established connections (dialed and accepted; two threads each).
+    pub max_connections: usize,
+    /// Frames queued for sending to one peer.
+    pub send_queue_frames: usize,
+    /// Bytes queued for sending to one peer.
+    pub send_queue_bytes: usize,
+}
+
+impl Default for SideLimits {
+    fn default() -> Self {
+        Self {
+            max_handshakes: 8,
+            max_handshakes_per_address: 4,
+            max_connections: 64,
+            send_queue_frames: 4096,
+            send_queue_bytes: 64 << 20,
+        }
+    }
 }
 
 /// Side-channel configuration.
@@ -65,14 +143,21 @@ pub trait Endpoint: Send + Sync {
 pub struct SideConfig {
     /// Address to listen on (default `0.0.0.0:5600`; add the TP rank to the port per worker).
     pub listen: String,
-    /// Shared secret peers must prove (HMAC over the handshake). `None`: no authentication.
+    /// Shared secret both sides prove (Noise's pre-shared key is derived from it); default
+    /// `$KVPUSH_SECRET`. Empty is an error. Unset: a loopback listener uses a random per-process key
+    /// (peers in the same process only); any other listener refuses to start unless `insecure`.
     pub secret: Option<Vec<u8>>,
+    /// No authentication at all (Noise without a key): anyone who reaches the port can register
+    /// transfers. Default `$KVPUSH_INSECURE=1`. Warned about at every start; refused with a secret.
+    pub insecure: bool,
     /// Heartbeat interval on idle connections.
     pub heartbeat: Duration,
     /// A peer silent for this long is lost.
     pub peer_timeout: Duration,
-    /// Limit for connecting and for the handshake.
+    /// Limit for connecting and for the whole handshake (one deadline, not per read).
     pub handshake_timeout: Duration,
+    /// Connection, handshake and queue limits.
+    pub limits: SideLimits,
 }
 
 impl fmt::Debug for SideConfig {
@@ -80,23 +165,33 @@ impl fmt::Debug for SideConfig {
         f.debug_struct("SideConfig")
             .field("listen", &self.listen)
             .field("secret", &self.secret.as_ref().map(|_| "<set>"))
+            .field("insecure", &self.insecure)
             .field("heartbeat", &self.heartbeat)
             .field("peer_timeout", &self.peer_timeout)
             .field("handshake_timeout", &self.handshake_timeout)
+            .field("limits", &self.limits)
             .finish()
     }
 }
 
+/// The environment variable holding the side channel's shared secret.
+pub const SECRET_ENV: &str = "KVPUSH_SECRET";
+/// The environment variable that, set to `1`, turns authentication off.
+pub const INSECURE_ENV: &str = "KVPUSH_INSECURE";
+
 impl SideConfig {
-    /// Defaults for TP rank `rank`: port 5600 + rank on all interfaces, heartbeat 1 s, peer lost
-    /// after 5 s of silence.
+    /// Defaults for TP rank `rank`: port 5600 + rank on all interfaces, the secret from
+    /// `$KVPUSH_SECRET` and insecure mode from `$KVPUSH_INSECURE`, heartbeat 1 s, peer lost after 5
+    /// s of silence, handshake deadline 10 s.
     pub fn for_rank(rank: u16) -> Self {
         Self {
             listen: format!("0.0.0.0:{}", 5600 + u32::from(rank)),
-            secret: None,
+            secret: std::env::var_os(SECRET_ENV).map(|s| s.into_encoded_bytes()),
+            insecure: std::env::var(INSECURE_ENV).is_ok_and(|v| v == "1"),
             heartbeat: Duration::from_secs(1),
             peer_timeout: Duration::from_secs(5),
             handshake_timeout: Duration::from_secs(10),
+            limits: SideLimits::default(),
         }
     }
 }
@@ -114,6 +209,22 @@ pub enum SideError {
         #[source]
         source: std::io::Error,
     },
+    /// The configuration is unsafe or contradictory; nothing was started.
+    #[error("side channel on {listen}: {reason}")]
+    Config {
+        /// The listen address.
+        listen: String,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+    /// The peer did not prove the shared secret (or this side did not prove it to the peer).
+    #[error("{peer} failed authentication: {detail}")]
+    Auth {
+        /// The peer.
+        peer: String,
+        /// What failed.
+        detail: String,
+    },
     /// The handshake was refused (by this side or the peer); the reason says why.
     #[error("handshake with {peer} refused: {reason}")]
     Refused {
@@ -130,6 +241,36 @@ pub enum SideError {
         /// What was wrong.
         detail: String,
     },
+    /// A frame or record is longer than the connection's state allows; it was not read.
+    #[error("{peer} sent {len} bytes {state}; at most {max} are allowed")]
+    TooLarge {
+        /// The peer.
+        peer: String,
+        /// The connection's state.
+        state: &'static str,
+        /// The announced length.
+        len: usize,
+        /// The limit in that state.
+        max: usize,
+    },
+    /// The handshake did not complete before its deadline.
+    #[error("handshake with {peer} timed out after {after:?} while {what}")]
+    TimedOut {
+        /// The peer.
+        peer: String,
+        /// What was being done.
+        what: String,
+        /// The handshake deadline.
+        after: Duration,
+    },
+    /// A connection limit is reached.
+    #[error("side channel: {what} (limit {limit})")]
+    Busy {
+        /// Which limit.
+        what: String,
+        /// Its value.
+        limit: usize,
+    },
     /// The engine is gone.
     #[error("the engine behind this side channel has shut down")]
     Closed,
@@ -145,41 +286,182 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SideError {
 pub struct SideStats {
     /// Handshakes completed.
     pub handshakes: u64,
-    /// Handshakes refused (either side).
+    /// Handshakes refused (either side: compatibility, identity).
     pub refused: u64,
+    /// Peers that failed authentication, and records that did not verify after it (each closed
+    /// its connection).
+    pub auth_failures: u64,
+    /// Handshakes that ran past their deadline.
+    pub timeouts: u64,
+    /// Records or frames longer than their state allows (each closed its connection unread).
+    pub oversized: u64,
+    /// Connections closed at once because a limit was reached.
+    pub over_limit: u64,
+    /// Handshakes of accepted connections in progress now.
+    pub pending_handshakes: u64,
     /// Frames received.
     pub frames_in: u64,
     /// Frames sent.
     pub frames_out: u64,
-    /// Malformed frames (each closed its connection).
+    /// Malformed or refused frames (each closed its connection).
     pub malformed: u64,
     /// Peers lost (closed, failed or silent).
     pub peers_lost: u64,
+    /// Peers that came back as a new process (their previous one's state was dropped).
+    pub restarts: u64,
 }
 
 #[derive(Default)]
 struct Counters {
     handshakes: AtomicU64,
     refused: AtomicU64,
+    auth_failures: AtomicU64,
+    timeouts: AtomicU64,
+    oversized: AtomicU64,
+    over_limit: AtomicU64,
     frames_in: AtomicU64,
     frames_out: AtomicU64,
     malformed: AtomicU64,
     peers_lost: AtomicU64,
+    restarts: AtomicU64,
+}
+
+impl Counters {
+    /// Counts `e` under its kind, and hands it back.
+    fn count(&self, e: SideError) -> SideError {
+        let c = match e {
+            SideError::Refused { .. } => &self.refused,
+            SideError::Auth { .. } => &self.auth_failures,
+            SideError::TimedOut { .. } => &self.timeouts,
+            SideError::TooLarge { .. } => &self.oversized,
+            SideError::Busy { .. } => &self.over_limit,
+            _ => return e,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+        e
+    }
+}
+
+/// How peers prove themselves.
+#[derive(Clone)]
+enum Auth {
+    /// Noise with this pre-shared key; `process_local` when it is this process's random key.
+    Psk { key: [u8; 32], process_local: bool },
+    /// Noise without a key: encryption against a passive observer, no authentication.
+    Insecure,
+}
+
+impl Auth {
+    fn wire(&self) -> u8 {
+        match self {
+            Auth::Psk { .. } => 1,
+            Auth::Insecure => 0,
+        }
+    }
+
+    /// Resolves the configured secret (see [`SideConfig::secret`]) for a listener bound to `local`.
+    fn resolve(config: &SideConfig, local: SocketAddr) -> Result<Auth, SideError> {
+        let fail = |reason: String| SideError::Config { listen: config.listen.clone(), reason };
+        match (&config.secret, config.insecure) {
+            (Some(s), _) if s.is_empty() => {
+                Err(fail(format!("the shared secret is empty; set a random one (e.g. 32 hex bytes) in ${SECRET_ENV}")))
+            }
+            (Some(_), true) => {
+                Err(fail(format!("both a shared secret and insecure mode are set (${INSECURE_ENV}); choose one")))
+            }
+            (Some(s), false) => {
+                if s.len() < 16 {
+                    tracing::warn!(listen = %config.listen, len = s.len(), "side-channel secret shorter than 16 bytes: a recorded handshake lets anyone guess it offline; use 32 random bytes");
+                }
+                let mut h = Sha256::new();
+                h.update(PSK_LABEL);
+                h.update(s);
+                Ok(Auth::Psk { key: h.finalize().into(), process_local: false })
+            }
+            (None, true) => {
+                tracing::warn!(listen = %config.listen, "side channel in INSECURE mode: peers are not authenticated; anyone who reaches this port can register transfers and read KV metadata");
+                Ok(Auth::Insecure)
+            }
+            (None, false) if local.ip().is_loopback() => {
+                tracing::info!(listen = %local, "no side-channel secret: a per-process key on loopback; peers in other processes need ${SECRET_ENV}");
+                Ok(Auth::Psk { key: *process_key()?, process_local: true })
+            }
+            (None, false) => Err(fail(format!(
+                "no shared secret for a listener reachable from the network; set ${SECRET_ENV} (the connector's `secret`) on every engine, or set ${INSECURE_ENV}=1 (`insecure: true`) to run without authentication"
+            ))),
+        }
+    }
+}
+
+fn random<const N: usize>(what: &str) -> Result<[u8; N], SideError> {
+    let mut b = [0u8; N];
+    getrandom::fill(&mut b)
+        .map_err(|e| SideError::Io { what: format!("drawing {what}"), source: std::io::Error::other(e.to_string()) })?;
+    Ok(b)
+}
+
+/// A fresh random secret (64 hex digits) for a run whose processes a parent starts: it hands the
+/// same one to each child in `$KVPUSH_SECRET`.
+pub fn random_secret() -> Result<String, SideError> {
+    Ok(random::<32>("a secret")?.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// This process's random pre-shared key for loopback listeners without a secret.
+fn process_key() -> Result<&'static [u8; 32], SideError> {
+    static KEY: OnceLock<[u8; 32]> = OnceLock::new();
+    if let Some(k) = KEY.get() {
+        return Ok(k);
+    }
+    let k = random::<32>("the per-process side-channel key")?;
+    Ok(KEY.get_or_init(|| k))
 }
 
 /// One handshaken connection.
 struct Conn {
     peer: PeerAddr,
+    incarnation: Incarnation,
     tx: Sender<Vec<u8>>,
+    queued_bytes: AtomicUsize,
     stream: TcpStream,
     closed: AtomicBool,
 }
 
+/// Handshakes in progress on accepted connections, by address.
+#[derive(Default)]
+struct Admission {
+    total: usize,
+    per_address: HashMap<IpAddr, usize>,
+}
+
+/// A handshake slot; given back when dropped.
+struct Slot {
+    inner: Weak<Inner>,
+    ip: IpAddr,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Some(inner) = self.inner.upgrade() {
+            let mut a = lock(&inner.admission);
+            a.total = a.total.saturating_sub(1);
+            if let Some(n) = a.per_address.get_mut(&self.ip) {
+                *n -= 1;
+                if *n == 0 {
+                    a.per_address.remove(&self.ip);
+                }
+            }
+        }
+    }
+}
+
 struct Inner {
     config: SideConfig,
+    auth: Auth,
+    incarnation: Incarnation,
     endpoint: RwLock<Option<Weak<dyn Endpoint>>>,
     local: SocketAddr,
     conns: Mutex<HashMap<PeerAddr, Arc<Conn>>>,
+    admission: Mutex<Admission>,
     counters: Counters,
     shutdown: AtomicBool,
     threads: Mutex<Vec<JoinHandle<()>>>,
@@ -196,43 +478,23 @@ impl fmt::Debug for SideChannel {
     }
 }
 
-fn nonce() -> Result<[u8; 16], SideError> {
-    let mut n = [0u8; 16];
-    std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut n)).map_err(io("reading /dev/urandom"))?;
-    Ok(n)
-}
-
-fn mac(secret: &[u8], sender: &[u8; 16], receiver: &[u8; 16], frame: &[u8]) -> Hmac<Sha256> {
-    // HMAC accepts keys of any length.
-    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes keys of any length");
-    m.update(MAC_LABEL);
-    m.update(sender);
-    m.update(receiver);
-    m.update(frame);
-    m
-}
-
-fn read_frame(stream: &mut TcpStream, peer: &str) -> Result<Vec<u8>, SideError> {
-    let mut buf = vec![0u8; HEADER_LEN];
-    stream.read_exact(&mut buf).map_err(io(format!("reading a frame header from {peer}")))?;
-    let total = frame_len(&buf)
-        .map_err(|e| SideError::Protocol { peer: peer.to_owned(), detail: e.to_string() })?
-        .unwrap_or(HEADER_LEN);
-    buf.resize(total, 0);
-    stream.read_exact(&mut buf[HEADER_LEN..]).map_err(io(format!("reading a frame from {peer}")))?;
-    Ok(buf)
-}
-
 impl SideChannel {
-    /// Binds the listener (it accepts once [`SideChannel::serve`] gave it an endpoint).
+    /// Binds the listener (it accepts once [`SideChannel::serve`] gave it an endpoint). Refuses an
+    /// empty secret, a secret together with insecure mode, and a listener reachable from the
+    /// network with neither (see [`SideConfig::secret`]).
     pub fn bind(config: SideConfig) -> Result<SideChannel, SideError> {
         let listener = TcpListener::bind(&config.listen).map_err(io(format!("listening on {}", config.listen)))?;
         let local = listener.local_addr().map_err(io("reading the listening address"))?;
+        let auth = Auth::resolve(&config, local)?;
+        let incarnation = Incarnation(u128::from_le_bytes(random::<16>("an incarnation id")?));
         let inner = Arc::new(Inner {
             config,
+            auth,
+            incarnation,
             endpoint: RwLock::new(None),
             local,
             conns: Mutex::new(HashMap::new()),
+            admission: Mutex::new(Admission::default()),
             counters: Counters::default(),
             shutdown: AtomicBool::new(false),
             threads: Mutex::new(Vec::new()),
@@ -256,6 +518,11 @@ impl SideChannel {
         self.inner.local
     }
 
+    /// This side channel's incarnation (drawn at [`SideChannel::bind`]).
+    pub fn incarnation(&self) -> Incarnation {
+        self.inner.incarnation
+    }
+
     /// Dials a peer worker and handshakes; returns its address once both sides accepted. Blocks up to
     /// the handshake timeout: call it off the engine loop.
     pub fn connect(&self, addr: impl ToSocketAddrs + fmt::Display) -> Result<PeerAddr, SideError> {
@@ -265,9 +532,10 @@ impl SideChannel {
             .map_err(io(format!("resolving {name}")))?
             .next()
             .ok_or_else(|| SideError::Protocol { peer: name.clone(), detail: "resolves to no address".into() })?;
+        let deadline = Instant::now() + self.inner.config.handshake_timeout;
         let stream = TcpStream::connect_timeout(&target, self.inner.config.handshake_timeout)
             .map_err(io(format!("connecting to {name}")))?;
-        Inner::establish(&self.inner, stream, &name)
+        Inner::establish(&self.inner, stream, &name, Role::Dialer, deadline).map_err(|e| self.inner.counters.count(e))
     }
 
     /// Peers with an open connection.
@@ -289,10 +557,16 @@ impl SideChannel {
         SideStats {
             handshakes: c.handshakes.load(Ordering::Relaxed),
             refused: c.refused.load(Ordering::Relaxed),
+            auth_failures: c.auth_failures.load(Ordering::Relaxed),
+            timeouts: c.timeouts.load(Ordering::Relaxed),
+            oversized: c.oversized.load(Ordering::Relaxed),
+            over_limit: c.over_limit.load(Ordering::Relaxed),
+            pending_handshakes: lock(&self.inner.admission).total as u64,
             frames_in: c.frames_in.load(Ordering::Relaxed),
             frames_out: c.frames_out.load(Ordering::Relaxed),
             malformed: c.malformed.load(Ordering::Relaxed),
             peers_lost: c.peers_lost.load(Ordering::Relaxed),
+            restarts: c.restarts.load(Ordering::Relaxed),
         }
     }
 }
@@ -317,7 +591,24 @@ impl Drop for SideChannel {
 impl ControlLink for SideChannel {
     fn send(&self, _from: &PeerAddr, to: &PeerAddr, frame: Vec<u8>) -> Result<(), LinkError> {
         let conn = lock(&self.inner.conns).get(to).cloned().ok_or_else(|| LinkError::UnknownPeer(to.clone()))?;
-        conn.tx.send(frame).map_err(|_| LinkError::Closed(to.clone()))
+        let len = frame.len();
+        let limits = &self.inner.config.limits;
+        if conn.queued_bytes.fetch_add(len, Ordering::SeqCst) + len > limits.send_queue_bytes {
+            conn.queued_bytes.fetch_sub(len, Ordering::SeqCst);
+            return Err(LinkError::Full {
+                peer: to.clone(),
+                what: format!("{} bytes queued", limits.send_queue_bytes),
+            });
+        }
+        conn.tx.try_send(frame).map_err(|e| {
+            conn.queued_bytes.fetch_sub(len, Ordering::SeqCst);
+            match e {
+                TrySendError::Full(_) => {
+                    LinkError::Full { peer: to.clone(), what: format!("{} frames queued", limits.send_queue_frames) }
+                }
+                TrySendError::Disconnected(_) => LinkError::Closed(to.clone()),
+            }
+        })
     }
 }
 
@@ -328,18 +619,265 @@ fn accept_loop(listener: TcpListener, inner: Weak<Inner>) {
             return;
         }
         let Ok(stream) = stream else { continue };
-        let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "unknown".into());
-        // Handshakes run on their own thread: a slow or hostile peer cannot stall the listener.
+        let Ok(addr) = stream.peer_addr() else { continue };
+        // A stranger holds at most a slot (and its thread) until the handshake deadline; past the
+        // limits the connection is closed before a byte is read or sent.
+        let Some(slot) = Inner::admit(&inner, addr.ip()) else { continue };
+        let deadline = Instant::now() + inner.config.handshake_timeout;
         let weak = Arc::downgrade(&inner);
+        let peer = addr.to_string();
         let spawned = std::thread::Builder::new().name("kvpush-side-handshake".into()).spawn(move || {
+            let _slot = slot;
             if let Some(inner) = weak.upgrade() {
-                if let Err(e) = Inner::establish(&inner, stream, &peer) {
+                if let Err(e) = Inner::establish(&inner, stream, &peer, Role::Listener, deadline) {
+                    let e = inner.counters.count(e);
                     tracing::warn!(%peer, error = %e, "side-channel handshake failed");
                 }
             }
         });
         if let Err(e) = spawned {
             tracing::error!(error = %e, "cannot start a handshake thread");
+        }
+    }
+}
+
+/// Which end of the connection this side is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    /// Dialed the peer (Noise initiator).
+    Dialer,
+    /// Accepted the connection (Noise responder).
+    Listener,
+}
+
+impl Role {
+    fn wire(self) -> u8 {
+        match self {
+            Role::Dialer => 0,
+            Role::Listener => 1,
+        }
+    }
+}
+
+/// What a peer said in its greeting (authenticated only once the Noise handshake completes, through
+/// the prologue).
+struct Greeting {
+    bytes: Vec<u8>,
+    auth: u8,
+    rank: Rank,
+    engine: String,
+}
+
+fn greeting(role: Role, auth: &Auth, me: &PeerAddr) -> Vec<u8> {
+    // An engine id is at most MAX_ENGINE_ID bytes (checked when the engine is configured); a
+    // longer one would be refused by the peer.
+    let id = me.engine.as_bytes();
+    let mut g = Vec::with_capacity(GREETING_FIXED + id.len());
+    g.extend_from_slice(MAGIC);
+    g.extend_from_slice(&SIDE_VERSION.to_le_bytes());
+    g.push(role.wire());
+    g.push(auth.wire());
+    g.extend_from_slice(&me.rank.tp.to_le_bytes());
+    g.extend_from_slice(&me.rank.pp.to_le_bytes());
+    g.extend_from_slice(&u16::try_from(id.len()).unwrap_or(u16::MAX).to_le_bytes());
+    g.extend_from_slice(id);
+    g
+}
+
+/// A socket with one deadline for everything read and written on it.
+struct Wire<'a> {
+    stream: &'a mut TcpStream,
+    deadline: Instant,
+    timeout: Duration,
+    peer: &'a str,
+}
+
+impl Wire<'_> {
+    fn remaining(&self, what: &str) -> Result<Duration, SideError> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(SideError::TimedOut { peer: self.peer.to_owned(), what: what.to_owned(), after: self.timeout });
+        }
+        Ok(left)
+    }
+
+    fn read_exact(&mut self, buf: &mut [u8], what: &str) -> Result<(), SideError> {
+        let mut got = 0;
+        while got < buf.len() {
+            let left = self.remaining(what)?;
+            self.stream.set_read_timeout(Some(left)).map_err(io("setting a timeout"))?;
+            match self.stream.read(&mut buf[got..]) {
+                Ok(0) => {
+                    return Err(SideError::Io {
+                        what: format!("{what} from {}", self.peer),
+                        source: std::io::ErrorKind::UnexpectedEof.into(),
+                    })
+                }
+                Ok(n) => got += n,
+                Err(e) if is_retry(&e) => {}
+                Err(e) => return Err(io(format!("{what} from {}", self.peer))(e)),
+            }
+        }
+        Ok(())
+    }
+
+    fn write_all(&mut self, mut buf: &[u8], what: &str) -> Result<(), SideError> {
+        while !buf.is_empty() {
+            let left = self.remaining(what)?;
+            self.stream.set_write_timeout(Some(left)).map_err(io("setting a timeout"))?;
+            match self.stream.write(buf) {
+                Ok(0) => {
+                    return Err(SideError::Io {
+                        what: format!("{what} to {}", self.peer),
+                        source: std::io::ErrorKind::WriteZero.into(),
+                    })
+                }
+                Ok(n) => buf = &buf[n..],
+                Err(e) if is_retry(&e) => {}
+                Err(e) => return Err(io(format!("{what} to {}", self.peer))(e)),
+            }
+        }
+        Ok(())
+    }
+
+    fn read_greeting(&mut self) -> Result<Greeting, SideError> {
+        let protocol = |detail: String| SideError::Protocol { peer: self.peer.to_owned(), detail };
+        let mut fixed = [0u8; GREETING_FIXED];
+        self.read_exact(&mut fixed, "reading the greeting")?;
+        if &fixed[..8] != MAGIC {
+            return Err(protocol("bad greeting".into()));
+        }
+        let version = u16::from_le_bytes([fixed[8], fixed[9]]);
+        if version != SIDE_VERSION {
+            return Err(protocol(format!("side-channel version {version}, this side speaks {SIDE_VERSION}")));
+        }
+        let mut bytes = fixed.to_vec();
+        let id_len = usize::from(u16::from_le_bytes([fixed[16], fixed[17]]));
+        if id_len > MAX_ENGINE_ID {
+            return Err(SideError::TooLarge {
+                peer: self.peer.to_owned(),
+                state: "as an engine id in the greeting",
+                len: id_len,
+                max: MAX_ENGINE_ID,
+            });
+        }
+        let mut id = vec![0u8; id_len];
+        self.read_exact(&mut id, "reading the greeting")?;
+        bytes.extend_from_slice(&id);
+        let engine = String::from_utf8(id).map_err(|_| protocol("the engine id is not UTF-8".into()))?;
+        let rank = Rank::new(u16::from_le_bytes([fixed[12], fixed[13]]), u16::from_le_bytes([fixed[14], fixed[15]]));
+        Ok(Greeting { bytes, auth: fixed[11], rank, engine })
+    }
+
+    /// Reads one record of at most `max` bytes into `buf`; a longer one is refused unread.
+    fn read_record<'b>(&mut self, buf: &'b mut [u8], max: usize, state: &'static str) -> Result<&'b [u8], SideError> {
+        let mut len = [0u8; 2];
+        self.read_exact(&mut len, "reading a record")?;
+        let len = usize::from(u16::from_be_bytes(len));
+        let max = max.min(buf.len());
+        if len > max {
+            return Err(SideError::TooLarge { peer: self.peer.to_owned(), state, len, max });
+        }
+        self.read_exact(&mut buf[..len], "reading a record")?;
+        Ok(&buf[..len])
+    }
+
+    fn write_record(&mut self, body: &[u8], what: &str) -> Result<(), SideError> {
+        let mut out = Vec::with_capacity(2 + body.len());
+        out.extend_from_slice(&(body.len() as u16).to_be_bytes());
+        out.extend_from_slice(body);
+        self.write_all(&out, what)
+    }
+}
+
+fn is_retry(e: &std::io::Error) -> bool {
+    matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted)
+}
+
+/// Encrypts `msg` into records appended to `out`.
+fn seal(noise: &mut TransportState, msg: &[u8], out: &mut Vec<u8>, scratch: &mut Vec<u8>) -> Result<(), snow::Error> {
+    let mut rest = msg;
+    loop {
+        let n = rest.len().min(MAX_CHUNK);
+        let (chunk, tail) = rest.split_at(n);
+        scratch.clear();
+        scratch.push(u8::from(!tail.is_empty()));
+        scratch.extend_from_slice(chunk);
+        let at = out.len();
+        out.resize(at + 2 + scratch.len() + TAG_LEN, 0);
+        let len = noise.write_message(scratch, &mut out[at + 2..])?;
+        // `len` is at most MAX_RECORD (one flag byte, MAX_CHUNK bytes and the tag), which fits u16.
+        out[at..at + 2].copy_from_slice(&(len as u16).to_be_bytes());
+        out.truncate(at + 2 + len);
+        rest = tail;
+        if rest.is_empty() {
+            return Ok(());
+        }
+    }
+}
+
+/// The per-connection buffers of an authenticated channel.
+struct Opener {
+    record: Vec<u8>,
+    plain: Vec<u8>,
+}
+
+impl Opener {
+    fn new() -> Self {
+        Self { record: vec![0u8; MAX_RECORD], plain: vec![0u8; MAX_RECORD] }
+    }
+
+    /// Decrypts one record (`self.record[..len]`) and appends its chunk to `msg`, refusing to grow
+    /// `msg` past `max`. Returns whether the message is complete.
+    fn open(
+        &mut self,
+        noise: &Mutex<TransportState>,
+        len: usize,
+        msg: &mut Vec<u8>,
+        max: usize,
+        peer: &str,
+        state: &'static str,
+    ) -> Result<bool, SideError> {
+        let n = lock(noise).read_message(&self.record[..len], &mut self.plain).map_err(|e| SideError::Auth {
+            peer: peer.to_owned(),
+            detail: format!("a record does not verify ({e}): forged, replayed, reflected or out of order"),
+        })?;
+        let Some((&more, chunk)) = self.plain[..n].split_first() else {
+            return Err(SideError::Protocol { peer: peer.to_owned(), detail: "an empty record".into() });
+        };
+        if msg.len() + chunk.len() > max {
+            return Err(SideError::TooLarge { peer: peer.to_owned(), state, len: msg.len() + chunk.len(), max });
+        }
+        msg.extend_from_slice(chunk);
+        Ok(more == 0)
+    }
+}
+
+/// An authenticated, encrypted connection during the rest of the handshake.
+struct Channel<'a> {
+    wire: Wire<'a>,
+    noise: Mutex<TransportState>,
+    opener: Opener,
+    scratch: Vec<u8>,
+}
+
+impl Channel<'_> {
+    fn send(&mut self, msg: &[u8], what: &str) -> Result<(), SideError> {
+        let mut out = Vec::with_capacity(msg.len() + 64);
+        seal(&mut lock(&self.noise), msg, &mut out, &mut self.scratch).map_err(|e| SideError::Protocol {
+            peer: self.wire.peer.to_owned(),
+            detail: format!("cannot encrypt: {e}"),
+        })?;
+        self.wire.write_all(&out, what)
+    }
+
+    fn recv(&mut self, max: usize, state: &'static str) -> Result<Vec<u8>, SideError> {
+        let mut msg = Vec::new();
+        loop {
+            let len = self.wire.read_record(&mut self.opener.record, MAX_RECORD, state)?.len();
+            if self.opener.open(&self.noise, len, &mut msg, max, self.wire.peer, state)? {
+                return Ok(msg);
+            }
         }
     }
 }
@@ -354,165 +892,260 @@ impl Inner {
             .ok_or(SideError::Closed)
     }
 
-    /// Handshakes on `stream` and, if both sides accept, starts the connection's threads.
-    fn establish(this: &Arc<Inner>, mut stream: TcpStream, name: &str) -> Result<PeerAddr, SideError> {
-        let endpoint = this.endpoint()?;
-        let limit = Some(this.config.handshake_timeout);
-        stream.set_read_timeout(limit).map_err(io("setting a timeout"))?;
-        stream.set_write_timeout(limit).map_err(io("setting a timeout"))?;
-        stream.set_nodelay(true).map_err(io("setting TCP_NODELAY"))?;
-        let refused = |reason: String| SideError::Refused { peer: name.to_owned(), reason };
-        let count_refusal = |e: SideError| {
-            if matches!(e, SideError::Refused { .. }) {
-                this.counters.refused.fetch_add(1, Ordering::Relaxed);
-            }
-            e
-        };
-
-        // 1. Nonces.
-        let mine = nonce()?;
-        let mut hello = MAGIC.to_vec();
-        hello.extend_from_slice(&mine);
-        stream.write_all(&hello).map_err(io(format!("greeting {name}")))?;
-        let mut theirs_hello = [0u8; 24];
-        stream.read_exact(&mut theirs_hello).map_err(io(format!("reading the greeting of {name}")))?;
-        if &theirs_hello[..8] != MAGIC {
-            return Err(SideError::Protocol { peer: name.to_owned(), detail: "bad greeting".into() });
+    /// A handshake slot for a connection from `ip`, or `None` (counted) past the limits.
+    fn admit(this: &Arc<Inner>, ip: IpAddr) -> Option<Slot> {
+        let limits = &this.config.limits;
+        let mut a = lock(&this.admission);
+        let from_ip = a.per_address.get(&ip).copied().unwrap_or(0);
+        if a.total >= limits.max_handshakes || from_ip >= limits.max_handshakes_per_address {
+            drop(a);
+            this.counters.over_limit.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(%ip, "side-channel connection closed: handshake limit reached");
+            return None;
         }
-        let mut theirs = [0u8; 16];
-        theirs.copy_from_slice(&theirs_hello[8..]);
+        a.total += 1;
+        *a.per_address.entry(ip).or_insert(0) += 1;
+        Some(Slot { inner: Arc::downgrade(this), ip })
+    }
 
-        // 2. Handshakes with their MACs.
+    /// Runs the Noise handshake on `stream` (after the greetings) and returns the session.
+    fn authenticate(&self, wire: &mut Wire<'_>, role: Role, prologue: &[u8]) -> Result<TransportState, SideError> {
+        let peer = wire.peer.to_owned();
+        let noise_err = |e: snow::Error| SideError::Protocol { peer: peer.clone(), detail: format!("noise: {e}") };
+        let builder = match &self.auth {
+            Auth::Psk { key, .. } => {
+                snow::Builder::new(NOISE_PSK.parse().map_err(noise_err)?).psk(0, key).map_err(noise_err)?
+            }
+            Auth::Insecure => snow::Builder::new(NOISE_INSECURE.parse().map_err(noise_err)?),
+        }
+        .prologue(prologue)
+        .map_err(noise_err)?;
+        let mut hs: HandshakeState = match role {
+            Role::Dialer => builder.build_initiator(),
+            Role::Listener => builder.build_responder(),
+        }
+        .map_err(noise_err)?;
+        let mut msg = [0u8; MAX_PRE_AUTH_RECORD];
+        let mut payload = [0u8; MAX_PRE_AUTH_RECORD];
+        let hint = match &self.auth {
+            Auth::Psk { process_local: true, .. } => format!(
+                "this side has no secret configured (a per-process key, for peers in this process only): set the same ${SECRET_ENV} on both sides"
+            ),
+            _ => "the shared secrets differ (or one side is in insecure mode)".to_owned(),
+        };
+        let auth_failed = |detail: String| SideError::Auth { peer: peer.clone(), detail };
+        match role {
+            Role::Dialer => {
+                let n = hs.write_message(&[], &mut msg).map_err(noise_err)?;
+                wire.write_record(&msg[..n], "sending the first handshake message")?;
+                let r = match wire.read_record(&mut msg, MAX_PRE_AUTH_RECORD, "before authentication") {
+                    Err(SideError::Io { source, .. }) if source.kind() == std::io::ErrorKind::UnexpectedEof => {
+                        return Err(auth_failed(format!("the peer closed the connection: {hint}")))
+                    }
+                    r => r?,
+                };
+                hs.read_message(r, &mut payload)
+                    .map_err(|e| auth_failed(format!("the peer's handshake message does not verify ({e}): {hint}")))?;
+            }
+            Role::Listener => {
+                let r = wire.read_record(&mut msg, MAX_PRE_AUTH_RECORD, "before authentication")?;
+                hs.read_message(r, &mut payload)
+                    .map_err(|e| auth_failed(format!("the peer's handshake message does not verify ({e}): {hint}")))?;
+                let n = hs.write_message(&[], &mut msg).map_err(noise_err)?;
+                wire.write_record(&msg[..n], "sending the second handshake message")?;
+            }
+        }
+        hs.into_transport_mode().map_err(noise_err)
+    }
+
+    /// Handshakes on `stream` (greetings, Noise, hellos, verdicts) before `deadline` and, if both
+    /// sides accept, starts the connection's threads.
+    fn establish(
+        this: &Arc<Inner>,
+        mut stream: TcpStream,
+        name: &str,
+        role: Role,
+        deadline: Instant,
+    ) -> Result<PeerAddr, SideError> {
+        let endpoint = this.endpoint()?;
+        stream.set_nodelay(true).map_err(io("setting TCP_NODELAY"))?;
+        let me = endpoint.me();
+        let refused = |reason: String| SideError::Refused { peer: name.to_owned(), reason };
+        let mut wire = Wire { stream: &mut stream, deadline, timeout: this.config.handshake_timeout, peer: name };
+
+        // 1. Greetings, in the clear: nothing in them but the protocol, the roles and the ids.
+        let mine = greeting(role, &this.auth, &me);
+        wire.write_all(&mine, "greeting")?;
+        let theirs = wire.read_greeting()?;
+        let expected = match role {
+            Role::Dialer => Role::Listener,
+            Role::Listener => Role::Dialer,
+        };
+        if theirs.bytes[10] != expected.wire() {
+            return Err(SideError::Protocol {
+                peer: name.to_owned(),
+                detail: "the peer claims this side's role (a reflected connection?)".into(),
+            });
+        }
+        match (this.auth.wire(), theirs.auth) {
+            (1, 0) => {
+                return Err(SideError::Auth {
+                    peer: name.to_owned(),
+                    detail: "this side requires a shared secret and the peer runs in insecure mode".into(),
+                })
+            }
+            (0, 1) => {
+                return Err(SideError::Auth {
+                    peer: name.to_owned(),
+                    detail: "the peer requires a shared secret and this side runs in insecure mode".into(),
+                })
+            }
+            _ => {}
+        }
+        let mut prologue = PROLOGUE_LABEL.to_vec();
+        let (first, second) = match role {
+            Role::Dialer => (&mine, &theirs.bytes),
+            Role::Listener => (&theirs.bytes, &mine),
+        };
+        prologue.extend_from_slice(first);
+        prologue.extend_from_slice(second);
+
+        // 2. Noise: both prove the key, bound to both greetings.
+        let noise = this.authenticate(&mut wire, role, &prologue)?;
+        let mut ch = Channel { wire, noise: Mutex::new(noise), opener: Opener::new(), scratch: Vec::new() };
+
+        // 3. Hellos. The listener reads the dialer's first (proof that the dialer holds the session
+        // keys, not a replay of its first message) before it sends its own metadata.
         let local = endpoint.local_handshake().map_err(|e| refused(e.to_string()))?;
         let frame = codec::to_vec(&Message::Handshake(Box::new(local.clone())))
             .map_err(|e| refused(format!("cannot encode our handshake: {e}")))?;
-        let secret = this.config.secret.as_deref();
-        let tag: [u8; 32] = match secret {
-            Some(s) => mac(s, &mine, &theirs, &frame).finalize().into_bytes().into(),
-            None => [0; 32],
-        };
-        let mut out = frame;
-        out.push(u8::from(secret.is_some()));
-        out.extend_from_slice(&tag);
-        stream.write_all(&out).map_err(io(format!("sending our handshake to {name}")))?;
-        let peer_frame = read_frame(&mut stream, name)?;
-        let mut trailer = [0u8; 33];
-        stream.read_exact(&mut trailer).map_err(io(format!("reading the handshake of {name}")))?;
-
-        // 3. Verdict: authentication, decoding, compatibility.
-        let verdict: Result<Handshake, String> = (|| {
-            match (secret, trailer[0]) {
-                (Some(s), 1) => mac(s, &theirs, &mine, &peer_frame)
-                    .verify_slice(&trailer[1..])
-                    .map_err(|_| "the peer's handshake MAC does not match: the shared secrets differ".to_string())?,
-                (Some(_), _) => return Err("this side requires a shared secret and the peer proved none".into()),
-                (None, 1) => return Err("the peer requires a shared secret and this side has none configured".into()),
-                (None, _) => {}
+        let mut hello = this.incarnation.0.to_le_bytes().to_vec();
+        hello.extend_from_slice(&frame);
+        let peer_hello = match role {
+            Role::Dialer => {
+                ch.send(&hello, "sending our handshake")?;
+                ch.recv(MAX_HELLO, "in the handshake")?
             }
-            let hs = match codec::decode(&peer_frame, None) {
+            Role::Listener => {
+                let h = ch.recv(MAX_HELLO, "in the handshake")?;
+                ch.send(&hello, "sending our handshake")?;
+                h
+            }
+        };
+
+        // 4. Verdicts: identity (the engine id and rank of the greeting), decoding, compatibility.
+        let verdict: Result<(Handshake, Incarnation), String> = (|| {
+            let Some((inc, frame)) = peer_hello.split_first_chunk::<16>() else {
+                return Err("the peer's hello is truncated".into());
+            };
+            let hs = match codec::decode(frame, None) {
                 Ok(Message::Handshake(h)) => *h,
                 Ok(_) => return Err("the peer sent another message instead of its handshake".into()),
                 Err(e) => return Err(format!("the peer's handshake is malformed: {e}")),
             };
+            if hs.engine_id != theirs.engine || hs.layout.parallel.rank() != theirs.rank {
+                return Err(format!(
+                    "the peer greeted as {}[{}] but its handshake says {}[{}]",
+                    theirs.engine,
+                    theirs.rank,
+                    hs.engine_id,
+                    hs.layout.parallel.rank()
+                ));
+            }
             compat::check(&local, &hs).map_err(|e| e.to_string())?;
-            Ok(hs)
+            Ok((hs, Incarnation(u128::from_le_bytes(*inc))))
         })();
         let mut v = Vec::new();
         match &verdict {
             Ok(_) => v.push(0u8),
             Err(reason) => {
                 v.push(1);
-                v.extend_from_slice(&(reason.len() as u32).to_le_bytes());
-                v.extend_from_slice(reason.as_bytes());
+                let mut cut = reason.len().min(MAX_VERDICT - 1);
+                while !reason.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                v.extend_from_slice(&reason.as_bytes()[..cut]);
             }
         }
-        stream.write_all(&v).map_err(io(format!("sending our verdict to {name}")))?;
-        let mut head = [0u8; 1];
-        stream.read_exact(&mut head).map_err(io(format!("reading the verdict of {name}")))?;
-        let theirs_ok = if head[0] == 0 {
-            Ok(())
-        } else {
-            let mut len = [0u8; 4];
-            stream.read_exact(&mut len).map_err(io(format!("reading the verdict of {name}")))?;
-            let len = (u32::from_le_bytes(len) as usize).min(MAX_REASON);
-            let mut reason = vec![0u8; len];
-            stream.read_exact(&mut reason).map_err(io(format!("reading the verdict of {name}")))?;
-            Err(format!("the peer refused: {}", String::from_utf8_lossy(&reason)))
+        ch.send(&v, "sending our verdict")?;
+        let theirs_v = ch.recv(MAX_VERDICT, "in the verdict")?;
+        let theirs_ok = match theirs_v.split_first() {
+            Some((0, _)) => Ok(()),
+            Some((_, reason)) => Err(format!("the peer refused: {}", String::from_utf8_lossy(reason))),
+            None => Err("the peer's verdict is empty".to_owned()),
         };
-        let hs = verdict.map_err(refused).map_err(count_refusal)?;
-        theirs_ok.map_err(refused).map_err(count_refusal)?;
-        let peer = endpoint.add_peer(&hs).map_err(|e| refused(e.to_string())).map_err(count_refusal)?;
-        this.counters.handshakes.fetch_add(1, Ordering::Relaxed);
-        tracing::info!(me = %endpoint.me(), %peer, via = %name, "side channel connected");
+        let (hs, incarnation) = verdict.map_err(refused)?;
+        theirs_ok.map_err(refused)?;
+        let Channel { noise, opener, .. } = ch;
 
-        // 4. The connection's threads.
+        // 5. The connection: within the limit, then the engine, then the threads.
+        {
+            let conns = lock(&this.conns);
+            let addr = PeerAddr { engine: hs.engine_id.clone(), rank: hs.layout.parallel.rank() };
+            if conns.len() >= this.config.limits.max_connections && !conns.contains_key(&addr) {
+                return Err(SideError::Busy {
+                    what: format!("too many connections, refusing {addr}"),
+                    limit: this.config.limits.max_connections,
+                });
+            }
+        }
+        let known = lock(&this.conns)
+            .get(&PeerAddr { engine: hs.engine_id.clone(), rank: hs.layout.parallel.rank() })
+            .map(|c| c.incarnation);
+        let peer = endpoint.add_peer(&hs, incarnation).map_err(|e| refused(e.to_string()))?;
+        if known.is_some_and(|k| k != incarnation) {
+            this.counters.restarts.fetch_add(1, Ordering::Relaxed);
+        }
+        this.counters.handshakes.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(me = %me, %peer, via = %name, %incarnation, "side channel connected");
+        Inner::start(this, stream, peer.clone(), incarnation, noise, opener)?;
+        Ok(peer)
+    }
+
+    /// Starts the reader and writer threads of an established connection.
+    fn start(
+        this: &Arc<Inner>,
+        stream: TcpStream,
+        peer: PeerAddr,
+        incarnation: Incarnation,
+        noise: Mutex<TransportState>,
+        opener: Opener,
+    ) -> Result<(), SideError> {
         stream.set_read_timeout(Some(this.config.heartbeat)).map_err(io("setting a timeout"))?;
         stream.set_write_timeout(Some(this.config.peer_timeout)).map_err(io("setting a timeout"))?;
-        let (tx, rx) = unbounded::<Vec<u8>>();
+        let limits = this.config.limits;
+        let (tx, rx) = bounded::<Vec<u8>>(limits.send_queue_frames.max(1));
         let conn = Arc::new(Conn {
             peer: peer.clone(),
+            incarnation,
             tx,
+            queued_bytes: AtomicUsize::new(0),
             stream: stream.try_clone().map_err(io("cloning the socket"))?,
             closed: AtomicBool::new(false),
         });
         if let Some(old) = lock(&this.conns).insert(peer.clone(), Arc::clone(&conn)) {
-            // The peer restarted (or reconnected): the old connection is over.
+            // The peer reconnected (or restarted: the engine has already failed its old state): the
+            // old connection is over.
             old.closed.store(true, Ordering::SeqCst);
             let _ = old.stream.shutdown(Shutdown::Both);
         }
-        let mut writer = stream.try_clone().map_err(io("cloning the socket"))?;
-        let (w_inner, w_conn) = (Arc::downgrade(this), Arc::clone(&conn));
+        let noise = Arc::new(noise);
+        let writer = stream.try_clone().map_err(io("cloning the socket"))?;
+        let (w_inner, w_conn, w_noise) = (Arc::downgrade(this), Arc::clone(&conn), Arc::clone(&noise));
         let heartbeat = this.config.heartbeat;
-        let wt = std::thread::Builder::new().name("kvpush-side-tx".into()).spawn(move || {
-            let mut seq = 0u64;
-            loop {
-                let waited_from = Instant::now();
-                let frame = match rx.recv_timeout(heartbeat) {
-                    Ok(f) => f,
-                    Err(RecvTimeoutError::Timeout) => {
-                        // A heartbeat due after `heartbeat` that comes much later means this process
-                        // was not scheduled: the peer may be about to call us lost. Say so here, where
-                        // the cause is.
-                        let late = waited_from.elapsed();
-                        if late > heartbeat * 2 + Duration::from_millis(500) {
-                            tracing::warn!(peer = %w_conn.peer, waited = ?late, "side-channel heartbeat late: this process was not scheduled (host overloaded or paused?)");
-                        }
-                        seq += 1;
-                        match codec::to_vec(&Message::Heartbeat(Heartbeat { seq })) {
-                            Ok(f) => f,
-                            Err(_) => continue,
-                        }
-                    }
-                    Err(RecvTimeoutError::Disconnected) => return,
-                };
-                if w_conn.closed.load(Ordering::SeqCst) {
-                    return;
-                }
-                let sending_from = Instant::now();
-                if let Err(e) = writer.write_all(&frame) {
-                    if let Some(inner) = w_inner.upgrade() {
-                        Inner::lost(&inner, &w_conn, &format!("write failed: {e}"));
-                    }
-                    return;
-                }
-                let took = sending_from.elapsed();
-                if took > heartbeat {
-                    tracing::warn!(peer = %w_conn.peer, ?took, bytes = frame.len(), "side-channel write slow: the peer is not reading");
-                }
-                if let Some(inner) = w_inner.upgrade() {
-                    inner.counters.frames_out.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        });
+        let wt = std::thread::Builder::new()
+            .name("kvpush-side-tx".into())
+            .spawn(move || write_loop(writer, rx, w_inner, w_conn, w_noise, heartbeat));
         let (r_inner, r_conn) = (Arc::downgrade(this), Arc::clone(&conn));
-        let rt =
-            std::thread::Builder::new().name("kvpush-side-rx".into()).spawn(move || read_loop(stream, r_inner, r_conn));
+        let rt = std::thread::Builder::new()
+            .name("kvpush-side-rx".into())
+            .spawn(move || read_loop(stream, r_inner, r_conn, noise, opener));
         let mut threads = lock(&this.threads);
         threads.retain(|t| !t.is_finished());
         for t in [wt, rt] {
             threads.push(t.map_err(io("starting connection threads"))?);
         }
-        Ok(peer)
+        Ok(())
     }
 
     /// Closes `conn` and reports its peer lost, once, and only if it is still the peer's connection.
@@ -533,26 +1166,97 @@ impl Inner {
             this.counters.peers_lost.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(peer = %conn.peer, %reason, "side-channel peer lost");
             if let Ok(ep) = this.endpoint() {
-                ep.peer_lost(&conn.peer, reason);
+                ep.peer_lost(&conn.peer, conn.incarnation, reason);
             }
         }
     }
 }
 
-fn read_loop(mut stream: TcpStream, inner: Weak<Inner>, conn: Arc<Conn>) {
+fn write_loop(
+    mut writer: TcpStream,
+    rx: Receiver<Vec<u8>>,
+    inner: Weak<Inner>,
+    conn: Arc<Conn>,
+    noise: Arc<Mutex<TransportState>>,
+    heartbeat: Duration,
+) {
+    let mut seq = 0u64;
+    let mut out = Vec::new();
+    let mut scratch = Vec::new();
+    loop {
+        let waited_from = Instant::now();
+        let frame = match rx.recv_timeout(heartbeat) {
+            Ok(f) => {
+                conn.queued_bytes.fetch_sub(f.len(), Ordering::SeqCst);
+                f
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                // A heartbeat due after `heartbeat` that comes much later means this process was not
+                // scheduled: the peer may be about to call us lost. Say so here, where the cause is.
+                let late = waited_from.elapsed();
+                if late > heartbeat * 2 + Duration::from_millis(500) {
+                    tracing::warn!(peer = %conn.peer, waited = ?late, "side-channel heartbeat late: this process was not scheduled (host overloaded or paused?)");
+                }
+                seq += 1;
+                match codec::to_vec(&Message::Heartbeat(Heartbeat { seq })) {
+                    Ok(f) => f,
+                    Err(_) => continue,
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
+        if conn.closed.load(Ordering::SeqCst) {
+            return;
+        }
+        out.clear();
+        let sealed = seal(&mut lock(&noise), &frame, &mut out, &mut scratch);
+        let sending_from = Instant::now();
+        let written = match sealed {
+            Ok(()) => writer.write_all(&out).map_err(|e| format!("write failed: {e}")),
+            Err(e) => Err(format!("cannot encrypt a frame: {e}")),
+        };
+        if let Err(reason) = written {
+            if let Some(inner) = inner.upgrade() {
+                Inner::lost(&inner, &conn, &reason);
+            }
+            return;
+        }
+        let took = sending_from.elapsed();
+        if took > heartbeat {
+            tracing::warn!(peer = %conn.peer, ?took, bytes = frame.len(), "side-channel write slow: the peer is not reading");
+        }
+        if let Some(inner) = inner.upgrade() {
+            inner.counters.frames_out.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+fn read_loop(
+    mut stream: TcpStream,
+    inner: Weak<Inner>,
+    conn: Arc<Conn>,
+    noise: Arc<Mutex<TransportState>>,
+    mut opener: Opener,
+) {
     let mut last_seen = Instant::now();
-    let mut buf = vec![0u8; HEADER_LEN];
     let peer_name = conn.peer.to_string();
+    let mut msg = Vec::new();
     loop {
         let Some(this) = inner.upgrade() else { return };
         if conn.closed.load(Ordering::SeqCst) {
             return;
         }
         let timeout = this.config.peer_timeout;
-        buf.resize(HEADER_LEN, 0);
-        match read_exact_or_timeout(&mut stream, &mut buf[..HEADER_LEN]) {
-            Ok(true) => {}
-            Ok(false) => {
+        // Wait for a record's first byte, checking for silence; the rest of the record must follow
+        // within the peer timeout.
+        let mut first = [0u8; 1];
+        match stream.read(&mut first) {
+            Ok(0) => {
+                Inner::lost(&this, &conn, "connection closed");
+                return;
+            }
+            Ok(_) => {}
+            Err(e) if is_retry(&e) => {
                 if last_seen.elapsed() > timeout {
                     Inner::lost(&this, &conn, &format!("silent for {:?}", last_seen.elapsed()));
                     return;
@@ -564,72 +1268,37 @@ fn read_loop(mut stream: TcpStream, inner: Weak<Inner>, conn: Arc<Conn>) {
                 return;
             }
         }
-        let total = match frame_len(&buf) {
-            Ok(Some(n)) => n,
-            Ok(None) | Err(_) => {
-                this.counters.malformed.fetch_add(1, Ordering::Relaxed);
-                Inner::lost(&this, &conn, "malformed frame header");
+        let deadline = Instant::now() + timeout;
+        let mut wire = Wire { stream: &mut stream, deadline, timeout, peer: &peer_name };
+        let mut second = [0u8; 1];
+        let read = wire.read_exact(&mut second, "reading a record").and_then(|()| {
+            let len = usize::from(u16::from_be_bytes([first[0], second[0]]));
+            wire.read_exact(&mut opener.record[..len], "reading a record")?;
+            Ok(len)
+        });
+        let opened = read.and_then(|len| opener.open(&noise, len, &mut msg, MAX_FRAME, &peer_name, "in a frame"));
+        match opened {
+            Ok(false) => continue,
+            Ok(true) => {}
+            Err(e) => {
+                let e = this.counters.count(e);
+                tracing::warn!(peer = %peer_name, error = %e, "side-channel record refused; closing the connection");
+                Inner::lost(&this, &conn, &e.to_string());
                 return;
             }
-        };
-        buf.resize(total, 0);
-        if let Err(e) = read_body(&mut stream, &mut buf[HEADER_LEN..], timeout) {
-            Inner::lost(&this, &conn, &format!("read failed: {e}"));
-            return;
         }
         last_seen = Instant::now();
+        let frame = std::mem::take(&mut msg);
         this.counters.frames_in.fetch_add(1, Ordering::Relaxed);
-        if buf[4] == codec::Kind::Heartbeat as u8 {
+        if frame.len() > 4 && frame[4] == codec::Kind::Heartbeat as u8 {
             continue;
         }
         let Ok(ep) = this.endpoint() else { return };
-        if let Err(e) = ep.deliver(&conn.peer, &buf) {
+        if let Err(e) = ep.deliver(&conn.peer, conn.incarnation, &frame) {
             this.counters.malformed.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(peer = %peer_name, error = %e, "frame refused; closing the connection");
             Inner::lost(&this, &conn, &format!("malformed frame: {e}"));
             return;
         }
     }
-}
-
-/// Reads exactly `buf.len()` bytes; `Ok(false)` if the read timed out before the first byte.
-fn read_exact_or_timeout(stream: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<bool> {
-    let mut got = 0;
-    while got < buf.len() {
-        match stream.read(&mut buf[got..]) {
-            Ok(0) => return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "connection closed")),
-            Ok(n) => got += n,
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
-                if got == 0 {
-                    return Ok(false);
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(true)
-}
-
-/// Reads the rest of a frame, giving up after `limit` without progress.
-fn read_body(stream: &mut TcpStream, buf: &mut [u8], limit: Duration) -> std::io::Result<()> {
-    let mut got = 0;
-    let mut since = Instant::now();
-    while got < buf.len() {
-        match stream.read(&mut buf[got..]) {
-            Ok(0) => return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "connection closed")),
-            Ok(n) => {
-                got += n;
-                since = Instant::now();
-            }
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
-                if since.elapsed() > limit {
-                    return Err(e);
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }

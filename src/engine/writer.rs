@@ -12,6 +12,7 @@ use std::time::{Duration, Instant as StdInstant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
+use super::side::Incarnation;
 use super::{addr_of, fan_out, producer_ranks, target_of, Cmd, Finished, PeerAddr, Shared, Stats};
 use crate::proto::codec;
 use crate::proto::completion::{Completions, Event, FailReason};
@@ -80,7 +81,7 @@ pub(super) struct Writer {
     /// Consumer: which producer engine each waiting request reads from (for aborts).
     producers: HashMap<Key, String>,
     /// Producer: which consumer workers registered each live request (for peer loss).
-    registered_by: HashMap<Key, Vec<PeerAddr>>,
+    registered_by: HashMap<Key, Vec<(PeerAddr, Option<Incarnation>)>>,
     poll_interval: Duration,
     /// When this writer last did work (for lingering).
     last_active: StdInstant,
@@ -249,8 +250,8 @@ impl Writer {
                 self.register(now, key, producer, ids, num_tokens);
             }
             Cmd::Abort { key } => self.abort(now, key),
-            Cmd::Msg { from, msg } => self.message(now, from, msg),
-            Cmd::PeerLost { peer, reason } => self.peer_lost(now, &peer, &reason),
+            Cmd::Msg { from, incarnation, msg } => self.message(now, from, incarnation, msg),
+            Cmd::PeerLost { peer, incarnation, reason } => self.peer_lost(now, &peer, incarnation, &reason),
             Cmd::Wake | Cmd::Stop => {}
         }
         self.drain_outputs();
@@ -324,11 +325,21 @@ impl Writer {
     }
 
     /// A peer worker went away: everything in flight with it fails now, on this side.
-    fn peer_lost(&mut self, now: Instant, peer: &PeerAddr, reason: &str) {
+    fn peer_lost(
+        &mut self,
+        now: Instant,
+        peer: &PeerAddr,
+        incarnation: Option<super::side::Incarnation>,
+        reason: &str,
+    ) {
         let detail = format!("peer {peer} lost: {reason}");
         // Producer side: registrations from the lost consumer, and reads it was granted.
-        let keys: Vec<Key> =
-            self.registered_by.iter().filter(|(_, peers)| peers.contains(peer)).map(|(k, _)| *k).collect();
+        let keys: Vec<Key> = self
+            .registered_by
+            .iter()
+            .filter(|(_, peers)| peers.iter().any(|(p, i)| p == peer && (incarnation.is_none() || *i == incarnation)))
+            .map(|(k, _)| *k)
+            .collect();
         for key in keys {
             self.rdv.handle_abort(now, key);
         }
@@ -363,7 +374,9 @@ impl Writer {
         if self.index == 0 {
             let removed = {
                 let mut peers = self.shared.peers.write().unwrap_or_else(|p| p.into_inner());
-                let old = peers.by_addr.remove(peer);
+                // The peer may have come back as a new process already: forget only the lost one.
+                let same = |p: &Arc<super::Peer>| incarnation.is_none() || p.incarnation == incarnation;
+                let old = if peers.by_addr.get(peer).is_some_and(same) { peers.by_addr.remove(peer) } else { None };
                 if let Some(o) = &old {
                     peers.by_agent.remove(&o.agent);
                 }
@@ -396,8 +409,16 @@ impl Writer {
         }
     }
 
-    fn message(&mut self, now: Instant, from: PeerAddr, msg: Message) {
+    fn message(&mut self, now: Instant, from: PeerAddr, incarnation: Option<Incarnation>, msg: Message) {
         let mode = self.shared.config.mode;
+        // A message queued by a peer's previous process before it restarted: the engine loop's
+        // commands overtake queued messages, so the restart's failure may not have been handled
+        // yet, but the peers table already names the new process. Never act on it.
+        if incarnation.is_some() && self.shared.peer_by_addr(&from).is_none_or(|p| p.incarnation != incarnation) {
+            self.stats().failures.unknown_peer += 1;
+            tracing::warn!(worker = %self.shared.me, peer = %from, "message from a previous process of the peer dropped");
+            return;
+        }
         match msg {
             Message::Registration(reg) => {
                 self.stats().counters.registrations += 1;
@@ -412,7 +433,7 @@ impl Writer {
                     return;
                 }
                 let n = fan_out(&self.shared.layout, &peer.layout);
-                self.registered_by.entry(reg.key()).or_default().push(from.clone());
+                self.registered_by.entry(reg.key()).or_default().push((from.clone(), incarnation));
                 self.rdv.handle_registration(now, reg, n);
             }
             Message::Completion(c) => {
@@ -460,7 +481,10 @@ impl Writer {
                 }
                 let writing = !ours.is_empty();
                 let granted = self.grants.contains_key(&(a.key, from.clone()));
-                if self.registered_by.get(&a.key).is_none_or(|peers| !peers.contains(&from)) && !writing && !granted {
+                if self.registered_by.get(&a.key).is_none_or(|peers| !peers.iter().any(|(p, _)| *p == from))
+                    && !writing
+                    && !granted
+                {
                     // A consumer that gave up waits for each producer's final word before it reuses
                     // its blocks. Nothing of ours is (or will be) in flight into them: say so now. (A
                     // transfer still in flight answers with its own notification or failure.)
@@ -550,9 +574,9 @@ impl Writer {
                     if let Some(key) = key {
                         if self.shared.shard_of(key) == self.index {
                             let now = self.now();
-                            self.message(now, peer.addr.clone(), msg);
+                            self.message(now, peer.addr.clone(), peer.incarnation, msg);
                         } else {
-                            let _ = self.shared.route(peer.addr.clone(), msg);
+                            let _ = self.shared.route(peer.addr.clone(), peer.incarnation, msg);
                         }
                     }
                 }
@@ -618,6 +642,16 @@ impl Writer {
             self.rdv.handle_transfer_done(now, key, &target_of(&to), Err(FailureKind::PeerLost));
             return;
         };
+        // Registered by a previous process of the peer, which restarted since: its blocks are not
+        // the new process's to write (the restart's failure may still be queued behind the engine
+        // loop's command that made this match).
+        let registered = self.registered_by.get(&key).and_then(|v| v.iter().find(|(p, _)| *p == to)).map(|(_, i)| *i);
+        if registered.is_some_and(|i| i.is_some() && i != peer.incarnation) {
+            self.stats().failures.unknown_peer += 1;
+            tracing::warn!(worker = %self.shared.me, %key, peer = %to, "registration of a previous process of the peer not served");
+            self.rdv.handle_transfer_done(now, key, &target_of(&to), Err(FailureKind::PeerLost));
+            return;
+        }
         if reg.num_tokens() != blocks.num_tokens {
             self.stats().failures.plan += 1;
             self.rdv.handle_transfer_done(now, key, &target_of(&to), Err(FailureKind::PlanFailed));
@@ -758,7 +792,7 @@ impl Writer {
                     Action::Fail { key, target, kind } => {
                         let addr = addr_of(&target);
                         if let Some(peers) = self.registered_by.get_mut(&key) {
-                            peers.retain(|p| *p != addr);
+                            peers.retain(|(p, _)| *p != addr);
                             if peers.is_empty() {
                                 self.registered_by.remove(&key);
                             }

@@ -802,6 +802,8 @@ pub unsafe extern "C" fn kvpush_engine_create(
                     backend,
                     listen,
                     secret: secret.map(String::into_bytes),
+                    // Insecure mode only through $KVPUSH_INSECURE=1 (see SideConfig::insecure).
+                    insecure: false,
                     peer_timeout_ms: 0,
                 }
             }

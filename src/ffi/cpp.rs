@@ -140,7 +140,11 @@ pub(super) unsafe fn new_nixl_engine(spec: &EngineSpec, layout: &LayoutSpec) -> 
             agent_name: none_if_empty(&spec.agent_name),
             backend: none_if_empty(&spec.nixl_backend),
             listen: none_if_empty(&spec.listen),
+            // A default-constructed std::string is the only "unset" C++ can say here: empty means
+            // unset ($KVPUSH_SECRET, then SideConfig's rules), never an empty key.
             secret: none_if_empty(&spec.secret).map(String::into_bytes),
+            // Insecure mode only through $KVPUSH_INSECURE=1 (see SideConfig::insecure).
+            insecure: false,
             peer_timeout_ms: 0,
         };
         // SAFETY: forwarded contract.

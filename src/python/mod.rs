@@ -284,6 +284,7 @@ fn specs(d: &Bound<'_, PyDict>) -> PyResult<(EngineSpec, LayoutSpec)> {
             backend: get(d, "nixl_backend")?,
             listen: Some(listen),
             secret: get::<String>(d, "secret")?.map(String::into_bytes),
+            insecure: get::<bool>(d, "insecure")?.unwrap_or(false),
             peer_timeout_ms: get(d, "peer_timeout_ms")?.unwrap_or(0),
         },
     };

@@ -1,12 +1,16 @@
 //! The TCP side channel between engines: handshake (compatibility, shared secret), control frames
-//! over it, malformed frames, and peer loss. Data moves over the loopback transport here; the
-//! two-process tests run the same side channel with real NIXL.
+//! over it, malformed frames, and peer loss; then what an attacker on the network can and cannot do
+//! (docs/security.md): a relay that splices, injects, replays or reflects; a stranger who trickles,
+//! sends oversized records or opens many connections; a peer that restarts. Data moves over the
+//! loopback transport here; the two-process tests run the same side channel with real NIXL.
 
-use std::sync::Arc;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvpush::device::{host::HostDevice, Buffer, Device};
-use kvpush::engine::side::{SideChannel, SideConfig, SideError};
+use kvpush::engine::side::{SideChannel, SideConfig, SideError, SideLimits, SideStats};
 use kvpush::engine::{Config, Engine, Finished};
 use kvpush::proto::layout::Parallel;
 use kvpush::proto::{Key, Mode};
@@ -32,12 +36,18 @@ fn side_config(secret: Option<&[u8]>) -> SideConfig {
 }
 
 fn worker(id: &str, mode: Mode, fabric: &Fabric, secret: Option<&[u8]>) -> Worker {
+    worker_with(id, id, mode, fabric, side_config(secret))
+}
+
+/// A worker of engine `id` whose loopback endpoint is `endpoint` (two processes of one engine, the
+/// old and the restarted, need two endpoints).
+fn worker_with(id: &str, endpoint: &str, mode: Mode, fabric: &Fabric, side: SideConfig) -> Worker {
     let dev: Arc<dyn Device> = Arc::new(HostDevice::new());
     // Two layers, two KV heads of dimension 16, 64 blocks.
     let mut l = layouts::separate(layouts::full_model(2, 2, 16), 64, Parallel::SINGLE);
     let buffers = layouts::allocate(&mut l, dev.as_ref()).expect("host memory");
-    let side = Arc::new(SideChannel::bind(side_config(secret)).expect("bind"));
-    let transport = Arc::new(fabric.endpoint(id).expect("endpoint"));
+    let side = Arc::new(SideChannel::bind(side).expect("bind"));
+    let transport = Arc::new(fabric.endpoint(endpoint).expect("endpoint"));
     let mut config = Config::new(id, mode);
     config.completion.timeout_us = 3_000_000;
     config.rendezvous.lease_us = 3_000_000;
@@ -99,16 +109,24 @@ fn strangers_without_the_secret_are_refused() {
     let p = worker("prefill", Mode::Push, &fabric, Some(b"right"));
     let wrong = worker("decode", Mode::Push, &fabric, Some(b"wrong"));
     let e = wrong.side.connect(p.side.local_addr()).expect_err("wrong secret");
+    assert!(matches!(e, SideError::Auth { .. }), "{e}");
     assert!(e.to_string().contains("shared secrets differ"), "{e}");
+    // No secret on loopback: a per-process key, which a peer with a configured secret does not have.
     let none = worker("decode2", Mode::Push, &fabric, None);
     let e = none.side.connect(p.side.local_addr()).expect_err("no secret");
-    assert!(e.to_string().contains("requires a shared secret"), "{e}");
+    assert!(e.to_string().contains("no secret configured"), "{e}");
     assert!(p.side.peers().is_empty());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while p.side.stats().auth_failures < 2 {
+        assert!(Instant::now() < deadline, "P did not count both failures: {:?}", p.side.stats());
+        std::thread::sleep(Duration::from_millis(1));
+    }
     // A raw TCP client speaking something else is refused too, and the listener keeps working.
     let mut raw = std::net::TcpStream::connect(p.side.local_addr()).expect("tcp");
     std::io::Write::write_all(&mut raw, b"GET / HTTP/1.1\r\n\r\n0123456").expect("write");
     let ok = worker("decode3", Mode::Push, &fabric, Some(b"right"));
     ok.side.connect(p.side.local_addr()).expect("right secret still works");
+    until("P counted the handshake", || p.side.stats().handshakes == 1, stats_of(&p));
 }
 
 #[test]
@@ -172,4 +190,395 @@ fn a_lost_consumer_releases_the_producer_blocks_and_a_lost_producer_fails_the_co
         other => panic!("{other:?}"),
     }
     assert!(t0.elapsed() < Duration::from_secs(2), "D waited {:?}", t0.elapsed());
+}
+
+// ------------------------------------------------------------------------------------------------
+// Attacks. The wire format the attackers speak is written from the module docs of
+// `kvpush::engine::side`, not taken from its code.
+
+const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
+
+/// Polls `f` until it holds, failing with what `show` says after 10 s.
+fn until(what: &str, mut f: impl FnMut() -> bool, show: impl Fn() -> String) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "{what}: not after 10 s ({})", show());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn stats_of(w: &Worker) -> impl Fn() -> String + '_ {
+    move || format!("{:?}", w.side.stats())
+}
+
+/// A greeting as the docs lay it out: magic, version 2, role, auth, rank, engine id.
+fn greeting(role: u8, auth: u8, id: &[u8], id_len: u16) -> Vec<u8> {
+    let mut g = b"KVPSIDE2".to_vec();
+    g.extend_from_slice(&2u16.to_le_bytes());
+    g.extend_from_slice(&[role, auth, 0, 0, 0, 0]);
+    g.extend_from_slice(&id_len.to_le_bytes());
+    g.extend_from_slice(id);
+    g
+}
+
+/// Reads one greeting (18 bytes, then the engine id).
+fn read_greeting(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let mut g = vec![0u8; 18];
+    s.read_exact(&mut g)?;
+    let n = usize::from(u16::from_le_bytes([g[16], g[17]]));
+    let mut id = vec![0u8; n];
+    s.read_exact(&mut id)?;
+    g.extend_from_slice(&id);
+    Ok(g)
+}
+
+/// Reads one record (u16 big-endian length, then the body), length included.
+fn read_record(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 2];
+    s.read_exact(&mut len)?;
+    let mut r = len.to_vec();
+    r.resize(2 + usize::from(u16::from_be_bytes(len)), 0);
+    s.read_exact(&mut r[2..])?;
+    Ok(r)
+}
+
+/// Everything the peer sends until it closes (or `limit` passes), and when it closed.
+fn drain(s: &mut TcpStream, limit: Duration) -> (Vec<u8>, Option<Duration>) {
+    let t0 = Instant::now();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    s.set_read_timeout(Some(Duration::from_millis(20))).expect("timeout");
+    while t0.elapsed() < limit {
+        match s.read(&mut buf) {
+            Ok(0) => return (got, Some(t0.elapsed())),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(_) => return (got, Some(t0.elapsed())),
+        }
+    }
+    (got, None)
+}
+
+/// A man in the middle between a dialer and `target`: forwards greetings and records both ways,
+/// keeps a copy of each record, and lets the test write raw bytes towards the target.
+struct Relay {
+    addr: SocketAddr,
+    to_target: Arc<Mutex<Option<TcpStream>>>,
+    from_dialer: Arc<Mutex<Vec<Vec<u8>>>>,
+    from_target: Arc<Mutex<Vec<Vec<u8>>>>,
+}
+
+impl Relay {
+    fn start(target: SocketAddr) -> Relay {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let relay = Relay {
+            addr,
+            to_target: Arc::new(Mutex::new(None)),
+            from_dialer: Arc::new(Mutex::new(Vec::new())),
+            from_target: Arc::new(Mutex::new(Vec::new())),
+        };
+        let (to_target, from_dialer, from_target) =
+            (relay.to_target.clone(), relay.from_dialer.clone(), relay.from_target.clone());
+        std::thread::spawn(move || {
+            let Ok((dialer, _)) = listener.accept() else { return };
+            let Ok(target) = TcpStream::connect(target) else { return };
+            *to_target.lock().expect("relay lock") = Some(target.try_clone().expect("clone"));
+            let to_dialer = Arc::new(Mutex::new(Some(dialer.try_clone().expect("clone"))));
+            let pump = |mut from: TcpStream, to: Arc<Mutex<Option<TcpStream>>>, seen: Arc<Mutex<Vec<Vec<u8>>>>| {
+                std::thread::spawn(move || {
+                    let forward = |bytes: &[u8]| to.lock().expect("relay lock").as_mut().map(|s| s.write_all(bytes));
+                    let Ok(g) = read_greeting(&mut from) else { return };
+                    forward(&g);
+                    while let Ok(r) = read_record(&mut from) {
+                        seen.lock().expect("relay lock").push(r.clone());
+                        if !matches!(forward(&r), Some(Ok(()))) {
+                            return;
+                        }
+                    }
+                    if let Some(s) = to.lock().expect("relay lock").as_ref() {
+                        let _ = s.shutdown(std::net::Shutdown::Both);
+                    }
+                })
+            };
+            pump(dialer, to_target, from_dialer);
+            pump(target, to_dialer, from_target);
+        });
+        relay
+    }
+
+    /// Writes `bytes` to the target, between two forwarded records.
+    fn inject(&self, bytes: &[u8]) {
+        self.to_target.lock().expect("relay lock").as_mut().expect("relay connected").write_all(bytes).expect("inject");
+    }
+}
+
+/// A pair whose decode worker dials the prefill worker through a relay.
+fn relayed_pair(fabric: &Fabric) -> (Worker, Worker, Relay) {
+    let p = worker("prefill", Mode::Push, fabric, Some(SECRET));
+    let d = worker("decode", Mode::Push, fabric, Some(SECRET));
+    let relay = Relay::start(p.side.local_addr());
+    d.side.connect(relay.addr).expect("a transparent relay passes the handshake");
+    until("P connected", || !p.side.peers().is_empty(), stats_of(&p));
+    (p, d, relay)
+}
+
+impl Relay {
+    /// The last record seen of `records` once there are at least four (the handshake's, then a
+    /// heartbeat at least).
+    fn a_later_record(records: &Mutex<Vec<Vec<u8>>>, p: &Worker) -> Vec<u8> {
+        until("a record after the handshake", || records.lock().expect("relay lock").len() >= 4, stats_of(p));
+        records.lock().expect("relay lock").last().cloned().expect("a record")
+    }
+}
+
+/// Sends `attack` to P through the relay and checks that P refuses it, closes the connection, and
+/// hands no frame to its engine.
+fn refused_through_the_relay(p: &Worker, relay: &Relay, attack: &[u8]) {
+    let before = p.side.stats();
+    relay.inject(attack);
+    until("P refused the record", || p.side.stats().auth_failures == before.auth_failures + 1, stats_of(p));
+    until("P closed the connection", || p.side.peers().is_empty(), stats_of(p));
+    let after = p.side.stats();
+    assert_eq!((after.frames_in, after.malformed), (before.frames_in, before.malformed), "it reached the engine");
+}
+
+#[test]
+fn a_relay_cannot_inject_a_frame() {
+    let fabric = Fabric::new();
+    let (p, _d, relay) = relayed_pair(&fabric);
+    // An abort for a transfer, as a plaintext codec frame wrapped in a record: the old channel
+    // took any frame after its handshake.
+    let mut frame = b"KP\x01\x00\x63\x00\x00\x00\x00".to_vec();
+    frame.splice(0..0, (frame.len() as u16).to_be_bytes());
+    refused_through_the_relay(&p, &relay, &frame);
+}
+
+#[test]
+fn a_replayed_record_is_refused() {
+    let fabric = Fabric::new();
+    let (p, _d, relay) = relayed_pair(&fabric);
+    let replay = Relay::a_later_record(&relay.from_dialer, &p);
+    refused_through_the_relay(&p, &relay, &replay);
+}
+
+#[test]
+fn a_reflected_record_is_refused() {
+    let fabric = Fabric::new();
+    let (p, _d, relay) = relayed_pair(&fabric);
+    let own = Relay::a_later_record(&relay.from_target, &p);
+    refused_through_the_relay(&p, &relay, &own);
+}
+
+#[test]
+fn a_relay_splicing_two_handshakes_gets_no_session() {
+    let fabric = Fabric::new();
+    let p = worker("prefill", Mode::Push, &fabric, Some(SECRET));
+    let mut c1 = side_config(Some(SECRET));
+    c1.handshake_timeout = Duration::from_secs(2);
+    let d1 = worker_with("decode", "decode", Mode::Push, &fabric, c1.clone());
+    let d2 = worker_with("decode2", "decode2", Mode::Push, &fabric, c1);
+    // The relay answers both dialers with P's greeting, then hands P the first dialer's greeting
+    // with the second dialer's first Noise message.
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let relay = listener.local_addr().expect("addr");
+    let mut to_p = TcpStream::connect(p.side.local_addr()).expect("connect P");
+    let p_greeting = read_greeting(&mut to_p).expect("P's greeting");
+    let dial = |w: &Worker| {
+        let side = w.side.clone();
+        std::thread::spawn(move || side.connect(relay))
+    };
+    let t1 = dial(&d1);
+    let (mut s1, _) = listener.accept().expect("d1");
+    let t2 = dial(&d2);
+    let (mut s2, _) = listener.accept().expect("d2");
+    let g1 = read_greeting(&mut s1).expect("d1 greeting");
+    let g2 = read_greeting(&mut s2).expect("d2 greeting");
+    assert_ne!(g1, g2);
+    s1.write_all(&p_greeting).expect("to d1");
+    s2.write_all(&p_greeting).expect("to d2");
+    let _m1 = read_record(&mut s1).expect("d1 message");
+    let m2 = read_record(&mut s2).expect("d2 message");
+    let before = p.side.stats();
+    to_p.write_all(&g1).expect("spliced greeting");
+    to_p.write_all(&m2).expect("spliced message");
+    let (answer, closed) = drain(&mut to_p, Duration::from_secs(5));
+    assert!(answer.is_empty() && closed.is_some(), "P answered a spliced handshake: {} bytes", answer.len());
+    until("P counted the failure", || p.side.stats().auth_failures == before.auth_failures + 1, stats_of(&p));
+    assert!(p.side.peers().is_empty());
+    drop((s1, s2));
+    assert!(t1.join().expect("d1").is_err() && t2.join().expect("d2").is_err());
+}
+
+#[test]
+fn nothing_but_the_greeting_reaches_a_stranger() {
+    let fabric = Fabric::new();
+    let p = worker("prefill", Mode::Push, &fabric, Some(SECRET));
+    let expected = greeting(1, 1, b"prefill", 7);
+    // A stranger speaking the previous protocol's greeting (which used to get the handshake, agent
+    // metadata included, before any proof), then one speaking this one's with a made-up first
+    // Noise message.
+    let mut old = b"KVPSIDE1".to_vec();
+    old.extend_from_slice(&[7u8; 16]);
+    let mut new = greeting(0, 1, b"decode", 6);
+    new.extend_from_slice(&48u16.to_be_bytes());
+    new.extend_from_slice(&[0x5a; 48]);
+    for hello in [old, new] {
+        let mut s = TcpStream::connect(p.side.local_addr()).expect("tcp");
+        s.write_all(&hello).expect("hello");
+        let (got, closed) = drain(&mut s, Duration::from_secs(8));
+        assert!(closed.is_some(), "P kept a stranger's connection open");
+        assert_eq!(got, expected, "P sent a stranger more than its greeting");
+    }
+    until("P counted the failed proof", || p.side.stats().auth_failures == 1, stats_of(&p));
+    assert!(p.side.peers().is_empty());
+    assert_eq!(p.side.stats().handshakes, 0);
+}
+
+#[test]
+fn a_trickled_greeting_times_out_at_the_handshake_deadline() {
+    let fabric = Fabric::new();
+    let mut c = side_config(Some(SECRET));
+    c.handshake_timeout = Duration::from_millis(1000);
+    let p = worker_with("prefill", "prefill", Mode::Push, &fabric, c);
+    let mut s = TcpStream::connect(p.side.local_addr()).expect("tcp");
+    read_greeting(&mut s).expect("P's greeting");
+    // A greeting announcing the longest engine id, one byte every 50 ms: each read makes progress,
+    // so only a deadline for the whole handshake ends it.
+    let g = greeting(0, 1, &[b'x'; 256], 256);
+    s.set_read_timeout(Some(Duration::from_millis(1))).expect("timeout");
+    let t0 = Instant::now();
+    let mut closed = None;
+    for b in g.iter().cycle().take(200) {
+        if s.write_all(std::slice::from_ref(b)).is_err() {
+            closed = Some(t0.elapsed());
+            break;
+        }
+        match s.read(&mut [0u8; 16]) {
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Ok(n) if n > 0 => panic!("P sent {n} bytes to a stranger that is still greeting"),
+            _ => {
+                closed = Some(t0.elapsed());
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let closed = closed.expect("P kept a trickling stranger for 10 s");
+    assert!(closed >= Duration::from_millis(900), "closed after {closed:?}, before the deadline");
+    assert!(closed < Duration::from_secs(4), "closed after {closed:?}: more than the 1 s deadline allows");
+    until("P counted the timeout", || p.side.stats().timeouts == 1, stats_of(&p));
+}
+
+#[test]
+fn an_oversized_record_before_authentication_is_refused_unread() {
+    let fabric = Fabric::new();
+    let p = worker("prefill", Mode::Push, &fabric, Some(SECRET));
+    // Only the lengths are sent: a reader that tried to read (or allocate) the announced body
+    // would wait for it until the handshake deadline (5 s) instead of closing at once.
+    let mut long_id = greeting(0, 1, b"", u16::MAX);
+    long_id.truncate(18);
+    let mut long_record = greeting(0, 1, b"decode", 6);
+    long_record.extend_from_slice(&u16::MAX.to_be_bytes());
+    for (n, attack) in [long_id, long_record].into_iter().enumerate() {
+        let mut s = TcpStream::connect(p.side.local_addr()).expect("tcp");
+        read_greeting(&mut s).expect("P's greeting");
+        s.write_all(&attack).expect("attack");
+        let (_, closed) = drain(&mut s, Duration::from_secs(8));
+        let closed = closed.expect("P kept the connection");
+        assert!(closed < Duration::from_secs(2), "P waited {closed:?} for an oversized body");
+        until("P counted it", || p.side.stats().oversized == n as u64 + 1, stats_of(&p));
+    }
+}
+
+#[test]
+fn connection_limits_hold_against_many_strangers() {
+    let fabric = Fabric::new();
+    let mut c = side_config(Some(SECRET));
+    c.limits = SideLimits { max_handshakes: 4, max_handshakes_per_address: 2, ..SideLimits::default() };
+    c.handshake_timeout = Duration::from_secs(3);
+    let p = worker_with("prefill", "prefill", Mode::Push, &fabric, c);
+    // Strangers that connect and say nothing: two hold a handshake slot, the rest are closed.
+    let mut strangers: Vec<TcpStream> = (0..8).map(|_| TcpStream::connect(p.side.local_addr()).expect("tcp")).collect();
+    until("P turned the extra ones away", || p.side.stats().over_limit == 6, stats_of(&p));
+    let mut held = 0;
+    for s in &mut strangers {
+        let (got, closed) = drain(s, Duration::from_millis(300));
+        match closed {
+            Some(_) => assert!(got.is_empty(), "a stranger past the limit got {} bytes", got.len()),
+            None => held += 1,
+        }
+    }
+    assert_eq!(held, 2, "{:?}", p.side.stats());
+    assert_eq!(p.side.stats().pending_handshakes, 2);
+    // The slots come back when the strangers go; a real peer then connects.
+    drop(strangers);
+    until("the slots came back", || p.side.stats().pending_handshakes == 0, stats_of(&p));
+    let d = worker("decode", Mode::Push, &fabric, Some(SECRET));
+    d.side.connect(p.side.local_addr()).expect("a peer within the limits");
+}
+
+#[test]
+fn a_restarted_consumer_does_not_inherit_its_previous_registrations() {
+    let fabric = Fabric::new();
+    let p = worker("prefill", Mode::Push, &fabric, Some(SECRET));
+    let d = worker_with("decode", "decode-a", Mode::Push, &fabric, side_config(Some(SECRET)));
+    d.side.connect(p.side.local_addr()).expect("handshake");
+    let key = Key::new(9, 1);
+    d.engine.blocks_allocated(key, "prefill", vec![vec![1, 2, 3]], 48).expect("register");
+    until("P holds the registration", || p.side.stats().frames_in >= 1, stats_of(&p));
+    // The same engine id comes back as a new process (its old connection still open): P must drop
+    // what the old process registered, and never write into the new one's blocks 1..3.
+    let d2 = worker_with("decode", "decode-b", Mode::Push, &fabric, side_config(Some(SECRET)));
+    d2.side.connect(p.side.local_addr()).expect("handshake of the new process");
+    until("P saw the restart", || p.side.stats().restarts == 1, stats_of(&p));
+    let pb = vec![vec![4u32, 5, 6]];
+    pattern::fill(p.engine.layout(), &p.buffers, &pb, 48, 9).expect("fill");
+    let t0 = Instant::now();
+    p.engine.request_finished(key, pb, 48).expect("ready");
+    wait_for(&p, "released", |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
+    assert!(t0.elapsed() < Duration::from_secs(2), "P held its blocks for {:?}", t0.elapsed());
+    for b in &d2.buffers {
+        let mut bytes = vec![0u8; b.region().len as usize];
+        b.read_at(0, &mut bytes).expect("read");
+        assert!(
+            bytes.iter().all(|&x| x == 0),
+            "P wrote into the new process's blocks: {:?} {:?}",
+            p.side.stats(),
+            p.engine.stats().counters
+        );
+    }
+    // The old process learns its request failed.
+    wait_for(&d, "failed", |f| matches!(f, Finished::Failed { key: k, .. } if *k == key));
+}
+
+#[test]
+fn an_unsafe_secret_configuration_refuses_to_start() {
+    let mut c = side_config(Some(b""));
+    let e = SideChannel::bind(c.clone()).expect_err("empty secret");
+    assert!(matches!(e, SideError::Config { .. }) && e.to_string().contains("empty"), "{e}");
+    c.secret = Some(SECRET.to_vec());
+    c.insecure = true;
+    let e = SideChannel::bind(c.clone()).expect_err("secret and insecure");
+    assert!(e.to_string().contains("choose one"), "{e}");
+    c.secret = None;
+    c.insecure = false;
+    c.listen = "0.0.0.0:0".into();
+    let e = SideChannel::bind(c.clone()).expect_err("no secret off loopback");
+    assert!(e.to_string().contains("KVPUSH_INSECURE"), "{e}");
+    c.insecure = true;
+    SideChannel::bind(c).expect("explicitly insecure");
+}
+
+#[test]
+fn insecure_and_authenticated_peers_do_not_mix() {
+    let fabric = Fabric::new();
+    let p = worker("prefill", Mode::Push, &fabric, Some(SECRET));
+    let mut c = side_config(None);
+    c.insecure = true;
+    let d = worker_with("decode", "decode", Mode::Push, &fabric, c);
+    let e = d.side.connect(p.side.local_addr()).expect_err("insecure dialer");
+    assert!(e.to_string().contains("insecure mode"), "{e}");
+    let s: SideStats = p.side.stats();
+    assert_eq!(s.handshakes, 0);
 }

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import re
 import signal
 import socket
@@ -278,6 +279,11 @@ def nixl_kv_config(
     return cfg
 
 
+# kvpush's side channel authenticates peers with a shared secret (docs/security.md): every server of
+# a test session gets the same one, made for the session, unless the caller set $KVPUSH_SECRET.
+RUN_SECRET = os.environ.get("KVPUSH_SECRET") or secrets.token_hex(32)
+
+
 def start_vllm(
     name: str,
     model_dir: Path | str,
@@ -333,6 +339,7 @@ def start_vllm(
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+            "KVPUSH_SECRET": RUN_SECRET,
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
             "HF_HUB_OFFLINE": "1",

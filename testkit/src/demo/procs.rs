@@ -918,15 +918,20 @@ pub fn run(t: &Topology, w: &Workload, modes: &[Mode], opts: &Options, tick: &dy
 
 fn start(t: &Topology, mode: Mode, opts: &Options) -> Result<Pair, ProcsError> {
     let (tx, rx) = unbounded();
-    let spawn = |role: Role| {
-        let mut spec = WorkerSpec::new(role, mode, t);
-        spec.backend = opts.backend.clone();
-        WorkerProc::spawn(&opts.exe, &spec, &[], tx.clone(), opts.log.clone()).map_err(|source| ProcsError::Spawn {
-            role,
-            exe: opts.exe.display().to_string(),
-            source,
-        })
-    };
+    // The two children authenticate each other with a secret made for this run.
+    let secret = kvpush::engine::side::random_secret().map_err(|e| ProcsError::Spawn {
+        role: Role::Prefill,
+        exe: opts.exe.display().to_string(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    let env = [(kvpush::engine::side::SECRET_ENV.to_owned(), secret)];
+    let spawn =
+        |role: Role| {
+            let mut spec = WorkerSpec::new(role, mode, t);
+            spec.backend = opts.backend.clone();
+            WorkerProc::spawn(&opts.exe, &spec, &env, tx.clone(), opts.log.clone())
+                .map_err(|source| ProcsError::Spawn { role, exe: opts.exe.display().to_string(), source })
+        };
     // Both start at once (engine and NIXL start-up overlap); a failure of either kills both.
     let p = spawn(Role::Prefill)?;
     let d = spawn(Role::Decode)?;
