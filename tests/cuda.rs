@@ -713,3 +713,54 @@ fn cuda_stager_scatters_a_checked_snapshot_of_a_device_table() {
         panic!("cache byte {i} is {:#x}, expected {:#x}", got[i], want[i]);
     }
 }
+
+// ---- GPU memory in one process: the loopback transport and the demo (need a GPU, as above) ----
+
+/// The loopback transport between two GPU buffers: an endpoint for host memory only refuses them
+/// (the CPU must never load or store a device address: that was the one-process demo's segfault),
+/// an endpoint on the CUDA device copies them through the device, every byte.
+#[test]
+fn loopback_copies_gpu_memory_through_the_device() {
+    use kvpush::transport::loopback::Fabric;
+    use kvpush::transport::{Desc, Op, Transport, XferState};
+    let Some(dev) = gpu_or_skip("loopback_copies_gpu_memory_through_the_device") else { return };
+    let dev: std::sync::Arc<dyn Device> = std::sync::Arc::new(dev);
+    let len = 8usize << 20;
+    let (src, dst) = (dev.alloc(len as u64).unwrap(), dev.alloc(len as u64).unwrap());
+    let data = word_pattern(len, 0x100b);
+    src.write_at(0, &data).unwrap();
+    let fabric = Fabric::new();
+    let plain = fabric.endpoint("plain").unwrap();
+    // SAFETY: refused before anything is recorded.
+    let err = unsafe { plain.register(&src.region()) }.unwrap_err();
+    assert!(err.to_string().contains("device memory"), "{err}");
+    let p = fabric.endpoint_on("prefill", dev.clone()).unwrap();
+    let d = fabric.endpoint_on("decode", dev.clone()).unwrap();
+    p.load_remote(&d.local_metadata().unwrap()).unwrap();
+    d.load_remote(&p.local_metadata().unwrap()).unwrap();
+    // SAFETY: both buffers live until the end of the test, which reads them only after the transfer.
+    unsafe {
+        p.register(&src.region()).unwrap();
+        d.register(&dst.region()).unwrap();
+    }
+    let (s, t) = (src.region().addr, dst.region().addr);
+    // 1024 descriptors of 4 KiB in reverse order, then one of the remaining 4 MiB.
+    let mut descs: Vec<Desc> =
+        (0..1024u64).map(|i| Desc { local: s + i * 4096, remote: t + (1023 - i) * 4096, len: 4096 }).collect();
+    descs.push(Desc { local: s + (4 << 20), remote: t + (4 << 20), len: 4 << 20 });
+    let id = p.post(Op::Write, "decode", &descs, Some(b"landed")).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while p.poll(id).unwrap() == XferState::Pending {
+        assert!(std::time::Instant::now() < deadline, "transfer never completed");
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+    let mut got = vec![0u8; len];
+    dst.read_at(0, &mut got).unwrap();
+    for i in 0..1024 {
+        let (g, w) = ((1023 - i) * 4096, i * 4096);
+        assert!(got[g..g + 4096] == data[w..w + 4096], "block {i} arrived wrong");
+    }
+    assert!(got[4 << 20..] == data[4 << 20..], "the large descriptor arrived wrong");
+    p.deregister(&src.region()).unwrap();
+    d.deregister(&dst.region()).unwrap();
+}

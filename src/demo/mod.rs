@@ -509,7 +509,8 @@ fn build(
     let mut workers = Vec::new();
     for r in 0..tp {
         let (layout, buffers) = worker_layout(t, dev.as_ref(), r, tp, block)?;
-        let transport = Arc::new(fabric.endpoint(&format!("{engine_id}/{r}"))?);
+        // The endpoint copies the device's memory as the device says (through the GPU for CUDA).
+        let transport = Arc::new(fabric.endpoint_on(&format!("{engine_id}/{r}"), dev.clone())?);
         let mut config = Config::new(engine_id, mode);
         config.writers = t.writers;
         config.staging = t.staging.engine(t.staging_slots, t.staging_slot_bytes);
