@@ -764,3 +764,40 @@ fn loopback_copies_gpu_memory_through_the_device() {
     p.deregister(&src.region()).unwrap();
     d.deregister(&dst.region()).unwrap();
 }
+
+/// `KVPUSH_DEVICE=cuda:0 kvpush demo` in one process (loopback), staging off and on (auto), run and
+/// FIFO block pools: every request verified. Before the loopback copied GPU memory through the
+/// device, this crashed the process with a segmentation fault.
+#[test]
+fn demo_in_one_process_on_the_gpu_verifies_every_byte() {
+    use kvpush::demo::{self, AllocatorFlag, StagingFlag, Topology, Workload};
+    if gpu_or_skip("demo_in_one_process_on_the_gpu_verifies_every_byte").is_none() {
+        return;
+    }
+    let _env = env_lock();
+    let saved = std::env::var_os("KVPUSH_DEVICE");
+    std::env::set_var("KVPUSH_DEVICE", "cuda:0");
+    let w = Workload { requests: 24, concurrency: 8, ..Workload::default() };
+    let mut outcomes = Vec::new();
+    for (staging, allocator) in [
+        (StagingFlag::Off, AllocatorFlag::Runs),
+        (StagingFlag::Auto, AllocatorFlag::Fifo),
+        (StagingFlag::On, AllocatorFlag::Runs),
+    ] {
+        let t = Topology { staging, allocator, num_blocks: 2048, ..Topology::default() };
+        let r = demo::run(&t, &w, &[kvpush::proto::Mode::Push, kvpush::proto::Mode::Pull], &|| {});
+        outcomes.push((staging, allocator, r));
+    }
+    match saved {
+        Some(v) => std::env::set_var("KVPUSH_DEVICE", v),
+        None => std::env::remove_var("KVPUSH_DEVICE"),
+    }
+    for (staging, allocator, r) in outcomes {
+        let ctx = format!("staging {staging:?}, allocator {allocator:?}");
+        let r = r.unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        for m in [r.push.as_ref().expect("push"), r.pull.as_ref().expect("pull")] {
+            assert_eq!((m.requests, m.failed), (24, 0), "{ctx}: {m:?}");
+            assert_eq!(m.verified_bytes, m.bytes, "{ctx}: every byte moved was verified: {m:?}");
+        }
+    }
+}
