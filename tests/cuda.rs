@@ -3,8 +3,9 @@
 //!
 //! What needs a GPU (the kernels, the real driver's answers) runs in benches/gpu_push.rs on the GPU
 //! machine; its driver-validation answers are recorded in benches/results/gpu-h200x2.json. The CUDA
-//! stager's tests at the end run here where a CUDA driver loads (device 0), and return at once
-//! where none does (every CI machine).
+//! stager's tests at the end, and the loopback transport and the one-process demo on GPU memory,
+//! run here where a CUDA driver loads (device 0), and return at once where none does (every CI
+//! machine). scripts/gpu_check.sh runs them on the GPU machine.
 
 use std::collections::HashSet;
 
