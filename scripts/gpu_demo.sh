@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `kvpush demo` (two processes over NIXL) on the GPU machine, whose CPUs are otherwise idle: the
 # host-memory runs of docs/benchmarks.md (pinned to 2 cores with taskset: the demo's run-keeping
-# allocator and vLLM-like FIFO pools, staging off and on, NIXL with two UCX threads). (The demo with its caches in GPU memory, KVPUSH_DEVICE=cuda, fills and checks
-# them through small copies and does not finish in these limits: the GPU figures come from gpu_push.)
+# allocator and vLLM-like FIFO pools, staging off and on, NIXL with two UCX threads). (The demo with
+# its caches in GPU memory, KVPUSH_DEVICE=cuda:0, in one process and in two: scripts/gpu_check.sh.)
 # Everything comes from the carried
 # directory that `scripts/gpu_bench.sh --prepare` fills (plus a release `kvpush` binary copied there).
 #

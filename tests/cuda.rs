@@ -3,8 +3,9 @@
 //!
 //! What needs a GPU (the kernels, the real driver's answers) runs in benches/gpu_push.rs on the GPU
 //! machine; its driver-validation answers are recorded in benches/results/gpu-h200x2.json. The CUDA
-//! stager's tests at the end run here where a CUDA driver loads (device 0), and return at once
-//! where none does (every CI machine).
+//! stager's tests at the end, and the loopback transport and the one-process demo on GPU memory,
+//! run here where a CUDA driver loads (device 0), and return at once where none does (every CI
+//! machine). scripts/gpu_check.sh runs them on the GPU machine.
 
 use std::collections::HashSet;
 
@@ -714,5 +715,93 @@ fn cuda_stager_scatters_a_checked_snapshot_of_a_device_table() {
     }
     if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
         panic!("cache byte {i} is {:#x}, expected {:#x}", got[i], want[i]);
+    }
+}
+
+// ---- GPU memory in one process: the loopback transport and the demo (need a GPU, as above) ----
+
+/// The loopback transport between two GPU buffers: an endpoint for host memory only refuses them
+/// (the CPU must never load or store a device address: that was the one-process demo's segfault),
+/// an endpoint on the CUDA device copies them through the device, every byte.
+#[test]
+fn loopback_copies_gpu_memory_through_the_device() {
+    use kvpush::transport::loopback::Fabric;
+    use kvpush::transport::{Desc, Op, Transport, XferState};
+    let Some(dev) = gpu_or_skip() else { return };
+    let dev: std::sync::Arc<dyn Device> = std::sync::Arc::new(dev);
+    let len = 8usize << 20;
+    let (src, dst) = (dev.alloc(len as u64).unwrap(), dev.alloc(len as u64).unwrap());
+    let data = word_pattern(len, 0x100b);
+    src.write_at(0, &data).unwrap();
+    let fabric = Fabric::new();
+    let plain = fabric.endpoint("plain").unwrap();
+    // SAFETY: refused before anything is recorded.
+    let err = unsafe { plain.register(&src.region()) }.unwrap_err();
+    assert!(err.to_string().contains("device memory"), "{err}");
+    let p = fabric.endpoint_on("prefill", dev.clone()).unwrap();
+    let d = fabric.endpoint_on("decode", dev.clone()).unwrap();
+    p.load_remote(&d.local_metadata().unwrap()).unwrap();
+    d.load_remote(&p.local_metadata().unwrap()).unwrap();
+    // SAFETY: both buffers live until the end of the test, which reads them only after the transfer.
+    unsafe {
+        p.register(&src.region()).unwrap();
+        d.register(&dst.region()).unwrap();
+    }
+    let (s, t) = (src.region().addr, dst.region().addr);
+    // 1024 descriptors of 4 KiB in reverse order, then one of the remaining 4 MiB.
+    let mut descs: Vec<Desc> =
+        (0..1024u64).map(|i| Desc { local: s + i * 4096, remote: t + (1023 - i) * 4096, len: 4096 }).collect();
+    descs.push(Desc { local: s + (4 << 20), remote: t + (4 << 20), len: 4 << 20 });
+    let id = p.post(Op::Write, "decode", &descs, Some(b"landed")).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while p.poll(id).unwrap() == XferState::Pending {
+        assert!(std::time::Instant::now() < deadline, "transfer never completed");
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+    let mut got = vec![0u8; len];
+    dst.read_at(0, &mut got).unwrap();
+    for i in 0..1024 {
+        let (g, w) = ((1023 - i) * 4096, i * 4096);
+        assert!(got[g..g + 4096] == data[w..w + 4096], "block {i} arrived wrong");
+    }
+    assert!(got[4 << 20..] == data[4 << 20..], "the large descriptor arrived wrong");
+    p.deregister(&src.region()).unwrap();
+    d.deregister(&dst.region()).unwrap();
+}
+
+/// `KVPUSH_DEVICE=cuda:0 kvpush demo` in one process (loopback), staging off and on (auto), run and
+/// FIFO block pools: every request verified. Before the loopback copied GPU memory through the
+/// device, this crashed the process with a segmentation fault.
+#[test]
+fn demo_in_one_process_on_the_gpu_verifies_every_byte() {
+    use kvpush_testkit::demo::{self, AllocatorFlag, StagingFlag, Topology, Workload};
+    if gpu_or_skip().is_none() {
+        return;
+    }
+    let _env = env_lock();
+    let saved = std::env::var_os("KVPUSH_DEVICE");
+    std::env::set_var("KVPUSH_DEVICE", "cuda:0");
+    let w = Workload { requests: 24, concurrency: 8, ..Workload::default() };
+    let mut outcomes = Vec::new();
+    for (staging, allocator) in [
+        (StagingFlag::Off, AllocatorFlag::Runs),
+        (StagingFlag::Auto, AllocatorFlag::Fifo),
+        (StagingFlag::On, AllocatorFlag::Runs),
+    ] {
+        let t = Topology { staging, allocator, num_blocks: 2048, ..Topology::default() };
+        let r = demo::run(&t, &w, &[kvpush::proto::Mode::Push, kvpush::proto::Mode::Pull], &|| {});
+        outcomes.push((staging, allocator, r));
+    }
+    match saved {
+        Some(v) => std::env::set_var("KVPUSH_DEVICE", v),
+        None => std::env::remove_var("KVPUSH_DEVICE"),
+    }
+    for (staging, allocator, r) in outcomes {
+        let ctx = format!("staging {staging:?}, allocator {allocator:?}");
+        let r = r.unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        for m in [r.push.as_ref().expect("push"), r.pull.as_ref().expect("pull")] {
+            assert_eq!((m.requests, m.failed), (24, 0), "{ctx}: {m:?}");
+            assert_eq!(m.verified_bytes, m.bytes, "{ctx}: every byte moved was verified: {m:?}");
+        }
     }
 }

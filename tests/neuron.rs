@@ -573,15 +573,16 @@ fn efa_device_and_info() {
 #[test]
 fn loopback_moves_bytes_between_two_neuron_tensors() {
     let fake = Fake::new(Variant::Full);
-    let dev = fake.open(RuntimeMode::Own).unwrap();
+    let dev = std::sync::Arc::new(fake.open(RuntimeMode::Own).unwrap());
     let src = dev.alloc(1 << 20).unwrap();
     let dst = dev.alloc(1 << 20).unwrap();
     let data: Vec<u8> = (0..256 * 1024u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
     src.write_at(4096, &data).unwrap();
 
     let fabric = Fabric::new();
-    let p = fabric.endpoint("prefill").unwrap();
-    let d = fabric.endpoint("decode").unwrap();
+    // Endpoints for the device's memory: an endpoint for host memory only refuses it.
+    let p = fabric.endpoint_on("prefill", dev.clone()).unwrap();
+    let d = fabric.endpoint_on("decode", dev.clone()).unwrap();
     p.load_remote(&d.local_metadata().unwrap()).unwrap();
     d.load_remote(&p.local_metadata().unwrap()).unwrap();
     let (rs, rd) = (dev.describe(src.region().addr, src.region().len).unwrap(), dst.region());

@@ -539,6 +539,30 @@ impl Stream {
         ))
     }
 
+    /// Queues a copy of `len` bytes from `src` to `dst` where either address may be device memory
+    /// or host memory of this process (`cuMemcpyAsync`: with unified addressing the driver tells
+    /// which from the address). From or to pageable host memory the driver may finish the copy before
+    /// returning; call [`Stream::synchronize`] to know it landed.
+    ///
+    /// # Safety
+    ///
+    /// `src..src + len` is valid for reads and `dst..dst + len` for writes (device memory of this
+    /// stream's context, or host memory of this process) until the copy ran; nothing writes the
+    /// source or accesses the destination meanwhile other than work ordered on this stream.
+    pub unsafe fn copy(&self, dst: u64, src: u64, len: usize) -> Result<(), CudaError> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.gpu.make_current()?;
+        // SAFETY: the caller's contract covers both ranges until the copy ran; `raw` is a live stream
+        // of the current context.
+        unsafe { sys::cuMemcpyAsync(dst, src, len, self.raw).result() }.map_err(drv(
+            "cuMemcpyAsync",
+            Some(self.gpu.ordinal),
+            format!("{len} bytes from {src:#x} to {dst:#x}"),
+        ))
+    }
+
     pub(crate) fn raw(&self) -> sys::CUstream {
         self.raw
     }

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use kvpush_cuda::{CudaError, DeviceMem, Event, Gpu, Kernels, PinnedHost, Stream};
 
 use super::stage::{check_entries, check_table, ENTRY_BYTES};
-use super::{Buffer, Device, DeviceError, DeviceKind, MemKind, MemRegion, StageEntry, Stager};
+use super::{Access, Buffer, CopyOp, Device, DeviceError, DeviceKind, MemKind, MemRegion, StageEntry, Stager};
 
 /// The environment variable naming the CUDA device ordinal `KVPUSH_DEVICE=cuda` opens (default 0).
 pub const DEVICE_ENV: &str = "KVPUSH_CUDA_DEVICE";
@@ -37,6 +37,9 @@ pub const PTX_ENV: &str = "KVPUSH_CUDA_PTX";
 #[derive(Clone)]
 pub struct CudaDevice {
     gpu: Arc<Gpu>,
+    /// The stream of [`Device::copy`], made on first use; the lock keeps one batch of copies and its
+    /// synchronize together.
+    copies: Arc<Mutex<Option<Stream>>>,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -52,7 +55,7 @@ fn unavailable(e: CudaError) -> String {
 impl CudaDevice {
     /// Opens device `ordinal` and makes its primary context current on this thread.
     pub fn open(ordinal: u32) -> Result<Self, String> {
-        Gpu::open(ordinal).map(|gpu| CudaDevice { gpu }).map_err(unavailable)
+        Gpu::open(ordinal).map(|gpu| CudaDevice { gpu, copies: Arc::default() }).map_err(unavailable)
     }
 
     /// Opens the device named by `KVPUSH_CUDA_DEVICE` (default 0).
@@ -113,6 +116,43 @@ impl Device for CudaDevice {
             reason: e.to_string(),
         })?;
         Ok(MemRegion { addr: info.addr, len: info.len, kind: MemKind::Vram, dev_id: info.device })
+    }
+
+    /// Device memory: the CPU must not touch it; [`Device::copy`] moves it.
+    fn access(&self) -> Access {
+        Access::Device
+    }
+
+    /// Queues every op on the device's copy stream (`cuMemcpyAsync`, so either side may be host
+    /// memory) and waits for the stream: every byte landed when this returns.
+    unsafe fn copy(&self, ops: &[CopyOp]) -> Result<(), DeviceError> {
+        let failed = |op: Option<&CopyOp>, e: CudaError| DeviceError::Copy {
+            device: DeviceKind::Cuda,
+            offset: op.map_or(0, |o| o.dst),
+            len: op.map_or_else(|| ops.iter().map(|o| o.len).fold(0, u64::saturating_add), |o| o.len),
+            reason: format!("in-process copy of {} ops: {e}", ops.len()),
+        };
+        // A poisoned lock only means another copier panicked; the stream is still sound.
+        let mut stream = self.copies.lock().unwrap_or_else(|p| p.into_inner());
+        if stream.is_none() {
+            *stream = Some(Stream::new(&self.gpu).map_err(|e| failed(None, e))?);
+        }
+        let Some(stream) = stream.as_ref() else { return Ok(()) };
+        let mut queued = Ok(());
+        for op in ops {
+            let len = usize::try_from(op.len).map_err(|_| {
+                failed(Some(op), CudaError::Bounds { what: "copy", detail: format!("{} bytes", op.len) })
+            })?;
+            // SAFETY: `Device::copy`'s contract: both ranges are valid for the whole call and touched by
+            // nothing else; the synchronize below returns only after the copy ran.
+            if let Err(e) = unsafe { stream.copy(op.dst, op.src, len) } {
+                queued = Err(failed(Some(op), e));
+                break;
+            }
+        }
+        // Wait even after a failed queue: copies queued before it may still run.
+        let synced = stream.synchronize().map_err(|e| failed(None, e));
+        queued.and(synced)
     }
 
     /// A [`CudaStager`] on this device (kernels loaded once per process and device).

@@ -80,6 +80,10 @@ impl Device for HostDevice {
         DeviceKind::Host
     }
 
+    fn access(&self) -> super::Access {
+        super::Access::Cpu
+    }
+
     fn stager(&self, _lanes: usize, max_entries: usize) -> Result<Option<Box<dyn super::Stager>>, DeviceError> {
         Ok(Some(Box::new(super::stage::HostStager::new(DeviceKind::Host, max_entries))))
     }

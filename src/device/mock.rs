@@ -170,6 +170,11 @@ impl Device for MockDevice {
         DeviceKind::Mock
     }
 
+    /// Its "device memory" is host memory: the CPU copies it.
+    fn access(&self) -> super::Access {
+        super::Access::Cpu
+    }
+
     fn stager(&self, _lanes: usize, max_entries: usize) -> Result<Option<Box<dyn super::Stager>>, DeviceError> {
         Ok(Some(Box::new(super::stage::HostStager::new(DeviceKind::Mock, max_entries))))
     }

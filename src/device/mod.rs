@@ -151,6 +151,30 @@ pub trait Buffer: Send + Sync + fmt::Debug {
     fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), DeviceError>;
 }
 
+/// Who can copy a device's memory inside this process ([`Device::access`]): what an in-process
+/// transport ([`crate::transport::loopback`]) needs to know before it moves the memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Access {
+    /// The CPU loads and stores the memory at the addresses the device gives (host memory; the
+    /// mock's host memory posing as device memory; Neuron HBM mapped into the process).
+    Cpu,
+    /// Only the device moves it: [`Device::copy`] (CUDA device memory).
+    Device,
+    /// Nothing in this process can copy it.
+    None,
+}
+
+/// One copy of [`Device::copy`]: `len` bytes from address `src` to address `dst`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CopyOp {
+    /// Destination address.
+    pub dst: u64,
+    /// Source address.
+    pub src: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
 /// A memory backend. Implementations are internally synchronized.
 pub trait Device: Send + Sync + fmt::Debug {
     /// Which backend this is.
@@ -164,6 +188,28 @@ pub trait Device: Send + Sync + fmt::Debug {
     fn stager(&self, lanes: usize, max_entries: usize) -> Result<Option<Box<dyn Stager>>, DeviceError> {
         let _ = (lanes, max_entries);
         Ok(None)
+    }
+    /// Who can copy this device's memory inside this process. The default, [`Access::None`], makes
+    /// an in-process transport refuse the memory instead of touching it.
+    fn access(&self) -> Access {
+        Access::None
+    }
+    /// Copies every `op` through the device and returns once every byte landed: the in-process data
+    /// path for memory of [`Access::Device`]. Either side of an op may also be host memory of this
+    /// process. The default refuses ([`DeviceError::Copy`]): this device cannot copy in process.
+    ///
+    /// # Safety
+    ///
+    /// For the whole call, every op's source is memory of this device (or host memory) valid for
+    /// reads and its destination valid for writes, and nothing else writes a source or accesses a
+    /// destination.
+    unsafe fn copy(&self, ops: &[CopyOp]) -> Result<(), DeviceError> {
+        Err(DeviceError::Copy {
+            device: self.kind(),
+            offset: ops.first().map_or(0, |o| o.dst),
+            len: ops.iter().map(|o| o.len).fold(0, u64::saturating_add),
+            reason: format!("{} devices do not copy their memory in process", self.kind()),
+        })
     }
 }
 

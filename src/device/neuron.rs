@@ -526,6 +526,13 @@ impl Device for NeuronDevice {
         DeviceKind::Neuron
     }
 
+    /// Opening the device checked that libnrt maps device memory into the process
+    /// (`NEURON_RT_MAP_HBM=1`): the addresses it describes are that mapping, which the CPU loads and
+    /// stores.
+    fn access(&self) -> super::Access {
+        super::Access::Cpu
+    }
+
     fn alloc(&self, len: u64) -> Result<Box<dyn Buffer>, DeviceError> {
         self.alloc_tensor(len).map(|b| Box::new(b) as Box<dyn Buffer>).map_err(|e| DeviceError::Alloc {
             device: DeviceKind::Neuron,

@@ -567,7 +567,7 @@ impl FfiEngine {
         let default_name = format!("{}/{}.{}", spec.engine_id, p.tp_rank, p.pp_rank);
         let (engine, medium) = match &spec.transport {
             TransportSpec::Loopback(hub) => {
-                let transport = Arc::new(hub.fabric.endpoint(&default_name)?);
+                let transport = Arc::new(hub.fabric.endpoint_on(&default_name, device.clone())?);
                 // SAFETY: forwarded from this function's contract, which is `Engine::new`'s.
                 let engine = unsafe { Engine::new(config, layout, device, transport, hub.link.clone()) }?;
                 hub.link.attach(engine.addr().clone(), engine.sink());

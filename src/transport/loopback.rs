@@ -21,6 +21,13 @@
 //! nothing hangs or leaks when a post fails, a notification is lost, a transfer fails half way or
 //! completes late.
 //!
+//! Memory: host memory ([`MemKind::Dram`]) is copied by the worker with CPU loads and stores. Device
+//! memory ([`MemKind::Vram`]) only on an endpoint made with [`Fabric::endpoint_on`] for its device,
+//! and as that device says ([`Device::access`]): by the CPU where the memory is mapped into the
+//! process (the mock, Neuron), through [`Device::copy`] otherwise (CUDA: the CPU must never load or
+//! store a GPU address). An endpoint without a device, or with one that cannot copy in process,
+//! refuses to register device memory, naming it, instead of touching it later.
+//!
 //! What this module must never do: touch memory that is not registered at the moment of the copy
 //! (every copy re-validates its ranges under the registration locks, so `deregister` and dropping an
 //! endpoint wait for a copy in progress and stop later ones), panic on bad input, or leak its thread.
@@ -38,7 +45,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 
 use super::{Desc, Notification, Op, Transport, TransportError, Waker, XferId, XferState};
-use crate::device::MemRegion;
+use crate::device::{Access, CopyOp, Device, MemKind, MemRegion};
 use crate::sync::lock;
 
 /// NIXL's `NIXL_ERR_INVALID_PARAM`: a call was given a bad argument.
@@ -157,8 +164,18 @@ impl Fabric {
     }
 
     /// A new endpoint named `name` (unique among this fabric's live endpoints, 1 to
-    /// [`MAX_NAME_LEN`] bytes).
+    /// [`MAX_NAME_LEN`] bytes) for host memory only: it refuses to register device memory.
     pub fn endpoint(&self, name: &str) -> Result<LoopbackTransport, TransportError> {
+        self.make_endpoint(name, None)
+    }
+
+    /// A new endpoint named `name` for the memory of `device` (and host memory): device memory it
+    /// registers is copied the way the device says ([`Device::access`]).
+    pub fn endpoint_on(&self, name: &str, device: Arc<dyn Device>) -> Result<LoopbackTransport, TransportError> {
+        self.make_endpoint(name, Some(device))
+    }
+
+    fn make_endpoint(&self, name: &str, device: Option<Arc<dyn Device>>) -> Result<LoopbackTransport, TransportError> {
         if name.is_empty() || name.len() > MAX_NAME_LEN {
             return Err(call_error(
                 "endpoint",
@@ -186,6 +203,7 @@ impl Fabric {
             inbox: Mutex::new(Vec::new()),
             waker: Mutex::new(None),
             stats: Counters::default(),
+            device,
         });
         endpoints.insert(name.to_owned(), Arc::downgrade(&ep));
         drop(endpoints);
@@ -312,12 +330,32 @@ impl Transport for LoopbackTransport {
     /// the transfer's completion or notification, as with any DMA engine). Deregistering or dropping
     /// the endpoint waits for a copy in progress; later copies of the range fail instead of running.
     ///
-    /// Errors: an empty region, address 0, a range that wraps or does not fit the address space, or
-    /// a region registered twice (status [`STATUS_INVALID_PARAM`]).
+    /// Device memory ([`MemKind::Vram`]) is copied by the endpoint's device (see the module docs);
+    /// for memory of [`Access::Cpu`] the contract above holds for it too.
+    ///
+    /// Errors: an empty region, address 0, a range that wraps or does not fit the address space, a
+    /// region registered twice, or device memory on an endpoint whose device cannot copy it (none,
+    /// or [`Access::None`]) (status [`STATUS_INVALID_PARAM`]).
     unsafe fn register(&self, region: &MemRegion) -> Result<(), TransportError> {
         let invalid = |detail: String| call_error("register", None, STATUS_INVALID_PARAM, detail);
         if region.len == 0 || region.addr == 0 {
             return Err(invalid(format!("empty or null region {:#x}+{}", region.addr, region.len)));
+        }
+        if region.kind == MemKind::Vram {
+            let what = format!("region {:#x}+{} is device memory (device {})", region.addr, region.len, region.dev_id);
+            match self.ep.device.as_deref().map(|d| (d.kind(), d.access())) {
+                None => {
+                    return Err(invalid(format!(
+                        "{what}, and endpoint {:?} has no device to copy it with: the loopback copies only host \
+                         memory with the CPU (make the endpoint with Fabric::endpoint_on and the memory's device)",
+                        self.ep.name
+                    )))
+                }
+                Some((kind, Access::None)) => {
+                    return Err(invalid(format!("{what}, and the endpoint's {kind} device cannot copy it in process")))
+                }
+                Some((_, Access::Cpu | Access::Device)) => {}
+            }
         }
         let fits = region
             .addr
@@ -563,9 +601,17 @@ struct Endpoint {
     inbox: Mutex<Vec<Notification>>,
     waker: Mutex<Option<Waker>>,
     stats: Counters,
+    /// The device whose memory this endpoint may register ([`Fabric::endpoint_on`]).
+    device: Option<Arc<dyn Device>>,
 }
 
 impl Endpoint {
+    /// The device that copies this endpoint's device memory, where the CPU must not
+    /// ([`Access::Device`]).
+    fn copier(&self) -> Option<&Arc<dyn Device>> {
+        self.device.as_ref().filter(|d| d.access() == Access::Device)
+    }
+
     fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
     }
@@ -799,8 +845,11 @@ fn with_regions<R>(a: &Endpoint, b: &Endpoint, f: impl FnOnce(&[MemRegion], &[Me
     }
 }
 
-/// Copies one descriptor. Only called by [`run_xfer`] with both endpoints' registrations
-/// read-locked and after [`check_descs`] accepted `d` against exactly those registrations.
+/// Copies one descriptor with the CPU. Only called by [`run_xfer`] with both endpoints'
+/// registrations read-locked, after [`check_descs`] accepted `d` against exactly those registrations,
+/// and for host memory or device memory the CPU may access ([`Access::Cpu`]): `register` refuses
+/// device memory of an endpoint without a device that can copy it, and `run_xfer` hands memory of
+/// [`Access::Device`] to its device.
 fn copy_desc(op: Op, d: &Desc) {
     if d.len == 0 {
         return;
@@ -927,6 +976,17 @@ fn run_job(job: Job) {
     }
 }
 
+/// The device that must copy `addr..addr + len` of `ep`'s registered memory `regions`, or `None` where
+/// the CPU may (host memory, device memory of [`Access::Cpu`]).
+fn device_copier<'a>(ep: &'a Endpoint, regions: &[MemRegion], addr: u64, len: u64) -> Option<&'a Arc<dyn Device>> {
+    let vram = regions.iter().find(|r| r.contains(addr, len)).is_some_and(|r| r.kind == MemKind::Vram);
+    if vram {
+        ep.copier()
+    } else {
+        None
+    }
+}
+
 fn run_xfer(
     from: &Endpoint,
     to: &Endpoint,
@@ -953,8 +1013,35 @@ fn run_xfer(
             )
         })?;
         let n = if partial { descs.len() / 2 } else { descs.len() };
+        // Device memory that only its device may touch goes to that device, in one batch per device;
+        // the rest is copied here by the CPU.
+        let mut by_device: Vec<(&Arc<dyn Device>, Vec<CopyOp>)> = Vec::new();
         for d in &descs[..n] {
-            copy_desc(op, d);
+            let on = device_copier(from, local, d.local, d.len).or_else(|| device_copier(to, remote, d.remote, d.len));
+            let Some(dev) = on else {
+                copy_desc(op, d);
+                continue;
+            };
+            let (src, dst) = match op {
+                Op::Write => (d.local, d.remote),
+                Op::Read => (d.remote, d.local),
+            };
+            let copy = CopyOp { dst, src, len: d.len };
+            match by_device.iter_mut().find(|(k, _)| Arc::ptr_eq(k, dev)) {
+                Some((_, ops)) => ops.push(copy),
+                None => by_device.push((dev, vec![copy])),
+            }
+        }
+        for (dev, ops) in by_device {
+            // SAFETY: every op lies inside memory registered on its endpoints (checked by
+            // `check_descs` under the registration read locks still held here, so no `deregister`
+            // or endpoint drop completes before the copy returned); `register`'s contract makes the
+            // caller guarantee that registered memory is valid for the transfer's reads and writes
+            // and not accessed by anyone else while the transfer is in flight. `Device::copy`
+            // returns only once every byte landed.
+            unsafe { dev.copy(&ops) }.map_err(|e| {
+                (STATUS_BACKEND, format!("{} device copy of {} descriptors: {e}", dev.kind(), ops.len()))
+            })?;
         }
         Ok(n)
     });

@@ -10,7 +10,8 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvpush::device::{MemKind, MemRegion};
+use kvpush::device::mock::MockDevice;
+use kvpush::device::{Access, Buffer, CopyOp, Device, DeviceError, DeviceKind, MemKind, MemRegion};
 use kvpush::transport::loopback::{Fabric, Fault, FaultRates, LoopbackStats, LoopbackTransport, STATUS_BACKEND};
 use kvpush::transport::{Desc, Notification, Op, Transport, TransportError, XferId, XferState};
 
@@ -548,4 +549,132 @@ fn dropping_the_fabric_and_its_endpoints_stops_the_worker() {
     drop(d);
     // The last handle's drop joins the worker.
     assert!(!watch.is_running());
+}
+
+// ---- device memory ----
+
+/// A device whose memory the CPU must not touch: host memory from a mock, reported as VRAM, that
+/// says it is copied by the device ([`Access::Device`], or [`Access::None`]: no copy at all) and
+/// counts the copies it is asked for.
+#[derive(Debug)]
+struct DeviceOnly {
+    mock: MockDevice,
+    access: Access,
+    copies: AtomicUsize,
+}
+
+impl DeviceOnly {
+    fn new(access: Access) -> Arc<DeviceOnly> {
+        Arc::new(DeviceOnly { mock: MockDevice::new(), access, copies: AtomicUsize::new(0) })
+    }
+}
+
+impl Device for DeviceOnly {
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Mock
+    }
+    fn alloc(&self, len: u64) -> Result<Box<dyn Buffer>, DeviceError> {
+        self.mock.alloc(len)
+    }
+    fn describe(&self, addr: u64, len: u64) -> Result<MemRegion, DeviceError> {
+        self.mock.describe(addr, len)
+    }
+    fn access(&self) -> Access {
+        self.access
+    }
+    unsafe fn copy(&self, ops: &[CopyOp]) -> Result<(), DeviceError> {
+        for op in ops {
+            self.copies.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: `Device::copy`'s contract: both ranges are valid memory (the mock's host memory)
+            // for the whole call and nobody else touches them.
+            unsafe { std::ptr::copy(op.src as usize as *const u8, op.dst as usize as *mut u8, op.len as usize) };
+        }
+        Ok(())
+    }
+}
+
+fn status_of(e: TransportError) -> (i32, String) {
+    match &e {
+        TransportError::Call { status, .. } => (*status, e.to_string()),
+        other => panic!("not a call error: {other:?}"),
+    }
+}
+
+#[test]
+fn device_memory_needs_an_endpoint_whose_device_copies_it() {
+    let fabric = Fabric::new();
+    let mock = Arc::new(MockDevice::new());
+    let buf = mock.alloc(4096).unwrap();
+    let r = buf.region();
+    assert_eq!(r.kind, MemKind::Vram);
+    // An endpoint for host memory only refuses device memory at once, naming it and the way out,
+    // instead of letting the CPU load and store a device address later (a segfault on a GPU).
+    let plain = fabric.endpoint("plain").unwrap();
+    // SAFETY: refused before anything is recorded; nothing copies it.
+    let (status, msg) = status_of(unsafe { plain.register(&r) }.unwrap_err());
+    assert_eq!(status, kvpush::transport::loopback::STATUS_INVALID_PARAM, "{msg}");
+    assert!(msg.contains("device memory") && msg.contains("endpoint_on"), "{msg}");
+    // So does an endpoint whose device cannot copy in process.
+    let none = fabric.endpoint_on("none", DeviceOnly::new(Access::None)).unwrap();
+    // SAFETY: as above.
+    let (_, msg) = status_of(unsafe { none.register(&r) }.unwrap_err());
+    assert!(msg.contains("cannot copy it in process"), "{msg}");
+    // The mock's memory is host memory: an endpoint on the mock copies it with the CPU.
+    let on_mock = fabric.endpoint_on("mock", mock.clone()).unwrap();
+    // SAFETY: `buf` outlives the endpoint's use of it; no transfer touches it.
+    unsafe { on_mock.register(&r) }.unwrap();
+    on_mock.deregister(&r).unwrap();
+    // Host memory needs no device.
+    let mut host = vec![0u8; 64];
+    // SAFETY: a live buffer of this test; no transfer touches it.
+    unsafe { plain.register(&region(&mut host)) }.unwrap();
+}
+
+#[test]
+fn device_memory_is_copied_by_its_device_and_host_memory_by_the_cpu() {
+    let dev = DeviceOnly::new(Access::Device);
+    let fabric = Fabric::new();
+    let p = fabric.endpoint_on("prefill", dev.clone()).unwrap();
+    let d = fabric.endpoint_on("decode", dev.clone()).unwrap();
+    p.load_remote(&d.local_metadata().unwrap()).unwrap();
+    d.load_remote(&p.local_metadata().unwrap()).unwrap();
+    let (src, dst) = (dev.alloc(1 << 16).unwrap(), dev.alloc(1 << 16).unwrap());
+    let data = pattern(1 << 16, 7);
+    src.write_at(0, &data).unwrap();
+    let (mut host_src, mut host_dst) = (pattern(4096, 9), vec![0u8; 4096]);
+    // SAFETY: the buffers are alive until the end of the test; the test touches them only while no
+    // transfer is in flight.
+    unsafe {
+        p.register(&src.region()).unwrap();
+        d.register(&dst.region()).unwrap();
+        p.register(&region(&mut host_src)).unwrap();
+        d.register(&region(&mut host_dst)).unwrap();
+    }
+    let (s, t) = (src.region().addr, dst.region().addr);
+    let descs = [
+        Desc { local: s, remote: t + 32768, len: 32768 },
+        Desc { local: s + 32768, remote: t, len: 32768 },
+        // Host to device and host to host.
+        Desc { local: addr(&mut host_src), remote: t + 100, len: 16 },
+        Desc { local: addr(&mut host_src), remote: addr(&mut host_dst), len: 4096 },
+    ];
+    let id = p.post(Op::Write, "decode", &descs, Some(b"landed")).unwrap();
+    assert_eq!(wait(&p, id), Ok(XferState::Done));
+    assert_eq!(wait_notifications(&d, 1)[0].msg, b"landed");
+    assert_eq!(dev.copies.load(Ordering::Relaxed), 3, "every descriptor touching device memory went to the device");
+    let mut got = vec![0u8; 1 << 16];
+    dst.read_at(0, &mut got).unwrap();
+    assert_eq!(got[32768..], data[..32768]);
+    assert_eq!(got[..100], data[32768..32868]);
+    assert_eq!(got[100..116], host_src[..16]);
+    assert_eq!(got[116..32768], data[32884..]);
+    assert_eq!(host_dst, host_src);
+    // A read pulls through the device too.
+    let id = d.post(Op::Read, "prefill", &[Desc { local: t, remote: s, len: 1024 }], None).unwrap();
+    assert_eq!(wait(&d, id), Ok(XferState::Done));
+    assert_eq!(dev.copies.load(Ordering::Relaxed), 4);
+    dst.read_at(0, &mut got[..1024]).unwrap();
+    assert_eq!(got[..1024], data[..1024]);
+    p.deregister(&src.region()).unwrap();
+    d.deregister(&dst.region()).unwrap();
 }

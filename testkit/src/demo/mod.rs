@@ -473,6 +473,13 @@ pub fn run(t: &Topology, w: &Workload, modes: &[Mode], tick: &dyn Fn()) -> Resul
     Ok(report)
 }
 
+/// One [`pattern::Mover`] per worker of an engine on `dev`, or why they cannot be made.
+pub(crate) fn movers(dev: &dyn Device, workers: usize) -> Result<Vec<pattern::Mover>, String> {
+    (0..workers)
+        .map(|_| pattern::Mover::new(dev).map_err(|e| format!("demo fill/verify on {}: {e}", dev.kind())))
+        .collect()
+}
+
 /// What the workers of one engine share.
 struct Medium<'a> {
     dev: &'a Arc<dyn Device>,
@@ -492,7 +499,8 @@ fn build(
     let mut workers = Vec::new();
     for r in 0..tp {
         let (layout, buffers) = worker_layout(t, dev.as_ref(), r, tp, block)?;
-        let transport = Arc::new(fabric.endpoint(&format!("{engine_id}/{r}"))?);
+        // The endpoint copies the device's memory as the device says (through the GPU for CUDA).
+        let transport = Arc::new(fabric.endpoint_on(&format!("{engine_id}/{r}"), dev.clone())?);
         let mut config = Config::new(engine_id, mode);
         config.writers = t.writers;
         config.staging = t.staging.engine(t.staging_slots, t.staging_slot_bytes);
@@ -536,12 +544,22 @@ fn run_mode(
     let (fill_tx, fill_rx) = unbounded::<(usize, Vec<Vec<u32>>, u64, u64)>();
     let (filled_tx, filled_rx) = unbounded::<(usize, Result<(), String>)>();
     let pf = Arc::clone(&p);
+    let pdev = Arc::clone(&dev);
     let prefill = std::thread::spawn(move || {
+        // Bulk copies (through the device for GPU memory), one mover per worker.
+        let mut movers = movers(pdev.as_ref(), pf.len());
         for (i, blocks, n, seed) in fill_rx {
             let mut r = Ok(());
-            for wk in pf.iter() {
-                if let Err(e) = pattern::fill(wk.engine.layout(), &wk.buffers, &blocks, n, seed) {
-                    r = Err(e.to_string());
+            for (k, wk) in pf.iter().enumerate() {
+                let res = match movers.as_mut() {
+                    // SAFETY: the request's P blocks are not in flight: the driver calls
+                    // `request_finished` only after this fill reported back.
+                    Ok(m) => unsafe { m[k].fill(wk.engine.layout(), &wk.buffers, &blocks, n, seed) }
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(e.clone()),
+                };
+                if let Err(e) = res {
+                    r = Err(e);
                 }
             }
             if filled_tx.send((i, r)).is_err() {
@@ -553,19 +571,23 @@ fn run_mode(
     let (check_tx, check_rx) = unbounded::<(usize, Vec<Vec<u32>>, u64, u64)>();
     let (checked_tx, checked_rx): (Sender<Checked>, Receiver<Checked>) = unbounded();
     let df = Arc::clone(&d);
+    let ddev = Arc::clone(&dev);
     let verifier = std::thread::spawn(move || {
+        let mut movers = movers(ddev.as_ref(), df.len());
         for (i, blocks, n, seed) in check_rx {
             let mut total = pattern::Verified::default();
             let mut res = Ok(());
-            for wk in df.iter() {
-                match pattern::verify(wk.engine.layout(), &wk.buffers, &blocks, n, seed) {
-                    Ok(v) => {
-                        total.bytes += v.bytes;
-                        total.mismatched_elements += v.mismatched_elements;
-                        total.found = total.found.wrapping_add(v.found);
-                        total.expected = total.expected.wrapping_add(v.expected);
-                    }
-                    Err(e) => res = Err(e.to_string()),
+            for (k, wk) in df.iter().enumerate() {
+                let v = match movers.as_mut() {
+                    // SAFETY: every D worker reported the request received and its blocks return to the
+                    // pool only after this check: nothing writes them meanwhile.
+                    Ok(m) => unsafe { m[k].verify(wk.engine.layout(), &wk.buffers, &blocks, n, seed) }
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(e.clone()),
+                };
+                match v {
+                    Ok(v) => total.add(v),
+                    Err(e) => res = Err(e),
                 }
             }
             if checked_tx.send((i, res.map(|()| total))).is_err() {

@@ -7,7 +7,7 @@
 //! verify exactly, byte for byte, with no data shipped out of band. A checksum of what arrived is
 //! compared with the checksum of what should have arrived.
 
-use kvpush::device::{Buffer, DeviceError};
+use kvpush::device::{Access, Buffer, Device, DeviceError, DeviceKind, StageEntry, Stager};
 use kvpush::proto::layout::{BlockOrder, GroupKind, KvLayout};
 use kvpush::proto::msg::blocks_for;
 
@@ -21,11 +21,7 @@ fn mix(mut z: u64) -> u64 {
 
 /// Writes the expected bytes of element (layer, part, head, token) of request `seed` into `out`.
 pub fn element_bytes(seed: u64, layer: u32, part: u32, head: u32, token: u64, out: &mut [u8]) {
-    let base = mix(seed ^ mix((u64::from(layer) << 48) ^ (u64::from(part) << 44) ^ (u64::from(head) << 28) ^ token));
-    for (i, chunk) in out.chunks_mut(8).enumerate() {
-        let w = mix(base.wrapping_add(i as u64)).to_le_bytes();
-        chunk.copy_from_slice(&w[..chunk.len()]);
-    }
+    position_bytes(seed, position(layer, part, head, token), out);
 }
 
 /// Byte offset of element (local layer, part, block, token in block, local head) and its region index.
@@ -51,14 +47,9 @@ pub fn tokens_of(l: &KvLayout, g: usize, listed: usize, n: u64) -> std::ops::Ran
     start.min(n)..n
 }
 
-/// Calls `f(region, offset, layer, part, global head, token)` for every element of a request held in
-/// `blocks` (per group, tails) on this worker, in logical order.
-fn for_each_element(
-    l: &KvLayout,
-    blocks: &[Vec<u32>],
-    n: u64,
-    mut f: impl FnMut(usize, u64, u32, u32, u32, u64) -> Result<(), DeviceError>,
-) -> Result<(), DeviceError> {
+/// Calls `f(region, offset, position)` for every element of a request held in `blocks` (per group,
+/// tails) on this worker, in logical order; `position` is the element's [`position`].
+fn for_each_element(l: &KvLayout, blocks: &[Vec<u32>], n: u64, mut f: impl FnMut(usize, u64, u64)) {
     let layers = l.layer_range();
     let heads = l.head_range();
     let bt = u64::from(l.block_tokens);
@@ -73,16 +64,102 @@ fn for_each_element(
                     for t in tokens.clone() {
                         let block = ids[(t / bt - skip) as usize];
                         let (region, off) = locate(l, ll, part, block, t % bt, u64::from(h - heads.start));
-                        f(region, off, layer, part, h, t)?;
+                        f(region, off, position(layer, part, h, t));
                     }
                 }
             }
         }
     }
-    Ok(())
 }
 
-/// Producer side: writes the request's contents into its blocks ("prefill").
+/// The logical position of element (layer, part, global head, token): what its bytes derive from.
+fn position(layer: u32, part: u32, head: u32, token: u64) -> u64 {
+    (u64::from(layer) << 48) ^ (u64::from(part) << 44) ^ (u64::from(head) << 28) ^ token
+}
+
+/// [`element_bytes`] of the element at `position`.
+fn position_bytes(seed: u64, position: u64, out: &mut [u8]) {
+    let base = mix(seed ^ mix(position));
+    for (i, chunk) in out.chunks_mut(8).enumerate() {
+        let w = mix(base.wrapping_add(i as u64)).to_le_bytes();
+        chunk.copy_from_slice(&w[..chunk.len()]);
+    }
+}
+
+/// `len` bytes at `off` of region `region` are bytes `at..at + len` of an [`Image`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Run {
+    region: usize,
+    off: u64,
+    len: u64,
+    at: u64,
+}
+
+/// A request's expected contents on one worker, in address order: the elements sorted by (region,
+/// offset) and merged into [`Run`]s of adjacent elements, so that the contents move in one copy per
+/// run (or one bulk copy and one device scatter or gather, [`Mover`]) instead of one per element.
+struct Image {
+    elem: usize,
+    /// Element positions in image order (element `i` is bytes `i * elem..`).
+    positions: Vec<u64>,
+    runs: Vec<Run>,
+    bytes: Vec<u8>,
+}
+
+impl Image {
+    /// The layout of the request's elements, without their bytes. (Copies check that each run lies
+    /// in its buffer.)
+    fn plan(l: &KvLayout, blocks: &[Vec<u32>], n: u64) -> Image {
+        let elem = u64::from(l.model.head_dim) * l.model.dtype.size();
+        let mut at: Vec<(usize, u64, u64)> = Vec::new();
+        for_each_element(l, blocks, n, |region, off, pos| at.push((region, off, pos)));
+        at.sort_unstable();
+        let mut runs: Vec<Run> = Vec::new();
+        for (i, &(region, off, _)) in at.iter().enumerate() {
+            match runs.last_mut() {
+                Some(r) if r.region == region && r.off + r.len == off => r.len += elem,
+                _ => runs.push(Run { region, off, len: elem, at: i as u64 * elem }),
+            }
+        }
+        Image { elem: elem as usize, positions: at.into_iter().map(|(_, _, p)| p).collect(), runs, bytes: Vec::new() }
+    }
+
+    /// [`Image::plan`] with the expected bytes of request `seed`.
+    fn expected(l: &KvLayout, blocks: &[Vec<u32>], n: u64, seed: u64) -> Image {
+        let mut image = Image::plan(l, blocks, n);
+        image.bytes = vec![0u8; image.positions.len() * image.elem];
+        if image.elem > 0 {
+            for (chunk, &pos) in image.bytes.chunks_exact_mut(image.elem).zip(&image.positions) {
+                position_bytes(seed, pos, chunk);
+            }
+        }
+        image
+    }
+
+    /// Compares `got` (bytes in image order) with the expected bytes.
+    fn compare(&self, got: &[u8]) -> Verified {
+        let mut v = Verified { bytes: self.bytes.len() as u64, ..Verified::default() };
+        if self.elem == 0 {
+            return v;
+        }
+        for ((want, got), &pos) in
+            self.bytes.chunks_exact(self.elem).zip(got.chunks_exact(self.elem)).zip(&self.positions)
+        {
+            let want_sum = fold(0, want, pos);
+            v.expected = v.expected.wrapping_add(want_sum);
+            if want == got {
+                v.found = v.found.wrapping_add(want_sum);
+            } else {
+                v.found = fold(v.found, got, pos);
+                v.mismatched_elements += 1;
+            }
+        }
+        v
+    }
+}
+
+/// Producer side: writes the request's contents into its blocks ("prefill"), one copy per run of
+/// adjacent elements.
 pub fn fill(
     l: &KvLayout,
     buffers: &[Box<dyn Buffer>],
@@ -90,12 +167,11 @@ pub fn fill(
     n: u64,
     seed: u64,
 ) -> Result<(), DeviceError> {
-    let elem = (u64::from(l.model.head_dim) * l.model.dtype.size()) as usize;
-    let mut buf = vec![0u8; elem];
-    for_each_element(l, blocks, n, |region, off, layer, part, head, t| {
-        element_bytes(seed, layer, part, head, t, &mut buf);
-        buffers[region].write_at(off, &buf)
-    })
+    let image = Image::expected(l, blocks, n, seed);
+    for r in &image.runs {
+        buffers[r.region].write_at(r.off, &image.bytes[r.at as usize..(r.at + r.len) as usize])?;
+    }
+    Ok(())
 }
 
 /// Outcome of [`verify`].
@@ -116,8 +192,17 @@ impl Verified {
     pub fn ok(&self) -> bool {
         self.mismatched_elements == 0 && self.found == self.expected
     }
+
+    /// Adds another worker's outcome of the same request.
+    pub fn add(&mut self, v: Verified) {
+        self.bytes += v.bytes;
+        self.mismatched_elements += v.mismatched_elements;
+        self.found = self.found.wrapping_add(v.found);
+        self.expected = self.expected.wrapping_add(v.expected);
+    }
 }
 
+/// The checksum of one element's bytes at `position`, added to `acc` (order-independent: a sum).
 fn fold(acc: u64, bytes: &[u8], position: u64) -> u64 {
     let mut h = mix(position);
     for chunk in bytes.chunks(8) {
@@ -128,7 +213,8 @@ fn fold(acc: u64, bytes: &[u8], position: u64) -> u64 {
     acc.wrapping_add(h)
 }
 
-/// Consumer side: checks every byte of the request's blocks against the expected contents.
+/// Consumer side: checks every byte of the request's blocks against the expected contents, reading
+/// them one copy per run of adjacent elements.
 pub fn verify(
     l: &KvLayout,
     buffers: &[Box<dyn Buffer>],
@@ -136,23 +222,325 @@ pub fn verify(
     n: u64,
     seed: u64,
 ) -> Result<Verified, DeviceError> {
-    let elem = (u64::from(l.model.head_dim) * l.model.dtype.size()) as usize;
-    let (mut got, mut want) = (vec![0u8; elem], vec![0u8; elem]);
-    let mut v = Verified::default();
-    for_each_element(l, blocks, n, |region, off, layer, part, head, t| {
-        buffers[region].read_at(off, &mut got)?;
-        element_bytes(seed, layer, part, head, t, &mut want);
-        let pos = (u64::from(layer) << 48) ^ (u64::from(part) << 44) ^ (u64::from(head) << 28) ^ t;
-        v.found = fold(v.found, &got, pos);
-        v.expected = fold(v.expected, &want, pos);
-        v.mismatched_elements += u64::from(got != want);
-        v.bytes += elem as u64;
+    let image = Image::expected(l, blocks, n, seed);
+    let mut got = vec![0u8; image.bytes.len()];
+    for r in &image.runs {
+        buffers[r.region].read_at(r.off, &mut got[r.at as usize..(r.at + r.len) as usize])?;
+    }
+    Ok(image.compare(&got))
+}
+
+/// Entries of one device scatter or gather at most (a table of 16 bytes each).
+const MAX_ENTRIES: usize = 16384;
+/// Bytes of one entry at most: a long run is split so that the device's copy warps share it.
+const MAX_ENTRY_BYTES: u64 = 256 << 10;
+/// Bytes of a [`Mover`]'s device scratch buffer: a request larger than this moves in several rounds.
+pub const SCRATCH_BYTES: u64 = 64 << 20;
+
+/// Fills and verifies requests on one worker's buffers in bulk, for memory the CPU must not touch
+/// (GPU memory): a request's expected bytes are built in host memory in address order, copied to a
+/// device scratch buffer in one copy and scattered into the blocks by one device operation
+/// ([`Stager::scatter`]); verifying gathers the blocks into the scratch buffer and reads it back in
+/// one copy. Without a stager, or for a request whose runs are not whole 16-byte words (elements of
+/// 8 bytes, say), it falls back to one copy per run ([`fill`], [`verify`]).
+pub struct Mover {
+    staged: Option<(Box<dyn Stager>, Box<dyn Buffer>)>,
+}
+
+impl std::fmt::Debug for Mover {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mover").field("staged", &self.staged.is_some()).finish()
+    }
+}
+
+impl Mover {
+    /// The mover for buffers of `dev`: staged through the device where the CPU cannot touch its
+    /// memory and the device has a stager; one copy per run otherwise (host memory, where a copy is
+    /// a memcpy). A device that offers a stager but cannot make one is an error.
+    pub fn new(dev: &dyn Device) -> Result<Mover, DeviceError> {
+        if dev.access() == Access::Cpu {
+            return Ok(Mover { staged: None });
+        }
+        Self::staged(dev)
+    }
+
+    /// The mover that stages through `dev`'s stager whatever its memory (falls back to one copy per
+    /// run only where the device has no stager).
+    pub fn staged(dev: &dyn Device) -> Result<Mover, DeviceError> {
+        let Some(stager) = dev.stager(1, MAX_ENTRIES)? else { return Ok(Mover { staged: None }) };
+        let scratch = dev.alloc(SCRATCH_BYTES)?;
+        Ok(Mover { staged: Some((stager, scratch)) })
+    }
+
+    /// Whether requests move through a device stager.
+    pub fn is_staged(&self) -> bool {
+        self.staged.is_some()
+    }
+
+    /// Writes the request's contents into its blocks, as [`fill`].
+    ///
+    /// # Safety
+    ///
+    /// Nothing else reads or writes the request's blocks during the call (a producer's blocks before
+    /// `request_finished`).
+    pub unsafe fn fill(
+        &mut self,
+        l: &KvLayout,
+        buffers: &[Box<dyn Buffer>],
+        blocks: &[Vec<u32>],
+        n: u64,
+        seed: u64,
+    ) -> Result<(), DeviceError> {
+        let image = Image::expected(l, blocks, n, seed);
+        let staged = match self.staged.as_mut() {
+            Some((stager, scratch)) => rounds(stager.kind(), &image, buffers)?.map(|r| (stager, scratch, r)),
+            None => None,
+        };
+        let Some((stager, scratch, rounds)) = staged else {
+            for r in &image.runs {
+                buffers[r.region].write_at(r.off, &image.bytes[r.at as usize..(r.at + r.len) as usize])?;
+            }
+            return Ok(());
+        };
+        let slot = scratch.region().addr;
+        for round in rounds {
+            let data = &image.bytes[round.at as usize..(round.at + round.len) as usize];
+            // SAFETY: `slot..slot + round.len` is the scratch buffer this mover owns (rounds fit
+            // SCRATCH_BYTES) and nothing else uses; every entry's range lies inside one of `buffers`
+            // (checked by `rounds`), alive for the call; no other thread touches the
+            // request's blocks (this function's contract). The scatter is ordered after the write and
+            // waited for before the next round reuses the scratch buffer.
+            unsafe {
+                stager.write(slot, data)?;
+                stager.scatter(0, &round.entries, slot)?;
+            }
+            wait(stager.as_mut())?;
+        }
         Ok(())
-    })?;
-    Ok(v)
+    }
+
+    /// Checks every byte of the request's blocks, as [`verify`].
+    ///
+    /// # Safety
+    ///
+    /// Nothing writes the request's blocks during the call (a consumer's blocks after they were
+    /// received and before they are freed).
+    pub unsafe fn verify(
+        &mut self,
+        l: &KvLayout,
+        buffers: &[Box<dyn Buffer>],
+        blocks: &[Vec<u32>],
+        n: u64,
+        seed: u64,
+    ) -> Result<Verified, DeviceError> {
+        let image = Image::expected(l, blocks, n, seed);
+        let mut got = vec![0u8; image.bytes.len()];
+        let staged = match self.staged.as_mut() {
+            Some((stager, scratch)) => rounds(stager.kind(), &image, buffers)?.map(|r| (stager, scratch, r)),
+            None => None,
+        };
+        let Some((stager, scratch, rounds)) = staged else {
+            for r in &image.runs {
+                buffers[r.region].read_at(r.off, &mut got[r.at as usize..(r.at + r.len) as usize])?;
+            }
+            return Ok(image.compare(&got));
+        };
+        let slot = scratch.region().addr;
+        for round in rounds {
+            // SAFETY: as in `fill`, directions swapped: the entries' sources are the request's blocks
+            // inside `buffers`, which nothing writes meanwhile (this function's contract); the
+            // gather is waited for before the scratch buffer is read and reused.
+            unsafe { stager.gather(0, &round.entries, slot)? };
+            wait(stager.as_mut())?;
+            // SAFETY: the scratch buffer holds `round.len` bytes the gather just wrote.
+            unsafe { stager.read(slot, &mut got[round.at as usize..(round.at + round.len) as usize])? };
+        }
+        Ok(image.compare(&got))
+    }
+}
+
+/// One scatter or gather of a [`Mover`]: image bytes `at..at + len` and the entries placing them
+/// (offsets relative to `at`).
+struct Round {
+    at: u64,
+    len: u64,
+    entries: Vec<StageEntry>,
+}
+
+/// Splits an image's runs into rounds of at most [`SCRATCH_BYTES`] and [`MAX_ENTRIES`] entries of at
+/// most [`MAX_ENTRY_BYTES`] each; `None` where a run is not whole 16-byte words at a 16-byte aligned
+/// address ([`StageEntry::aligned`]), which the stager cannot move. A run outside its buffer is an
+/// error.
+fn rounds(device: DeviceKind, image: &Image, buffers: &[Box<dyn Buffer>]) -> Result<Option<Vec<Round>>, DeviceError> {
+    let mut out: Vec<Round> = Vec::new();
+    for r in &image.runs {
+        let region = buffers.get(r.region).map(|b| b.region());
+        let Some(region) = region.filter(|g| r.off.checked_add(r.len).is_some_and(|end| end <= g.len)) else {
+            return Err(DeviceError::Copy {
+                device,
+                offset: r.off,
+                len: r.len,
+                reason: format!("run outside region {} of {} buffers", r.region, buffers.len()),
+            });
+        };
+        let base = region.addr;
+        let mut done = 0;
+        while done < r.len {
+            let len = (r.len - done).min(MAX_ENTRY_BYTES);
+            let at = r.at + done;
+            let fits = out.last().is_some_and(|c| c.len + len <= SCRATCH_BYTES && c.entries.len() < MAX_ENTRIES);
+            if !fits {
+                out.push(Round { at, len: 0, entries: Vec::new() });
+            }
+            let Some(c) = out.last_mut() else { break };
+            let e = StageEntry { addr: base + r.off + done, off: (at - c.at) as u32, len: len as u32 };
+            if !e.aligned() {
+                return Ok(None);
+            }
+            c.entries.push(e);
+            c.len += len;
+            done += len;
+        }
+    }
+    Ok(Some(out))
+}
+
+/// Waits for the mover's one lane.
+fn wait(stager: &mut dyn Stager) -> Result<(), DeviceError> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !stager.is_done(0)? {
+        if std::time::Instant::now() > deadline {
+            return Err(DeviceError::Copy {
+                device: stager.kind(),
+                offset: 0,
+                len: 0,
+                reason: "a staging operation did not finish in 60 s".into(),
+            });
+        }
+        std::thread::sleep(std::time::Duration::from_micros(20));
+    }
+    Ok(())
 }
 
 /// Number of regions a layout has (one buffer each).
 pub fn region_count(l: &KvLayout) -> usize {
     l.layer_range().len() * l.placement.regions_per_layer() as usize
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use crate::demo::{worker_layout, Topology};
+    use kvpush::device::mock::MockDevice;
+    use kvpush::proto::layout::BlockOrder;
+
+    /// Checks every element on its own (the demo's old per-element verification): how many differ.
+    fn per_element(l: &KvLayout, buffers: &[Box<dyn Buffer>], blocks: &[Vec<u32>], n: u64, seed: u64) -> u64 {
+        let elem = (u64::from(l.model.head_dim) * l.model.dtype.size()) as usize;
+        let (mut got, mut want) = (vec![0u8; elem], vec![0u8; elem]);
+        let mut bad = 0;
+        for_each_element(l, blocks, n, |region, off, pos| {
+            buffers[region].read_at(off, &mut got).unwrap();
+            position_bytes(seed, pos, &mut want);
+            bad += u64::from(got != want);
+        });
+        bad
+    }
+
+    fn topology(order: BlockOrder, head_dim: u32) -> Topology {
+        Topology {
+            layers: 4,
+            kv_heads: 4,
+            head_dim,
+            num_blocks: 64,
+            window_every: 2,
+            window_tokens: 40,
+            order,
+            ..Topology::default()
+        }
+    }
+
+    #[test]
+    fn bulk_and_staged_moves_agree_with_the_per_element_pattern() {
+        let dev = MockDevice::new();
+        for order in [BlockOrder::Hnd, BlockOrder::Nhd] {
+            // TP rank 1 of 2 (a head slice), 100 tokens over scattered and adjacent blocks.
+            let (l, buffers) = worker_layout(&topology(order, 16), &dev, 1, 2, 16).unwrap();
+            let ids = vec![9, 3, 4, 5, 20, 21, 40];
+            let blocks: Vec<Vec<u32>> = l.model.groups.iter().map(|_| ids.clone()).collect();
+            let (n, seed) = (100, 0x5eed);
+            let mut staged = Mover::staged(&dev).unwrap();
+            assert!(staged.is_staged());
+            let mut direct = Mover::new(&dev).unwrap();
+            assert!(!direct.is_staged(), "the mock's memory is host memory: plain copies");
+            // SAFETY: no transfer touches these buffers.
+            unsafe { staged.fill(&l, &buffers, &blocks, n, seed) }.unwrap();
+            assert_eq!(per_element(&l, &buffers, &blocks, n, seed), 0, "{order:?}");
+            // SAFETY: as above.
+            let (a, b) = unsafe {
+                (
+                    staged.verify(&l, &buffers, &blocks, n, seed).unwrap(),
+                    direct.verify(&l, &buffers, &blocks, n, seed).unwrap(),
+                )
+            };
+            assert!(a.ok() && a == b && a == verify(&l, &buffers, &blocks, n, seed).unwrap(), "{a:?} {b:?}");
+            // 4 layers x 2 parts x 2 local heads x 100 tokens of 32 bytes, minus the window layers'
+            // tokens before the last 40.
+            assert_eq!(a.bytes, (2 * 2 * 2 * 100 + 2 * 2 * 2 * 40) * 32, "{order:?}");
+            // One flipped byte: one element differs, whichever way it is read.
+            let (region, off) = locate(&l, 0, 1, 4, 3, 1);
+            let mut byte = [0u8];
+            buffers[region].read_at(off + 5, &mut byte).unwrap();
+            buffers[region].write_at(off + 5, &[byte[0] ^ 0x10]).unwrap();
+            // SAFETY: as above.
+            let (a, b) = unsafe {
+                (
+                    staged.verify(&l, &buffers, &blocks, n, seed).unwrap(),
+                    direct.verify(&l, &buffers, &blocks, n, seed).unwrap(),
+                )
+            };
+            assert_eq!((a.mismatched_elements, b.mismatched_elements), (1, 1), "{order:?}");
+            assert!(a.found != a.expected && a == b, "{a:?} {b:?}");
+            // Another seed: the plain fill writes the same bytes as the staged one would.
+            fill(&l, &buffers, &blocks, n, seed + 1).unwrap();
+            assert_eq!(per_element(&l, &buffers, &blocks, n, seed + 1), 0, "{order:?}");
+        }
+    }
+
+    #[test]
+    fn a_request_larger_than_the_scratch_buffer_moves_in_rounds() {
+        let dev = MockDevice::new();
+        // 5 layers x 2 parts x 8 heads x 4096 tokens x 256 bytes = 80 MiB: past SCRATCH_BYTES, in runs
+        // longer than MAX_ENTRY_BYTES.
+        let t = Topology { layers: 5, kv_heads: 8, head_dim: 128, num_blocks: 300, ..Topology::default() };
+        let (l, buffers) = worker_layout(&t, &dev, 0, 1, 16).unwrap();
+        let blocks = vec![(10..266).collect::<Vec<u32>>()];
+        let image = Image::plan(&l, &blocks, 4096);
+        assert!(image.positions.len() as u64 * 256 > SCRATCH_BYTES);
+        assert!(rounds(DeviceKind::Mock, &image, &buffers).unwrap().unwrap().len() >= 2);
+        let mut staged = Mover::staged(&dev).unwrap();
+        // SAFETY: no transfer touches these buffers.
+        unsafe { staged.fill(&l, &buffers, &blocks, 4096, 7) }.unwrap();
+        assert!(verify(&l, &buffers, &blocks, 4096, 7).unwrap().ok());
+        // SAFETY: as above.
+        assert!(unsafe { staged.verify(&l, &buffers, &blocks, 4096, 7) }.unwrap().ok());
+    }
+
+    #[test]
+    fn runs_the_stager_cannot_move_fall_back_to_plain_copies() {
+        let dev = MockDevice::new();
+        // head_dim 4 in bf16: 8-byte elements; the last block's 5 tokens are 40 bytes.
+        let (l, buffers) = worker_layout(&topology(BlockOrder::Hnd, 4), &dev, 0, 1, 16).unwrap();
+        let blocks: Vec<Vec<u32>> = l.model.groups.iter().map(|_| vec![1, 7]).collect();
+        let image = Image::plan(&l, &blocks, 21);
+        assert!(rounds(DeviceKind::Mock, &image, &buffers).unwrap().is_none());
+        let mut staged = Mover::staged(&dev).unwrap();
+        // SAFETY: no transfer touches these buffers.
+        unsafe { staged.fill(&l, &buffers, &blocks, 21, 1) }.unwrap();
+        assert_eq!(per_element(&l, &buffers, &blocks, 21, 1), 0);
+        // SAFETY: as above.
+        assert!(unsafe { staged.verify(&l, &buffers, &blocks, 21, 1) }.unwrap().ok());
+    }
 }

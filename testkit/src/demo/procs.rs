@@ -1530,27 +1530,36 @@ impl WorkerState {
         let (jobs, job_rx) = unbounded::<Job>();
         let (res_tx, results) = unbounded();
         let ws = Arc::clone(&workers);
+        let hdev = Arc::clone(&dev);
         let helper = std::thread::Builder::new()
             .name(format!("kvpush-{role}-{}", if role == Role::Prefill { "fill" } else { "verify" }))
             .spawn(move || {
+                // Bulk copies (through the device for GPU memory), one mover per worker.
+                let mut movers = super::movers(hdev.as_ref(), ws.len());
                 for (req, blocks, n, seed) in job_rx {
                     let mut total = pattern::Verified::default();
                     let mut res = Ok(());
-                    for wk in ws.iter() {
+                    for (k, wk) in ws.iter().enumerate() {
                         let (l, b) = (wk.engine.layout(), &wk.buffers);
+                        let m = match movers.as_mut() {
+                            Ok(m) => &mut m[k],
+                            Err(e) => {
+                                res = Err(e.clone());
+                                continue;
+                            }
+                        };
                         match role {
                             Role::Prefill => {
-                                if let Err(e) = pattern::fill(l, b, &blocks, n, seed) {
+                                // SAFETY: the request's P blocks are not in flight: `request_finished`
+                                // comes only after this fill reported back.
+                                if let Err(e) = unsafe { m.fill(l, b, &blocks, n, seed) } {
                                     res = Err(e.to_string());
                                 }
                             }
-                            Role::Decode => match pattern::verify(l, b, &blocks, n, seed) {
-                                Ok(v) => {
-                                    total.bytes += v.bytes;
-                                    total.mismatched_elements += v.mismatched_elements;
-                                    total.found = total.found.wrapping_add(v.found);
-                                    total.expected = total.expected.wrapping_add(v.expected);
-                                }
+                            // SAFETY: every D worker reported the request received, and its blocks
+                            // return to the pool only after this check: nothing writes them meanwhile.
+                            Role::Decode => match unsafe { m.verify(l, b, &blocks, n, seed) } {
+                                Ok(v) => total.add(v),
                                 Err(e) => res = Err(e.to_string()),
                             },
                         }
