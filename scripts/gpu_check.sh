@@ -7,8 +7,8 @@
 #
 #   scripts/gpu_check.sh --prepare [DIR]   # on a build machine (cargo, network): fills DIR (default
 #                                          # .gpu-carry) with this script, bin.tar.xz (release kvpush
-#                                          # and the test binaries: lib, cuda, device, loopback,
-#                                          # engine_matrix), and from .cache/gpu (scripts/gpu_bench.sh
+#                                          # and the test binaries: lib, cuda, device, transport,
+#                                          # engine, proto), and from .cache/gpu (scripts/gpu_bench.sh
 #                                          # --prepare, run if missing) nixl-cu13.tar.xz and kernels.ptx
 #   bash DIR/gpu_check.sh                  # on the GPU machine: unpacks, records the machine, runs the
 #                                          # tests and the demos, prints a summary. $OUT (default
@@ -39,7 +39,7 @@ prepare() {
   stage="$(mktemp -d)"
   mkdir -p "$stage/bin/tests"
   cp target/release/kvpush "$stage/bin/kvpush"
-  cargo test --release --no-run --lib --test cuda --test device --test loopback --test engine_matrix \
+  cargo test --release --no-run --lib --test cuda --test device --test transport --test engine --test proto \
     --message-format=json 2>/dev/null | python3 -c '
 import json, sys, shutil
 for l in sys.stdin:
@@ -129,9 +129,10 @@ summary="$OUT/summary.txt"
 
 if [ "${KVPUSH_CHECK_TESTS:-1}" = 1 ]; then
   # lib: the library's unit tests; cuda, device: the device layer (the CUDA ones run on device 0);
-  # loopback: the in-process transport; engine_matrix: every TP pairing through the demo's engines on
-  # the device `auto` picks, the GPU here (CI runs it on host memory).
-  for t in lib cuda device loopback engine_matrix; do
+  # transport: the loopback (GPU memory copied through the device) and NIXL; engine: every TP pairing
+  # through the demo's engines on the device `auto` picks, the GPU here (CI runs it on host memory),
+  # the stress and side-channel tests; proto: the protocol core (no device, as a control).
+  for t in lib cuda device transport engine proto; do
     step "tests: $t"
     (cd "$W" && timeout 150 "$W/bin/tests/$t" 2>&1) > "$R/test-$t.txt"
     rc=$?
