@@ -156,7 +156,8 @@ impl Pair {
     /// The next event (None after `timeout`); a child that closes is a failure.
     fn next(&self, timeout: Duration) -> Option<(Role, Event)> {
         match self.rx.recv_timeout(timeout) {
-            Ok((role, Incoming::Event(ev))) => Some((role, ev)),
+            Ok((role, Incoming::Reply(ev))) => Some((role, ev)),
+            Ok((role, Incoming::Garbled(why))) => panic!("{role} worker sent a garbled reply: {why}"),
             Ok((role, Incoming::Closed)) => panic!("{role} worker exited unexpectedly"),
             Err(_) => None,
         }
@@ -167,7 +168,8 @@ impl Pair {
         let deadline = Instant::now() + timeout;
         loop {
             match self.rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok((role, Incoming::Event(ev))) => return Some((role, ev)),
+                Ok((role, Incoming::Reply(ev))) => return Some((role, ev)),
+                Ok((role, Incoming::Garbled(why))) => panic!("{role} worker sent a garbled reply: {why}"),
                 Ok((role, Incoming::Closed)) if role == dead => continue,
                 Ok((role, Incoming::Closed)) => panic!("{role} worker exited unexpectedly"),
                 Err(_) => return None,

@@ -233,6 +233,11 @@ impl Child {
         self.child.wait().ok()
     }
 
+    /// Closes the child's stdin: a well-behaved child exits. [`Child::close`] then waits for it.
+    pub fn close_stdin(&mut self) {
+        self.stdin.take();
+    }
+
     /// Closes the child's stdin (a well-behaved child exits), waits up to `grace`, then kills it;
     /// reaps it either way.
     pub fn close(&mut self, grace: Duration) -> Option<ExitStatus> {

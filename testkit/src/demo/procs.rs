@@ -27,17 +27,19 @@
 //! Children exit when their stdin closes (the parent exited or died); the parent kills and reaps them
 //! on any error ([`WorkerProc`] does so when dropped).
 
-use std::collections::{BinaryHeap, HashMap, VecDeque};
-use std::io::{BufRead, BufReader, Write};
+use std::collections::{BinaryHeap, HashMap};
+use std::io::BufRead;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::process::ExitStatus;
+use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
 use serde::{Deserialize, Serialize};
+
+pub use crate::child::LogFn;
+use crate::child::{self, Channel, Child};
 
 use super::{pattern, pct, requests, BlockLists, DemoError, ModeReport, Pool, Report, Rng, Topology, Workload};
 use kvpush::device::{self, Buffer, Device, MemRegion};
@@ -545,65 +547,23 @@ mod key_text {
     }
 }
 
-/// Microseconds since the UNIX epoch (the clock both processes share).
-pub fn now_us() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
-}
-
-fn hex(bytes: &[u8]) -> String {
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s += &format!("{b:02x}");
-    }
-    s
-}
-
-fn unhex(s: &str) -> Result<Vec<u8>, String> {
-    if !s.len().is_multiple_of(2) {
-        return Err("odd number of hex digits".into());
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).map_err(|e| format!("bad hex at {i}: {e}")))
-        .collect()
-}
-
 // ---------------------------------------------------------------------------------------------------
 // The parent's handle on a child.
 
-/// What a child's reader threads pass on.
+/// What a child's reader thread passes on: its [`Event`]s, as [`child::Incoming`] replies.
+pub type Incoming = child::Incoming<Event>;
+
+/// A running child (`kvpush demo-worker`) on the shared harness ([`Child`]). Dropping it kills and
+/// reaps the process.
 #[derive(Debug)]
-pub enum Incoming {
-    /// A protocol event.
-    Event(Event),
-    /// The child closed its stdout (it exited or is exiting).
-    Closed,
-}
-
-/// Where forwarded child stderr lines go (e.g. around a progress bar).
-pub type LogFn = Arc<dyn Fn(&str) + Send + Sync>;
-
-/// A running child (`kvpush demo-worker`). Dropping it kills and reaps the process.
 pub struct WorkerProc {
     role: Role,
     child: Child,
-    stdin: Option<ChildStdin>,
-    tail: Arc<Mutex<VecDeque<String>>>,
-    muted: Arc<AtomicBool>,
-    threads: Vec<JoinHandle<()>>,
 }
-
-impl std::fmt::Debug for WorkerProc {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WorkerProc").field("role", &self.role).field("pid", &self.child.id()).finish_non_exhaustive()
-    }
-}
-
-const TAIL_LINES: usize = 400;
 
 impl WorkerProc {
     /// Starts `exe demo-worker <spec>` with `env` added; its events go to `tx` tagged with its role,
-    /// its stderr lines to `log` (or this process's stderr), prefixed with the role.
+    /// its log lines to `log` (or this process's stderr), prefixed with the role.
     pub fn spawn(
         exe: &Path,
         spec: &WorkerSpec,
@@ -612,62 +572,12 @@ impl WorkerProc {
         log: Option<LogFn>,
     ) -> std::io::Result<WorkerProc> {
         let mut cmd = std::process::Command::new(exe);
-        cmd.arg("demo-worker").args(spec.to_args()).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        cmd.arg("demo-worker").args(spec.to_args());
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let mut child = cmd.spawn()?;
-        let role = spec.role;
-        let stdin = child.stdin.take();
-        let tail = Arc::new(Mutex::new(VecDeque::new()));
-        let mut threads = Vec::new();
-        let log: LogFn = log.unwrap_or_else(|| Arc::new(|l: &str| eprintln!("{l}")));
-        let remember = |tail: &Arc<Mutex<VecDeque<String>>>, line: String| {
-            let mut t = tail.lock().unwrap_or_else(|p| p.into_inner());
-            if t.len() == TAIL_LINES {
-                t.pop_front();
-            }
-            t.push_back(line);
-        };
-        if let Some(out) = child.stdout.take() {
-            let (tail, log) = (Arc::clone(&tail), Arc::clone(&log));
-            threads.push(std::thread::Builder::new().name(format!("kvpush-{role}-stdout")).spawn(move || {
-                for line in BufReader::new(out).lines() {
-                    let Ok(line) = line else { break };
-                    // A library may print to stdout too: a protocol line is the JSON object on it.
-                    let parsed = line.find('{').and_then(|i| serde_json::from_str::<Event>(&line[i..]).ok());
-                    match parsed {
-                        Some(ev) => {
-                            if tx.send((role, Incoming::Event(ev))).is_err() {
-                                break;
-                            }
-                        }
-                        None if line.trim().is_empty() => {}
-                        None => {
-                            let l = format!("[{role} stdout] {line}");
-                            log(&l);
-                            remember(&tail, l);
-                        }
-                    }
-                }
-                let _ = tx.send((role, Incoming::Closed));
-            })?);
-        }
-        let muted = Arc::new(AtomicBool::new(false));
-        if let Some(err) = child.stderr.take() {
-            let (tail, muted) = (Arc::clone(&tail), Arc::clone(&muted));
-            threads.push(std::thread::Builder::new().name(format!("kvpush-{role}-stderr")).spawn(move || {
-                for line in BufReader::new(err).lines() {
-                    let Ok(line) = line else { break };
-                    let l = format!("[{role}] {line}");
-                    if !muted.load(Ordering::Relaxed) {
-                        log(&l);
-                    }
-                    remember(&tail, l);
-                }
-            })?);
-        }
-        Ok(WorkerProc { role, child, stdin, tail, muted, threads })
+        let child = Child::spawn(cmd, spec.role.engine_id(), spec.role, tx, log)?;
+        Ok(WorkerProc { role: spec.role, child })
     }
 
     /// The child's role.
@@ -677,65 +587,43 @@ impl WorkerProc {
 
     /// The child's process id.
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.child.pid()
     }
 
     /// Sends one command line.
     pub fn send(&mut self, cmd: &Command) -> std::io::Result<()> {
-        let stdin = self.stdin.as_mut().ok_or_else(|| std::io::Error::other("stdin already closed"))?;
-        let mut line = serde_json::to_vec(cmd).map_err(std::io::Error::other)?;
-        line.push(b'\n');
-        stdin.write_all(&line)?;
-        stdin.flush()
+        self.child.send(cmd)
     }
 
-    /// Stops forwarding the child's stderr (it is still kept for [`WorkerProc::stderr_tail`]): for a
-    /// normal shutdown, where each side logs the other's side channel closing.
+    /// Stops forwarding the child's log lines (they are still kept for [`WorkerProc::stderr_tail`]):
+    /// for a normal shutdown, where each side logs the other's side channel closing.
     pub fn mute(&self) {
-        self.muted.store(true, Ordering::Relaxed);
+        self.child.mute();
     }
 
     /// The last lines the child wrote to stderr (and stray stdout lines).
     pub fn stderr_tail(&self) -> Vec<String> {
-        self.tail.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect()
+        self.child.tail()
     }
 
     /// Its exit status, if it exited.
     pub fn try_wait(&mut self) -> Option<ExitStatus> {
-        self.child.try_wait().ok().flatten()
+        self.child.try_wait()
     }
 
     /// Kills the child at once (SIGKILL) and reaps it.
     pub fn kill(&mut self) -> Option<ExitStatus> {
-        if let Some(s) = self.try_wait() {
-            return Some(s);
-        }
-        let _ = self.child.kill();
-        self.child.wait().ok()
+        self.child.kill()
+    }
+
+    /// Closes the child's stdin: it exits. [`WorkerProc::close`] then waits for it.
+    pub fn close_stdin(&mut self) {
+        self.child.close_stdin();
     }
 
     /// Closes the child's stdin (it exits), waits up to `grace`, then kills it; reaps it either way.
     pub fn close(&mut self, grace: Duration) -> Option<ExitStatus> {
-        self.stdin.take();
-        let deadline = Instant::now() + grace;
-        while Instant::now() < deadline {
-            if let Some(s) = self.try_wait() {
-                return Some(s);
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        tracing::warn!(role = %self.role, pid = self.pid(), "worker did not exit after its stdin closed; killing it");
-        self.kill()
-    }
-}
-
-impl Drop for WorkerProc {
-    fn drop(&mut self) {
-        self.stdin.take();
-        self.kill();
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
+        self.child.close(grace)
     }
 }
 
@@ -809,8 +697,9 @@ impl Pair {
     /// The next event, `None` after `timeout`; a closed child or an `error` event is an error.
     fn next(&mut self, timeout: Duration) -> Result<Option<(Role, Event)>, ProcsError> {
         match self.rx.recv_timeout(timeout) {
-            Ok((role, Incoming::Event(Event::Error { message }))) => Err(self.fail(role, message)),
-            Ok((role, Incoming::Event(ev))) => Ok(Some((role, ev))),
+            Ok((role, Incoming::Reply(Event::Error { message }))) => Err(self.fail(role, message)),
+            Ok((role, Incoming::Reply(ev))) => Ok(Some((role, ev))),
+            Ok((role, Incoming::Garbled(why))) => Err(self.fail(role, format!("garbled reply {why}"))),
             Ok((role, Incoming::Closed)) => Err(self.fail(role, "exited unexpectedly".into())),
             Err(RecvTimeoutError::Timeout) => Ok(None),
             Err(RecvTimeoutError::Disconnected) => Err(self.fail(Role::Prefill, "event stream closed".into())),
@@ -820,8 +709,9 @@ impl Pair {
     /// The next event if one is queued.
     fn try_next(&mut self) -> Result<Option<(Role, Event)>, ProcsError> {
         match self.rx.try_recv() {
-            Ok((role, Incoming::Event(Event::Error { message }))) => Err(self.fail(role, message)),
-            Ok((role, Incoming::Event(ev))) => Ok(Some((role, ev))),
+            Ok((role, Incoming::Reply(Event::Error { message }))) => Err(self.fail(role, message)),
+            Ok((role, Incoming::Reply(ev))) => Ok(Some((role, ev))),
+            Ok((role, Incoming::Garbled(why))) => Err(self.fail(role, format!("garbled reply {why}"))),
             Ok((role, Incoming::Closed)) => Err(self.fail(role, "exited unexpectedly".into())),
             Err(_) => Ok(None),
         }
@@ -859,8 +749,8 @@ impl Pair {
     fn close(mut self) {
         self.p.mute();
         self.d.mute();
-        self.p.stdin.take();
-        self.d.stdin.take();
+        self.p.close_stdin();
+        self.d.close_stdin();
         self.p.close(Duration::from_secs(10));
         self.d.close(Duration::from_secs(10));
     }
@@ -1385,22 +1275,6 @@ struct Ceiling {
 /// A fill or verification job: request, blocks, tokens, seed.
 type Job = (u64, BlockLists, u64, u64);
 
-struct Out {
-    broken: bool,
-}
-
-impl Out {
-    fn emit(&mut self, ev: &Event) {
-        let Ok(mut line) = serde_json::to_vec(ev) else { return };
-        line.push(b'\n');
-        let mut out = std::io::stdout().lock();
-        if out.write_all(&line).and_then(|()| out.flush()).is_err() {
-            // The parent is gone.
-            self.broken = true;
-        }
-    }
-}
-
 struct WorkerState {
     role: Role,
     mode: Mode,
@@ -1424,13 +1298,20 @@ struct WorkerState {
     helper: Option<JoinHandle<()>>,
     finished: Vec<Finished>,
     ceiling: Option<Ceiling>,
-    out: Out,
+    out: Channel,
 }
 
 /// Runs `kvpush demo-worker`: builds the engine, says hello on stdout, and serves commands from stdin
 /// until it closes. Returns the process exit code.
 pub fn worker_main(spec: &WorkerSpec) -> i32 {
-    let mut out = Out { broken: false };
+    // Standard output is the protocol from here on; what libraries print goes to stderr.
+    let mut out = match Channel::open() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("cannot set up the protocol channel on stdout: {e}");
+            return 1;
+        }
+    };
     let (cmd_tx, cmd_rx) = unbounded::<Result<Command, String>>();
     let reader = std::thread::Builder::new().name("kvpush-worker-stdin".into()).spawn(move || {
         for line in std::io::stdin().lock().lines() {
@@ -1453,11 +1334,14 @@ pub fn worker_main(spec: &WorkerSpec) -> i32 {
         out.emit(&Event::Error { message: format!("cannot start the stdin reader: {e}") });
         return 1;
     }
-    let mut state = match WorkerState::new(spec, out) {
+    let mut channel = Some(out);
+    let mut state = match WorkerState::new(spec, &mut channel) {
         Ok(s) => s,
         Err(message) => {
             tracing::error!(role = %spec.role, "{message}");
-            Out { broken: false }.emit(&Event::Error { message });
+            if let Some(out) = channel.as_mut() {
+                out.emit(&Event::Error { message });
+            }
             return 1;
         }
     };
@@ -1485,7 +1369,9 @@ fn pretouch(buffers: &[Box<dyn Buffer>], byte: u8) -> Result<(), String> {
 }
 
 impl WorkerState {
-    fn new(spec: &WorkerSpec, out: Out) -> Result<Self, String> {
+    /// Builds the engines; takes the protocol channel from `out` only once they are up, so a failure
+    /// can still be reported on it.
+    fn new(spec: &WorkerSpec, out: &mut Option<Channel>) -> Result<Self, String> {
         let t = spec.topology();
         let role = spec.role;
         let mode = spec.engine_mode();
@@ -1570,6 +1456,7 @@ impl WorkerState {
                 }
             })
             .map_err(|e| format!("cannot start a helper thread: {e}"))?;
+        let Some(out) = out.take() else { return Err("the protocol channel is gone".into()) };
         Ok(Self {
             role,
             mode,
@@ -1620,7 +1507,7 @@ impl WorkerState {
                 next = cmds.try_recv().ok();
             }
             self.step();
-            if self.out.broken {
+            if self.out.broken() {
                 return;
             }
         }
@@ -1682,7 +1569,9 @@ impl WorkerState {
             },
             Command::CeilingServe { metadata } => {
                 let r = match self.ceiling.as_mut() {
-                    Some(c) => unhex(&metadata).and_then(|md| c.transport.load_remote(&md).map_err(|e| e.to_string())),
+                    Some(c) => child::hex::decode(&metadata)
+                        .map_err(|e| e.to_string())
+                        .and_then(|md| c.transport.load_remote(&md).map_err(|e| e.to_string())),
                     None => Err("no reference agent (ceiling_setup first)".into()),
                 };
                 match r {
@@ -1781,7 +1670,7 @@ impl WorkerState {
         let r = self.reqs.get_mut(&req)?;
         // The lists are built before the clock starts: an engine hands over lists it owns.
         let lists: Vec<BlockLists> = self.workers.iter().map(|_| r.blocks.clone()).collect();
-        let at_us = now_us();
+        let at_us = child::now_us();
         let t0 = Instant::now();
         let mut err = None;
         for (w, ids) in self.workers.iter().zip(lists) {
@@ -1887,7 +1776,7 @@ impl WorkerState {
 
     /// D: every worker reported the request; verify it or report the failure.
     fn d_outcome(&mut self, req: u64) {
-        let at_us = now_us();
+        let at_us = child::now_us();
         let Some(r) = self.reqs.get(&req) else { return };
         if r.hold_verify {
             self.hold_open -= 1;
@@ -1937,7 +1826,7 @@ impl WorkerState {
                 Role::Decode => {
                     let Some(r) = self.reqs.remove(&req) else { continue };
                     self.by_key.remove(&r.key);
-                    let at_us = self.arrived.remove(&req).unwrap_or_else(now_us);
+                    let at_us = self.arrived.remove(&req).unwrap_or_else(child::now_us);
                     self.pool.give(r.blocks.into_iter().flatten());
                     let ev = match res {
                         Ok(v) => Event::Received {
@@ -2022,7 +1911,7 @@ impl WorkerState {
                         req,
                         reason: format!("{reason:?}"),
                         engine_ns: r.engine_ns,
-                        at_us: now_us(),
+                        at_us: child::now_us(),
                     });
                 }
             }
@@ -2069,7 +1958,7 @@ impl WorkerState {
         // `shutdown`) deregister the region before the buffer is dropped. Only the reference WRITE
         // touches it while it is registered.
         unsafe { transport.register(&region) }.map_err(|e| e.to_string())?;
-        let metadata = hex(&transport.local_metadata().map_err(|e| e.to_string())?);
+        let metadata = child::hex::encode(&transport.local_metadata().map_err(|e| e.to_string())?);
         self.ceiling = Some(Ceiling { transport, region, buffer, serving: false });
         Ok(Event::CeilingReady { agent, metadata, addr: region.addr })
     }
@@ -2079,7 +1968,10 @@ impl WorkerState {
         if bytes > c.region.len {
             return Err(format!("{bytes} bytes asked, the buffer has {}", c.region.len));
         }
-        let peer = c.transport.load_remote(&unhex(metadata)?).map_err(|e| e.to_string())?;
+        let peer = c
+            .transport
+            .load_remote(&child::hex::decode(metadata).map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?;
         let desc = [Desc { local: c.region.addr, remote: remote_addr, len: bytes }];
         let mut seconds = Vec::new();
         for i in 0..repeats.max(1) {
