@@ -48,9 +48,9 @@
 //! small host-memory pass over real NIXL and checks every byte.
 
 use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, Write};
+use std::io::BufRead;
 use std::path::PathBuf;
-use std::process::{Child, ChildStdin, Command, ExitCode, Stdio};
+use std::process::{Command, ExitCode};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -72,9 +72,10 @@ use kvpush::transport::staged::StagingConfig;
 use kvpush::transport::{Desc, Op, Transport, Units, XferId, XferState};
 use kvpush_cuda::staging::{self, Piece, Side, StagingPlan, UnitSpace};
 use kvpush_cuda::{Event, Kernels, Stream, UnitTable};
+use kvpush_testkit::child::{self, Channel, Child, Incoming};
+use kvpush_testkit::rng::Rng;
 use serde::{Deserialize, Serialize};
 
-const TAG: &str = "@@kvp ";
 const POISON: u8 = 0xa5;
 const STEP_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -346,39 +347,6 @@ impl EngineCounts {
     }
 }
 
-fn now_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: `ts` is a valid out-parameter; CLOCK_MONOTONIC is system-wide, so P's and D's readings
-    // compare (both processes run on one host).
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Result<Vec<u8>, String> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2).ok_or("odd hex length")?, 16).map_err(|e| e.to_string()))
-        .collect()
-}
-
-/// A deterministic xorshift permutation of `0..n`, first `take` entries (as benches/plan.rs).
-fn permutation(n: u32, take: usize, seed: u64) -> Vec<u32> {
-    let mut v: Vec<u32> = (0..n).collect();
-    let mut s = seed | 1;
-    for i in (1..v.len()).rev() {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        v.swap(i, (s % (i as u64 + 1)) as usize);
-    }
-    v.truncate(take);
-    v
-}
-
 // ---------------------------------------------------------------------------------------------
 // The P and D processes.
 
@@ -541,28 +509,6 @@ struct Node {
     notifs: Vec<kvpush::transport::Notification>,
 }
 
-fn emit(out: &mut std::fs::File, r: &Reply) {
-    let line = serde_json::to_string(r).unwrap_or_else(|e| format!("{{\"Error\":\"encode: {e}\"}}"));
-    let _ = writeln!(out, "{TAG}{line}");
-    let _ = out.flush();
-}
-
-/// The child's protocol channel: the original stdout, kept for our replies alone. Standard output
-/// itself is pointed at stderr, so what libraries print (UCX writes its logs to stdout through C
-/// stdio, which can interleave mid-line with our writes) never mixes with the replies.
-fn protocol_channel() -> Result<std::fs::File, String> {
-    use std::os::fd::FromRawFd;
-    // SAFETY: dup/dup2 on this process's own standard descriptors before any library starts; fd 1 stays
-    // open (now a copy of fd 2) for anyone who writes to it.
-    let fd = unsafe { libc::dup(1) };
-    // SAFETY: as above.
-    if fd < 0 || unsafe { libc::dup2(2, 1) } < 0 {
-        return Err(format!("cannot set up the protocol channel: {}", std::io::Error::last_os_error()));
-    }
-    // SAFETY: `fd` is a fresh descriptor that nothing else owns.
-    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
-}
-
 fn open_memory(args: &Args, role: Role) -> Result<Memory, String> {
     let cache_len = u64::from(args.regions()) * u64::from(args.pool_blocks) * UNIT;
     let slot_bytes = args.slot_bytes();
@@ -678,7 +624,7 @@ impl Node {
         };
         let info = SideInfo {
             agent: agent.clone(),
-            metadata_hex: hex(&nixl.local_metadata().map_err(|e| e.to_string())?),
+            metadata_hex: child::hex::encode(&nixl.local_metadata().map_err(|e| e.to_string())?),
             cache_base: cache.addr,
             cache_len: cache.len,
             region_len,
@@ -771,7 +717,10 @@ impl Node {
     fn handle(&mut self, cmd: Cmd) -> Result<Option<Reply>, String> {
         match cmd {
             Cmd::Peer(info) => {
-                let name = self.nixl.load_remote(&unhex(&info.metadata_hex)?).map_err(|e| e.to_string())?;
+                let name = self
+                    .nixl
+                    .load_remote(&child::hex::decode(&info.metadata_hex).map_err(|e| e.to_string())?)
+                    .map_err(|e| e.to_string())?;
                 if name != info.agent {
                     return Err(format!("peer metadata names agent {name}, expected {}", info.agent));
                 }
@@ -884,7 +833,7 @@ impl Node {
         let peer = peer_info.agent.clone();
         let deadline = Instant::now() + STEP_TIMEOUT;
         let done_msg = [b"kvpD".as_slice(), &iter.to_le_bytes()].concat();
-        let t_ready = now_ns();
+        let t_ready = child::now_ns();
         let (descriptors, posts, bytes) = match case.method {
             Method::Ceiling => {
                 let d = Desc { local: self.info.cache_base, remote: peer_info.cache_base, len: case.bytes };
@@ -925,7 +874,7 @@ impl Node {
             Method::Staged => self.send_staged(case, iter, &peer_info, deadline)?,
             Method::Engine => return Err("the engine method is sent by send_engine".into()),
         };
-        Ok(Reply::Sent { t_ready, t_done: now_ns(), descriptors, posts, bytes, engine: None })
+        Ok(Reply::Sent { t_ready, t_done: child::now_ns(), descriptors, posts, bytes, engine: None })
     }
 
     /// D: dials P's engine over the side channel (the handshake loads each engine's NIXL metadata
@@ -950,13 +899,13 @@ impl Node {
         let deadline = Instant::now() + STEP_TIMEOUT;
         let before = EngineCounts::read(&eng.engine);
         let mut finished = Vec::new();
-        let t_ready = now_ns();
+        let t_ready = child::now_ns();
         tracing::trace!(target: "kvpush::bench", %key, "blocks ready");
         eng.engine.request_finished(key, vec![case.p_ids.clone()], case.tokens).map_err(|e| format!("engine: {e}"))?;
         loop {
             eng.engine.poll(&mut finished);
             if let Some(f) = finished.pop() {
-                let t_done = now_ns();
+                let t_done = child::now_ns();
                 return match f {
                     Finished::Sent { key: k, reason: ReleaseReason::Sent } if k == key && finished.is_empty() => {
                         let c = EngineCounts::read(&eng.engine).since(before);
@@ -994,7 +943,7 @@ impl Node {
         loop {
             eng.engine.poll(&mut finished);
             if let Some(f) = finished.pop() {
-                let t_received = now_ns();
+                let t_received = child::now_ns();
                 return match f {
                     Finished::Received { key: k } if k == key && finished.is_empty() => {
                         tracing::trace!(target: "kvpush::bench", %key, "received");
@@ -1105,7 +1054,7 @@ impl Node {
                 self.notifs.clear();
                 self.nixl.take_notifications(&mut self.notifs).map_err(|e| e.to_string())?;
                 if let Some(note) = self.notifs.first() {
-                    let t_received = now_ns();
+                    let t_received = child::now_ns();
                     let (tag, it, _) = parse_note(&note.msg)?;
                     if tag != *b"kvpD" || it != iter || self.notifs.len() != 1 {
                         return Err(format!("unexpected notifications in iteration {iter}: {:?}", self.notifs));
@@ -1154,7 +1103,7 @@ impl Node {
                 }
             }
             if done == n {
-                return Ok(Reply::Received { t_received: now_ns(), pieces: n as u64, engine: None });
+                return Ok(Reply::Received { t_received: child::now_ns(), pieces: n as u64, engine: None });
             }
             if Instant::now() > deadline {
                 return Err(format!("staged receive timed out: {done}/{n} pieces scattered"));
@@ -1244,7 +1193,7 @@ fn parse_note(m: &[u8]) -> Result<([u8; 4], u32, u32), String> {
 }
 
 fn child_main(args: Args, role: Role) -> Result<(), String> {
-    let mut out = protocol_channel()?;
+    let mut out = Channel::open().map_err(|e| format!("cannot set up the protocol channel: {e}"))?;
     // The engine logs through tracing (KVPUSH_LOG, default warnings) to stderr.
     let filter = tracing_subscriber::EnvFilter::try_from_env("KVPUSH_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
@@ -1252,19 +1201,19 @@ fn child_main(args: Args, role: Role) -> Result<(), String> {
     let mut node = match Node::start(args, role) {
         Ok(n) => n,
         Err(e) => {
-            emit(&mut out, &Reply::Error(e.clone()));
+            out.emit(&Reply::Error(e.clone()));
             return Err(e);
         }
     };
-    emit(&mut out, &Reply::Hello(node.info.clone()));
+    out.emit(&Reply::Hello(node.info.clone()));
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
         let line = line.map_err(|e| e.to_string())?;
         let cmd: Cmd = serde_json::from_str(&line).map_err(|e| format!("bad command {line:?}: {e}"))?;
         match node.handle(cmd) {
-            Ok(Some(r)) => emit(&mut out, &r),
+            Ok(Some(r)) => out.emit(&r),
             Ok(None) => return Ok(()),
-            Err(e) => emit(&mut out, &Reply::Error(e)),
+            Err(e) => out.emit(&Reply::Error(e)),
         }
     }
     Ok(())
@@ -1273,18 +1222,17 @@ fn child_main(args: Args, role: Role) -> Result<(), String> {
 // ---------------------------------------------------------------------------------------------
 // The orchestrator.
 
+/// A worker process on testkit's harness, with its own queue of replies.
 struct Proc {
-    name: &'static str,
     child: Child,
-    stdin: ChildStdin,
-    rx: Receiver<Reply>,
+    rx: Receiver<((), Incoming<Reply>)>,
 }
 
 impl Proc {
     fn spawn(name: &'static str, args: &Args, role: Role) -> Result<Proc, String> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let mut cmd = Command::new(exe);
-        cmd.args(child_args(args, role)).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        cmd.args(child_args(args, role));
         // P and D authenticate their side channel with one secret made for this run.
         static RUN_SECRET: std::sync::OnceLock<String> = std::sync::OnceLock::new();
         let secret = match RUN_SECRET.get() {
@@ -1303,42 +1251,26 @@ impl Proc {
         if let (Some(ptx), None) = (&args.ptx, std::env::var_os(kvpush::device::cuda::PTX_ENV)) {
             cmd.env(kvpush::device::cuda::PTX_ENV, ptx);
         }
-        let mut child = cmd.spawn().map_err(|e| format!("cannot start the {name} process: {e}"))?;
-        let stdin = child.stdin.take().ok_or("no stdin")?;
-        let stdout = child.stdout.take().ok_or("no stdout")?;
         let (tx, rx) = crossbeam_channel::unbounded();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                // Replies come alone on their channel; finding the tag anywhere in the line is only a
-                // second line of defence against a library writing to the same descriptor.
-                match line.find(TAG).map(|i| &line[i + TAG.len()..]) {
-                    Some(json) => {
-                        let r = serde_json::from_str(json)
-                            .unwrap_or_else(|e| Reply::Error(format!("bad reply {json:?}: {e}")));
-                        if tx.send(r).is_err() {
-                            return;
-                        }
-                    }
-                    None => eprintln!("[{name}] {line}"),
-                }
-            }
-        });
-        Ok(Proc { name, child, stdin, rx })
+        let child =
+            Child::spawn(cmd, name, (), tx, None).map_err(|e| format!("cannot start the {name} process: {e}"))?;
+        Ok(Proc { child, rx })
     }
 
     fn send(&mut self, cmd: &Cmd) -> Result<(), String> {
-        let line = serde_json::to_string(cmd).map_err(|e| e.to_string())?;
-        writeln!(self.stdin, "{line}").and_then(|_| self.stdin.flush()).map_err(|e| format!("{}: {e}", self.name))
+        self.child.send(cmd).map_err(|e| format!("{}: {e}", self.child.name()))
     }
 
     fn recv(&mut self, timeout: Duration) -> Result<Reply, String> {
+        let name = self.child.name().to_owned();
         match self.rx.recv_timeout(timeout) {
-            Ok(Reply::Error(e)) => Err(format!("{}: {e}", self.name)),
-            Ok(r) => Ok(r),
-            Err(RecvTimeoutError::Timeout) => Err(format!("{}: no answer within {timeout:?}", self.name)),
-            Err(RecvTimeoutError::Disconnected) => {
-                let status = self.child.wait().map(|s| s.to_string()).unwrap_or_default();
-                Err(format!("{} exited ({status})", self.name))
+            Ok(((), Incoming::Reply(Reply::Error(e)))) => Err(format!("{name}: {e}")),
+            Ok(((), Incoming::Reply(r))) => Ok(r),
+            Ok(((), Incoming::Garbled(why))) => Err(format!("{name}: garbled reply {why}")),
+            Err(RecvTimeoutError::Timeout) => Err(format!("{name}: no answer within {timeout:?}")),
+            Ok(((), Incoming::Closed)) | Err(RecvTimeoutError::Disconnected) => {
+                let status = self.child.close(Duration::from_secs(10)).map(|s| s.to_string()).unwrap_or_default();
+                Err(format!("{name} exited ({status}): {}", self.child.tail().join("\n")))
             }
         }
     }
@@ -1347,15 +1279,7 @@ impl Proc {
 impl Drop for Proc {
     fn drop(&mut self) {
         let _ = self.send(&Cmd::Quit);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.child.close(Duration::from_secs(10));
     }
 }
 
@@ -1614,8 +1538,8 @@ fn orchestrate(args: &Args) -> Result<serde_json::Value, String> {
             (Pattern::Contiguous, contiguous.clone(), contiguous),
             (
                 Pattern::Fragmented,
-                permutation(args.pool_blocks, n as usize, args.seed ^ 0x9e37_79b9_7f4a_7c15 ^ tokens),
-                permutation(args.pool_blocks, n as usize, args.seed ^ 0xd1b5_4a32_d192_ed03 ^ tokens),
+                Rng::new(args.seed ^ 0x9e37_79b9_7f4a_7c15 ^ tokens).permutation(args.pool_blocks, n as usize),
+                Rng::new(args.seed ^ 0xd1b5_4a32_d192_ed03 ^ tokens).permutation(args.pool_blocks, n as usize),
             ),
         ];
         for (pattern, p_ids, d_ids) in patterns {
