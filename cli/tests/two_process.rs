@@ -18,7 +18,7 @@ use crossbeam_channel::{unbounded, Receiver};
 use kvpush::proto::{Key, Mode};
 use kvpush::transport::nixl;
 use kvpush_testkit::demo::procs::{Command, Event, Incoming, Role, WorkerProc, WorkerSpec};
-use kvpush_testkit::demo::Topology;
+use kvpush_testkit::demo::{self, Topology, Workload};
 
 const EXE: &str = env!("CARGO_BIN_EXE_kvpush");
 
@@ -64,12 +64,22 @@ fn num(v: &serde_json::Value, mode: &str, field: &str) -> f64 {
     v[mode][field].as_f64().unwrap_or_else(|| panic!("{mode}.{field} missing in {v}"))
 }
 
-/// Every request of `mode` verified, none failed.
-fn assert_verified(v: &serde_json::Value, mode: &str, requests: u64) {
-    assert_eq!(num(v, mode, "requests") as u64, requests, "{v}");
+/// Bytes of one token's KV in the `SMALL` model: 4 layers x K and V x 2 heads x 32 dims x 2 bytes.
+const SMALL_TOKEN_BYTES: u64 = 4 * 2 * 2 * 32 * 2;
+
+/// The bytes D must hold after `requests` requests of `min..=max` tokens (the CLI's default seed): the
+/// workload's token counts times the model's bytes per token, computed here, not taken from the report.
+fn expected_bytes(requests: usize, min_tokens: u64, max_tokens: u64) -> u64 {
+    let w = Workload { requests, min_tokens, max_tokens, ..Workload::default() };
+    demo::requests(&w).iter().map(|(tokens, _)| tokens * SMALL_TOKEN_BYTES).sum()
+}
+
+/// Every request of `mode` verified (as counted from D's checks), none failed, and exactly the bytes
+/// the workload must move checked on D.
+fn assert_verified(v: &serde_json::Value, mode: &str, requests: u64, bytes: u64) {
+    assert_eq!(num(v, mode, "verified") as u64, requests, "{v}");
     assert_eq!(num(v, mode, "failed") as u64, 0, "{v}");
-    assert!(num(v, mode, "verified_bytes") > 0.0, "{v}");
-    assert!(num(v, mode, "bytes") > 0.0, "{v}");
+    assert_eq!(num(v, mode, "verified_bytes") as u64, bytes, "{v}");
 }
 
 #[test]
@@ -79,7 +89,7 @@ fn push_500_requests_every_byte_verified() {
         "500",
         &["--mode", "push", "--requests", "500", "--min-tokens", "1", "--max-tokens", "512", "--concurrency", "64"],
     );
-    assert_verified(&v, "push", 500);
+    assert_verified(&v, "push", 500, expected_bytes(500, 1, 512));
     // Same TP and block size on both sides: every byte moved is a byte checked.
     assert_eq!(num(&v, "push", "verified_bytes"), num(&v, "push", "bytes"), "{v}");
     assert!(v.get("pull").is_none(), "{v}");
@@ -94,8 +104,9 @@ fn heterogeneous_tp_across_processes() {
     // P TP 2 -> D TP 1, push and pull: each D rank gathers its heads from both P processes' ranks.
     let v =
         demo("tp2to1", &["--mode", "both", "--p-tp", "2", "--d-tp", "1", "--requests", "120", "--max-tokens", "512"]);
-    assert_verified(&v, "push", 120);
-    assert_verified(&v, "pull", 120);
+    let bytes = expected_bytes(120, 32, 512);
+    assert_verified(&v, "push", 120, bytes);
+    assert_verified(&v, "pull", 120, bytes);
     assert!(v["pull"].get("push_gbps").is_none(), "{v}");
     // P TP 1 -> D TP 2, push, with different block sizes on the two sides.
     let v = demo(
@@ -115,7 +126,7 @@ fn heterogeneous_tp_across_processes() {
             "512",
         ],
     );
-    assert_verified(&v, "push", 120);
+    assert_verified(&v, "push", 120, bytes);
 }
 
 /// Two children driven directly, and their events.

@@ -181,6 +181,9 @@ pub struct ModeReport {
     pub bytes: u64,
     /// Bytes checked on D.
     pub verified_bytes: u64,
+    /// Requests whose every byte on D was checked and matched (counted from the checks, not from the
+    /// workload).
+    pub verified: u64,
     /// Requests that failed or arrived wrong.
     pub failed: u64,
     /// Copies before merging.
@@ -604,6 +607,7 @@ fn run_mode(
     let mut by_key: HashMap<Key, usize> = HashMap::new();
     let mut latencies = Vec::with_capacity(specs.len());
     let mut verified_bytes = 0u64;
+    let mut verified = 0u64;
     let mut failed = 0u64;
     let mut out = Vec::new();
     let mut last_progress = Instant::now();
@@ -760,7 +764,10 @@ fn run_mode(
         while let Ok((i, res)) = checked_rx.try_recv() {
             let r = &mut reqs[i];
             match res {
-                Ok(v) if v.ok() => verified_bytes += v.bytes,
+                Ok(v) if v.ok() => {
+                    verified_bytes += v.bytes;
+                    verified += 1;
+                }
                 Ok(v) => {
                     tracing::error!(key = %r.key, mismatched = v.mismatched_elements, "KV arrived wrong");
                     r.failed = true;
@@ -806,8 +813,14 @@ fn run_mode(
     let _ = prefill.join();
     let _ = verifier.join();
 
-    let mut report =
-        ModeReport { requests: specs.len() as u64, verified_bytes, failed, wall_s: wall, ..Default::default() };
+    let mut report = ModeReport {
+        requests: specs.len() as u64,
+        verified_bytes,
+        verified,
+        failed,
+        wall_s: wall,
+        ..Default::default()
+    };
     for wk in p.iter().chain(d.iter()) {
         let s = wk.engine.stats();
         report.bytes += s.counters.bytes;
@@ -836,10 +849,11 @@ pub fn table(r: &Report) -> String {
         s += &format!("{n:>16}");
     }
     s.push('\n');
-    let rows: [Row; 12] = [
+    let rows: [Row; 13] = [
         ("requests", |m| m.requests.to_string()),
         ("failed", |m| m.failed.to_string()),
         ("bytes moved", |m| format!("{:.1} MiB", m.bytes as f64 / 1048576.0)),
+        ("requests verified", |m| m.verified.to_string()),
         ("bytes verified", |m| format!("{:.1} MiB", m.verified_bytes as f64 / 1048576.0)),
         ("descriptors before merging", |m| m.descriptors_unmerged.to_string()),
         ("descriptors posted", |m| m.descriptors_posted.to_string()),

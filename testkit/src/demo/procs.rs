@@ -908,7 +908,7 @@ fn play(pair: &mut Pair, t: &Topology, w: &Workload, mode: Mode, tick: &dyn Fn()
     let mut due: BinaryHeap<std::cmp::Reverse<(Instant, usize)>> = BinaryHeap::new();
     let (mut next, mut in_flight, mut finished) = (0usize, 0usize, 0usize);
     let mut latencies = Vec::with_capacity(specs.len());
-    let (mut verified_bytes, mut failed) = (0u64, 0u64);
+    let (mut verified_bytes, mut verified, mut failed) = (0u64, 0u64, 0u64);
     let limit = Duration::from_secs(120);
     let mut last_progress = Instant::now();
     let started = Instant::now();
@@ -1035,6 +1035,7 @@ fn play(pair: &mut Pair, t: &Topology, w: &Workload, mode: Mode, tick: &dyn Fn()
                     }
                     if ok {
                         verified_bytes += v;
+                        verified += 1;
                     } else {
                         tracing::error!(key = %r.key, detail = detail.as_deref().unwrap_or(""), "KV arrived wrong");
                         r.failed = true;
@@ -1062,8 +1063,14 @@ fn play(pair: &mut Pair, t: &Topology, w: &Workload, mode: Mode, tick: &dyn Fn()
         }
     }
     let wall = started.elapsed().as_secs_f64();
-    let mut report =
-        ModeReport { requests: specs.len() as u64, verified_bytes, failed, wall_s: wall, ..Default::default() };
+    let mut report = ModeReport {
+        requests: specs.len() as u64,
+        verified_bytes,
+        verified,
+        failed,
+        wall_s: wall,
+        ..Default::default()
+    };
     for role in [Role::Prefill, Role::Decode] {
         let (bytes, unmerged, posted, _, _) = pair.stats(role)?;
         report.bytes += bytes;
