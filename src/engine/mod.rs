@@ -259,11 +259,13 @@ pub(crate) enum Cmd {
     Abort {
         key: Key,
     },
-    /// `incarnation`: the sender's process, where the side channel told it.
+    /// `incarnation`: the sender's process, where the side channel told it. `via`: which path
+    /// carried it (only the data path may say that data landed).
     Msg {
         from: PeerAddr,
         incarnation: Option<side::Incarnation>,
         msg: Message,
+        via: Via,
     },
     /// `incarnation`: only that process of the peer is lost (`None`: whichever is known).
     PeerLost {
@@ -273,6 +275,20 @@ pub(crate) enum Cmd {
     },
     Wake,
     Stop,
+}
+
+/// The path a peer's message came by.
+///
+/// A push's completion counts as "landed" only when it came by [`Via::Data`]: the transport
+/// delivers a transfer's notification after every byte of the transfer (NIXL orders a WRITE's
+/// notification after its data), while the control link is a separate connection that says
+/// nothing about what the data path did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Via {
+    /// The control link (side channel, or the in-process hub).
+    Control,
+    /// The transport's notifications, ordered after the data they follow.
+    Data,
 }
 
 /// A writer shard as the rest of the engine sees it.
@@ -348,6 +364,7 @@ impl Shared {
         from: PeerAddr,
         incarnation: Option<side::Incarnation>,
         msg: Message,
+        via: Via,
     ) -> Result<(), EngineError> {
         let key = match &msg {
             Message::Registration(r) => r.key(),
@@ -356,7 +373,7 @@ impl Shared {
             Message::Abort(a) => a.key,
             Message::Handshake(_) | Message::Heartbeat(_) => return Ok(()),
         };
-        self.send(key, Cmd::Msg { from, incarnation, msg })
+        self.send(key, Cmd::Msg { from, incarnation, msg, via })
     }
 }
 
@@ -462,7 +479,7 @@ impl Shared {
             }
             EngineError::Decode { peer: from.clone(), source }
         })?;
-        let routed = self.route(from.clone(), incarnation, msg);
+        let routed = self.route(from.clone(), incarnation, msg, Via::Control);
         drop(peers);
         routed
     }

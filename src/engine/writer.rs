@@ -13,7 +13,7 @@ use std::time::{Duration, Instant as StdInstant};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use super::side::Incarnation;
-use super::{addr_of, fan_out, producer_ranks, target_of, Cmd, Finished, PeerAddr, Shared, Stats};
+use super::{addr_of, fan_out, producer_ranks, target_of, Cmd, Finished, PeerAddr, Shared, Stats, Via};
 use crate::proto::codec;
 use crate::proto::completion::{Completions, Event, FailReason};
 use crate::proto::ids::Instant;
@@ -250,7 +250,7 @@ impl Writer {
                 self.register(now, key, producer, ids, num_tokens);
             }
             Cmd::Abort { key } => self.abort(now, key),
-            Cmd::Msg { from, incarnation, msg } => self.message(now, from, incarnation, msg),
+            Cmd::Msg { from, incarnation, msg, via } => self.message(now, from, incarnation, msg, via),
             Cmd::PeerLost { peer, incarnation, reason } => self.peer_lost(now, &peer, incarnation, &reason),
             Cmd::Wake | Cmd::Stop => {}
         }
@@ -409,7 +409,7 @@ impl Writer {
         }
     }
 
-    fn message(&mut self, now: Instant, from: PeerAddr, incarnation: Option<Incarnation>, msg: Message) {
+    fn message(&mut self, now: Instant, from: PeerAddr, incarnation: Option<Incarnation>, msg: Message, via: Via) {
         let mode = self.shared.config.mode;
         // A message queued by a peer's previous process before it restarted: the engine loop's
         // commands overtake queued messages, so the restart's failure may not have been handled
@@ -454,8 +454,14 @@ impl Writer {
                     let heard =
                         Failure { key: c.key, rank: from.rank, kind: FailureKind::Aborted, detail: String::new() };
                     self.comp.handle_failure(now, &heard);
-                } else {
+                } else if via == Via::Data {
                     self.comp.handle_completion(now, &c);
+                } else {
+                    // Push: a completion on the control link says nothing about the data path (the
+                    // two fail separately, and a control frame may overtake a WRITE). Only the
+                    // transport's notification, delivered after the data, counts.
+                    self.stats().failures.malformed += 1;
+                    tracing::warn!(worker = %self.shared.me, peer = %from, key = %c.key, "push completion on the control link refused");
                 }
             }
             Message::Failure(f) => {
@@ -574,9 +580,9 @@ impl Writer {
                     if let Some(key) = key {
                         if self.shared.shard_of(key) == self.index {
                             let now = self.now();
-                            self.message(now, peer.addr.clone(), peer.incarnation, msg);
+                            self.message(now, peer.addr.clone(), peer.incarnation, msg, Via::Data);
                         } else {
-                            let _ = self.shared.route(peer.addr.clone(), peer.incarnation, msg);
+                            let _ = self.shared.route(peer.addr.clone(), peer.incarnation, msg, Via::Data);
                         }
                     }
                 }

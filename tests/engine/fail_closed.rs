@@ -1,0 +1,51 @@
+//! Fail closed (issue 16): no byte lands in a block after its owner was told the block is free, and
+//! only the data path says that data landed. Each test drives one P and one D worker by hand on the
+//! loopback transport and looks at the bytes in memory after an outcome.
+
+use std::time::Duration;
+
+use kvpush::engine::Finished;
+use kvpush::proto::codec;
+use kvpush::proto::msg::{Completion, Message};
+use kvpush::proto::{Key, Mode};
+use kvpush_testkit::demo::pattern;
+use kvpush_testkit::engines::{poll_until, wait_for};
+use kvpush_testkit::stress::{Cluster, Setup, BLOCK_TOKENS, P_ENGINE};
+
+const LIMIT: Duration = Duration::from_secs(10);
+
+/// A completion frame on the control link claims P's part landed before P wrote a byte. D must not
+/// report the request received: only the transport's notification, delivered after the data, says
+/// so. (Before the fix D reported `Received` at once, over blocks holding nothing.)
+#[test]
+fn a_push_completion_on_the_control_link_is_not_data() {
+    let c = Cluster::new(Setup::new(Mode::Push, 1, 1));
+    let (p, d) = (&c.p[0], &c.d[0]);
+    let key = Key::new(0x5c0_0001, 1);
+    let blocks = vec![vec![3, 4]];
+    let tokens = 2 * u64::from(BLOCK_TOKENS);
+    d.engine.blocks_allocated(key, P_ENGINE, blocks.clone(), tokens).expect("registers");
+    poll_until("P sees the registration", LIMIT, || p.engine.stats().counters.registrations, |n| *n == 1);
+    let rank = p.engine.layout().parallel.rank();
+    let forged = codec::to_vec(&Message::Completion(Completion { key, rank })).expect("encodes");
+    d.engine.handle_frame(p.engine.addr(), &forged).expect("frame taken");
+    let mut out = Vec::new();
+    let (_, seen) = poll_until(
+        "D acts on the control-link completion",
+        LIMIT,
+        || {
+            d.engine.poll(&mut out);
+            (d.engine.stats().failures.malformed, out.clone())
+        },
+        |(refused, seen)| *refused > 0 || !seen.is_empty(),
+    );
+    assert!(seen.is_empty(), "D reported {seen:?} before P wrote a byte");
+    // P's prefill ends: its WRITE and then the data path's notification complete the request.
+    let seed = 0x5eed;
+    pattern::fill(p.engine.layout(), &p.buffers, &blocks, tokens, seed).expect("prefill");
+    p.engine.request_finished(key, blocks.clone(), tokens).expect("finished");
+    wait_for(&d.engine, "received", LIMIT, |f| matches!(f, Finished::Received { key: k } if *k == key));
+    let v = pattern::verify(d.engine.layout(), &d.buffers, &blocks, tokens, seed).expect("reads");
+    assert!(v.ok(), "received but wrong: {v:?}");
+    wait_for(&p.engine, "sent", LIMIT, |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
+}
