@@ -259,20 +259,45 @@ pub(crate) enum Cmd {
     Abort {
         key: Key,
     },
-    /// `incarnation`: the sender's process, where the side channel told it.
+    /// `incarnation`: the sender's process, where the side channel told it. `via`: which path
+    /// carried it (only the data path may say that data landed).
     Msg {
         from: PeerAddr,
         incarnation: Option<side::Incarnation>,
         msg: Message,
+        via: Via,
     },
     /// `incarnation`: only that process of the peer is lost (`None`: whichever is known).
+    /// `fenced`: the transport confirmed that nothing the peer posted can touch our memory any
+    /// more ([`crate::transport::Fence::Confirmed`]); otherwise what it could touch is quarantined.
     PeerLost {
         peer: PeerAddr,
         incarnation: Option<side::Incarnation>,
         reason: String,
+        fenced: bool,
+    },
+    /// A peer was (re)added as `incarnation`: a previous process of it, lost without a fence, is
+    /// gone, and what was quarantined for it may go back to its owner.
+    PeerAdded {
+        peer: PeerAddr,
+        incarnation: Option<side::Incarnation>,
     },
     Wake,
     Stop,
+}
+
+/// The path a peer's message came by.
+///
+/// A push's completion counts as "landed" only when it came by [`Via::Data`]: the transport
+/// delivers a transfer's notification after every byte of the transfer (NIXL orders a WRITE's
+/// notification after its data), while the control link is a separate connection that says
+/// nothing about what the data path did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Via {
+    /// The control link (side channel, or the in-process hub).
+    Control,
+    /// The transport's notifications, ordered after the data they follow.
+    Data,
 }
 
 /// A writer shard as the rest of the engine sees it.
@@ -348,6 +373,7 @@ impl Shared {
         from: PeerAddr,
         incarnation: Option<side::Incarnation>,
         msg: Message,
+        via: Via,
     ) -> Result<(), EngineError> {
         let key = match &msg {
             Message::Registration(r) => r.key(),
@@ -356,7 +382,7 @@ impl Shared {
             Message::Abort(a) => a.key,
             Message::Handshake(_) | Message::Heartbeat(_) => return Ok(()),
         };
-        self.send(key, Cmd::Msg { from, incarnation, msg })
+        self.send(key, Cmd::Msg { from, incarnation, msg, via })
     }
 }
 
@@ -400,7 +426,8 @@ impl Shared {
                         peers.by_agent.remove(&g.agent);
                     }
                     // Under the lock: see `handle_frame`.
-                    self.lose_peer(&addr, Some(old), "restarted (new incarnation)");
+                    let agent = gone.as_ref().map(|g| g.agent.as_str());
+                    self.lose_peer(&addr, Some(old), agent, "restarted (new incarnation)");
                     gone.map(|g| (g, old))
                 }
                 _ => None,
@@ -427,14 +454,23 @@ impl Shared {
             }
         }
         peers.by_agent.insert(agent, p);
+        for s in &self.shards {
+            let _ = s.tx.send(Cmd::PeerAdded { peer: addr.clone(), incarnation });
+        }
         tracing::debug!(worker = %self.me, peer = %addr, "peer added");
         Ok(addr)
     }
 
-    /// Tells every shard that `incarnation` of `peer` is gone.
-    fn lose_peer(&self, peer: &PeerAddr, incarnation: Option<side::Incarnation>, reason: &str) {
+    /// Tells every shard that `incarnation` of `peer` is gone, after revoking the data-path access
+    /// of its transport agent `agent` (where it is still known).
+    fn lose_peer(&self, peer: &PeerAddr, incarnation: Option<side::Incarnation>, agent: Option<&str>, reason: &str) {
+        let fenced = agent.is_some_and(|a| self.transport.revoke_peer(a) == crate::transport::Fence::Confirmed);
+        if !fenced {
+            tracing::warn!(worker = %self.me, %peer, "the transport cannot confirm that the lost peer's transfers stopped: what they could touch is quarantined");
+        }
         for s in &self.shards {
-            let _ = s.tx.send(Cmd::PeerLost { peer: peer.clone(), incarnation, reason: reason.to_owned() });
+            let reason = reason.to_owned();
+            let _ = s.tx.send(Cmd::PeerLost { peer: peer.clone(), incarnation, reason, fenced });
         }
     }
 
@@ -462,7 +498,7 @@ impl Shared {
             }
             EngineError::Decode { peer: from.clone(), source }
         })?;
-        let routed = self.route(from.clone(), incarnation, msg);
+        let routed = self.route(from.clone(), incarnation, msg, Via::Control);
         drop(peers);
         routed
     }
@@ -483,7 +519,9 @@ impl side::Endpoint for Shared {
     }
     fn peer_lost(&self, peer: &PeerAddr, incarnation: side::Incarnation, reason: &str) {
         tracing::warn!(worker = %self.me, %peer, %reason, "peer lost");
-        self.lose_peer(peer, Some(incarnation), reason);
+        let agent =
+            self.peer_by_addr(peer).filter(|p| p.incarnation.is_none_or(|i| i == incarnation)).map(|p| p.agent.clone());
+        self.lose_peer(peer, Some(incarnation), agent.as_deref(), reason);
     }
 }
 

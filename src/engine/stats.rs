@@ -142,6 +142,9 @@ pub struct Counters {
     pub failed: u64,
     /// Aborts handled.
     pub aborted: u64,
+    /// Outcomes held back because a lost peer might still reach the request's blocks (its
+    /// transport could not confirm that its transfers stopped); see docs/reliability.md.
+    pub quarantined: u64,
 }
 
 /// Serializable view of [`Stats`].
@@ -181,7 +184,8 @@ impl Stats {
             released,
             received,
             failed,
-            aborted
+            aborted,
+            quarantined
         );
         sum!(
             self.failures,

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant as StdInstant};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use super::side::Incarnation;
-use super::{addr_of, fan_out, producer_ranks, target_of, Cmd, Finished, PeerAddr, Shared, Stats};
+use super::{addr_of, fan_out, producer_ranks, target_of, Cmd, Finished, PeerAddr, Shared, Stats, Via};
 use crate::proto::codec;
 use crate::proto::completion::{Completions, Event, FailReason};
 use crate::proto::ids::Instant;
@@ -38,6 +38,9 @@ const POLL_WAITING_MAX: Duration = Duration::from_micros(200);
 /// link): the writer then polls at growing intervals, sleeping between polls, so a stalled transfer
 /// never keeps a core busy (on a small host a spinning writer can starve the very peer it waits for).
 const SPIN_WINDOW: Duration = Duration::from_millis(5);
+/// Most requests one writer holds in quarantine; past it, new registrations are refused (they fail
+/// at once, before anything is sent or posted) rather than letting the quarantine grow unbounded.
+const MAX_QUARANTINED: usize = 65_536;
 
 /// What a posted transfer is for.
 #[derive(Debug)]
@@ -46,8 +49,20 @@ struct InFlight {
     peer: PeerAddr,
     op: Op,
     posted_at: Instant,
-    /// Its outcome was already reported (the peer was lost); only the handle is still awaited.
-    orphaned: bool,
+    /// The peer was lost: the transfer was cancelled and ends as a failure, reported only when
+    /// the transport says it ended (until then it may still read our sources or fill our blocks).
+    lost: bool,
+}
+
+/// Requests whose blocks a lost peer might still reach (its transport could not confirm that its
+/// transfers stopped): their outcomes are held here, not handed to the owner, until the peer's
+/// access is torn down (its process came back as a new incarnation).
+#[derive(Debug, Default)]
+struct Quarantine {
+    /// Per request: the peer that may still reach its blocks, and its lost incarnation.
+    keys: HashMap<Key, (PeerAddr, Option<Incarnation>)>,
+    /// Outcomes withheld, in order.
+    held: Vec<(Key, Finished)>,
 }
 
 /// Consumer, pull mode: a read waiting for grants from its producer ranks.
@@ -82,6 +97,7 @@ pub(super) struct Writer {
     producers: HashMap<Key, String>,
     /// Producer: which consumer workers registered each live request (for peer loss).
     registered_by: HashMap<Key, Vec<(PeerAddr, Option<Incarnation>)>>,
+    quarantine: Quarantine,
     poll_interval: Duration,
     /// When this writer last did work (for lingering).
     last_active: StdInstant,
@@ -111,6 +127,7 @@ impl Writer {
             pulls: HashMap::new(),
             producers: HashMap::new(),
             registered_by: HashMap::new(),
+            quarantine: Quarantine::default(),
             poll_interval: POLL_MIN,
             last_active: StdInstant::now(),
         }
@@ -217,13 +234,13 @@ impl Writer {
             // back (each poll is what moves a large transfer along; measured: a 25 µs gap between
             // polls halves the bandwidth); while we merely wait for a peer's notification or read,
             // back off up to POLL_WAITING_MAX. With nothing expected, sleep until the next deadline.
-            if self.inflight.values().any(|f| !f.orphaned) {
+            if !self.inflight.is_empty() {
                 wait = if self.last_active.elapsed() < SPIN_WINDOW {
                     Duration::ZERO
                 } else {
                     wait.min(self.poll_interval)
                 };
-            } else if !self.inflight.is_empty() || self.comp.pending() > 0 || !self.grants.is_empty() {
+            } else if self.comp.pending() > 0 || !self.grants.is_empty() {
                 wait = wait.min(self.poll_interval);
             }
         }
@@ -250,8 +267,11 @@ impl Writer {
                 self.register(now, key, producer, ids, num_tokens);
             }
             Cmd::Abort { key } => self.abort(now, key),
-            Cmd::Msg { from, incarnation, msg } => self.message(now, from, incarnation, msg),
-            Cmd::PeerLost { peer, incarnation, reason } => self.peer_lost(now, &peer, incarnation, &reason),
+            Cmd::Msg { from, incarnation, msg, via } => self.message(now, from, incarnation, msg, via),
+            Cmd::PeerLost { peer, incarnation, reason, fenced } => {
+                self.peer_lost(now, &peer, incarnation, &reason, fenced)
+            }
+            Cmd::PeerAdded { peer, incarnation } => self.release_quarantine(&peer, incarnation),
             Cmd::Wake | Cmd::Stop => {}
         }
         self.drain_outputs();
@@ -272,6 +292,13 @@ impl Writer {
             this.stats().counters.failed += 1;
             this.shared.outbox.push(Finished::Failed { key, reason, invalid_blocks: blocks });
         };
+        if self.quarantine.held.len() >= MAX_QUARANTINED {
+            let reason = format!(
+                "{me}: request {key}: {} outcomes are quarantined behind lost peers (limit {MAX_QUARANTINED})",
+                self.quarantine.held.len()
+            );
+            return fail(self, reason, block_ids);
+        }
         let Some(any) = self.shared.any_peer_of(&producer) else {
             let reason = format!("{me}: request {key}: no handshake with producer engine {producer}");
             self.stats().failures.unknown_peer += 1;
@@ -324,13 +351,19 @@ impl Writer {
         }
     }
 
-    /// A peer worker went away: everything in flight with it fails now, on this side.
+    /// A peer worker went away: everything with it fails on this side, but a block goes back to
+    /// its owner only once nothing can touch it any more. Our own transfers with the peer are
+    /// cancelled and fail when the transport says they ended; the peer's transfers into or out of
+    /// our memory stopped if the transport confirmed the fence (`fenced`), and otherwise every
+    /// request they could touch is quarantined (its outcome held) until the peer's access is torn
+    /// down.
     fn peer_lost(
         &mut self,
         now: Instant,
         peer: &PeerAddr,
         incarnation: Option<super::side::Incarnation>,
         reason: &str,
+        fenced: bool,
     ) {
         let detail = format!("peer {peer} lost: {reason}");
         // Producer side: registrations from the lost consumer, and reads it was granted.
@@ -340,34 +373,39 @@ impl Writer {
             .filter(|(_, peers)| peers.iter().any(|(p, i)| p == peer && (incarnation.is_none() || *i == incarnation)))
             .map(|(k, _)| *k)
             .collect();
+        let grants: Vec<(Key, PeerAddr)> = self.grants.keys().filter(|(_, p)| p == peer).cloned().collect();
+        // Consumer side: requests that wait for parts from the lost producer's engine.
+        let waiting: Vec<Key> = self.producers.iter().filter(|(_, e)| **e == peer.engine).map(|(k, _)| *k).collect();
+        if !fenced {
+            // Its READs of our sources (pull) and its WRITEs into our blocks (push) may still run.
+            for key in grants.iter().map(|(k, _)| *k).chain(waiting.iter().copied()) {
+                self.quarantine.keys.insert(key, (peer.clone(), incarnation));
+            }
+        }
         for key in keys {
             self.rdv.handle_abort(now, key);
         }
-        let grants: Vec<(Key, PeerAddr)> = self.grants.keys().filter(|(_, p)| p == peer).cloned().collect();
         for (key, p) in grants {
             self.read_done(now, key, p, Err(FailureKind::PeerLost));
         }
-        // Transfers in flight with it will not complete usefully: their outcome is a failure now.
-        // They stay in the table, orphaned, until the transport reports them ended, so the
-        // transport's handle is released (and never reported twice).
-        let lost: Vec<(XferId, Key, Op)> = self
-            .inflight
-            .iter()
-            .filter(|(_, f)| &f.peer == peer && !f.orphaned)
-            .map(|(id, f)| (*id, f.key, f.op))
-            .collect();
-        for (id, key, op) in lost {
+        // Our transfers in flight with it will not complete usefully: cut them short where the
+        // transport can. Their failure is reported when the transport says they ended.
+        let lost: Vec<XferId> =
+            self.inflight.iter().filter(|(_, f)| &f.peer == peer && !f.lost).map(|(id, _)| *id).collect();
+        let mut reading = Vec::new();
+        for id in lost {
             if let Some(f) = self.inflight.get_mut(&id) {
-                f.orphaned = true;
+                f.lost = true;
+                if f.op == Op::Read {
+                    reading.push(f.key);
+                }
             }
-            match op {
-                Op::Write => self.rdv.handle_transfer_done(now, key, &target_of(peer), Err(FailureKind::PeerLost)),
-                Op::Read => self.read_finished(now, key, peer.clone(), Err(FailureKind::PeerLost)),
-            }
+            self.shared.transport.cancel(id);
         }
-        // Consumer side: requests that wait for parts from the lost producer's engine.
-        let waiting: Vec<Key> = self.producers.iter().filter(|(_, e)| **e == peer.engine).map(|(k, _)| *k).collect();
         for key in waiting {
+            if reading.contains(&key) {
+                continue; // fails when our READ into its blocks ended
+            }
             let f = Failure { key, rank: peer.rank, kind: FailureKind::PeerLost, detail: detail.clone() };
             self.comp.handle_failure(now, &f);
         }
@@ -384,6 +422,39 @@ impl Writer {
             };
             if let Some(p) = removed {
                 self.shared.transport.drop_peer(&p.agent);
+            }
+        }
+    }
+
+    /// Hands `f`, the outcome of `key`, to the owner, unless a lost peer may still reach the
+    /// request's blocks: then it is held (see [`Quarantine`]).
+    fn finish(&mut self, key: Key, f: Finished) {
+        if self.quarantine.keys.contains_key(&key) {
+            self.stats().counters.quarantined += 1;
+            tracing::warn!(worker = %self.shared.me, %key, held = self.quarantine.held.len() + 1, "outcome quarantined: a lost peer may still reach its blocks");
+            self.quarantine.held.push((key, f));
+        } else {
+            self.shared.outbox.push(f);
+        }
+    }
+
+    /// Peer `peer` came back as `incarnation`: a different process than the one that was lost, so
+    /// the lost one's transfers are over. Its quarantined outcomes go to their owners.
+    fn release_quarantine(&mut self, peer: &PeerAddr, incarnation: Option<Incarnation>) {
+        let before = self.quarantine.keys.len();
+        self.quarantine
+            .keys
+            .retain(|_, (p, lost)| !(p == peer && lost.is_some() && incarnation.is_some() && *lost != incarnation));
+        if self.quarantine.keys.len() == before {
+            return;
+        }
+        let held = std::mem::take(&mut self.quarantine.held);
+        for (key, f) in held {
+            if self.quarantine.keys.contains_key(&key) {
+                self.quarantine.held.push((key, f));
+            } else {
+                tracing::info!(worker = %self.shared.me, %key, peer = %peer, "quarantine lifted: the lost process is gone");
+                self.shared.outbox.push(f);
             }
         }
     }
@@ -409,7 +480,7 @@ impl Writer {
         }
     }
 
-    fn message(&mut self, now: Instant, from: PeerAddr, incarnation: Option<Incarnation>, msg: Message) {
+    fn message(&mut self, now: Instant, from: PeerAddr, incarnation: Option<Incarnation>, msg: Message, via: Via) {
         let mode = self.shared.config.mode;
         // A message queued by a peer's previous process before it restarted: the engine loop's
         // commands overtake queued messages, so the restart's failure may not have been handled
@@ -454,8 +525,14 @@ impl Writer {
                     let heard =
                         Failure { key: c.key, rank: from.rank, kind: FailureKind::Aborted, detail: String::new() };
                     self.comp.handle_failure(now, &heard);
-                } else {
+                } else if via == Via::Data {
                     self.comp.handle_completion(now, &c);
+                } else {
+                    // Push: a completion on the control link says nothing about the data path (the
+                    // two fail separately, and a control frame may overtake a WRITE). Only the
+                    // transport's notification, delivered after the data, counts.
+                    self.stats().failures.malformed += 1;
+                    tracing::warn!(worker = %self.shared.me, peer = %from, key = %c.key, "push completion on the control link refused");
                 }
             }
             Message::Failure(f) => {
@@ -471,7 +548,7 @@ impl Writer {
                 let ours: Vec<XferId> = self
                     .inflight
                     .iter()
-                    .filter(|(_, f)| f.key == a.key && f.peer == from && !f.orphaned)
+                    .filter(|(_, f)| f.key == a.key && f.peer == from && !f.lost)
                     .map(|(id, _)| *id)
                     .collect();
                 // The consumer gave up: a transfer still in flight into its blocks is cut short where
@@ -533,12 +610,11 @@ impl Writer {
                 }
                 any = true;
                 let Some(f) = self.inflight.remove(&id) else { continue };
-                if f.orphaned {
-                    continue;
-                }
                 let now = self.now();
                 self.stats().transfer.record(now.micros_since(f.posted_at));
                 let result = match state {
+                    // Ended, but the peer is gone: nothing of it counts as delivered.
+                    _ if f.lost => Err(FailureKind::PeerLost),
                     Ok(_) => Ok(()),
                     Err(e) => {
                         self.stats().failures.transfer += 1;
@@ -574,9 +650,9 @@ impl Writer {
                     if let Some(key) = key {
                         if self.shared.shard_of(key) == self.index {
                             let now = self.now();
-                            self.message(now, peer.addr.clone(), peer.incarnation, msg);
+                            self.message(now, peer.addr.clone(), peer.incarnation, msg, Via::Data);
                         } else {
-                            let _ = self.shared.route(peer.addr.clone(), peer.incarnation, msg);
+                            let _ = self.shared.route(peer.addr.clone(), peer.incarnation, msg, Via::Data);
                         }
                     }
                 }
@@ -724,7 +800,7 @@ impl Writer {
                 drop(st);
                 match id {
                     Some(id) => {
-                        self.inflight.insert(id, InFlight { key, peer, op, posted_at: now, orphaned: false });
+                        self.inflight.insert(id, InFlight { key, peer, op, posted_at: now, lost: false });
                     }
                     None if op == Op::Write => self.rdv.handle_transfer_done(now, key, &target_of(&peer), Ok(())),
                     None => self.read_finished(now, key, peer, Ok(())),
@@ -787,7 +863,7 @@ impl Writer {
                     Action::Release { key, reason, .. } => {
                         self.registered_by.remove(&key);
                         self.stats().counters.released += 1;
-                        self.shared.outbox.push(Finished::Sent { key, reason });
+                        self.finish(key, Finished::Sent { key, reason });
                     }
                     Action::Fail { key, target, kind } => {
                         let addr = addr_of(&target);
@@ -816,7 +892,7 @@ impl Writer {
                         st.counters.received += 1;
                         st.receive.record(waited_us);
                         drop(st);
-                        self.shared.outbox.push(Finished::Received { key });
+                        self.finish(key, Finished::Received { key });
                     }
                     Event::Draining { key } => {
                         // The request ended without its data while some producer ranks have not
@@ -841,12 +917,12 @@ impl Writer {
                         };
                         self.stats().counters.failed += 1;
                         let reason = format!("{}: request {key}: {text}", self.shared.me);
-                        self.shared.outbox.push(Finished::Failed { key, reason, invalid_blocks });
+                        self.finish(key, Finished::Failed { key, reason, invalid_blocks });
                     }
                     Event::Aborted { key } | Event::Superseded { key, .. } => {
                         self.producers.remove(&key);
                         self.pulls.remove(&key);
-                        self.shared.outbox.push(Finished::Ended { key });
+                        self.finish(key, Finished::Ended { key });
                     }
                 }
             }

@@ -1,7 +1,8 @@
 //! Real engines (writer threads, control link) on host memory: the TP x block-size matrix, stress and
-//! fault injection, and the TCP side channel. One test binary (tests/README.md maps features to
-//! tests).
+//! fault injection, fail-closed windows, and the TCP side channel. One test binary (tests/README.md
+//! maps features to tests).
 
 mod engine_matrix;
 mod engine_stress;
+mod fail_closed;
 mod side_channel;
