@@ -264,6 +264,8 @@ fn drain(s: &mut TcpStream, limit: Duration) -> (Vec<u8>, Option<Duration>) {
 struct Relay {
     addr: SocketAddr,
     to_target: Arc<Mutex<Option<TcpStream>>>,
+    /// Set (under `to_target`'s lock) to stop forwarding the dialer's records to the target.
+    held: Arc<std::sync::atomic::AtomicBool>,
     from_dialer: Arc<Mutex<Vec<Vec<u8>>>>,
     from_target: Arc<Mutex<Vec<Vec<u8>>>>,
 }
@@ -275,19 +277,30 @@ impl Relay {
         let relay = Relay {
             addr,
             to_target: Arc::new(Mutex::new(None)),
+            held: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             from_dialer: Arc::new(Mutex::new(Vec::new())),
             from_target: Arc::new(Mutex::new(Vec::new())),
         };
-        let (to_target, from_dialer, from_target) =
-            (relay.to_target.clone(), relay.from_dialer.clone(), relay.from_target.clone());
+        let (to_target, from_dialer, from_target, held) =
+            (relay.to_target.clone(), relay.from_dialer.clone(), relay.from_target.clone(), relay.held.clone());
         std::thread::spawn(move || {
             let Ok((dialer, _)) = listener.accept() else { return };
             let Ok(target) = TcpStream::connect(target) else { return };
             *to_target.lock().expect("relay lock") = Some(target.try_clone().expect("clone"));
             let to_dialer = Arc::new(Mutex::new(Some(dialer.try_clone().expect("clone"))));
-            let pump = |mut from: TcpStream, to: Arc<Mutex<Option<TcpStream>>>, seen: Arc<Mutex<Vec<Vec<u8>>>>| {
+            let never = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let pump = |mut from: TcpStream,
+                        to: Arc<Mutex<Option<TcpStream>>>,
+                        seen: Arc<Mutex<Vec<Vec<u8>>>>,
+                        held: Arc<std::sync::atomic::AtomicBool>| {
                 std::thread::spawn(move || {
-                    let forward = |bytes: &[u8]| to.lock().expect("relay lock").as_mut().map(|s| s.write_all(bytes));
+                    let forward = |bytes: &[u8]| {
+                        let mut to = to.lock().expect("relay lock");
+                        if held.load(std::sync::atomic::Ordering::SeqCst) {
+                            return Some(Ok(())); // dropped: the test holds this direction
+                        }
+                        to.as_mut().map(|s| s.write_all(bytes))
+                    };
                     let Ok(g) = read_greeting(&mut from) else { return };
                     forward(&g);
                     while let Ok(r) = read_record(&mut from) {
@@ -301,10 +314,16 @@ impl Relay {
                     }
                 })
             };
-            pump(dialer, to_target, from_dialer);
-            pump(target, to_dialer, from_target);
+            pump(dialer, to_target, from_dialer, held);
+            pump(target, to_dialer, from_target, never);
         });
         relay
+    }
+
+    /// Stops forwarding the dialer's records to the target (later ones are dropped).
+    fn hold(&self) {
+        let _guard = self.to_target.lock().expect("relay lock");
+        self.held.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Writes `bytes` to the target, between two forwarded records.
@@ -315,8 +334,15 @@ impl Relay {
 
 /// A pair whose decode worker dials the prefill worker through a relay.
 fn relayed_pair(fabric: &Fabric) -> (Worker, Worker, Relay) {
-    let p = worker("prefill", Mode::Push, fabric, Some(SECRET));
-    let d = worker("decode", Mode::Push, fabric, Some(SECRET));
+    // The tests hold D's heartbeats for a while: a long peer timeout keeps that from looking like a
+    // lost peer.
+    let patient = |id: &str| {
+        let mut c = side_config(Some(SECRET));
+        c.peer_timeout = Duration::from_secs(30);
+        worker_with(id, id, Mode::Push, fabric, c)
+    };
+    let p = patient("prefill");
+    let d = patient("decode");
     let relay = Relay::start(p.side.local_addr());
     d.side.connect(relay.addr).expect("a transparent relay passes the handshake");
     until("P connected", || !p.side.peers().is_empty(), stats_of(&p));
@@ -335,6 +361,20 @@ impl Relay {
 /// Sends `attack` to P through the relay and checks that P refuses it, closes the connection, and
 /// hands no frame to its engine.
 fn refused_through_the_relay(p: &Worker, relay: &Relay, attack: &[u8]) {
+    // Hold D's own records (heartbeats), and wait until P has taken every one already on its way, so
+    // that any frame P counts from here on can only be the attack.
+    relay.hold();
+    let mut last = p.side.stats().frames_in;
+    let mut stable_since = Instant::now();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while stable_since.elapsed() < Duration::from_millis(300) {
+        assert!(Instant::now() < deadline, "P kept counting frames from a held relay: {}", stats_of(p)());
+        std::thread::sleep(Duration::from_millis(10));
+        let now = p.side.stats().frames_in;
+        if now != last {
+            (last, stable_since) = (now, Instant::now());
+        }
+    }
     let before = p.side.stats();
     relay.inject(attack);
     until("P refused the record", || p.side.stats().auth_failures == before.auth_failures + 1, stats_of(p));
