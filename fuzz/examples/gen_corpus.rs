@@ -423,14 +423,14 @@ fn bit_flips(c: &mut Corpus, valid: &[(&'static str, Vec<u8>)]) {
                 let Some((variant, why)) = header_flip_expectation(kind, bytes.len() - HEADER_LEN, byte, bit) else {
                     continue;
                 };
-                let mut f = bytes.clone();
-                f[byte] ^= 1 << bit;
-                c.add(
-                    format!("flip_{name}_byte{byte:03}_bit{bit}.bin"),
-                    f,
-                    true,
+                add_flip(
+                    c,
+                    name,
+                    bytes,
+                    byte,
+                    bit,
                     variant,
-                    format!("{name} frame, header bit {bit} of byte {byte} flipped: {why}"),
+                    &format!("header bit {bit} of byte {byte} flipped: {why}"),
                 );
             }
         }
@@ -438,16 +438,15 @@ fn bit_flips(c: &mut Corpus, valid: &[(&'static str, Vec<u8>)]) {
     for &(name, byte, bit, expect, why) in PAYLOAD_FLIPS {
         let bytes = &valid.iter().find(|(k, _)| *k == name).expect("a valid frame of that name").1;
         assert!(byte < bytes.len(), "{name} has no byte {byte}");
-        let mut f = bytes.clone();
-        f[byte] ^= 1 << bit;
-        c.add(
-            format!("flip_{name}_byte{byte:03}_bit{bit}.bin"),
-            f,
-            true,
-            expect,
-            format!("{name} frame, bit {bit} of byte {byte} flipped: {why}"),
-        );
+        add_flip(c, name, bytes, byte, bit, expect, &format!("bit {bit} of byte {byte} flipped: {why}"));
     }
+}
+
+/// Adds `bytes` (the valid `name` frame) with bit `bit` of byte `byte` flipped, expecting `expect`.
+fn add_flip(c: &mut Corpus, name: &str, bytes: &[u8], byte: usize, bit: u8, expect: &str, what: &str) {
+    let mut f = bytes.to_vec();
+    f[byte] ^= 1 << bit;
+    c.add(format!("flip_{name}_byte{byte:03}_bit{bit}.bin"), f, true, expect, format!("{name} frame, {what}"));
 }
 
 fn registrations(c: &mut Corpus) {
