@@ -1264,6 +1264,25 @@ struct Req {
     hold_verify: bool,
 }
 
+impl Req {
+    /// A request with nothing reported, released or expected yet.
+    fn new(key: Key, tokens: u64, seed: u64, blocks: BlockLists) -> Req {
+        Req {
+            key,
+            tokens,
+            seed,
+            blocks,
+            delay_ns: None,
+            engine_ns: 0,
+            released: 0,
+            expected: 0,
+            reported: 0,
+            failure: None,
+            hold_verify: false,
+        }
+    }
+}
+
 /// The single-descriptor reference agent.
 struct Ceiling {
     transport: NixlTransport,
@@ -1639,30 +1658,28 @@ impl WorkerState {
         if self.role != Role::Prefill {
             return self.error("prefill: this is the decode worker".into());
         }
-        let n = blocks_for(tokens, self.spec.p_block) as usize;
+        let Some(blocks) = self.take_blocks(req, tokens, self.spec.p_block) else { return };
+        let _ = self.jobs.send((req, blocks.clone(), tokens, seed));
+        let r = Req { delay_ns, expected: self.workers.len(), ..Req::new(key, tokens, seed, blocks) };
+        self.track(req, r);
+    }
+
+    /// Takes the blocks of a `tokens`-token request (`block_tokens` a block) in every group from
+    /// the pool; `None` after reporting the error if the pool has too few.
+    fn take_blocks(&mut self, req: u64, tokens: u64, block_tokens: u32) -> Option<BlockLists> {
+        let n = blocks_for(tokens, block_tokens) as usize;
         if self.pool.free() < n * self.groups {
             let free = self.pool.free();
-            return self.error(format!("request {req}: {} blocks needed, {free} free", n * self.groups));
+            self.error(format!("request {req}: {} blocks needed, {free} free", n * self.groups));
+            return None;
         }
-        let blocks: BlockLists = (0..self.groups).filter_map(|_| self.pool.take(n)).collect();
-        let _ = self.jobs.send((req, blocks.clone(), tokens, seed));
-        self.by_key.insert(key, req);
-        self.reqs.insert(
-            req,
-            Req {
-                key,
-                tokens,
-                seed,
-                blocks,
-                delay_ns,
-                engine_ns: 0,
-                released: 0,
-                expected: self.workers.len(),
-                reported: 0,
-                failure: None,
-                hold_verify: false,
-            },
-        );
+        Some((0..self.groups).filter_map(|_| self.pool.take(n)).collect())
+    }
+
+    /// Starts tracking request `req` (and its key).
+    fn track(&mut self, req: u64, r: Req) {
+        self.by_key.insert(r.key, req);
+        self.reqs.insert(req, r);
     }
 
     /// P: `request_finished` on every worker; returns the ready timestamp.
@@ -1723,12 +1740,7 @@ impl WorkerState {
         if self.role != Role::Decode {
             return self.error("decode: this is the prefill worker".into());
         }
-        let n = blocks_for(tokens, self.spec.d_block) as usize;
-        if self.pool.free() < n * self.groups {
-            let free = self.pool.free();
-            return self.error(format!("request {req}: {} blocks needed, {free} free", n * self.groups));
-        }
-        let blocks: BlockLists = (0..self.groups).filter_map(|_| self.pool.take(n)).collect();
+        let Some(blocks) = self.take_blocks(req, tokens, self.spec.d_block) else { return };
         let lists: Vec<(BlockLists, Option<BlockLists>)> =
             self.workers.iter().map(|_| (blocks.clone(), remote_blocks.clone())).collect();
         let t0 = Instant::now();
@@ -1748,23 +1760,7 @@ impl WorkerState {
             }
         }
         let engine_ns = t0.elapsed().as_nanos() as u64;
-        self.by_key.insert(key, req);
-        self.reqs.insert(
-            req,
-            Req {
-                key,
-                tokens,
-                seed,
-                blocks,
-                delay_ns: None,
-                engine_ns,
-                released: 0,
-                expected,
-                reported: 0,
-                failure,
-                hold_verify,
-            },
-        );
+        self.track(req, Req { engine_ns, expected, failure, hold_verify, ..Req::new(key, tokens, seed, blocks) });
         if hold_verify {
             self.hold_open += 1;
         }
