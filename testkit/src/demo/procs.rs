@@ -41,7 +41,7 @@ use serde::{Deserialize, Serialize};
 pub use crate::child::LogFn;
 use crate::child::{self, Channel, Child};
 
-use super::{pattern, pct, requests, BlockLists, DemoError, ModeReport, Pool, Report, Rng, Topology, Workload};
+use super::{pattern, requests, BlockLists, DemoError, ModeReport, Pool, Report, Rng, Topology, Workload};
 use kvpush::device::{self, Buffer, Device, MemRegion};
 use kvpush::engine::side::{SideChannel, SideConfig};
 use kvpush::engine::{Config, Engine, Finished};
@@ -1070,14 +1070,7 @@ fn play(pair: &mut Pair, t: &Topology, w: &Workload, mode: Mode, tick: &dyn Fn()
         report.descriptors_unmerged += unmerged;
         report.descriptors_posted += posted;
     }
-    latencies.sort_unstable();
-    report.latency_us_p50 = pct(&latencies, 0.5);
-    report.latency_us_p99 = pct(&latencies, 0.99);
-    let mut engine_us: Vec<f64> = reqs.iter().map(|r| r.engine_ns as f64 / 1000.0).collect();
-    engine_us.sort_unstable_by(f64::total_cmp);
-    report.engine_us_p50 = pct(&engine_us, 0.5);
-    report.engine_us_p99 = pct(&engine_us, 0.99);
-    report.gbps = report.bytes as f64 / wall / 1e9;
+    report.summarize(latencies, reqs.iter().map(|r| r.engine_ns));
     Ok(report)
 }
 
