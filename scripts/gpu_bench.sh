@@ -20,6 +20,8 @@
 # ("4x2 16x2": staged-only runs with 2 slots of 4 MiB, ...), KVPUSH_CHECK_ALL=1 (also run --visible all).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/gpu_env.sh
+. scripts/gpu_env.sh
 G="${KVPUSH_GPU_DIR:-.cache/gpu}"
 NIXL_VERSION=1.5.1
 
@@ -94,32 +96,10 @@ done
 
 step "NIXL for CUDA 13 from $G/nixl-cu13.tar.xz"
 W="$(mktemp -d /tmp/kvpush-gpu.XXXXXX)"
-tar -C "$W" -xJf "$G/nixl-cu13.tar.xz"
-cat "$W/nixl-cu13/VERSION"
-export NIXL_PLUGIN_DIR="$W/nixl-cu13/lib/plugins"
-export LD_LIBRARY_PATH="$W/nixl-cu13/lib:$W/nixl-cu13/deps${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+unpack_nixl "$G/nixl-cu13.tar.xz" "$W"
 
 step "CUDA runtime (UCX's cuda module) and NVRTC (the staging kernels)"
-site_dirs() { python3 -c 'import site; print("\n".join(site.getsitepackages()))' 2>/dev/null; }
-find_lib() {
-  local name="$1" d
-  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu; do
-    [ -e "$d/$name" ] && { echo "$d"; return; }
-  done
-  for s in $(site_dirs); do
-    d="$(find "$s/nvidia" -maxdepth 3 -name "$name" 2>/dev/null | head -1)"
-    [ -n "$d" ] && { dirname "$d"; return; }
-  done
-}
-for lib in libcudart.so.13 libnvrtc.so.13; do
-  d="$(find_lib "$lib")"
-  if [ -n "$d" ]; then
-    echo "$lib: $d"
-    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$d"
-  else
-    echo "$lib: not found (kernels then come from $G/kernels.ptx)"
-  fi
-done
+add_cuda_libs "$G/kernels.ptx"
 
 step "machine"
 {

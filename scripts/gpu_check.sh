@@ -6,7 +6,7 @@
 # run there.
 #
 #   scripts/gpu_check.sh --prepare [DIR]   # on a build machine (cargo, network): fills DIR (default
-#                                          # .gpu-carry) with this script, bin.tar.xz (release kvpush
+#                                          # .gpu-carry) with this script, gpu_env.sh, bin.tar.xz (release kvpush
 #                                          # and the test binaries: lib, cuda, device, transport,
 #                                          # engine, proto), and from .cache/gpu (scripts/gpu_bench.sh
 #                                          # --prepare, run if missing) nixl-cu13.tar.xz and kernels.ptx
@@ -55,7 +55,7 @@ for l in sys.stdin:
   tar -C "$stage" -cJf "$dir/bin.tar.xz" bin
   rm -rf "$stage"
   cp "$g/nixl-cu13.tar.xz" "$g/kernels.ptx" "$dir/"
-  cp scripts/gpu_check.sh "$dir/gpu_check.sh"
+  cp scripts/gpu_check.sh scripts/gpu_env.sh "$dir/"
   ls -la "$dir"
   du -sh "$dir"
 }
@@ -68,6 +68,8 @@ fi
 
 # ---- on the GPU machine ----
 C="$(cd "$(dirname "$0")" && pwd)"
+# shellcheck source=scripts/gpu_env.sh
+. "$C/gpu_env.sh"
 for f in bin.tar.xz nixl-cu13.tar.xz kernels.ptx; do
   [ -e "$C/$f" ] || { echo "missing $C/$f: run scripts/gpu_check.sh --prepare on a build machine and carry it" >&2; exit 2; }
 done
@@ -86,32 +88,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 
 step "unpacking NIXL for CUDA 13 and the binaries"
 W="$(mktemp -d /tmp/kvpush-check.XXXXXX)"
-tar -C "$W" -xJf "$C/nixl-cu13.tar.xz"
 tar -C "$W" -xJf "$C/bin.tar.xz"
-cat "$W/nixl-cu13/VERSION"
-export NIXL_PLUGIN_DIR="$W/nixl-cu13/lib/plugins"
-export LD_LIBRARY_PATH="$W/nixl-cu13/lib:$W/nixl-cu13/deps${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+unpack_nixl "$C/nixl-cu13.tar.xz" "$W"
 export KVPUSH_CUDA_PTX="$C/kernels.ptx"
-site_dirs() { python3 -c 'import site; print("\n".join(site.getsitepackages()))' 2>/dev/null; }
-find_lib() {
-  local name="$1" d s
-  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu; do
-    [ -e "$d/$name" ] && { echo "$d"; return; }
-  done
-  for s in $(site_dirs); do
-    d="$(find "$s/nvidia" -maxdepth 3 -name "$name" 2>/dev/null | head -1)"
-    [ -n "$d" ] && { dirname "$d"; return; }
-  done
-}
-for lib in libcudart.so.13 libnvrtc.so.13; do
-  d="$(find_lib "$lib")"
-  if [ -n "$d" ]; then
-    echo "$lib: $d"
-    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$d"
-  else
-    echo "$lib: not found (kernels then come from $KVPUSH_CUDA_PTX)"
-  fi
-done
+add_cuda_libs "$KVPUSH_CUDA_PTX"
 KVPUSH="$W/bin/kvpush"
 
 step "machine"

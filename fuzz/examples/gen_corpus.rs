@@ -34,8 +34,8 @@ use kvpush::proto::layout::{
 use kvpush::proto::msg::{
     Abort, Completion, Failure, FailureKind, Handshake, Heartbeat, Message, Mode, MAX_DETAIL, MAX_ENGINE_ID, MAX_TOKENS,
 };
-use kvpush_fuzz::{
-    describe, fingerprint, handshake_for, peer_handshake, peer_layout, valid_messages, KEY, WRONG_RANKS,
+use kvpush_testkit::corpus::{
+    describe, fingerprint, handshake_for, peer_handshake, peer_layout, valid_messages, KEY, VARIANTS, WRONG_RANKS,
 };
 use serde::Serialize;
 
@@ -129,19 +129,6 @@ impl Corpus {
         self.entries.push(Entry { name: name.into(), bytes, peer, variant, detail, desc: desc.into() });
     }
 }
-
-const VARIANTS: [&str; 10] = [
-    "Truncated",
-    "TrailingBytes",
-    "BadMagic",
-    "UnsupportedVersion",
-    "UnknownKind",
-    "TooLarge",
-    "Malformed",
-    "NoPeerLayout",
-    "Range",
-    "HashMismatch",
-];
 
 fn kind_byte(name: &str) -> u8 {
     match name {
@@ -284,7 +271,9 @@ fn header_flip_expectation(kind: u8, payload: usize, byte: usize, bit: u8) -> Op
     let mask = 1u32 << bit;
     Some(match byte {
         0 | 1 => ("BadMagic", format!("magic byte {byte} no longer {:?}", MAGIC[byte] as char)),
-        2 | 3 => ("UnsupportedVersion", format!("version {}", u32::from(PROTOCOL_VERSION) ^ (mask << (8 * (byte - 2))))),
+        2 | 3 => {
+            ("UnsupportedVersion", format!("version {}", u32::from(PROTOCOL_VERSION) ^ (mask << (8 * (byte - 2)))))
+        }
         4 => {
             let k = kind ^ (1 << bit);
             if (HANDSHAKE..=HEARTBEAT).contains(&k) {
@@ -310,7 +299,7 @@ fn header_flip_expectation(kind: u8, payload: usize, byte: usize, bit: u8) -> Op
 
 /// Single bit flips inside valid frames (and of the kind byte into another valid kind), each with
 /// the error worked out by hand from docs/protocol.md §1–§3 for the frames of `valid_messages()`
-/// (peer layout: `fuzz/src/lib.rs`). `(frame, byte, bit, expected, why)`; the byte is the index in
+/// (peer layout: `kvpush_testkit::corpus`). `(frame, byte, bit, expected, why)`; the byte is the index in
 /// the whole frame (the payload starts at 9).
 ///
 /// The frames, for reference (key 0xdeadbeef#3 = `ef fd b6 f5 0d 03`, peer rank tp1/pp0 = `01 00`):
@@ -324,7 +313,13 @@ fn header_flip_expectation(kind: u8, payload: usize, byte: usize, bit: u8) -> Op
 /// 10-byte varint ending in `01`).
 const PAYLOAD_FLIPS: &[(&str, usize, u8, &str, &str)] = &[
     // The kind byte naming another valid kind: the payload is parsed as that kind.
-    ("handshake", 4, 1, "TrailingBytes", "kind 3: read as a completion (tid 1, attempt 5, rank tp48/pp46), 94 bytes left"),
+    (
+        "handshake",
+        4,
+        1,
+        "TrailingBytes",
+        "kind 3: read as a completion (tid 1, attempt 5, rank tp48/pp46), 94 bytes left",
+    ),
     ("handshake", 4, 2, "Malformed", "kind 5: read as an abort whose 49-byte reason holds byte 0x80, not UTF-8"),
     ("registration", 4, 0, "TrailingBytes", "kind 3: read as a completion (rank tp8/pp100), the rest left over"),
     ("registration", 4, 2, "TrailingBytes", "kind 6: read as a heartbeat (seq = the transfer id), the rest left over"),
@@ -393,7 +388,13 @@ const PAYLOAD_FLIPS: &[(&str, usize, u8, &str, &str)] = &[
     ("handshake", 35, 1, "Malformed", "KvKind 2"),
     ("handshake", 40, 0, "Range Layout:Groups", "group 0 holds layers 0, 3: layer 3 twice, layer 2 in none"),
     ("handshake", 42, 6, "Range Layout:Groups", "sliding window of 0 tokens"),
-    ("handshake", 42, 7, "Range Layout:Groups", "window varint takes the layer count: group 1 is SW(320) [3], layer 1 in none"),
+    (
+        "handshake",
+        42,
+        7,
+        "Range Layout:Groups",
+        "window varint takes the layer count: group 1 is SW(320) [3], layer 1 in none",
+    ),
     ("handshake", 46, 4, "Range Layout:OutOfRange:block_tokens", "block_tokens 0"),
     ("handshake", 47, 0, "HashMismatch", "order Nhd: a valid layout, but the hash covers the order"),
     ("handshake", 47, 1, "Malformed", "BlockOrder 2"),
@@ -422,14 +423,14 @@ fn bit_flips(c: &mut Corpus, valid: &[(&'static str, Vec<u8>)]) {
                 let Some((variant, why)) = header_flip_expectation(kind, bytes.len() - HEADER_LEN, byte, bit) else {
                     continue;
                 };
-                let mut f = bytes.clone();
-                f[byte] ^= 1 << bit;
-                c.add(
-                    format!("flip_{name}_byte{byte:03}_bit{bit}.bin"),
-                    f,
-                    true,
+                add_flip(
+                    c,
+                    name,
+                    bytes,
+                    byte,
+                    bit,
                     variant,
-                    format!("{name} frame, header bit {bit} of byte {byte} flipped: {why}"),
+                    &format!("header bit {bit} of byte {byte} flipped: {why}"),
                 );
             }
         }
@@ -437,16 +438,15 @@ fn bit_flips(c: &mut Corpus, valid: &[(&'static str, Vec<u8>)]) {
     for &(name, byte, bit, expect, why) in PAYLOAD_FLIPS {
         let bytes = &valid.iter().find(|(k, _)| *k == name).expect("a valid frame of that name").1;
         assert!(byte < bytes.len(), "{name} has no byte {byte}");
-        let mut f = bytes.clone();
-        f[byte] ^= 1 << bit;
-        c.add(
-            format!("flip_{name}_byte{byte:03}_bit{bit}.bin"),
-            f,
-            true,
-            expect,
-            format!("{name} frame, bit {bit} of byte {byte} flipped: {why}"),
-        );
+        add_flip(c, name, bytes, byte, bit, expect, &format!("bit {bit} of byte {byte} flipped: {why}"));
     }
+}
+
+/// Adds `bytes` (the valid `name` frame) with bit `bit` of byte `byte` flipped, expecting `expect`.
+fn add_flip(c: &mut Corpus, name: &str, bytes: &[u8], byte: usize, bit: u8, expect: &str, what: &str) {
+    let mut f = bytes.to_vec();
+    f[byte] ^= 1 << bit;
+    c.add(format!("flip_{name}_byte{byte:03}_bit{bit}.bin"), f, true, expect, format!("{name} frame, {what}"));
 }
 
 fn registrations(c: &mut Corpus) {
@@ -888,7 +888,7 @@ fn manifest(c: &Corpus) -> String {
     s.push_str("# kvpush codec corpus: malformed frames and the DecodeError each must give.\n");
     s.push_str("# Generated by fuzz/examples/gen_corpus.rs (see fuzz/README.md); do not edit by hand.\n");
     s.push_str("# Each expectation is written in the generator from docs/protocol.md, never recorded from decode().\n");
-    s.push_str("# peer = decoded with the peer layout of fuzz/src/lib.rs and tests/proto/codec_corpus.rs; none = without.\n");
+    s.push_str("# peer = decoded with the peer layout of kvpush_testkit::corpus; none = without.\n");
     s.push_str("# detail = the inner RangeError / LayoutError where there is one, else '-'.\n");
     s.push_str(&format!("# peer_fingerprint\t{:#018x}\n", fingerprint()));
     s.push_str("# file\tvariant\tpeer\tdetail\tdescription\n");

@@ -12,7 +12,7 @@ use libfuzzer_sys::fuzz_target;
 
 fn peer() -> &'static KvLayout {
     static PEER: OnceLock<KvLayout> = OnceLock::new();
-    PEER.get_or_init(kvpush_fuzz::peer_layout)
+    PEER.get_or_init(kvpush_testkit::corpus::peer_layout)
 }
 
 fn check(data: &[u8], peer: Option<&KvLayout>) {

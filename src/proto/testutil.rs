@@ -1,4 +1,8 @@
 //! Layouts and handshakes shared by the unit tests of `proto`.
+//!
+//! `kvpush-testkit`'s `corpus` module includes this file too (`#[path]`), for the codec corpus's
+//! handshakes: keep it to `super::` paths (the including module provides `codec`, `compat`,
+//! `layout` and `msg`) and to what both sides can build.
 
 use super::codec::PROTOCOL_VERSION;
 use super::compat::compat_hash;
@@ -6,7 +10,7 @@ use super::layout::{BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvP
 use super::msg::{Handshake, Mode};
 
 /// 4 layers in two groups (full: 0, 2; window 64: 1, 3), 2 KV heads, 64 blocks of 16 tokens.
-pub(crate) fn small_layout() -> KvLayout {
+pub fn small_layout() -> KvLayout {
     let model = ModelShape {
         total_layers: 4,
         kv_heads: 2,
@@ -33,7 +37,7 @@ pub(crate) fn small_layout() -> KvLayout {
 }
 
 /// A handshake for `layout` with a correct compatibility hash.
-pub(crate) fn handshake(layout: KvLayout, mode: Mode) -> Handshake {
+pub fn handshake(layout: KvLayout, mode: Mode) -> Handshake {
     Handshake {
         protocol: PROTOCOL_VERSION,
         software: "0.1.0".into(),

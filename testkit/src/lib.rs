@@ -6,6 +6,7 @@
 //! library itself.
 
 pub mod child;
+pub mod corpus;
 pub mod demo;
 pub mod engines;
 pub mod layouts;

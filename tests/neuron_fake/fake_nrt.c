@@ -246,13 +246,21 @@ EXPORT void nrt_tensor_free(nrt_tensor_t **tensor) {
 }
 #endif
 
+/* Under the lock: the tensor that a read or write of `size` bytes at `offset` through `buf` copies
+ * to or from (in *t), or the status refusing the copy. */
+static NRT_STATUS copy_target(const nrt_tensor_t *tensor, const void *buf, size_t offset, size_t size,
+                              struct nrt_tensor **t) {
+    *t = find(tensor);
+    if (!initialized) return not_running();
+    if (*t == NULL || buf == NULL || !in_range(*t, offset, size)) return NRT_INVALID;
+    return NRT_SUCCESS;
+}
+
 EXPORT NRT_STATUS nrt_tensor_read(const nrt_tensor_t *tensor, void *buf, size_t offset, size_t size) {
     pthread_mutex_lock(&lock);
-    struct nrt_tensor *t = find(tensor);
-    NRT_STATUS s = NRT_SUCCESS;
-    if (!initialized) s = not_running();
-    else if (t == NULL || buf == NULL || !in_range(t, offset, size)) s = NRT_INVALID;
-    else {
+    struct nrt_tensor *t;
+    NRT_STATUS s = copy_target(tensor, buf, offset, size, &t);
+    if (s == NRT_SUCCESS) {
         memcpy(buf, t->mem + offset, size);
         reads++;
     }
@@ -262,11 +270,9 @@ EXPORT NRT_STATUS nrt_tensor_read(const nrt_tensor_t *tensor, void *buf, size_t 
 
 EXPORT NRT_STATUS nrt_tensor_write(nrt_tensor_t *tensor, const void *buf, size_t offset, size_t size) {
     pthread_mutex_lock(&lock);
-    struct nrt_tensor *t = find(tensor);
-    NRT_STATUS s = NRT_SUCCESS;
-    if (!initialized) s = not_running();
-    else if (t == NULL || buf == NULL || !in_range(t, offset, size)) s = NRT_INVALID;
-    else {
+    struct nrt_tensor *t;
+    NRT_STATUS s = copy_target(tensor, buf, offset, size, &t);
+    if (s == NRT_SUCCESS) {
         memcpy(t->mem + offset, buf, size);
         writes++;
     }

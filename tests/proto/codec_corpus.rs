@@ -4,8 +4,8 @@
 //! to commit (payloads over the frame limits, agent metadata over its limit) at run time.
 //!
 //! The corpus is written by `fuzz/examples/gen_corpus.rs` (see `fuzz/README.md`). Entries marked
-//! `peer` are decoded with [`peer_layout`], which must stay identical to `kvpush_fuzz::peer_layout`
-//! in `fuzz/src/lib.rs`; the manifest's `peer_fingerprint` line catches any drift.
+//! `peer` are decoded with [`peer_layout`], the generator's own (`kvpush_testkit::corpus`); the
+//! manifest's `peer_fingerprint` line catches a corpus written with another.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -13,141 +13,14 @@ use std::path::{Path, PathBuf};
 use kvpush::proto::codec::{
     decode, frame_len, to_vec, DecodeError, HEADER_LEN, MAGIC, MAX_HANDSHAKE_PAYLOAD, MAX_PAYLOAD, PROTOCOL_VERSION,
 };
-use kvpush::proto::compat::compat_hash;
-use kvpush::proto::ids::Key;
-use kvpush::proto::layout::{
-    BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, LayoutError, ModelShape, Parallel,
-};
+use kvpush::proto::layout::KvLayout;
 use kvpush::proto::msg::{
-    Abort, Completion, Failure, FailureKind, Handshake, Heartbeat, Message, Mode, RangeError, Registration,
-    MAX_AGENT_METADATA, MAX_DETAIL, MAX_ENGINE_ID, MAX_TOKENS,
+    Abort, Failure, FailureKind, Heartbeat, Message, Mode, Registration, MAX_AGENT_METADATA, MAX_DETAIL, MAX_ENGINE_ID,
+    MAX_TOKENS,
 };
-
-// ---- Definitions shared with fuzz/src/lib.rs: keep identical. ----
-
-/// testutil's `small_layout` on TP rank 1 of 2 (see `kvpush_fuzz::peer_layout`).
-fn peer_layout() -> KvLayout {
-    let model = ModelShape {
-        total_layers: 4,
-        kv_heads: 2,
-        head_dim: 8,
-        dtype: DType::Bf16,
-        kind: KvKind::KeyValue,
-        groups: vec![
-            KvGroup { kind: GroupKind::Full, layers: vec![0, 2] },
-            KvGroup { kind: GroupKind::SlidingWindow { window_tokens: 64 }, layers: vec![1, 3] },
-        ],
-    };
-    let mut l = KvLayout {
-        model,
-        block_tokens: 16,
-        order: BlockOrder::Hnd,
-        placement: KvPlacement::Separate,
-        block_stride: 0,
-        num_blocks: 64,
-        parallel: Parallel { tp_rank: 1, tp_size: 2, pp_rank: 0, pp_size: 1 },
-        region_bases: (0..8).map(|i| 0x1000_0000 + i * 0x10_0000).collect(),
-    };
-    l.block_stride = l.part_bytes();
-    l
-}
-
-fn handshake_for(layout: KvLayout, mode: Mode) -> Handshake {
-    Handshake {
-        protocol: PROTOCOL_VERSION,
-        software: "0.1.0".into(),
-        engine_id: "engine-a".into(),
-        mode,
-        agent_metadata: vec![1, 2, 3, 4],
-        compat_hash: compat_hash(&layout.model, layout.order, mode, PROTOCOL_VERSION),
-        layout,
-    }
-}
-
-fn peer_handshake() -> Handshake {
-    handshake_for(peer_layout(), Mode::Push)
-}
-
-const KEY: Key = Key::new(0xdead_beef, 3);
-
-fn valid_messages() -> Vec<(&'static str, Message)> {
-    let l = peer_layout();
-    let rank = l.parallel.rank();
-    let reg = Registration::new(KEY, "decode-0".into(), rank, 33, vec![vec![4, 5, 6], vec![9]], &l)
-        .expect("sample registration fits the peer layout");
-    vec![
-        ("handshake", Message::Handshake(Box::new(peer_handshake()))),
-        ("registration", Message::Registration(reg)),
-        ("completion", Message::Completion(Completion { key: KEY, rank })),
-        (
-            "failure",
-            Message::Failure(Failure {
-                key: KEY,
-                rank,
-                kind: FailureKind::TransferFailed { status: -3 },
-                detail: "post failed".into(),
-            }),
-        ),
-        ("abort", Message::Abort(Abort { key: KEY, rank, reason: "client went away".into() })),
-        ("heartbeat", Message::Heartbeat(Heartbeat { seq: 42 })),
-    ]
-}
-
-fn fingerprint() -> u64 {
-    let bytes = to_vec(&Message::Handshake(Box::new(peer_handshake()))).expect("peer handshake encodes");
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
-
-fn describe(e: &DecodeError) -> (&'static str, String) {
-    match e {
-        DecodeError::Truncated { .. } => ("Truncated", "-".into()),
-        DecodeError::TrailingBytes { .. } => ("TrailingBytes", "-".into()),
-        DecodeError::BadMagic(_) => ("BadMagic", "-".into()),
-        DecodeError::UnsupportedVersion { .. } => ("UnsupportedVersion", "-".into()),
-        DecodeError::UnknownKind(_) => ("UnknownKind", "-".into()),
-        DecodeError::TooLarge { .. } => ("TooLarge", "-".into()),
-        DecodeError::Malformed { .. } => ("Malformed", "-".into()),
-        DecodeError::NoPeerLayout { .. } => ("NoPeerLayout", "-".into()),
-        DecodeError::Range { source, .. } => ("Range", range_detail(source)),
-        DecodeError::HashMismatch { .. } => ("HashMismatch", "-".into()),
-        _ => ("Unknown", format!("{e:?}")),
-    }
-}
-
-fn range_detail(e: &RangeError) -> String {
-    match e {
-        RangeError::OutOfRange { field, .. } => format!("OutOfRange:{field}"),
-        RangeError::GroupCount { .. } => "GroupCount".into(),
-        RangeError::BlockId { .. } => "BlockId".into(),
-        RangeError::TooManyBlocks { .. } => "TooManyBlocks".into(),
-        RangeError::Rank { .. } => "Rank".into(),
-        RangeError::TooLong { field, .. } => format!("TooLong:{field}"),
-        RangeError::Layout(l) => format!("Layout:{}", layout_detail(l)),
-        _ => format!("Unknown:{e:?}"),
-    }
-}
-
-fn layout_detail(e: &LayoutError) -> String {
-    match e {
-        LayoutError::OutOfRange { field, .. } => format!("OutOfRange:{field}"),
-        LayoutError::RankOutOfRange { what, .. } => format!("RankOutOfRange:{what}"),
-        LayoutError::HeadsNotDivisible { .. } => "HeadsNotDivisible".into(),
-        LayoutError::PlacementMismatch { .. } => "PlacementMismatch".into(),
-        LayoutError::PlacementOrder { .. } => "PlacementOrder".into(),
-        LayoutError::LatentHeads(_) => "LatentHeads".into(),
-        LayoutError::StrideTooSmall { .. } => "StrideTooSmall".into(),
-        LayoutError::RegionCount { .. } => "RegionCount".into(),
-        LayoutError::BadRegion { .. } => "BadRegion".into(),
-        LayoutError::Overlap { .. } => "Overlap".into(),
-        LayoutError::Groups(_) => "Groups".into(),
-        _ => format!("Unknown:{e:?}"),
-    }
-}
+use kvpush_testkit::corpus::{
+    describe, fingerprint, handshake_for, peer_handshake, peer_layout, valid_messages, KEY, VARIANTS,
+};
 
 // ---- The corpus. ----
 
@@ -202,7 +75,7 @@ fn peer_layout_matches_the_generator() {
     assert_eq!(
         fp,
         Some(fingerprint()),
-        "the peer layout here differs from the one tests/corpus/codec was generated with (fuzz/src/lib.rs)"
+        "the peer layout here differs from the one tests/corpus/codec was generated with (kvpush_testkit::corpus)"
     );
     peer_layout().validate().expect("peer layout is valid");
     let peer = peer_layout();
@@ -271,19 +144,7 @@ fn every_corpus_file_gives_its_error() {
         entries.len(),
         failures.join("\n")
     );
-    let all = [
-        "Truncated",
-        "TrailingBytes",
-        "BadMagic",
-        "UnsupportedVersion",
-        "UnknownKind",
-        "TooLarge",
-        "Malformed",
-        "NoPeerLayout",
-        "Range",
-        "HashMismatch",
-    ];
-    let missing: Vec<_> = all.iter().filter(|v| !seen.contains(*v)).collect();
+    let missing: Vec<_> = VARIANTS.iter().filter(|v| !seen.contains(*v)).collect();
     assert!(missing.is_empty(), "the corpus shows no {missing:?}");
 }
 

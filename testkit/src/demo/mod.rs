@@ -441,6 +441,21 @@ pub fn requests(w: &Workload) -> Vec<(u64, bool)> {
         .collect()
 }
 
+impl ModeReport {
+    /// Fills the percentiles from the requests' latencies (µs) and engine-thread times (ns), and the
+    /// bandwidth from `bytes` over `wall_s`.
+    pub(crate) fn summarize(&mut self, mut latencies_us: Vec<u64>, engine_ns: impl Iterator<Item = u64>) {
+        latencies_us.sort_unstable();
+        self.latency_us_p50 = pct(&latencies_us, 0.5);
+        self.latency_us_p99 = pct(&latencies_us, 0.99);
+        let mut engine_us: Vec<f64> = engine_ns.map(|ns| ns as f64 / 1000.0).collect();
+        engine_us.sort_unstable_by(f64::total_cmp);
+        self.engine_us_p50 = pct(&engine_us, 0.5);
+        self.engine_us_p99 = pct(&engine_us, 0.99);
+        self.gbps = self.bytes as f64 / self.wall_s / 1e9;
+    }
+}
+
 /// Percentile of a sorted slice.
 pub(crate) fn pct<T: Copy + Default>(sorted: &[T], q: f64) -> T {
     if sorted.is_empty() {
@@ -827,14 +842,7 @@ fn run_mode(
         report.descriptors_unmerged += s.counters.descriptors_unmerged;
         report.descriptors_posted += s.counters.descriptors_posted;
     }
-    latencies.sort_unstable();
-    report.latency_us_p50 = pct(&latencies, 0.5);
-    report.latency_us_p99 = pct(&latencies, 0.99);
-    let mut engine_us: Vec<f64> = reqs.iter().map(|r| r.engine_ns as f64 / 1000.0).collect();
-    engine_us.sort_unstable_by(f64::total_cmp);
-    report.engine_us_p50 = pct(&engine_us, 0.5);
-    report.engine_us_p99 = pct(&engine_us, 0.99);
-    report.gbps = report.bytes as f64 / wall / 1e9;
+    report.summarize(latencies, reqs.iter().map(|r| r.engine_ns));
     Ok(report)
 }
 

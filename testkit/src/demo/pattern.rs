@@ -136,6 +136,23 @@ impl Image {
         image
     }
 
+    /// Writes the image into the blocks, one copy per run.
+    fn write_runs(&self, buffers: &[Box<dyn Buffer>]) -> Result<(), DeviceError> {
+        for r in &self.runs {
+            buffers[r.region].write_at(r.off, &self.bytes[r.at as usize..(r.at + r.len) as usize])?;
+        }
+        Ok(())
+    }
+
+    /// Reads the blocks back, one copy per run, and compares them with the image.
+    fn read_runs(&self, buffers: &[Box<dyn Buffer>]) -> Result<Verified, DeviceError> {
+        let mut got = vec![0u8; self.bytes.len()];
+        for r in &self.runs {
+            buffers[r.region].read_at(r.off, &mut got[r.at as usize..(r.at + r.len) as usize])?;
+        }
+        Ok(self.compare(&got))
+    }
+
     /// Compares `got` (bytes in image order) with the expected bytes.
     fn compare(&self, got: &[u8]) -> Verified {
         let mut v = Verified { bytes: self.bytes.len() as u64, ..Verified::default() };
@@ -167,11 +184,7 @@ pub fn fill(
     n: u64,
     seed: u64,
 ) -> Result<(), DeviceError> {
-    let image = Image::expected(l, blocks, n, seed);
-    for r in &image.runs {
-        buffers[r.region].write_at(r.off, &image.bytes[r.at as usize..(r.at + r.len) as usize])?;
-    }
-    Ok(())
+    Image::expected(l, blocks, n, seed).write_runs(buffers)
 }
 
 /// Outcome of [`verify`].
@@ -222,12 +235,7 @@ pub fn verify(
     n: u64,
     seed: u64,
 ) -> Result<Verified, DeviceError> {
-    let image = Image::expected(l, blocks, n, seed);
-    let mut got = vec![0u8; image.bytes.len()];
-    for r in &image.runs {
-        buffers[r.region].read_at(r.off, &mut got[r.at as usize..(r.at + r.len) as usize])?;
-    }
-    Ok(image.compare(&got))
+    Image::expected(l, blocks, n, seed).read_runs(buffers)
 }
 
 /// Entries of one device scatter or gather at most (a table of 16 bytes each).
@@ -277,6 +285,13 @@ impl Mover {
         self.staged.is_some()
     }
 
+    /// The stager, its scratch buffer and the rounds that move `image`; `None` where this mover
+    /// has no stager or the image's runs do not suit it (see [`rounds`]).
+    fn rounds(&mut self, image: &Image, buffers: &[Box<dyn Buffer>]) -> Result<Option<Staged<'_>>, DeviceError> {
+        let Some((stager, scratch)) = self.staged.as_mut() else { return Ok(None) };
+        Ok(rounds(stager.kind(), image, buffers)?.map(|r| (stager, &**scratch, r)))
+    }
+
     /// Writes the request's contents into its blocks, as [`fill`].
     ///
     /// # Safety
@@ -292,15 +307,8 @@ impl Mover {
         seed: u64,
     ) -> Result<(), DeviceError> {
         let image = Image::expected(l, blocks, n, seed);
-        let staged = match self.staged.as_mut() {
-            Some((stager, scratch)) => rounds(stager.kind(), &image, buffers)?.map(|r| (stager, scratch, r)),
-            None => None,
-        };
-        let Some((stager, scratch, rounds)) = staged else {
-            for r in &image.runs {
-                buffers[r.region].write_at(r.off, &image.bytes[r.at as usize..(r.at + r.len) as usize])?;
-            }
-            return Ok(());
+        let Some((stager, scratch, rounds)) = self.rounds(&image, buffers)? else {
+            return image.write_runs(buffers);
         };
         let slot = scratch.region().addr;
         for round in rounds {
@@ -334,17 +342,10 @@ impl Mover {
         seed: u64,
     ) -> Result<Verified, DeviceError> {
         let image = Image::expected(l, blocks, n, seed);
+        let Some((stager, scratch, rounds)) = self.rounds(&image, buffers)? else {
+            return image.read_runs(buffers);
+        };
         let mut got = vec![0u8; image.bytes.len()];
-        let staged = match self.staged.as_mut() {
-            Some((stager, scratch)) => rounds(stager.kind(), &image, buffers)?.map(|r| (stager, scratch, r)),
-            None => None,
-        };
-        let Some((stager, scratch, rounds)) = staged else {
-            for r in &image.runs {
-                buffers[r.region].read_at(r.off, &mut got[r.at as usize..(r.at + r.len) as usize])?;
-            }
-            return Ok(image.compare(&got));
-        };
         let slot = scratch.region().addr;
         for round in rounds {
             // SAFETY: as in `fill`, directions swapped: the entries' sources are the request's blocks
@@ -358,6 +359,9 @@ impl Mover {
         Ok(image.compare(&got))
     }
 }
+
+/// A [`Mover`]'s stager and scratch buffer, and the rounds that move one image through them.
+type Staged<'a> = (&'a mut Box<dyn Stager>, &'a dyn Buffer, Vec<Round>);
 
 /// One scatter or gather of a [`Mover`]: image bytes `at..at + len` and the entries placing them
 /// (offsets relative to `at`).

@@ -41,7 +41,7 @@ use serde::{Deserialize, Serialize};
 pub use crate::child::LogFn;
 use crate::child::{self, Channel, Child};
 
-use super::{pattern, pct, requests, BlockLists, DemoError, ModeReport, Pool, Report, Rng, Topology, Workload};
+use super::{pattern, requests, BlockLists, DemoError, ModeReport, Pool, Report, Rng, Topology, Workload};
 use kvpush::device::{self, Buffer, Device, MemRegion};
 use kvpush::engine::side::{SideChannel, SideConfig};
 use kvpush::engine::{Config, Engine, Finished};
@@ -1077,14 +1077,7 @@ fn play(pair: &mut Pair, t: &Topology, w: &Workload, mode: Mode, tick: &dyn Fn()
         report.descriptors_unmerged += unmerged;
         report.descriptors_posted += posted;
     }
-    latencies.sort_unstable();
-    report.latency_us_p50 = pct(&latencies, 0.5);
-    report.latency_us_p99 = pct(&latencies, 0.99);
-    let mut engine_us: Vec<f64> = reqs.iter().map(|r| r.engine_ns as f64 / 1000.0).collect();
-    engine_us.sort_unstable_by(f64::total_cmp);
-    report.engine_us_p50 = pct(&engine_us, 0.5);
-    report.engine_us_p99 = pct(&engine_us, 0.99);
-    report.gbps = report.bytes as f64 / wall / 1e9;
+    report.summarize(latencies, reqs.iter().map(|r| r.engine_ns));
     Ok(report)
 }
 
@@ -1269,6 +1262,25 @@ struct Req {
     failure: Option<String>,
     /// D: verify with the wave.
     hold_verify: bool,
+}
+
+impl Req {
+    /// A request with nothing reported, released or expected yet.
+    fn new(key: Key, tokens: u64, seed: u64, blocks: BlockLists) -> Req {
+        Req {
+            key,
+            tokens,
+            seed,
+            blocks,
+            delay_ns: None,
+            engine_ns: 0,
+            released: 0,
+            expected: 0,
+            reported: 0,
+            failure: None,
+            hold_verify: false,
+        }
+    }
 }
 
 /// The single-descriptor reference agent.
@@ -1646,30 +1658,28 @@ impl WorkerState {
         if self.role != Role::Prefill {
             return self.error("prefill: this is the decode worker".into());
         }
-        let n = blocks_for(tokens, self.spec.p_block) as usize;
+        let Some(blocks) = self.take_blocks(req, tokens, self.spec.p_block) else { return };
+        let _ = self.jobs.send((req, blocks.clone(), tokens, seed));
+        let r = Req { delay_ns, expected: self.workers.len(), ..Req::new(key, tokens, seed, blocks) };
+        self.track(req, r);
+    }
+
+    /// Takes the blocks of a `tokens`-token request (`block_tokens` a block) in every group from
+    /// the pool; `None` after reporting the error if the pool has too few.
+    fn take_blocks(&mut self, req: u64, tokens: u64, block_tokens: u32) -> Option<BlockLists> {
+        let n = blocks_for(tokens, block_tokens) as usize;
         if self.pool.free() < n * self.groups {
             let free = self.pool.free();
-            return self.error(format!("request {req}: {} blocks needed, {free} free", n * self.groups));
+            self.error(format!("request {req}: {} blocks needed, {free} free", n * self.groups));
+            return None;
         }
-        let blocks: BlockLists = (0..self.groups).filter_map(|_| self.pool.take(n)).collect();
-        let _ = self.jobs.send((req, blocks.clone(), tokens, seed));
-        self.by_key.insert(key, req);
-        self.reqs.insert(
-            req,
-            Req {
-                key,
-                tokens,
-                seed,
-                blocks,
-                delay_ns,
-                engine_ns: 0,
-                released: 0,
-                expected: self.workers.len(),
-                reported: 0,
-                failure: None,
-                hold_verify: false,
-            },
-        );
+        Some((0..self.groups).filter_map(|_| self.pool.take(n)).collect())
+    }
+
+    /// Starts tracking request `req` (and its key).
+    fn track(&mut self, req: u64, r: Req) {
+        self.by_key.insert(r.key, req);
+        self.reqs.insert(req, r);
     }
 
     /// P: `request_finished` on every worker; returns the ready timestamp.
@@ -1730,12 +1740,7 @@ impl WorkerState {
         if self.role != Role::Decode {
             return self.error("decode: this is the prefill worker".into());
         }
-        let n = blocks_for(tokens, self.spec.d_block) as usize;
-        if self.pool.free() < n * self.groups {
-            let free = self.pool.free();
-            return self.error(format!("request {req}: {} blocks needed, {free} free", n * self.groups));
-        }
-        let blocks: BlockLists = (0..self.groups).filter_map(|_| self.pool.take(n)).collect();
+        let Some(blocks) = self.take_blocks(req, tokens, self.spec.d_block) else { return };
         let lists: Vec<(BlockLists, Option<BlockLists>)> =
             self.workers.iter().map(|_| (blocks.clone(), remote_blocks.clone())).collect();
         let t0 = Instant::now();
@@ -1755,23 +1760,7 @@ impl WorkerState {
             }
         }
         let engine_ns = t0.elapsed().as_nanos() as u64;
-        self.by_key.insert(key, req);
-        self.reqs.insert(
-            req,
-            Req {
-                key,
-                tokens,
-                seed,
-                blocks,
-                delay_ns: None,
-                engine_ns,
-                released: 0,
-                expected,
-                reported: 0,
-                failure,
-                hold_verify,
-            },
-        );
+        self.track(req, Req { engine_ns, expected, failure, hold_verify, ..Req::new(key, tokens, seed, blocks) });
         if hold_verify {
             self.hold_open += 1;
         }

@@ -1,63 +1,37 @@
-//! Shared pieces of kvpush's codec fuzzing: the fixed peer layout that the fuzz target, the corpus
-//! generator (`examples/gen_corpus.rs`) and the replay test (`tests/proto/codec_corpus.rs` in the parent
-//! crate) all decode against, the valid sample messages, and the naming of decode errors used in
+//! The fixtures of kvpush's codec corpus: the fixed peer layout that the fuzz target, the corpus
+//! generator (`fuzz/examples/gen_corpus.rs`) and the replay test (`tests/proto/codec_corpus.rs`) all
+//! decode against, the valid sample messages, and the naming of decode errors used in
 //! `tests/corpus/codec/MANIFEST.tsv`.
 //!
-//! `tests/proto/codec_corpus.rs` cannot depend on this crate, so it defines [`peer_layout`],
-//! [`peer_handshake`], [`valid_messages`], [`describe`] and [`fingerprint`] again, identically; the
-//! manifest records [`fingerprint`] of the peer handshake so the test notices if the two drift.
+//! Read [`peer_layout`] and [`describe`] first. The manifest records [`fingerprint`] of the peer
+//! handshake, so a replay against a different peer layout than the corpus was written with fails
+//! loudly. The handshake builder is the library's own `src/proto/testutil.rs`, included here so that
+//! the unit tests and the corpus share one definition.
 
-use kvpush::proto::codec::{to_vec, DecodeError, PROTOCOL_VERSION};
-use kvpush::proto::compat::compat_hash;
+use kvpush::proto::codec::{to_vec, DecodeError};
 use kvpush::proto::ids::{Key, Rank};
-use kvpush::proto::layout::{
-    BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, LayoutError, ModelShape, Parallel,
-};
+use kvpush::proto::layout::{KvLayout, LayoutError};
 use kvpush::proto::msg::{
     Abort, Completion, Failure, FailureKind, Handshake, Heartbeat, Message, Mode, RangeError, Registration,
 };
+// The modules `testutil` names through `super::`.
+use kvpush::proto::{codec, compat, layout, msg};
 
-/// The sender's layout every non-handshake corpus entry is checked against: testutil's
-/// `small_layout` (4 layers in two groups — full: 0, 2; sliding window 64: 1, 3 —, 2 KV heads of
-/// dim 8, bf16, HND, K and V separate, 64 blocks of 16 tokens) but on TP rank 1 of 2, so its rank is
-/// `tp1/pp0` and the all-zero rank is a wrong one. One KV head per rank: parts of 256 bytes.
+#[path = "../../src/proto/testutil.rs"]
+#[allow(dead_code)] // the library's unit tests use `small_layout`; the corpus uses `layouts::small`
+mod testutil;
+
+pub use testutil::handshake as handshake_for;
+
+/// The sender's layout every non-handshake corpus entry is checked against: [`layouts::small`] on TP
+/// rank 1 of 2 (4 layers in two groups — full: 0, 2; sliding window 64: 1, 3 —, 2 KV heads of dim 8,
+/// bf16, HND, K and V separate, 64 blocks of 16 tokens), so its rank is `tp1/pp0` and the all-zero
+/// rank is a wrong one. One KV head per rank: parts of 256 bytes. It equals testutil's
+/// `small_layout` but for the rank.
+///
+/// [`layouts::small`]: crate::layouts::small
 pub fn peer_layout() -> KvLayout {
-    let model = ModelShape {
-        total_layers: 4,
-        kv_heads: 2,
-        head_dim: 8,
-        dtype: DType::Bf16,
-        kind: KvKind::KeyValue,
-        groups: vec![
-            KvGroup { kind: GroupKind::Full, layers: vec![0, 2] },
-            KvGroup { kind: GroupKind::SlidingWindow { window_tokens: 64 }, layers: vec![1, 3] },
-        ],
-    };
-    let mut l = KvLayout {
-        model,
-        block_tokens: 16,
-        order: BlockOrder::Hnd,
-        placement: KvPlacement::Separate,
-        block_stride: 0,
-        num_blocks: 64,
-        parallel: Parallel { tp_rank: 1, tp_size: 2, pp_rank: 0, pp_size: 1 },
-        region_bases: (0..8).map(|i| 0x1000_0000 + i * 0x10_0000).collect(),
-    };
-    l.block_stride = l.part_bytes();
-    l
-}
-
-/// A handshake carrying `layout` with a correct compatibility hash.
-pub fn handshake_for(layout: KvLayout, mode: Mode) -> Handshake {
-    Handshake {
-        protocol: PROTOCOL_VERSION,
-        software: "0.1.0".into(),
-        engine_id: "engine-a".into(),
-        mode,
-        agent_metadata: vec![1, 2, 3, 4],
-        compat_hash: compat_hash(&layout.model, layout.order, mode, PROTOCOL_VERSION),
-        layout,
-    }
+    crate::layouts::small(1, 2)
 }
 
 /// The peer's own handshake (push mode).
@@ -92,7 +66,7 @@ pub fn valid_messages() -> Vec<(&'static str, Message)> {
     ]
 }
 
-/// A rank other than the peer's.
+/// Ranks other than the peer's.
 pub const WRONG_RANKS: [Rank; 3] = [Rank::new(0, 0), Rank::new(1, 1), Rank::new(2, 0)];
 
 /// FNV-1a over the encoded peer handshake: recorded in the manifest so that a replay with a
@@ -106,6 +80,20 @@ pub fn fingerprint() -> u64 {
     }
     h
 }
+
+/// Every variant name [`describe`] gives a `DecodeError`, in the enum's order.
+pub const VARIANTS: [&str; 10] = [
+    "Truncated",
+    "TrailingBytes",
+    "BadMagic",
+    "UnsupportedVersion",
+    "UnknownKind",
+    "TooLarge",
+    "Malformed",
+    "NoPeerLayout",
+    "Range",
+    "HashMismatch",
+];
 
 /// The manifest's name of a decode error: its variant, and a detail naming the inner error where
 /// there is one (`-` otherwise). Example: `("Range", "Layout:OutOfRange:num_blocks")`.
