@@ -14,7 +14,7 @@
 //! * `staged`: gather kernel on P packs the request's blocks into a bounded staging buffer (`--slots`
 //!   slots of `--slot-mib`), one WRITE per slot-sized piece into D's staging slot of the same number,
 //!   scatter kernel on D unpacks; D returns a credit per slot, so a request larger than the staging
-//!   buffer streams through it (see `kvpush_cuda::staging`);
+//!   buffer streams through it (see `kvpush_cuda::unitpack`);
 //! * `engine`: kvpush itself, end to end — each side runs a [`kvpush::engine::Engine`] (P `prefill`,
 //!   D `decode`, push mode, one worker) over the same KV cache with its own NIXL agent and a
 //!   [`SideChannel`] on 127.0.0.1 as its control link, and with the engine's own staging
@@ -70,7 +70,7 @@ use kvpush::proto::{Key, Mode};
 use kvpush::transport::nixl::{NixlConfig, NixlTransport};
 use kvpush::transport::staged::StagingConfig;
 use kvpush::transport::{Desc, Op, Transport, Units, XferId, XferState};
-use kvpush_cuda::staging::{self, Piece, Side, StagingPlan, UnitSpace};
+use kvpush_cuda::unitpack::{self as unitpack, Piece, Side, PackPlan, UnitSpace};
 use kvpush_cuda::{Event, Kernels, Stream, UnitTable};
 use kvpush_testkit::child::{self, Channel, Child, Incoming};
 use kvpush_testkit::rng::Rng;
@@ -406,7 +406,7 @@ impl Memory {
                 for u in 0..space.units() {
                     let (r, j) = space.locate(u);
                     let off = (side.unit_addr(&space, u) - base) as usize;
-                    staging::pattern_fill(seed, r, j, &mut mem[off..off + ub]);
+                    unitpack::pattern_fill(seed, r, j, &mut mem[off..off + ub]);
                 }
                 Ok(())
             }
@@ -438,7 +438,7 @@ impl Memory {
             Memory::Host { cache, slots } => {
                 let base = cache.region().addr;
                 let slot = slots[piece.slot as usize].as_mut_slice();
-                staging::gather(&space, piece, side, cache.as_mut_slice(), base, slot).map_err(|e| e.to_string())
+                unitpack::gather(&space, piece, side, cache.as_mut_slice(), base, slot).map_err(|e| e.to_string())
             }
         }
     }
@@ -458,7 +458,7 @@ impl Memory {
             Memory::Host { cache, slots } => {
                 let base = cache.region().addr;
                 let slot = slots[piece.slot as usize].as_mut_slice();
-                staging::scatter(&space, piece, side, slot, cache.as_mut_slice(), base).map_err(|e| e.to_string())
+                unitpack::scatter(&space, piece, side, slot, cache.as_mut_slice(), base).map_err(|e| e.to_string())
             }
         }
     }
@@ -967,8 +967,8 @@ impl Node {
         }
     }
 
-    fn plan(&self, case: &Case) -> Result<StagingPlan, String> {
-        staging::plan(self.space(case), self.args.slot_bytes(), self.args.slots).map_err(|e| e.to_string())
+    fn plan(&self, case: &Case) -> Result<PackPlan, String> {
+        unitpack::plan(self.space(case), self.args.slot_bytes(), self.args.slots).map_err(|e| e.to_string())
     }
 
     /// P, staged: gather → WRITE slot → (D scatters, credits the slot) → reuse.
@@ -1153,7 +1153,7 @@ impl Node {
                                     }
                                 } else {
                                     units += 1;
-                                    if let Some(w) = staging::pattern_check(seed, r as u32, j, unit) {
+                                    if let Some(w) = unitpack::pattern_check(seed, r as u32, j, unit) {
                                         bad += 1;
                                         first.get_or_insert_with(|| {
                                             format!("region {r} request block {j} (D block {b}): word {w} differs")
@@ -1385,7 +1385,7 @@ fn run_case(p: &mut Proc, d: &mut Proc, args: &Args, case: &Case, index: u64) ->
     let (mut descriptors, mut posts, mut bytes) = (0, 0, 0);
     let mut engine = None;
     for iter in 0..total {
-        let seed = staging::mix64(args.seed ^ (index << 32) ^ u64::from(iter));
+        let seed = unitpack::mix64(args.seed ^ (index << 32) ^ u64::from(iter));
         let prep = Cmd::Prepare { case: case.clone(), iter, seed };
         d.send(&prep)?;
         p.send(&prep)?;

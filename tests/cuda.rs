@@ -11,7 +11,7 @@ use std::collections::HashSet;
 
 use kvpush::device::{select, Buffer, Device, DeviceError, DeviceKind, StageEntry, Stager};
 use kvpush_cuda::pointer::{validate, MemoryType, PointerQueries};
-use kvpush_cuda::staging::{self, Piece, Side, StagingError, UnitSpace};
+use kvpush_cuda::unitpack::{self as unitpack, Piece, Side, PackError, UnitSpace};
 use kvpush_cuda::{CudaError, DriverStatus, Gpu};
 use kvpush_testkit::rng::Rng;
 use proptest::prelude::*;
@@ -219,7 +219,7 @@ fn qwen_16k() -> UnitSpace {
 
 #[test]
 fn a_16k_request_goes_through_bounded_slots_in_pieces() {
-    let plan = staging::plan(qwen_16k(), 32 << 20, 4).unwrap();
+    let plan = unitpack::plan(qwen_16k(), 32 << 20, 4).unwrap();
     assert_eq!(plan.space.bytes(), 512 << 20);
     assert_eq!(plan.pieces.len(), 16, "512 MiB in 32 MiB pieces");
     for (i, p) in plan.pieces.iter().enumerate() {
@@ -230,14 +230,14 @@ fn a_16k_request_goes_through_bounded_slots_in_pieces() {
     }
     assert_eq!(plan.staging_bytes(), 128 << 20, "4 slots of 32 MiB, reused 4 times each");
     // A request smaller than one slot: one piece, one slot used.
-    let small = staging::plan(UnitSpace { regions: 128, blocks: 64, unit_bytes: UNIT }, 32 << 20, 4).unwrap();
+    let small = unitpack::plan(UnitSpace { regions: 128, blocks: 64, unit_bytes: UNIT }, 32 << 20, 4).unwrap();
     assert_eq!(small.pieces.len(), 1);
     assert_eq!((small.pieces[0].units, small.pieces[0].bytes, small.staging_bytes()), (8192, 32 << 20, 32 << 20));
 }
 
 #[test]
 fn the_last_piece_carries_the_remainder() {
-    let plan = staging::plan(UnitSpace { regions: 3, blocks: 5, unit_bytes: 64 }, 4 * 64 + 16, 2).unwrap();
+    let plan = unitpack::plan(UnitSpace { regions: 3, blocks: 5, unit_bytes: 64 }, 4 * 64 + 16, 2).unwrap();
     let units: Vec<u64> = plan.pieces.iter().map(|p| p.units).collect();
     assert_eq!(units, [4, 4, 4, 3], "15 units, 4 per slot (a slot holds whole units only)");
     let slots: Vec<u32> = plan.pieces.iter().map(|p| p.slot).collect();
@@ -249,16 +249,16 @@ fn the_last_piece_carries_the_remainder() {
 fn unusable_geometry_is_refused() {
     let s = qwen_16k();
     let bad = [
-        staging::plan(s, 32 << 20, 0),
-        staging::plan(s, 2048, 4),
-        staging::plan(s, (32 << 20) + 8, 4),
-        staging::plan(UnitSpace { unit_bytes: 4100, ..s }, 32 << 20, 4),
-        staging::plan(UnitSpace { blocks: 0, ..s }, 32 << 20, 4),
+        unitpack::plan(s, 32 << 20, 0),
+        unitpack::plan(s, 2048, 4),
+        unitpack::plan(s, (32 << 20) + 8, 4),
+        unitpack::plan(UnitSpace { unit_bytes: 4100, ..s }, 32 << 20, 4),
+        unitpack::plan(UnitSpace { blocks: 0, ..s }, 32 << 20, 4),
     ];
     let whys = ["no staging slot", "at least one unit", "multiple of 16", "multiple of 16", "nothing to move"];
     for (r, why) in bad.into_iter().zip(whys) {
         let err = r.unwrap_err();
-        assert!(matches!(&err, StagingError::Geometry(m) if m.contains(why)), "{why}: {err}");
+        assert!(matches!(&err, PackError::Geometry(m) if m.contains(why)), "{why}: {err}");
     }
 }
 
@@ -270,7 +270,7 @@ proptest! {
     ) {
         let space = UnitSpace { regions, blocks, unit_bytes: unit16 * 16 };
         let slot_bytes = slot_units * space.unit_bytes + extra * 16;
-        let plan = staging::plan(space, slot_bytes, slots).unwrap();
+        let plan = unitpack::plan(space, slot_bytes, slots).unwrap();
         let per = slot_bytes / space.unit_bytes;
         prop_assert!(per >= slot_units);
         let mut next = 0u64;
@@ -308,23 +308,23 @@ fn staged_round_trip(regions: u32, pool: u32, blocks: u32, unit: u64, slot_bytes
     for u in 0..space.units() {
         let (r, j) = space.locate(u);
         let off = (p.unit_addr(&space, u) - p_base) as usize;
-        staging::pattern_fill(seed, r, j, &mut p_mem[off..off + unit as usize]);
+        unitpack::pattern_fill(seed, r, j, &mut p_mem[off..off + unit as usize]);
     }
-    let plan = staging::plan(space, slot_bytes, slots).expect("plan");
+    let plan = unitpack::plan(space, slot_bytes, slots).expect("plan");
     let mut p_slots = vec![vec![0u8; slot_bytes as usize]; slots as usize];
     let mut d_slots = vec![vec![0u8; slot_bytes as usize]; slots as usize];
     for piece in &plan.pieces {
         let s = piece.slot as usize;
-        staging::gather(&space, piece, &p, &p_mem, p_base, &mut p_slots[s]).expect("gather");
+        unitpack::gather(&space, piece, &p, &p_mem, p_base, &mut p_slots[s]).expect("gather");
         d_slots[s][..piece.bytes as usize].copy_from_slice(&p_slots[s][..piece.bytes as usize]); // the WRITE
-        staging::scatter(&space, piece, &d, &d_slots[s], &mut d_mem, d_base).expect("scatter");
+        unitpack::scatter(&space, piece, &d, &d_slots[s], &mut d_mem, d_base).expect("scatter");
     }
     let mut touched = vec![false; (u64::from(regions) * u64::from(pool)) as usize];
     for u in 0..space.units() {
         let (r, j) = space.locate(u);
         let off = (d.unit_addr(&space, u) - d_base) as usize;
         assert_eq!(
-            staging::pattern_check(seed, r, j, &d_mem[off..off + unit as usize]),
+            unitpack::pattern_check(seed, r, j, &d_mem[off..off + unit as usize]),
             None,
             "unit {u} (r {r}, j {j})"
         );
@@ -361,14 +361,14 @@ fn reference_copies_refuse_units_outside_memory() {
     let bases = [0x1000u64];
     let ids = [0u32, 9];
     let side = Side { bases: &bases, ids: &ids, stride: 64 };
-    let plan = staging::plan(space, 128, 1).unwrap();
+    let plan = unitpack::plan(space, 128, 1).unwrap();
     let mem = vec![0u8; 8 * 64];
     let mut slot = vec![0u8; 128];
-    let err = staging::gather(&space, &plan.pieces[0], &side, &mem, 0x1000, &mut slot).unwrap_err();
+    let err = unitpack::gather(&space, &plan.pieces[0], &side, &mem, 0x1000, &mut slot).unwrap_err();
     assert!(
         matches!(
             err,
-            StagingError::OutOfBounds {
+            PackError::OutOfBounds {
                 unit: 1,
                 region: 0,
                 block: 9,
@@ -383,23 +383,23 @@ fn reference_copies_refuse_units_outside_memory() {
     // Misaligned region base.
     let bases = [0x1008u64];
     let side = Side { bases: &bases, ids: &[0, 1], stride: 64 };
-    let err = staging::gather(&space, &plan.pieces[0], &side, &mem, 0x1000, &mut slot).unwrap_err();
-    assert!(matches!(&err, StagingError::Geometry(m) if m.contains("not 16-byte aligned")), "{err}");
+    let err = unitpack::gather(&space, &plan.pieces[0], &side, &mem, 0x1000, &mut slot).unwrap_err();
+    assert!(matches!(&err, PackError::Geometry(m) if m.contains("not 16-byte aligned")), "{err}");
 }
 
 #[test]
 fn the_pattern_tells_units_apart_and_catches_a_flipped_bit() {
     let mut a = vec![0u8; 4096];
-    staging::pattern_fill(7, 3, 100, &mut a);
-    assert_eq!(staging::pattern_check(7, 3, 100, &a), None);
+    unitpack::pattern_fill(7, 3, 100, &mut a);
+    assert_eq!(unitpack::pattern_check(7, 3, 100, &a), None);
     // Another region, block, or seed does not match.
-    assert_eq!(staging::pattern_check(7, 4, 100, &a), Some(0));
-    assert_eq!(staging::pattern_check(7, 3, 101, &a), Some(0));
-    assert_eq!(staging::pattern_check(8, 3, 100, &a), Some(0));
+    assert_eq!(unitpack::pattern_check(7, 4, 100, &a), Some(0));
+    assert_eq!(unitpack::pattern_check(7, 3, 101, &a), Some(0));
+    assert_eq!(unitpack::pattern_check(8, 3, 100, &a), Some(0));
     a[2049] ^= 0x10;
-    assert_eq!(staging::pattern_check(7, 3, 100, &a), Some(512));
+    assert_eq!(unitpack::pattern_check(7, 3, 100, &a), Some(512));
     // Not a constant or a short cycle: words of a unit are distinct.
-    staging::pattern_fill(7, 3, 100, &mut a);
+    unitpack::pattern_fill(7, 3, 100, &mut a);
     let words: HashSet<&[u8]> = a.chunks(4).collect();
     assert!(words.len() > 1000, "{} distinct words of 1024", words.len());
 }
@@ -525,7 +525,7 @@ fn wait_lane(st: &mut dyn Stager, lane: usize) {
 
 /// A byte pattern in which every 4-byte word differs from its neighbours and from other offsets.
 fn word_pattern(len: usize, seed: u64) -> Vec<u8> {
-    (0..len / 4).flat_map(|w| (staging::mix64(seed ^ w as u64) as u32).to_le_bytes()).collect()
+    (0..len / 4).flat_map(|w| (unitpack::mix64(seed ^ w as u64) as u32).to_le_bytes()).collect()
 }
 
 /// ~1000 entries over non-overlapping, 16-byte aligned ranges of a `cache_len`-byte cache (mostly

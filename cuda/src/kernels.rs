@@ -1,7 +1,7 @@
 //! The staging kernels — gather, scatter and a pattern fill — compiled at run time with NVRTC and
 //! launched through the driver API.
 //!
-//! Read [`SOURCE`] for the kernels and [`crate::staging`] for the plan they follow. [`Kernels::load`]
+//! Read [`SOURCE`] for the kernels and [`crate::unitpack`] for the plan they follow. [`Kernels::load`]
 //! compiles the source for the device's own architecture (`compute_XY` PTX, turned into machine code
 //! by the driver at module load), so nothing is built ahead and no CUDA toolkit is needed at build
 //! time; only `libnvrtc` at run time. [`compile_ptx`] alone needs no GPU, only NVRTC.
@@ -22,10 +22,10 @@ use cudarc::nvrtc::result as nvrtc;
 
 use crate::driver::{drv, nvrtc_available, DeviceMem, Gpu, Stream};
 use crate::error::CudaError;
-use crate::staging::{Side, UnitSpace, ALIGN};
+use crate::unitpack::{Side, UnitSpace, ALIGN};
 
 /// CUDA C source of the kernels. The pattern functions must stay identical to
-/// [`crate::staging::mix64`], [`crate::staging::unit_seed`] and [`crate::staging::pattern_word`].
+/// [`crate::unitpack::mix64`], [`crate::unitpack::unit_seed`] and [`crate::unitpack::pattern_word`].
 pub const SOURCE: &str = r#"
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -517,7 +517,7 @@ impl Kernels {
     }
 
     /// Queues a fill of every unit of `table`'s loaded side with the pattern of its logical position
-    /// ([`crate::staging::pattern_fill`] with `seed`).
+    /// ([`crate::unitpack::pattern_fill`] with `seed`).
     ///
     /// # Safety
     ///

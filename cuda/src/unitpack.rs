@@ -1,5 +1,8 @@
-//! Staging plans: how a request's scattered KV blocks are packed into a bounded, reused staging
-//! buffer, sent in pieces, and unpacked on the other side. Pure functions, no CUDA.
+//! Unit packing, the GPU bench's own pipeline (benches/gpu_push.rs, its `staged` method): how a
+//! request's scattered KV blocks are packed into a bounded, reused buffer, sent in pieces, and unpacked
+//! on the other side, with both sides agreeing on the geometry in advance and no table on the wire.
+//! Pure functions, no CUDA. (kvpush's engine stages through `device::stage` and the staging protocol
+//! of `transport::staged`; this module is the bench's reference beside them.)
 //!
 //! Read [`UnitSpace`] and [`plan`] first. A request's KV is a set of *units*: one block of one
 //! region (a region is one layer's K or V), all `unit_bytes` long. Units are numbered region-major —
@@ -21,7 +24,7 @@
 /// Why a plan or a reference copy cannot be made.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
-pub enum StagingError {
+pub enum PackError {
     /// The geometry is unusable.
     #[error("invalid staging geometry: {0}")]
     Geometry(String),
@@ -81,15 +84,15 @@ impl UnitSpace {
         ((u / b) as u32, (u % b) as u32)
     }
 
-    fn check(&self) -> Result<(), StagingError> {
+    fn check(&self) -> Result<(), PackError> {
         if self.regions == 0 || self.blocks == 0 {
-            return Err(StagingError::Geometry(format!(
+            return Err(PackError::Geometry(format!(
                 "{} regions × {} blocks: nothing to move",
                 self.regions, self.blocks
             )));
         }
         if self.unit_bytes == 0 || !self.unit_bytes.is_multiple_of(ALIGN) {
-            return Err(StagingError::Geometry(format!(
+            return Err(PackError::Geometry(format!(
                 "unit of {} bytes: must be a non-zero multiple of {ALIGN}",
                 self.unit_bytes
             )));
@@ -116,7 +119,7 @@ pub struct Piece {
 
 /// A request cut into pieces that each fit one staging slot.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct StagingPlan {
+pub struct PackPlan {
     /// The request's units.
     pub space: UnitSpace,
     /// Bytes of one slot.
@@ -127,7 +130,7 @@ pub struct StagingPlan {
     pub pieces: Vec<Piece>,
 }
 
-impl StagingPlan {
+impl PackPlan {
     /// Staging memory each side needs: the slots actually used, each `slot_bytes`.
     pub fn staging_bytes(&self) -> u64 {
         let used = self.pieces.len().min(self.slots as usize) as u64;
@@ -140,13 +143,13 @@ impl StagingPlan {
 ///
 /// Errors: an empty or misaligned unit space, no slot, or a slot smaller than one unit or not a
 /// multiple of [`ALIGN`].
-pub fn plan(space: UnitSpace, slot_bytes: u64, slots: u32) -> Result<StagingPlan, StagingError> {
+pub fn plan(space: UnitSpace, slot_bytes: u64, slots: u32) -> Result<PackPlan, PackError> {
     space.check()?;
     if slots == 0 {
-        return Err(StagingError::Geometry("no staging slot".into()));
+        return Err(PackError::Geometry("no staging slot".into()));
     }
     if slot_bytes < space.unit_bytes || !slot_bytes.is_multiple_of(ALIGN) {
-        return Err(StagingError::Geometry(format!(
+        return Err(PackError::Geometry(format!(
             "slot of {slot_bytes} bytes: must hold at least one unit of {} bytes and be a multiple of {ALIGN}",
             space.unit_bytes
         )));
@@ -154,7 +157,7 @@ pub fn plan(space: UnitSpace, slot_bytes: u64, slots: u32) -> Result<StagingPlan
     let per = slot_bytes / space.unit_bytes;
     let total = space.units();
     let n = total.div_ceil(per);
-    let n32 = u32::try_from(n).map_err(|_| StagingError::Geometry(format!("{n} pieces: too many")))?;
+    let n32 = u32::try_from(n).map_err(|_| PackError::Geometry(format!("{n} pieces: too many")))?;
     let pieces = (0..n32)
         .map(|i| {
             let first_unit = u64::from(i) * per;
@@ -162,7 +165,7 @@ pub fn plan(space: UnitSpace, slot_bytes: u64, slots: u32) -> Result<StagingPlan
             Piece { index: i, slot: i % slots, first_unit, units, bytes: units * space.unit_bytes }
         })
         .collect();
-    Ok(StagingPlan { space, slot_bytes, slots, pieces })
+    Ok(PackPlan { space, slot_bytes, slots, pieces })
 }
 
 /// One side of a staged copy: where each region starts, which block ids the request uses, and the
@@ -186,10 +189,10 @@ impl Side<'_> {
     }
 
     /// Checks that this side describes `space` and that every address is aligned for the kernels.
-    pub fn check(&self, space: &UnitSpace) -> Result<(), StagingError> {
+    pub fn check(&self, space: &UnitSpace) -> Result<(), PackError> {
         space.check()?;
         if self.bases.len() != space.regions as usize || self.ids.len() != space.blocks as usize {
-            return Err(StagingError::Geometry(format!(
+            return Err(PackError::Geometry(format!(
                 "{} region bases and {} block ids for {} regions × {} blocks",
                 self.bases.len(),
                 self.ids.len(),
@@ -198,23 +201,23 @@ impl Side<'_> {
             )));
         }
         if self.stride < space.unit_bytes || !self.stride.is_multiple_of(ALIGN) {
-            return Err(StagingError::Geometry(format!(
+            return Err(PackError::Geometry(format!(
                 "block stride {} must be ≥ the unit ({} bytes) and a multiple of {ALIGN}",
                 self.stride, space.unit_bytes
             )));
         }
         if let Some(b) = self.bases.iter().find(|&&b| !b.is_multiple_of(ALIGN)) {
-            return Err(StagingError::Geometry(format!("region base {b:#x} is not {ALIGN}-byte aligned")));
+            return Err(PackError::Geometry(format!("region base {b:#x} is not {ALIGN}-byte aligned")));
         }
         Ok(())
     }
 
-    fn locate_in(&self, space: &UnitSpace, u: u64, base: u64, len: usize) -> Result<usize, StagingError> {
+    fn locate_in(&self, space: &UnitSpace, u: u64, base: u64, len: usize) -> Result<usize, PackError> {
         let addr = self.unit_addr(space, u);
         let off = addr.wrapping_sub(base);
         if addr < base || off.checked_add(space.unit_bytes).is_none_or(|e| e > len as u64) {
             let (region, j) = space.locate(u);
-            return Err(StagingError::OutOfBounds {
+            return Err(PackError::OutOfBounds {
                 unit: u,
                 region,
                 block: self.ids[j as usize],
@@ -237,7 +240,7 @@ pub fn gather(
     mem: &[u8],
     base: u64,
     slot: &mut [u8],
-) -> Result<(), StagingError> {
+) -> Result<(), PackError> {
     src.check(space)?;
     check_slot(piece, slot.len())?;
     let ub = space.unit_bytes as usize;
@@ -258,7 +261,7 @@ pub fn scatter(
     slot: &[u8],
     mem: &mut [u8],
     base: u64,
-) -> Result<(), StagingError> {
+) -> Result<(), PackError> {
     dst.check(space)?;
     check_slot(piece, slot.len())?;
     let ub = space.unit_bytes as usize;
@@ -270,9 +273,9 @@ pub fn scatter(
     Ok(())
 }
 
-fn check_slot(piece: &Piece, len: usize) -> Result<(), StagingError> {
+fn check_slot(piece: &Piece, len: usize) -> Result<(), PackError> {
     if piece.bytes > len as u64 {
-        return Err(StagingError::Geometry(format!(
+        return Err(PackError::Geometry(format!(
             "piece {} needs {} bytes, the slot has {len}",
             piece.index, piece.bytes
         )));
