@@ -70,7 +70,7 @@ use kvpush::proto::{Key, Mode};
 use kvpush::transport::nixl::{NixlConfig, NixlTransport};
 use kvpush::transport::staged::StagingConfig;
 use kvpush::transport::{Desc, Op, Transport, Units, XferId, XferState};
-use kvpush_cuda::unitpack::{self as unitpack, Piece, Side, PackPlan, UnitSpace};
+use kvpush_cuda::unitpack::{self as unitpack, PackPlan, Piece, Side, UnitSpace};
 use kvpush_cuda::{Event, Kernels, Stream, UnitTable};
 use kvpush_testkit::child::{self, Channel, Child, Incoming};
 use kvpush_testkit::rng::Rng;
@@ -518,7 +518,7 @@ fn open_memory(args: &Args, role: Role) -> Result<Memory, String> {
                 Visible::Split => 0,
                 Visible::All => args.gpus[if role == Role::P { 0 } else { 1 }],
             };
-            let dev = CudaDevice::open(ordinal)?;
+            let dev = CudaDevice::open(ordinal).map_err(|e| e.to_string())?;
             let cache = dev.alloc_cuda(cache_len).map_err(|e| e.to_string())?;
             let slots = (0..args.slots)
                 .map(|_| dev.alloc_cuda(slot_bytes).map_err(|e| e.to_string()))

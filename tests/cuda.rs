@@ -9,9 +9,9 @@
 
 use std::collections::HashSet;
 
-use kvpush::device::{select, Buffer, Device, DeviceError, DeviceKind, StageEntry, Stager};
+use kvpush::device::{select, BadEntry, Buffer, Device, DeviceError, DeviceKind, StageEntry, Stager};
 use kvpush_cuda::pointer::{validate, MemoryType, PointerQueries};
-use kvpush_cuda::unitpack::{self as unitpack, Piece, Side, PackError, UnitSpace};
+use kvpush_cuda::unitpack::{self as unitpack, PackError, Piece, Side, UnitSpace};
 use kvpush_cuda::{CudaError, DriverStatus, Gpu};
 use kvpush_testkit::rng::Rng;
 use proptest::prelude::*;
@@ -368,15 +368,7 @@ fn reference_copies_refuse_units_outside_memory() {
     assert!(
         matches!(
             err,
-            PackError::OutOfBounds {
-                unit: 1,
-                region: 0,
-                block: 9,
-                addr: 0x1240,
-                len: 64,
-                base: 0x1000,
-                mem_len: 512
-            }
+            PackError::OutOfBounds { unit: 1, region: 0, block: 9, addr: 0x1240, len: 64, base: 0x1000, mem_len: 512 }
         ),
         "{err:?}"
     );
@@ -696,11 +688,11 @@ fn cuda_stager_scatters_a_checked_snapshot_of_a_device_table() {
     let err = unsafe {
         st.scatter_table(0, t, picks.len(), s, &mut |tb: &[u8]| {
             seen = tb.to_vec();
-            Err("refused by the test".into())
+            Err(BadEntry { index: 0, addr: 0, len: 16, off: 0 })
         })
     }
     .unwrap_err();
-    assert!(err.to_string().contains("refused by the test"), "{err}");
+    assert!(err.to_string().contains("entry 0 (0x0+16 from offset 0)"), "{err}");
     assert_eq!(seen, bytes, "the check sees the table as written");
     // SAFETY: every entry lies in `cache` (destinations) and `slot` (sources); waited for below.
     unsafe { st.scatter_table(1, t, picks.len(), s, &mut |_: &[u8]| Ok(())) }.unwrap();

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use kvpush_cuda::{CudaError, DeviceMem, Event, Gpu, Kernels, PinnedHost, Stream};
 
-use super::stage::{check_entries, check_table, ENTRY_BYTES};
+use super::stage::{check_entries, check_table, BadEntry, ENTRY_BYTES};
 use super::{Access, Buffer, CopyOp, Device, DeviceError, DeviceKind, MemKind, MemRegion, StageEntry, Stager};
 
 /// The environment variable naming the CUDA device ordinal `KVPUSH_DEVICE=cuda` opens (default 0).
@@ -48,23 +48,24 @@ impl fmt::Debug for CudaDevice {
     }
 }
 
-fn unavailable(e: CudaError) -> String {
-    e.to_string()
-}
-
 impl CudaDevice {
     /// Opens device `ordinal` and makes its primary context current on this thread.
-    pub fn open(ordinal: u32) -> Result<Self, String> {
-        Gpu::open(ordinal).map(|gpu| CudaDevice { gpu, copies: Arc::default() }).map_err(unavailable)
+    pub fn open(ordinal: u32) -> Result<Self, CudaError> {
+        Gpu::open(ordinal).map(|gpu| CudaDevice { gpu, copies: Arc::default() })
     }
 
     /// Opens the device named by `KVPUSH_CUDA_DEVICE` (default 0).
-    pub fn from_env() -> Result<Self, String> {
+    pub fn from_env() -> Result<Self, DeviceError> {
+        let unavailable =
+            |why: String| DeviceError::Unavailable { requested: "cuda".into(), tried: vec![("cuda".into(), why)] };
         let ordinal = match std::env::var(DEVICE_ENV) {
-            Ok(v) => v.trim().parse::<u32>().map_err(|_| format!("{DEVICE_ENV}={v:?} is not a device ordinal"))?,
+            Ok(v) => v
+                .trim()
+                .parse::<u32>()
+                .map_err(|_| unavailable(format!("{DEVICE_ENV}={v:?} is not a device ordinal")))?,
             Err(_) => 0,
         };
-        Self::open(ordinal)
+        Self::open(ordinal).map_err(|e| unavailable(e.to_string()))
     }
 
     /// Makes this device's context current on the calling thread. Call before creating the NIXL
@@ -431,7 +432,7 @@ impl Stager for CudaStager {
         table_at: u64,
         n: usize,
         slot: u64,
-        check: &mut dyn FnMut(&[u8]) -> Result<(), String>,
+        check: &mut dyn FnMut(&[u8]) -> Result<(), BadEntry>,
     ) -> Result<(), DeviceError> {
         let failed = |e: String| DeviceError::Copy {
             device: DeviceKind::Cuda,
@@ -458,7 +459,7 @@ impl Stager for CudaStager {
         unsafe { self.tables.copy_from_device(l.table.ptr(), &mut l.host.as_mut_slice()[..len]) }
             .map_err(|e| failed(e.to_string()))?;
         let snapshot = &l.host.as_slice()[..len];
-        check(snapshot).map_err(failed)?;
+        check(snapshot).map_err(|e| failed(e.to_string()))?;
         check_table(DeviceKind::Cuda, snapshot, self.max_entries)?;
         // SAFETY: the device table holds the checked snapshot (the tables' stream was waited for
         // above); the caller's contract covers every entry `check` accepted.

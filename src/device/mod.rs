@@ -22,7 +22,7 @@ pub mod mock;
 pub mod neuron;
 pub mod stage;
 
-pub use stage::{StageEntry, Stager};
+pub use stage::{BadEntry, StageEntry, Stager};
 
 /// Kind of memory, as a transport registers it (NIXL's DRAM_SEG / VRAM_SEG).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -223,7 +223,10 @@ pub fn select(spec: &str) -> Result<Arc<dyn Device>, DeviceError> {
     if let Some(ordinal) = spec.strip_prefix("cuda:") {
         let ordinal: u32 = ordinal.parse().map_err(|_| DeviceError::Unknown { value: spec.clone() })?;
         return cuda::CudaDevice::open(ordinal).map(|d| Arc::new(d) as Arc<dyn Device>).map_err(|why| {
-            DeviceError::Unavailable { requested: spec.clone(), tried: vec![(format!("cuda:{ordinal}"), why)] }
+            DeviceError::Unavailable {
+                requested: spec.clone(),
+                tried: vec![(format!("cuda:{ordinal}"), why.to_string())],
+            }
         });
     }
     let mut tried = Vec::new();
@@ -254,7 +257,11 @@ fn open(name: &str) -> Result<Arc<dyn Device>, String> {
         "host" => Ok(Arc::new(host::HostDevice::new())),
         "mock" => Ok(Arc::new(mock::MockDevice::new())),
         "neuron" => neuron::open_for_select(),
-        "cuda" => cuda::CudaDevice::from_env().map(|d| Arc::new(d) as Arc<dyn Device>),
+        "cuda" => cuda::CudaDevice::from_env().map(|d| Arc::new(d) as Arc<dyn Device>).map_err(|e| match e {
+            // The one reason inside, not the error around it: the caller lists it under "cuda".
+            DeviceError::Unavailable { mut tried, .. } if tried.len() == 1 => tried.remove(0).1,
+            e => e.to_string(),
+        }),
         other => Err(format!("no backend named {other}")),
     }
 }

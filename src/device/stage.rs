@@ -29,6 +29,23 @@ pub struct StageEntry {
     pub len: u32,
 }
 
+/// A scatter-table entry the receiver refused ([`Stager::scatter_table`]'s check): it is misaligned,
+/// reads past the piece's data, or writes outside the receiver's registered KV memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "entry {index} ({addr:#x}+{len} from offset {off}) is not an aligned range of registered KV memory inside the piece"
+)]
+pub struct BadEntry {
+    /// The entry's index in the table.
+    pub index: usize,
+    /// Its destination address.
+    pub addr: u64,
+    /// Its length.
+    pub len: u32,
+    /// Its offset in the piece's data.
+    pub off: u32,
+}
+
 impl StageEntry {
     /// The entry's table form.
     pub fn to_bytes(self) -> [u8; ENTRY_BYTES] {
@@ -113,12 +130,17 @@ pub trait Stager: Send + fmt::Debug {
         table_at: u64,
         n: usize,
         slot: u64,
-        check: &mut dyn FnMut(&[u8]) -> Result<(), String>,
+        check: &mut dyn FnMut(&[u8]) -> Result<(), BadEntry>,
     ) -> Result<(), DeviceError> {
         let mut table = vec![0u8; n * ENTRY_BYTES];
         // SAFETY: the caller guarantees the table's bytes are readable memory of this device.
         unsafe { self.read(table_at, &mut table) }?;
-        check(&table).map_err(|reason| DeviceError::Copy { device: self.kind(), offset: 0, len: 0, reason })?;
+        check(&table).map_err(|e| DeviceError::Copy {
+            device: self.kind(),
+            offset: 0,
+            len: 0,
+            reason: e.to_string(),
+        })?;
         let entries = parse_table(&table);
         // SAFETY: `check` accepted every entry of this private copy; the caller's contract covers them.
         unsafe { self.scatter(lane, &entries, slot) }
@@ -340,11 +362,11 @@ mod tests {
         let err = unsafe {
             st.scatter_table(0, table_at, 2, slot_at, &mut |t: &[u8]| {
                 seen = t.len();
-                Err("entry 1 outside".into())
+                Err(BadEntry { index: 1, addr: 0xdead, len: 16, off: 0 })
             })
         }
         .unwrap_err();
-        assert!(err.to_string().contains("entry 1 outside"), "{err}");
+        assert!(err.to_string().contains("entry 1 (0xdead+16 from offset 0)"), "{err}");
         assert_eq!(seen, 32, "the check sees the whole table");
         assert!(dst.as_mut_slice().iter().all(|&b| b == 0), "nothing scattered");
         // SAFETY: the entries lie in `dst` and `slot`, which outlive the call.

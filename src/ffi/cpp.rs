@@ -24,9 +24,21 @@ pub(super) fn take_error_code() -> i32 {
     ERROR_CODE.try_with(|c| c.replace(0)).unwrap_or(0)
 }
 
+/// An error of a bridge function: the call and what went wrong. cxx turns its `Display` into the
+/// C++ exception's `what()`; the status code travels beside it ([`take_error_code`]).
+#[derive(Debug, thiserror::Error)]
+#[error("{call}: {source}")]
+pub struct BridgeError {
+    /// The bridge function, as C++ calls it.
+    pub call: &'static str,
+    /// What went wrong (boxed: errors are rare, results are returned on every call).
+    #[source]
+    pub source: Box<FfiError>,
+}
+
 /// Runs `f` for the bridge function `call`: catches panics, records the error's code, and returns
-/// the message (with the call's name) that becomes the C++ exception's `what()`.
-fn run<T>(call: &'static str, f: impl FnOnce() -> Result<T, FfiError>) -> Result<T, String> {
+/// the error (with the call's name) that becomes the C++ exception.
+fn run<T>(call: &'static str, f: impl FnOnce() -> Result<T, FfiError>) -> Result<T, BridgeError> {
     let r = panic::catch_unwind(AssertUnwindSafe(f))
         .unwrap_or_else(|payload| Err(FfiError::Panic(panic_message(payload.as_ref()))));
     match r {
@@ -36,7 +48,7 @@ fn run<T>(call: &'static str, f: impl FnOnce() -> Result<T, FfiError>) -> Result
         }
         Err(e) => {
             let _ = ERROR_CODE.try_with(|c| c.set(e.code()));
-            Err(format!("{call}: {e}"))
+            Err(BridgeError { call, source: Box::new(e) })
         }
     }
 }
@@ -123,7 +135,7 @@ pub(super) unsafe fn new_loopback_engine(
     spec: &EngineSpec,
     layout: &LayoutSpec,
     hub: &RustHub,
-) -> Result<Box<RustEngine>, String> {
+) -> Result<Box<RustEngine>, BridgeError> {
     run("Engine (loopback)", || {
         let spec = engine_spec(spec, TransportSpec::Loopback(Arc::clone(&hub.0)));
         // SAFETY: forwarded contract.
@@ -134,7 +146,7 @@ pub(super) unsafe fn new_loopback_engine(
 /// # Safety
 ///
 /// [`FfiEngine::new`]'s contract for the regions of `layout`.
-pub(super) unsafe fn new_nixl_engine(spec: &EngineSpec, layout: &LayoutSpec) -> Result<Box<RustEngine>, String> {
+pub(super) unsafe fn new_nixl_engine(spec: &EngineSpec, layout: &LayoutSpec) -> Result<Box<RustEngine>, BridgeError> {
     run("Engine (NIXL)", || {
         let transport = TransportSpec::Nixl {
             agent_name: none_if_empty(&spec.agent_name),
@@ -175,19 +187,19 @@ fn key(k: &Key) -> crate::proto::Key {
 }
 
 impl RustEngine {
-    pub(super) fn handshake(&self) -> Result<Vec<u8>, String> {
+    pub(super) fn handshake(&self) -> Result<Vec<u8>, BridgeError> {
         run("Engine::handshake", || self.0.handshake())
     }
 
-    pub(super) fn add_peer(&self, handshake: &[u8]) -> Result<(), String> {
+    pub(super) fn add_peer(&self, handshake: &[u8]) -> Result<(), BridgeError> {
         run("Engine::add_peer", || self.0.add_peer(handshake))
     }
 
-    pub(super) fn connect(&self, other: &RustEngine) -> Result<(), String> {
+    pub(super) fn connect(&self, other: &RustEngine) -> Result<(), BridgeError> {
         run("Engine::connect", || self.0.connect(&other.0))
     }
 
-    pub(super) fn connect_addr(&self, addr: &str) -> Result<(), String> {
+    pub(super) fn connect_addr(&self, addr: &str) -> Result<(), BridgeError> {
         run("Engine::connect", || {
             if addr.is_empty() {
                 return Err(FfiError::invalid("addr", "is empty"));
@@ -196,7 +208,7 @@ impl RustEngine {
         })
     }
 
-    pub(super) fn listen_port(&self) -> Result<u16, String> {
+    pub(super) fn listen_port(&self) -> Result<u16, BridgeError> {
         run("Engine::listen_port", || {
             self.0.listen_port().ok_or_else(|| FfiError::invalid("engine", "a loopback engine has no side channel"))
         })
@@ -208,7 +220,7 @@ impl RustEngine {
         block_ids: &[u32],
         group_lens: &[usize],
         num_tokens: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), BridgeError> {
         run("Engine::request_finished", || {
             self.0.request_finished(key(k), lists("block_ids", block_ids, group_lens)?, num_tokens)
         })
@@ -221,7 +233,7 @@ impl RustEngine {
         block_ids: &[u32],
         group_lens: &[usize],
         num_tokens: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), BridgeError> {
         run("Engine::blocks_allocated", || {
             self.0.blocks_allocated(key(k), producer, lists("block_ids", block_ids, group_lens)?, num_tokens)
         })
@@ -237,7 +249,7 @@ impl RustEngine {
         local_ids: &[u32],
         local_lens: &[usize],
         num_tokens: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), BridgeError> {
         run("Engine::start_pull", || {
             let remote = lists("remote", remote_ids, remote_lens)?;
             let local = lists("local", local_ids, local_lens)?;
@@ -245,11 +257,11 @@ impl RustEngine {
         })
     }
 
-    pub(super) fn abort(&self, k: &Key) -> Result<(), String> {
+    pub(super) fn abort(&self, k: &Key) -> Result<(), BridgeError> {
         run("Engine::abort", || self.0.abort(key(k)))
     }
 
-    pub(super) fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize, String> {
+    pub(super) fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize, BridgeError> {
         run("Engine::poll", || {
             Ok(self.0.poll(max, |o| {
                 let (id_hi, id_lo, attempt) = key_parts(o.key);
@@ -263,11 +275,11 @@ impl RustEngine {
         })
     }
 
-    pub(super) fn stats(&self) -> Result<kvpush_stats, String> {
+    pub(super) fn stats(&self) -> Result<kvpush_stats, BridgeError> {
         run("Engine::stats", || Ok(self.0.stats().into()))
     }
 
-    pub(super) fn stats_json(&self) -> Result<String, String> {
+    pub(super) fn stats_json(&self) -> Result<String, BridgeError> {
         run("Engine::stats_json", || {
             serde_json::to_string(&self.0.stats()).map_err(|e| FfiError::Panic(format!("serializing stats: {e}")))
         })
@@ -289,12 +301,12 @@ mod tests {
 
     #[test]
     fn errors_carry_their_code_once() {
-        let r: Result<(), String> = run("t", || Err(FfiError::Null("p")));
-        assert_eq!(r, Err("t: argument `p` is null".to_owned()));
+        let r: Result<(), BridgeError> = run("t", || Err(FfiError::Null("p")));
+        assert_eq!(r.expect_err("null").to_string(), "t: argument `p` is null");
         assert_eq!(take_error_code(), crate::embed::status::NULL);
         assert_eq!(take_error_code(), 0);
-        let r: Result<(), String> = run("t", || panic!("boom"));
-        assert!(r.expect_err("caught").contains("boom"));
+        let r: Result<(), BridgeError> = run("t", || panic!("boom"));
+        assert!(r.expect_err("caught").to_string().contains("boom"));
         assert_eq!(take_error_code(), crate::embed::status::PANIC);
     }
 }

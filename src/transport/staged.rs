@@ -56,7 +56,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::{Desc, Notification, Op, Transport, TransportError, Units, Waker, XferId, XferState};
-use crate::device::stage::{StageEntry, Stager, ENTRY_BYTES, STAGE_ALIGN};
+use crate::device::stage::{BadEntry, StageEntry, Stager, ENTRY_BYTES, STAGE_ALIGN};
 use crate::device::{Buffer, Device, MemRegion};
 use crate::proto::plan::Grid;
 use crate::sync::lock;
@@ -1265,7 +1265,7 @@ impl Staged {
         let base = self.recv_slot(s);
         let State { stager, regions, .. } = st;
         // Every entry must name an aligned range of registered KV memory and a range of the piece.
-        let mut check = |table: &[u8]| -> Result<(), String> {
+        let mut check = |table: &[u8]| -> Result<(), BadEntry> {
             let mut last: Option<MemRegion> = None;
             for (k, c) in table.chunks_exact(ENTRY_BYTES).enumerate() {
                 let mut b = [0u8; ENTRY_BYTES];
@@ -1277,10 +1277,7 @@ impl Staged {
                     last.is_some()
                 };
                 if !e.aligned() || !in_data || !inside {
-                    return Err(format!(
-                        "entry {k} ({:#x}+{} from offset {}) is not an aligned range of registered KV memory inside the piece",
-                        e.addr, e.len, e.off
-                    ));
+                    return Err(BadEntry { index: k, addr: e.addr, len: e.len, off: e.off });
                 }
             }
             Ok(())
