@@ -189,7 +189,6 @@ typedef struct kvpush_counters {
   uint64_t received;             /* consumer: requests received */
   uint64_t failed;               /* consumer: requests failed */
   uint64_t aborted;              /* aborts handled */
-  uint64_t quarantined;          /* outcomes held: a lost peer might still reach their blocks */
 } kvpush_counters;
 
 /* Failures by kind. The same struct as Failures in src/engine/stats.rs (as kvpush_counters). */

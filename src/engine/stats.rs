@@ -142,9 +142,6 @@ pub struct Counters {
     pub failed: u64,
     /// Aborts handled.
     pub aborted: u64,
-    /// Outcomes held back because a lost peer might still reach the request's blocks (its
-    /// transport could not confirm that its transfers stopped); see docs/reliability.md.
-    pub quarantined: u64,
 }
 
 /// Serializable view of [`Stats`].
@@ -184,8 +181,7 @@ impl Stats {
             released,
             received,
             failed,
-            aborted,
-            quarantined
+            aborted
         );
         sum!(
             self.failures,

@@ -38,9 +38,6 @@ const POLL_WAITING_MAX: Duration = Duration::from_micros(200);
 /// link): the writer then polls at growing intervals, sleeping between polls, so a stalled transfer
 /// never keeps a core busy (on a small host a spinning writer can starve the very peer it waits for).
 const SPIN_WINDOW: Duration = Duration::from_millis(5);
-/// Most requests one writer holds in quarantine; past it, new registrations are refused (they fail
-/// at once, before anything is sent or posted) rather than letting the quarantine grow unbounded.
-const MAX_QUARANTINED: usize = 65_536;
 
 /// What a posted transfer is for.
 #[derive(Debug)]
@@ -49,20 +46,8 @@ struct InFlight {
     peer: PeerAddr,
     op: Op,
     posted_at: Instant,
-    /// The peer was lost: the transfer was cancelled and ends as a failure, reported only when
-    /// the transport says it ended (until then it may still read our sources or fill our blocks).
-    lost: bool,
-}
-
-/// Requests whose blocks a lost peer might still reach (its transport could not confirm that its
-/// transfers stopped): their outcomes are held here, not handed to the owner, until the peer's
-/// access is torn down (its process came back as a new incarnation).
-#[derive(Debug, Default)]
-struct Quarantine {
-    /// Per request: the peer that may still reach its blocks, and its lost incarnation.
-    keys: HashMap<Key, (PeerAddr, Option<Incarnation>)>,
-    /// Outcomes withheld, in order.
-    held: Vec<(Key, Finished)>,
+    /// Its outcome was already reported (the peer was lost); only the handle is still awaited.
+    orphaned: bool,
 }
 
 /// Consumer, pull mode: a read waiting for grants from its producer ranks.
@@ -97,7 +82,6 @@ pub(super) struct Writer {
     producers: HashMap<Key, String>,
     /// Producer: which consumer workers registered each live request (for peer loss).
     registered_by: HashMap<Key, Vec<(PeerAddr, Option<Incarnation>)>>,
-    quarantine: Quarantine,
     poll_interval: Duration,
     /// When this writer last did work (for lingering).
     last_active: StdInstant,
@@ -127,7 +111,6 @@ impl Writer {
             pulls: HashMap::new(),
             producers: HashMap::new(),
             registered_by: HashMap::new(),
-            quarantine: Quarantine::default(),
             poll_interval: POLL_MIN,
             last_active: StdInstant::now(),
         }
@@ -234,13 +217,13 @@ impl Writer {
             // back (each poll is what moves a large transfer along; measured: a 25 µs gap between
             // polls halves the bandwidth); while we merely wait for a peer's notification or read,
             // back off up to POLL_WAITING_MAX. With nothing expected, sleep until the next deadline.
-            if !self.inflight.is_empty() {
+            if self.inflight.values().any(|f| !f.orphaned) {
                 wait = if self.last_active.elapsed() < SPIN_WINDOW {
                     Duration::ZERO
                 } else {
                     wait.min(self.poll_interval)
                 };
-            } else if self.comp.pending() > 0 || !self.grants.is_empty() {
+            } else if !self.inflight.is_empty() || self.comp.pending() > 0 || !self.grants.is_empty() {
                 wait = wait.min(self.poll_interval);
             }
         }
@@ -268,10 +251,7 @@ impl Writer {
             }
             Cmd::Abort { key } => self.abort(now, key),
             Cmd::Msg { from, incarnation, msg, via } => self.message(now, from, incarnation, msg, via),
-            Cmd::PeerLost { peer, incarnation, reason, fenced } => {
-                self.peer_lost(now, &peer, incarnation, &reason, fenced)
-            }
-            Cmd::PeerAdded { peer, incarnation } => self.release_quarantine(&peer, incarnation),
+            Cmd::PeerLost { peer, incarnation, reason } => self.peer_lost(now, &peer, incarnation, &reason),
             Cmd::Wake | Cmd::Stop => {}
         }
         self.drain_outputs();
@@ -292,13 +272,6 @@ impl Writer {
             this.stats().counters.failed += 1;
             this.shared.outbox.push(Finished::Failed { key, reason, invalid_blocks: blocks });
         };
-        if self.quarantine.held.len() >= MAX_QUARANTINED {
-            let reason = format!(
-                "{me}: request {key}: {} outcomes are quarantined behind lost peers (limit {MAX_QUARANTINED})",
-                self.quarantine.held.len()
-            );
-            return fail(self, reason, block_ids);
-        }
         let Some(any) = self.shared.any_peer_of(&producer) else {
             let reason = format!("{me}: request {key}: no handshake with producer engine {producer}");
             self.stats().failures.unknown_peer += 1;
@@ -351,19 +324,13 @@ impl Writer {
         }
     }
 
-    /// A peer worker went away: everything with it fails on this side, but a block goes back to
-    /// its owner only once nothing can touch it any more. Our own transfers with the peer are
-    /// cancelled and fail when the transport says they ended; the peer's transfers into or out of
-    /// our memory stopped if the transport confirmed the fence (`fenced`), and otherwise every
-    /// request they could touch is quarantined (its outcome held) until the peer's access is torn
-    /// down.
+    /// A peer worker went away: everything in flight with it fails now, on this side.
     fn peer_lost(
         &mut self,
         now: Instant,
         peer: &PeerAddr,
         incarnation: Option<super::side::Incarnation>,
         reason: &str,
-        fenced: bool,
     ) {
         let detail = format!("peer {peer} lost: {reason}");
         // Producer side: registrations from the lost consumer, and reads it was granted.
@@ -373,39 +340,34 @@ impl Writer {
             .filter(|(_, peers)| peers.iter().any(|(p, i)| p == peer && (incarnation.is_none() || *i == incarnation)))
             .map(|(k, _)| *k)
             .collect();
-        let grants: Vec<(Key, PeerAddr)> = self.grants.keys().filter(|(_, p)| p == peer).cloned().collect();
-        // Consumer side: requests that wait for parts from the lost producer's engine.
-        let waiting: Vec<Key> = self.producers.iter().filter(|(_, e)| **e == peer.engine).map(|(k, _)| *k).collect();
-        if !fenced {
-            // Its READs of our sources (pull) and its WRITEs into our blocks (push) may still run.
-            for key in grants.iter().map(|(k, _)| *k).chain(waiting.iter().copied()) {
-                self.quarantine.keys.insert(key, (peer.clone(), incarnation));
-            }
-        }
         for key in keys {
             self.rdv.handle_abort(now, key);
         }
+        let grants: Vec<(Key, PeerAddr)> = self.grants.keys().filter(|(_, p)| p == peer).cloned().collect();
         for (key, p) in grants {
             self.read_done(now, key, p, Err(FailureKind::PeerLost));
         }
-        // Our transfers in flight with it will not complete usefully: cut them short where the
-        // transport can. Their failure is reported when the transport says they ended.
-        let lost: Vec<XferId> =
-            self.inflight.iter().filter(|(_, f)| &f.peer == peer && !f.lost).map(|(id, _)| *id).collect();
-        let mut reading = Vec::new();
-        for id in lost {
+        // Transfers in flight with it will not complete usefully: their outcome is a failure now.
+        // They stay in the table, orphaned, until the transport reports them ended, so the
+        // transport's handle is released (and never reported twice).
+        let lost: Vec<(XferId, Key, Op)> = self
+            .inflight
+            .iter()
+            .filter(|(_, f)| &f.peer == peer && !f.orphaned)
+            .map(|(id, f)| (*id, f.key, f.op))
+            .collect();
+        for (id, key, op) in lost {
             if let Some(f) = self.inflight.get_mut(&id) {
-                f.lost = true;
-                if f.op == Op::Read {
-                    reading.push(f.key);
-                }
+                f.orphaned = true;
             }
-            self.shared.transport.cancel(id);
+            match op {
+                Op::Write => self.rdv.handle_transfer_done(now, key, &target_of(peer), Err(FailureKind::PeerLost)),
+                Op::Read => self.read_finished(now, key, peer.clone(), Err(FailureKind::PeerLost)),
+            }
         }
+        // Consumer side: requests that wait for parts from the lost producer's engine.
+        let waiting: Vec<Key> = self.producers.iter().filter(|(_, e)| **e == peer.engine).map(|(k, _)| *k).collect();
         for key in waiting {
-            if reading.contains(&key) {
-                continue; // fails when our READ into its blocks ended
-            }
             let f = Failure { key, rank: peer.rank, kind: FailureKind::PeerLost, detail: detail.clone() };
             self.comp.handle_failure(now, &f);
         }
@@ -422,39 +384,6 @@ impl Writer {
             };
             if let Some(p) = removed {
                 self.shared.transport.drop_peer(&p.agent);
-            }
-        }
-    }
-
-    /// Hands `f`, the outcome of `key`, to the owner, unless a lost peer may still reach the
-    /// request's blocks: then it is held (see [`Quarantine`]).
-    fn finish(&mut self, key: Key, f: Finished) {
-        if self.quarantine.keys.contains_key(&key) {
-            self.stats().counters.quarantined += 1;
-            tracing::warn!(worker = %self.shared.me, %key, held = self.quarantine.held.len() + 1, "outcome quarantined: a lost peer may still reach its blocks");
-            self.quarantine.held.push((key, f));
-        } else {
-            self.shared.outbox.push(f);
-        }
-    }
-
-    /// Peer `peer` came back as `incarnation`: a different process than the one that was lost, so
-    /// the lost one's transfers are over. Its quarantined outcomes go to their owners.
-    fn release_quarantine(&mut self, peer: &PeerAddr, incarnation: Option<Incarnation>) {
-        let before = self.quarantine.keys.len();
-        self.quarantine
-            .keys
-            .retain(|_, (p, lost)| !(p == peer && lost.is_some() && incarnation.is_some() && *lost != incarnation));
-        if self.quarantine.keys.len() == before {
-            return;
-        }
-        let held = std::mem::take(&mut self.quarantine.held);
-        for (key, f) in held {
-            if self.quarantine.keys.contains_key(&key) {
-                self.quarantine.held.push((key, f));
-            } else {
-                tracing::info!(worker = %self.shared.me, %key, peer = %peer, "quarantine lifted: the lost process is gone");
-                self.shared.outbox.push(f);
             }
         }
     }
@@ -548,7 +477,7 @@ impl Writer {
                 let ours: Vec<XferId> = self
                     .inflight
                     .iter()
-                    .filter(|(_, f)| f.key == a.key && f.peer == from && !f.lost)
+                    .filter(|(_, f)| f.key == a.key && f.peer == from && !f.orphaned)
                     .map(|(id, _)| *id)
                     .collect();
                 // The consumer gave up: a transfer still in flight into its blocks is cut short where
@@ -610,11 +539,12 @@ impl Writer {
                 }
                 any = true;
                 let Some(f) = self.inflight.remove(&id) else { continue };
+                if f.orphaned {
+                    continue;
+                }
                 let now = self.now();
                 self.stats().transfer.record(now.micros_since(f.posted_at));
                 let result = match state {
-                    // Ended, but the peer is gone: nothing of it counts as delivered.
-                    _ if f.lost => Err(FailureKind::PeerLost),
                     Ok(_) => Ok(()),
                     Err(e) => {
                         self.stats().failures.transfer += 1;
@@ -800,7 +730,7 @@ impl Writer {
                 drop(st);
                 match id {
                     Some(id) => {
-                        self.inflight.insert(id, InFlight { key, peer, op, posted_at: now, lost: false });
+                        self.inflight.insert(id, InFlight { key, peer, op, posted_at: now, orphaned: false });
                     }
                     None if op == Op::Write => self.rdv.handle_transfer_done(now, key, &target_of(&peer), Ok(())),
                     None => self.read_finished(now, key, peer, Ok(())),
@@ -863,7 +793,7 @@ impl Writer {
                     Action::Release { key, reason, .. } => {
                         self.registered_by.remove(&key);
                         self.stats().counters.released += 1;
-                        self.finish(key, Finished::Sent { key, reason });
+                        self.shared.outbox.push(Finished::Sent { key, reason });
                     }
                     Action::Fail { key, target, kind } => {
                         let addr = addr_of(&target);
@@ -892,7 +822,7 @@ impl Writer {
                         st.counters.received += 1;
                         st.receive.record(waited_us);
                         drop(st);
-                        self.finish(key, Finished::Received { key });
+                        self.shared.outbox.push(Finished::Received { key });
                     }
                     Event::Draining { key } => {
                         // The request ended without its data while some producer ranks have not
@@ -917,12 +847,12 @@ impl Writer {
                         };
                         self.stats().counters.failed += 1;
                         let reason = format!("{}: request {key}: {text}", self.shared.me);
-                        self.finish(key, Finished::Failed { key, reason, invalid_blocks });
+                        self.shared.outbox.push(Finished::Failed { key, reason, invalid_blocks });
                     }
                     Event::Aborted { key } | Event::Superseded { key, .. } => {
                         self.producers.remove(&key);
                         self.pulls.remove(&key);
-                        self.finish(key, Finished::Ended { key });
+                        self.shared.outbox.push(Finished::Ended { key });
                     }
                 }
             }
