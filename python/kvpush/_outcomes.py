@@ -13,17 +13,19 @@ class OutcomeMatcher:
     """Transfers handed to the engine, until their outcome comes back."""
 
     def __init__(self) -> None:
-        # transfer id -> (req_id, role)
-        self._by_transfer: dict[str, tuple[str, str]] = {}
+        # (transfer id, attempt) -> (req_id, role). The attempt is part of the key: the router retries
+        # under the same transfer id, and an older attempt's outcome (an abort's "ended", a late
+        # "received") must end that attempt's request, never complete the retry's.
+        self._by_transfer: dict[tuple[str, int], tuple[str, str]] = {}
 
     def expect(self, transfer_id: str, attempt: int, req_id: str, role: str) -> None:
         """``req_id`` handed transfer ``transfer_id`` (attempt ``attempt``) to the engine as ``role``."""
-        self._by_transfer[transfer_id] = (req_id, role)
+        self._by_transfer[(transfer_id, int(attempt))] = (req_id, role)
 
     def take(self, transfer_id: str, attempt: int) -> tuple[str, str] | None:
         """The request and role an outcome of ``transfer_id`` (attempt ``attempt``) ends, forgotten
         from now on; ``None`` for a transfer this worker does not wait for."""
-        return self._by_transfer.pop(transfer_id, None)
+        return self._by_transfer.pop((transfer_id, int(attempt)), None)
 
     def __len__(self) -> int:
         return len(self._by_transfer)

@@ -11,7 +11,8 @@ workers in the step's metadata — blocks ready on P, registrations (push) or re
 and frees blocks when the workers report outcomes. The worker half hands those lists to the native
 engine (``kvpush._native.Worker``: rendezvous, leases, planning, descriptor merging, NIXL posts and
 completion counting all happen there, on Rust writer threads) and turns its outcomes into vLLM's finished
-sets and invalid-block reports. Requests are matched across P and D by the router's ``transfer_id``.
+sets and invalid-block reports. Requests are matched across P and D by the router's ``transfer_id`` and
+``attempt``.
 docs/vllm.md documents every ``kv_connector_extra_config`` key.
 """
 
@@ -575,7 +576,7 @@ class _Worker:
         for kind, tid, attempt, message, invalid in self.native.poll():
             owner = self.outcomes.take(tid, attempt)
             if owner is None:
-                logger.debug("kvpush: outcome %s for unknown transfer %s", kind, tid)
+                logger.debug("kvpush: outcome %s for unknown transfer %s attempt %s", kind, tid, attempt)
                 continue
             rid, role = owner
             if role == "p":
