@@ -202,6 +202,7 @@ typedef struct kvpush_failures {
   uint64_t malformed;     /* frames that could not be decoded or were out of range */
   uint64_t unknown_peer;  /* frames or transfers concerning unknown peers */
   uint64_t link;          /* control-link sends that failed */
+  uint64_t writer_panic;  /* writer threads that panicked (their requests were failed) */
 } kvpush_failures;
 
 /* Percentiles of a latency histogram, in microseconds. */

@@ -11,7 +11,8 @@ workers in the step's metadata — blocks ready on P, registrations (push) or re
 and frees blocks when the workers report outcomes. The worker half hands those lists to the native
 engine (``kvpush._native.Worker``: rendezvous, leases, planning, descriptor merging, NIXL posts and
 completion counting all happen there, on Rust writer threads) and turns its outcomes into vLLM's finished
-sets and invalid-block reports. Requests are matched across P and D by the router's ``transfer_id``.
+sets and invalid-block reports. Requests are matched across P and D by the router's ``transfer_id`` and
+``attempt``.
 docs/vllm.md documents every ``kv_connector_extra_config`` key.
 """
 
@@ -38,6 +39,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 from vllm.logger import init_logger
+
+from kvpush._outcomes import OutcomeMatcher
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -452,8 +455,8 @@ class _Worker:
         assert ktc is not None
         self.engine_id = str(ktc.engine_id)
         self.native: Any = None
-        # transfer id -> (req_id, role) for outcomes; role "p" or "d".
-        self.by_transfer: dict[str, tuple[str, str]] = {}
+        # Which request each outcome ends; role "p" or "d".
+        self.outcomes = OutcomeMatcher()
         self.load_errors: set[int] = set()
         self.stats = KVPushStats()
         # Requests the engine refused outright: reported at the next get_finished.
@@ -530,14 +533,14 @@ class _Worker:
             except Exception as e:  # the engine may not know it (never registered): nothing to stop
                 logger.debug("kvpush: abort of %s: %s", a.transfer_id, e)
         for f in meta.finished:
-            self.by_transfer[f.transfer_id] = (f.req_id, "p")
+            self.outcomes.expect(f.transfer_id, f.attempt, f.req_id, "p")
             try:
                 n.request_finished(f.transfer_id, f.attempt, f.block_ids, f.num_tokens)
             except Exception as e:
                 logger.error("kvpush: request %s (transfer %s) not sent: %s", f.req_id, f.transfer_id, e)
                 self._pending_sent.add(f.req_id)
         for r in meta.receives:
-            self.by_transfer[r.transfer_id] = (r.req_id, "d")
+            self.outcomes.expect(r.transfer_id, r.attempt, r.req_id, "d")
             try:
                 if r.remote_block_ids is None:
                     n.blocks_allocated(
@@ -570,10 +573,10 @@ class _Worker:
         self._pending_failed.clear()
         if self.native is None:
             return sending, recving
-        for kind, tid, _attempt, message, invalid in self.native.poll():
-            owner = self.by_transfer.pop(tid, None)
+        for kind, tid, attempt, message, invalid in self.native.poll():
+            owner = self.outcomes.take(tid, attempt)
             if owner is None:
-                logger.debug("kvpush: outcome %s for unknown transfer %s", kind, tid)
+                logger.debug("kvpush: outcome %s for unknown transfer %s attempt %s", kind, tid, attempt)
                 continue
             rid, role = owner
             if role == "p":

@@ -88,6 +88,8 @@ pub struct Failures {
     pub unknown_peer: u64,
     /// Control-link sends that failed.
     pub link: u64,
+    /// Writer threads that panicked (each failed its shard's requests and refuses new ones).
+    pub writer_panic: u64,
 }
 
 /// Everything the writers record.
@@ -194,7 +196,8 @@ impl Stats {
             remote,
             malformed,
             unknown_peer,
-            link
+            link,
+            writer_panic
         );
         self.wait_registration_first.add(&other.wait_registration_first);
         self.wait_blocks_first.add(&other.wait_blocks_first);

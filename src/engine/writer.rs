@@ -19,7 +19,7 @@ use crate::proto::completion::{Completions, Event, FailReason};
 use crate::proto::ids::Instant;
 use crate::proto::msg::{Abort, Completion, Failure, FailureKind, Message, Mode, Registration};
 use crate::proto::plan::{Grid, PlanInput, PlanStats, Planner};
-use crate::proto::rendezvous::{Action, Order, Rendezvous, SourceBlocks};
+use crate::proto::rendezvous::{Action, Order, ReleaseReason, Rendezvous, SourceBlocks};
 use crate::proto::{Copy, Key};
 use crate::transport::{Desc, Notification, Op, XferId, XferState};
 
@@ -129,6 +129,16 @@ impl Writer {
         if !super::sched::batch_current_thread() {
             tracing::debug!(worker = %self.shared.me, "SCHED_BATCH not applied to the writer thread");
         }
+        // A panic must not leave this shard's requests waiting forever: catch it, fail closed, and
+        // keep answering the shard's commands until the engine stops. The state may be mid-update;
+        // `fail_closed` reads only what the state machines still hold and decides nothing new.
+        if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.serve())) {
+            self.fail_closed(panic_text(panic.as_ref()));
+        }
+    }
+
+    /// The writer's loop (see the module docs); returns when the engine stops.
+    fn serve(&mut self) {
         let inbox = Arc::clone(&self.shared.shards[self.index].inbox);
         let mut commands = Vec::new();
         loop {
@@ -197,6 +207,94 @@ impl Writer {
             if progressed {
                 self.last_active = StdInstant::now();
             }
+        }
+    }
+
+    /// After a panic in [`Writer::serve`]: reports it, fails every request this shard holds, and then
+    /// answers each command with a failure until the engine stops. A request with a transfer still
+    /// posted gets its outcome only once the transport says that transfer ended (fail closed: its
+    /// blocks are not handed back while a WRITE or READ can still touch them).
+    fn fail_closed(&mut self, panic: String) {
+        let me = self.shared.me.clone();
+        self.stats().failures.writer_panic += 1;
+        tracing::error!(worker = %me, shard = self.index, panic = %panic, "writer thread panicked: failing its requests");
+        let reason = format!("{me}: writer {} panicked: {panic}", self.index);
+        let mut owed: Vec<Finished> = Vec::new();
+        for (key, invalid_blocks) in self.comp.held() {
+            owed.push(Finished::Failed { key, reason: reason.clone(), invalid_blocks });
+        }
+        for key in self.rdv.held() {
+            owed.push(Finished::Sent { key, reason: ReleaseReason::Failed });
+        }
+        // Consumers that registered (with P's blocks or still without) are told at once rather than
+        // left to their own timeout.
+        let registered: Vec<Key> = self.registered_by.keys().copied().collect();
+        for key in registered {
+            self.tell_consumers(key, &reason);
+        }
+        self.pulls.clear();
+        self.grants.clear();
+        let inbox = Arc::clone(&self.shared.shards[self.index].inbox);
+        let mut commands = Vec::new();
+        loop {
+            // Transfers posted before the panic: only their end frees their requests' blocks.
+            let ids: Vec<XferId> = self.inflight.keys().copied().collect();
+            for id in ids {
+                if !matches!(self.shared.transport.poll(id), Ok(XferState::Pending)) {
+                    self.inflight.remove(&id);
+                }
+            }
+            let (ready, later): (Vec<_>, Vec<_>) =
+                owed.drain(..).partition(|f| !self.inflight.values().any(|x| x.key == finished_key(f)));
+            owed = later;
+            for f in ready {
+                match f {
+                    Finished::Sent { .. } => self.stats().counters.released += 1,
+                    _ => self.stats().counters.failed += 1,
+                }
+                self.shared.outbox.push(f);
+            }
+            let wait = if self.inflight.is_empty() { IDLE_WAIT } else { POLL_WAITING_MAX };
+            let first = if !inbox.prepare_sleep() {
+                None
+            } else {
+                match self.rx.recv_timeout(wait) {
+                    Ok(cmd) => Some(cmd),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            };
+            inbox.woke();
+            self.shared.shards[self.index].wake.clear();
+            inbox.drain_into(&mut commands);
+            commands.extend(first);
+            commands.extend(self.rx.try_iter());
+            for cmd in commands.drain(..) {
+                match cmd {
+                    Cmd::Stop => return,
+                    Cmd::BlocksReady { key, .. } => owed.push(Finished::Sent { key, reason: ReleaseReason::Failed }),
+                    Cmd::Register { key, block_ids: invalid_blocks, .. }
+                    | Cmd::Pull { key, local_blocks: invalid_blocks, .. } => {
+                        owed.push(Finished::Failed { key, reason: reason.clone(), invalid_blocks })
+                    }
+                    Cmd::Msg { from, msg: Message::Registration(r), .. } => {
+                        let detail = reason.clone();
+                        let f = Failure { key: r.key(), rank: me.rank, kind: FailureKind::Aborted, detail };
+                        self.send_frame(&from, &Message::Failure(f));
+                    }
+                    // Everything this shard held was failed above; nothing else is waited for.
+                    Cmd::Abort { .. } | Cmd::Msg { .. } | Cmd::PeerLost { .. } | Cmd::Wake => {}
+                }
+            }
+        }
+    }
+
+    /// Producer: tells every consumer worker that registered `key` that it will not arrive.
+    fn tell_consumers(&mut self, key: Key, reason: &str) {
+        let rank = self.shared.me.rank;
+        for (peer, _) in self.registered_by.remove(&key).unwrap_or_default() {
+            let f = Failure { key, rank, kind: FailureKind::Aborted, detail: reason.to_owned() };
+            self.send_frame(&peer, &Message::Failure(f));
         }
     }
 
@@ -860,5 +958,26 @@ impl Writer {
                 break;
             }
         }
+    }
+}
+
+/// The key an outcome is for.
+fn finished_key(f: &Finished) -> Key {
+    match f {
+        Finished::Sent { key, .. }
+        | Finished::Received { key }
+        | Finished::Failed { key, .. }
+        | Finished::Ended { key } => *key,
+    }
+}
+
+/// A panic's message, where it has one.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_owned()
     }
 }

@@ -218,6 +218,32 @@ impl Completions {
             .map(|w| (w.from.len() as u32, w.expected))
     }
 
+    /// Every attempt that still owes its outcome (waiting for parts, draining, or with an outcome not
+    /// yet polled), each once with the blocks it registered (empty where the counter no longer keeps
+    /// them). A driver that can no longer run this counter (its thread panicked) fails exactly these.
+    pub fn held(&self) -> Vec<(Key, Vec<Vec<u32>>)> {
+        let blocks_of = |e: &Event| match e {
+            Event::Failed { invalid_blocks, .. } | Event::Superseded { invalid_blocks, .. } => invalid_blocks.clone(),
+            _ => Vec::new(),
+        };
+        let mut held: Vec<(Key, Vec<Vec<u32>>)> = self
+            .waiting
+            .iter()
+            .map(|(id, w)| (Key { transfer_id: *id, attempt: super::ids::Attempt(w.attempt) }, w.blocks.clone()))
+            .chain(self.draining.iter().map(|(k, d)| (*k, blocks_of(&d.event))))
+            .chain(self.events.iter().filter_map(|e| match e {
+                Event::Draining { .. } => None,
+                Event::Received { key, .. }
+                | Event::Failed { key, .. }
+                | Event::Aborted { key }
+                | Event::Superseded { key, .. } => Some((*key, blocks_of(e))),
+            }))
+            .collect();
+        held.sort_by_key(|(k, _)| (k.transfer_id.0, k.attempt.0));
+        held.dedup_by_key(|(k, _)| *k);
+        held
+    }
+
     // ---- outputs ----
 
     /// The next event, in order.

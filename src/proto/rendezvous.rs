@@ -275,6 +275,26 @@ impl Rendezvous {
         self.entries.get(&id).map(|e| (e.attempt, &e.slot))
     }
 
+    /// Every attempt whose source blocks are still held (waiting for a registration, with transfers
+    /// started, draining, or with a release not yet polled), each once, in no particular order. A
+    /// driver that can no longer run this machine (its thread panicked) releases exactly these.
+    pub fn held(&self) -> Vec<Key> {
+        let mut keys: Vec<Key> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| !matches!(e.slot, Slot::AwaitingBlocks(_)))
+            .map(|(id, e)| Key { transfer_id: *id, attempt: super::ids::Attempt(e.attempt) })
+            .chain(self.draining.keys().copied())
+            .chain(self.actions.iter().filter_map(|a| match a {
+                Action::Release { key, .. } => Some(*key),
+                _ => None,
+            }))
+            .collect();
+        keys.sort_unstable_by_key(|k| (k.transfer_id.0, k.attempt.0));
+        keys.dedup();
+        keys
+    }
+
     // ---- outputs ----
 
     /// The next action to perform, in order.

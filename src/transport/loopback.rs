@@ -85,6 +85,9 @@ pub enum Fault {
     /// The transfer completes normally, but no earlier than this long after the post. Jobs queued
     /// behind it on the same (initiator, target) pair wait for it; other pairs do not.
     Delay(Duration),
+    /// The post panics on the caller's thread (a writer), as a bug in a transport or plugin would;
+    /// nothing is copied. Tests use it to prove that a panicked writer fails its requests.
+    Panic,
 }
 
 /// Pseudo-random fault rates of an endpoint ([`LoopbackTransport::set_fault_rates`]).
@@ -435,6 +438,9 @@ impl Transport for LoopbackTransport {
         with_regions(&self.ep, &target, |local, remote| check_descs(descs, local, remote).map_err(|e| e.into_error()))?;
 
         let fault = self.next_fault();
+        if fault == Some(Fault::Panic) {
+            panic!("loopback: injected panic in a post to {peer}");
+        }
         if fault == Some(Fault::PostError) {
             self.ep.stats.post_errors.fetch_add(1, Ordering::Relaxed);
             return Err(call_error("post", Some(peer), STATUS_BACKEND, "injected post error".to_owned()));

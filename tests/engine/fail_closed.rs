@@ -8,6 +8,7 @@ use kvpush::engine::Finished;
 use kvpush::proto::codec;
 use kvpush::proto::msg::{Completion, Message};
 use kvpush::proto::{Key, Mode};
+use kvpush::transport::loopback::Fault;
 use kvpush_testkit::demo::pattern;
 use kvpush_testkit::engines::{poll_until, wait_for};
 use kvpush_testkit::stress::{Cluster, Setup, BLOCK_TOKENS, P_ENGINE};
@@ -48,4 +49,57 @@ fn a_push_completion_on_the_control_link_is_not_data() {
     let v = pattern::verify(d.engine.layout(), &d.buffers, &blocks, tokens, seed).expect("reads");
     assert!(v.ok(), "received but wrong: {v:?}");
     wait_for(&p.engine, "sent", LIMIT, |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
+}
+
+/// A panic in P's writer thread (injected into its transport's post, which runs on that thread) must
+/// not leave the shard's requests hanging: every request P held gets `Sent` (its sources may be
+/// reused: nothing was posted), D's registered request gets `Failed` from P's word, a request that
+/// reaches the shard afterwards is answered at once, and the panic is counted. Leases and D's timeout
+/// are 60 s, so only the panic path can answer within `LIMIT`. (Before the fix the writer thread died
+/// and none of these outcomes ever came.)
+#[test]
+fn a_writer_panic_fails_its_shard_closed() {
+    let c = Cluster::new(Setup::new(Mode::Push, 1, 1));
+    let (p, d) = (&c.p[0], &c.d[0]);
+    let tokens = 2 * u64::from(BLOCK_TOKENS);
+    // Held by P, waiting for registrations that never come.
+    let waiting: Vec<Key> = (0..3).map(|i| Key::new(0x9a1c_0000 + i, 1)).collect();
+    for (i, key) in waiting.iter().enumerate() {
+        let b = 2 * i as u32;
+        p.engine.request_finished(*key, vec![vec![b, b + 1]], tokens).expect("finished");
+    }
+    // The request whose WRITE panics: D registers, P's prefill ends, P's writer posts.
+    p.transport.inject_once(Fault::Panic);
+    let met = Key::new(0x9a1c_0100, 1);
+    d.engine.blocks_allocated(met, P_ENGINE, vec![vec![8, 9]], tokens).expect("registers");
+    poll_until("P sees the registration", LIMIT, || p.engine.stats().counters.registrations, |n| *n == 1);
+    p.engine.request_finished(met, vec![vec![8, 9]], tokens).expect("finished");
+    let mut expect_sent: Vec<Key> = waiting.clone();
+    expect_sent.push(met);
+    expect_sent.sort_by_key(|k| k.transfer_id.0);
+    let mut out = Vec::new();
+    let sent = poll_until(
+        "every request P held is released",
+        LIMIT,
+        || {
+            p.engine.poll(&mut out);
+            let mut keys: Vec<Key> =
+                out.iter().filter_map(|f| if let Finished::Sent { key, .. } = f { Some(*key) } else { None }).collect();
+            keys.sort_by_key(|k| k.transfer_id.0);
+            keys
+        },
+        |keys| keys.len() >= expect_sent.len(),
+    );
+    assert_eq!(sent, expect_sent, "P's outcomes: {out:?}");
+    // After the panic: a new prefill on the dead shard is answered at once.
+    let late = Key::new(0x9a1c_0200, 1);
+    p.engine.request_finished(late, vec![vec![10, 11]], tokens).expect("taken");
+    wait_for(
+        &p.engine,
+        "the late request released",
+        LIMIT,
+        |f| matches!(f, Finished::Sent { key, .. } if *key == late),
+    );
+    wait_for(&d.engine, "D's request failed", LIMIT, |f| matches!(f, Finished::Failed { key, .. } if *key == met));
+    assert_eq!(p.engine.stats().failures.writer_panic, 1, "the panic is counted once");
 }
