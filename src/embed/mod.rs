@@ -194,16 +194,7 @@ impl FfiError {
     }
 }
 
-/// The text of a caught panic's payload.
-pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic with a non-text payload".to_owned()
-    }
-}
+pub(crate) use crate::sync::panic_message;
 
 /// Transfer mode codes (`kvpush_mode`).
 pub mod mode {

@@ -133,7 +133,7 @@ impl Writer {
         // keep answering the shard's commands until the engine stops. The state may be mid-update;
         // `fail_closed` reads only what the state machines still hold and decides nothing new.
         if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.serve())) {
-            self.fail_closed(panic_text(panic.as_ref()));
+            self.fail_closed(crate::sync::panic_message(panic.as_ref()));
         }
     }
 
@@ -968,16 +968,5 @@ fn finished_key(f: &Finished) -> Key {
         | Finished::Received { key }
         | Finished::Failed { key, .. }
         | Finished::Ended { key } => *key,
-    }
-}
-
-/// A panic's message, where it has one.
-fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic without a message".to_owned()
     }
 }
