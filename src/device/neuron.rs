@@ -546,11 +546,7 @@ impl Device for NeuronDevice {
     /// if libnrt proves it mapped device memory (see `describe_mapped`).
     fn describe(&self, addr: u64, len: u64) -> Result<MemRegion, DeviceError> {
         let reject = |reason: String| DeviceError::NotDeviceMemory { device: DeviceKind::Neuron, addr, len, reason };
-        if len == 0 {
-            return Err(reject("empty range".into()));
-        }
-        let end =
-            addr.checked_add(len).ok_or_else(|| reject("range wraps past the end of the address space".into()))?;
+        let end = super::range_end(DeviceKind::Neuron, addr, len)?;
         let books = self.shared.books();
         match books.range(..=addr).next_back() {
             Some((&start, k)) if addr < start + k.len => {
