@@ -671,12 +671,17 @@ impl Drop for NeuronBuffer {
 
 impl fmt::Debug for NeuronBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("NeuronBuffer")
-            .field("addr", &format_args!("{:#x}", self.region.addr))
-            .field("len", &self.region.len)
-            .field("core", &self.region.dev_id)
-            .finish()
+        debug_region(f, "NeuronBuffer", &self.region)
     }
+}
+
+/// Formats a Neuron memory handle as its region: address, length and NeuronCore.
+fn debug_region(f: &mut fmt::Formatter<'_>, name: &str, region: &MemRegion) -> fmt::Result {
+    f.debug_struct(name)
+        .field("addr", &format_args!("{:#x}", region.addr))
+        .field("len", &region.len)
+        .field("core", &region.dev_id)
+        .finish()
 }
 
 /// A framework tensor known to a [`NeuronDevice`]; forgotten on drop.
@@ -700,11 +705,7 @@ impl Drop for TensorRegistration {
 
 impl fmt::Debug for TensorRegistration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TensorRegistration")
-            .field("addr", &format_args!("{:#x}", self.region.addr))
-            .field("len", &self.region.len)
-            .field("core", &self.region.dev_id)
-            .finish()
+        debug_region(f, "TensorRegistration", &self.region)
     }
 }
 
