@@ -32,7 +32,6 @@ use crate::embed::{
     TransportSpec,
 };
 use crate::engine::stats::{Counters, Failures, LatencySummary, StatsSnapshot};
-use crate::proto::layout::Parallel;
 use crate::proto::Key;
 
 /// Version of this ABI (`KVPUSH_ABI_VERSION` in the header); grows when a struct or signature changes.
@@ -529,22 +528,7 @@ unsafe fn layout_spec(l: &kvpush_layout) -> Result<LayoutSpec, FfiError> {
         // SAFETY: the caller's contract (1): `region_lens` holds `num_regions` lengths.
         unsafe { slice("layout.region_lens", l.region_lens, l.num_regions) }?.to_vec()
     };
-    Ok(LayoutSpec {
-        total_layers: l.total_layers,
-        kv_heads: l.kv_heads,
-        head_dim: l.head_dim,
-        dtype: l.dtype,
-        kv_kind: l.kv_kind,
-        block_tokens: l.block_tokens,
-        num_blocks: l.num_blocks,
-        order: l.order,
-        placement: l.placement,
-        parallel: Parallel { tp_rank: l.tp_rank, tp_size: l.tp_size, pp_rank: l.pp_rank, pp_size: l.pp_size },
-        block_stride: l.block_stride,
-        groups,
-        region_bases,
-        region_lens,
-    })
+    Ok(crate::embed::layout_spec_from_flat!(l, groups: groups, region_bases: region_bases, region_lens: region_lens))
 }
 
 /// Writes `value` through a required out-pointer.
