@@ -17,6 +17,13 @@ fn nixl_or_skip() -> bool {
     )
 }
 
+/// The error text of an agent `agent` on `backend`, which must fail to start (`why` says why).
+fn refused_backend(agent: &str, backend: &str, why: &str) -> String {
+    let mut c = NixlConfig::new(agent);
+    c.backend = backend.into();
+    NixlTransport::new(&c).expect_err(why).to_string()
+}
+
 fn region(buf: &mut [u8]) -> MemRegion {
     MemRegion { addr: buf.as_mut_ptr() as u64, len: buf.len() as u64, kind: MemKind::Dram, dev_id: 0 }
 }
@@ -189,10 +196,7 @@ fn unknown_backend_is_a_clear_error() {
     if !nixl_or_skip() {
         return;
     }
-    let mut c = NixlConfig::new("t-bad-backend");
-    c.backend = "NOPE".into();
-    let e = NixlTransport::new(&c).expect_err("no such plugin");
-    let text = e.to_string();
+    let text = refused_backend("t-bad-backend", "NOPE", "no such plugin");
     assert!(text.contains("getPluginParams") && text.contains("NOPE"), "{text}");
 }
 
@@ -299,10 +303,7 @@ fn a_libfabric_plugin_that_cannot_load_is_a_clear_error() {
     if !nixl_or_skip() {
         return;
     }
-    let mut cfg = NixlConfig::new("t-libfabric");
-    cfg.backend = "LIBFABRIC".into();
-    let e = NixlTransport::new(&cfg).expect_err("the LIBFABRIC plugin has no libfabric here");
-    let msg = e.to_string();
+    let msg = refused_backend("t-libfabric", "LIBFABRIC", "the LIBFABRIC plugin has no libfabric here");
     assert!(msg.contains("LIBFABRIC") && msg.contains("NIXL_PLUGIN_DIR"), "{msg}");
     // The same agent name with UCX works: the failure is the plugin's, not NIXL's.
     assert!(NixlTransport::new(&NixlConfig::new("t-libfabric")).is_ok());
