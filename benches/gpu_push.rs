@@ -350,6 +350,15 @@ impl EngineCounts {
 // ---------------------------------------------------------------------------------------------
 // The P and D processes.
 
+/// Which way [`Memory::start_pack`] moves a piece between the KV cache and its staging slot.
+#[derive(Clone, Copy, Debug)]
+enum Pack {
+    /// Cache to slot (P).
+    Gather,
+    /// Slot to cache (D).
+    Scatter,
+}
+
 /// A side's memory: the KV cache and the staging slots, on the GPU or in host memory.
 enum Memory {
     Cuda {
@@ -423,42 +432,33 @@ impl Memory {
         }
     }
 
-    /// Starts packing `piece` into slot `piece.slot` (the loaded side is the source).
-    fn start_gather(&mut self, space: UnitSpace, side: &Side<'_>, piece: &Piece) -> Result<(), String> {
+    /// Starts packing `piece` into slot `piece.slot` (`Pack::Gather`, the loaded side is the source)
+    /// or unpacking it from there (`Pack::Scatter`, the loaded side is the destination).
+    fn start_pack(&mut self, pack: Pack, space: UnitSpace, side: &Side<'_>, piece: &Piece) -> Result<(), String> {
         match self {
             Memory::Cuda { kernels, stream, table, slots, events, .. } => {
-                let slot = &slots[piece.slot as usize];
-                // SAFETY: the units are this process's KV cache blocks of a ready request (not written
-                // while in flight); the slot is not read until its event completes, and not written by
-                // NIXL since its previous WRITE completed (the caller's slot state).
-                unsafe { kernels.gather(stream, table, piece.first_unit, piece.units, slot.mem(), 0) }
-                    .map_err(|e| e.to_string())?;
+                let (first, units, slot) = (piece.first_unit, piece.units, slots[piece.slot as usize].mem());
+                match pack {
+                    // SAFETY: the units are this process's KV cache blocks of a ready request (not
+                    // written while in flight); the slot is not read until its event completes, and not
+                    // written by NIXL since its previous WRITE completed (the caller's slot state).
+                    Pack::Gather => unsafe { kernels.gather(stream, table, first, units, slot, 0) },
+                    // SAFETY: the slot holds the landed piece (its notification arrived after the data)
+                    // and is not written again before we credit it; the destination blocks are
+                    // registered for this request and nothing reads them before it is received.
+                    Pack::Scatter => unsafe { kernels.scatter(stream, table, first, units, slot, 0) },
+                }
+                .map_err(|e| e.to_string())?;
                 events[piece.slot as usize].record(stream).map_err(|e| e.to_string())
             }
             Memory::Host { cache, slots } => {
                 let base = cache.region().addr;
-                let slot = slots[piece.slot as usize].as_mut_slice();
-                unitpack::gather(&space, piece, side, cache.as_mut_slice(), base, slot).map_err(|e| e.to_string())
-            }
-        }
-    }
-
-    /// Starts unpacking `piece` from slot `piece.slot` (the loaded side is the destination).
-    fn start_scatter(&mut self, space: UnitSpace, side: &Side<'_>, piece: &Piece) -> Result<(), String> {
-        match self {
-            Memory::Cuda { kernels, stream, table, slots, events, .. } => {
-                let slot = &slots[piece.slot as usize];
-                // SAFETY: the slot holds the landed piece (its notification arrived after the data) and
-                // is not written again before we credit it; the destination blocks are registered for
-                // this request and nothing reads them before it is received.
-                unsafe { kernels.scatter(stream, table, piece.first_unit, piece.units, slot.mem(), 0) }
-                    .map_err(|e| e.to_string())?;
-                events[piece.slot as usize].record(stream).map_err(|e| e.to_string())
-            }
-            Memory::Host { cache, slots } => {
-                let base = cache.region().addr;
-                let slot = slots[piece.slot as usize].as_mut_slice();
-                unitpack::scatter(&space, piece, side, slot, cache.as_mut_slice(), base).map_err(|e| e.to_string())
+                let (mem, slot) = (cache.as_mut_slice(), slots[piece.slot as usize].as_mut_slice());
+                match pack {
+                    Pack::Gather => unitpack::gather(&space, piece, side, mem, base, slot),
+                    Pack::Scatter => unitpack::scatter(&space, piece, side, slot, mem, base),
+                }
+                .map_err(|e| e.to_string())
             }
         }
     }
@@ -995,7 +995,7 @@ impl Node {
         while completed < n {
             if next_gather < n && local_free[plan.pieces[next_gather].slot as usize] {
                 let p = plan.pieces[next_gather];
-                self.mem.start_gather(space, &side, &p)?;
+                self.mem.start_pack(Pack::Gather, space, &side, &p)?;
                 local_free[p.slot as usize] = false;
                 gathered.push_back(next_gather);
                 next_gather += 1;
@@ -1088,7 +1088,7 @@ impl Node {
             }
             // One scatter per slot in flight; pieces of one slot arrive in order (credits).
             while let Some(k) = landed.pop_front() {
-                self.mem.start_scatter(space, &side, &plan.pieces[k])?;
+                self.mem.start_pack(Pack::Scatter, space, &side, &plan.pieces[k])?;
                 scattering.push_back(k);
             }
             while let Some(&k) = scattering.front() {
