@@ -358,9 +358,12 @@ impl Relay {
     }
 }
 
-/// Sends `attack` to P through the relay and checks that P refuses it, closes the connection, and
-/// hands no frame to its engine.
-fn refused_through_the_relay(p: &Worker, relay: &Relay, attack: &[u8]) {
+/// Builds a [`relayed_pair`], sends the record `attack` makes of it to P through the relay, and
+/// checks that P refuses it, closes the connection, and hands no frame to its engine.
+fn refused_through_a_relay(attack: impl FnOnce(&Worker, &Relay) -> Vec<u8>) {
+    let fabric = Fabric::new();
+    let (p, _d, relay) = relayed_pair(&fabric);
+    let attack = attack(&p, &relay);
     // Hold D's own records (heartbeats), and wait until P has taken every one already on its way, so
     // that any frame P counts from here on can only be the attack.
     relay.hold();
@@ -368,7 +371,7 @@ fn refused_through_the_relay(p: &Worker, relay: &Relay, attack: &[u8]) {
     let mut stable_since = Instant::now();
     let deadline = Instant::now() + Duration::from_secs(5);
     while stable_since.elapsed() < Duration::from_millis(300) {
-        assert!(Instant::now() < deadline, "P kept counting frames from a held relay: {}", stats_of(p)());
+        assert!(Instant::now() < deadline, "P kept counting frames from a held relay: {}", stats_of(&p)());
         std::thread::sleep(Duration::from_millis(10));
         let now = p.side.stats().frames_in;
         if now != last {
@@ -376,38 +379,32 @@ fn refused_through_the_relay(p: &Worker, relay: &Relay, attack: &[u8]) {
         }
     }
     let before = p.side.stats();
-    relay.inject(attack);
-    until("P refused the record", || p.side.stats().auth_failures == before.auth_failures + 1, stats_of(p));
-    until("P closed the connection", || p.side.peers().is_empty(), stats_of(p));
+    relay.inject(&attack);
+    until("P refused the record", || p.side.stats().auth_failures == before.auth_failures + 1, stats_of(&p));
+    until("P closed the connection", || p.side.peers().is_empty(), stats_of(&p));
     let after = p.side.stats();
     assert_eq!((after.frames_in, after.malformed), (before.frames_in, before.malformed), "it reached the engine");
 }
 
 #[test]
 fn a_relay_cannot_inject_a_frame() {
-    let fabric = Fabric::new();
-    let (p, _d, relay) = relayed_pair(&fabric);
-    // An abort for a transfer, as a plaintext codec frame wrapped in a record: the old channel
-    // took any frame after its handshake.
-    let mut frame = b"KP\x01\x00\x63\x00\x00\x00\x00".to_vec();
-    frame.splice(0..0, (frame.len() as u16).to_be_bytes());
-    refused_through_the_relay(&p, &relay, &frame);
+    refused_through_a_relay(|_, _| {
+        // An abort for a transfer, as a plaintext codec frame wrapped in a record: the old channel
+        // took any frame after its handshake.
+        let mut frame = b"KP\x01\x00\x63\x00\x00\x00\x00".to_vec();
+        frame.splice(0..0, (frame.len() as u16).to_be_bytes());
+        frame
+    });
 }
 
 #[test]
 fn a_replayed_record_is_refused() {
-    let fabric = Fabric::new();
-    let (p, _d, relay) = relayed_pair(&fabric);
-    let replay = Relay::a_later_record(&relay.from_dialer, &p);
-    refused_through_the_relay(&p, &relay, &replay);
+    refused_through_a_relay(|p, relay| Relay::a_later_record(&relay.from_dialer, p));
 }
 
 #[test]
 fn a_reflected_record_is_refused() {
-    let fabric = Fabric::new();
-    let (p, _d, relay) = relayed_pair(&fabric);
-    let own = Relay::a_later_record(&relay.from_target, &p);
-    refused_through_the_relay(&p, &relay, &own);
+    refused_through_a_relay(|p, relay| Relay::a_later_record(&relay.from_target, p));
 }
 
 #[test]
