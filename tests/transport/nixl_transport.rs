@@ -17,11 +17,15 @@ fn nixl_or_skip() -> bool {
     )
 }
 
-/// The error text of an agent `agent` on `backend`, which must fail to start (`why` says why).
-fn refused_backend(agent: &str, backend: &str, why: &str) -> String {
+/// The error text of an agent `agent` on `backend`, which must fail to start (`why` says why), or
+/// `None` where NIXL is not available (see [`nixl_or_skip`]).
+fn refused_backend(agent: &str, backend: &str, why: &str) -> Option<String> {
+    if !nixl_or_skip() {
+        return None;
+    }
     let mut c = NixlConfig::new(agent);
     c.backend = backend.into();
-    NixlTransport::new(&c).expect_err(why).to_string()
+    Some(NixlTransport::new(&c).expect_err(why).to_string())
 }
 
 /// Two UCX agents named `a` and `b`, or `None` where NIXL is not available (see [`nixl_or_skip`]).
@@ -194,10 +198,7 @@ fn prepared_lists_post_single_units_by_index() {
 
 #[test]
 fn unknown_backend_is_a_clear_error() {
-    if !nixl_or_skip() {
-        return;
-    }
-    let text = refused_backend("t-bad-backend", "NOPE", "no such plugin");
+    let Some(text) = refused_backend("t-bad-backend", "NOPE", "no such plugin") else { return };
     assert!(text.contains("getPluginParams") && text.contains("NOPE"), "{text}");
 }
 
@@ -297,10 +298,9 @@ fn metadata_names_the_device_and_a_cut_short_prefix_is_refused() {
 /// silent fallback to UCX.
 #[test]
 fn a_libfabric_plugin_that_cannot_load_is_a_clear_error() {
-    if !nixl_or_skip() {
+    let Some(msg) = refused_backend("t-libfabric", "LIBFABRIC", "the LIBFABRIC plugin has no libfabric here") else {
         return;
-    }
-    let msg = refused_backend("t-libfabric", "LIBFABRIC", "the LIBFABRIC plugin has no libfabric here");
+    };
     assert!(msg.contains("LIBFABRIC") && msg.contains("NIXL_PLUGIN_DIR"), "{msg}");
     // The same agent name with UCX works: the failure is the plugin's, not NIXL's.
     assert!(NixlTransport::new(&NixlConfig::new("t-libfabric")).is_ok());
