@@ -492,6 +492,33 @@ struct EngineSide {
     before: EngineCounts,
 }
 
+impl EngineSide {
+    /// Polls the engine until it reports a result, and hands the last one reported, the time it was
+    /// taken and the others reported with it to `answer`; after `deadline`, aborts `key` and fails
+    /// saying it was not `done` ("sent", "received") in time.
+    fn await_finished(
+        &self,
+        key: Key,
+        deadline: Instant,
+        done: &str,
+        answer: impl FnOnce(Finished, u64, &[Finished]) -> Result<Reply, String>,
+    ) -> Result<Reply, String> {
+        let mut finished = Vec::new();
+        loop {
+            self.engine.poll(&mut finished);
+            if let Some(f) = finished.pop() {
+                let t = child::now_ns();
+                return answer(f, t, &finished);
+            }
+            if Instant::now() > deadline {
+                let _ = self.engine.abort(key);
+                return Err(format!("engine: request {key} not {done} within {STEP_TIMEOUT:?}"));
+            }
+            std::thread::yield_now();
+        }
+    }
+}
+
 /// One side. Field order matters: `engine` (deregistering its regions, dropping its NIXL agent) and
 /// then `nixl` (deregistering everything) drop before `mem` frees the memory they registered.
 struct Node {
@@ -898,73 +925,45 @@ impl Node {
         let eng = self.engine.as_ref().ok_or("the engine is not running")?;
         let deadline = Instant::now() + STEP_TIMEOUT;
         let before = EngineCounts::read(&eng.engine);
-        let mut finished = Vec::new();
         let t_ready = child::now_ns();
         tracing::trace!(target: "kvpush::bench", %key, "blocks ready");
         eng.engine.request_finished(key, vec![case.p_ids.clone()], case.tokens).map_err(|e| format!("engine: {e}"))?;
-        loop {
-            eng.engine.poll(&mut finished);
-            if let Some(f) = finished.pop() {
-                let t_done = child::now_ns();
-                return match f {
-                    Finished::Sent { key: k, reason: ReleaseReason::Sent } if k == key && finished.is_empty() => {
-                        let c = EngineCounts::read(&eng.engine).since(before);
-                        let posts = if c.pieces > 0 { c.pieces } else { c.posts };
-                        Ok(Reply::Sent {
-                            t_ready,
-                            t_done,
-                            descriptors: c.descriptors_posted,
-                            posts,
-                            bytes: c.bytes,
-                            engine: Some(c),
-                        })
-                    }
-                    Finished::Sent { key: k, reason } if k == key => {
-                        Err(format!("engine: request {key} released with reason {reason:?}"))
-                    }
-                    other => {
-                        Err(format!("engine: unexpected result {other:?} (others: {finished:?}) while sending {key}"))
-                    }
-                };
+        eng.await_finished(key, deadline, "sent", |f, t_done, others| match f {
+            Finished::Sent { key: k, reason: ReleaseReason::Sent } if k == key && others.is_empty() => {
+                let c = EngineCounts::read(&eng.engine).since(before);
+                let posts = if c.pieces > 0 { c.pieces } else { c.posts };
+                Ok(Reply::Sent {
+                    t_ready,
+                    t_done,
+                    descriptors: c.descriptors_posted,
+                    posts,
+                    bytes: c.bytes,
+                    engine: Some(c),
+                })
             }
-            if Instant::now() > deadline {
-                let _ = eng.engine.abort(key);
-                return Err(format!("engine: request {key} not sent within {STEP_TIMEOUT:?}"));
+            Finished::Sent { key: k, reason } if k == key => {
+                Err(format!("engine: request {key} released with reason {reason:?}"))
             }
-            std::thread::yield_now();
-        }
+            other => Err(format!("engine: unexpected result {other:?} (others: {others:?}) while sending {key}")),
+        })
     }
 
     /// D, engine: waits for `Finished::Received` of the request registered in `Prepare`.
     fn receive_engine(&mut self, key: Key) -> Result<Reply, String> {
         let eng = self.engine.as_ref().ok_or("the engine is not running")?;
         let deadline = Instant::now() + STEP_TIMEOUT;
-        let mut finished = Vec::new();
-        loop {
-            eng.engine.poll(&mut finished);
-            if let Some(f) = finished.pop() {
-                let t_received = child::now_ns();
-                return match f {
-                    Finished::Received { key: k } if k == key && finished.is_empty() => {
-                        tracing::trace!(target: "kvpush::bench", %key, "received");
-                        let c = EngineCounts::read(&eng.engine).since(eng.before);
-                        // D's staging counts transfers, not pieces: P's Sent carries those.
-                        Ok(Reply::Received { t_received, pieces: 0, engine: Some(c) })
-                    }
-                    Finished::Failed { key: k, reason, .. } if k == key => {
-                        Err(format!("engine: request {key} failed: {reason}"))
-                    }
-                    other => {
-                        Err(format!("engine: unexpected result {other:?} (others: {finished:?}) while receiving {key}"))
-                    }
-                };
+        eng.await_finished(key, deadline, "received", |f, t_received, others| match f {
+            Finished::Received { key: k } if k == key && others.is_empty() => {
+                tracing::trace!(target: "kvpush::bench", %key, "received");
+                let c = EngineCounts::read(&eng.engine).since(eng.before);
+                // D's staging counts transfers, not pieces: P's Sent carries those.
+                Ok(Reply::Received { t_received, pieces: 0, engine: Some(c) })
             }
-            if Instant::now() > deadline {
-                let _ = eng.engine.abort(key);
-                return Err(format!("engine: request {key} not received within {STEP_TIMEOUT:?}"));
+            Finished::Failed { key: k, reason, .. } if k == key => {
+                Err(format!("engine: request {key} failed: {reason}"))
             }
-            std::thread::yield_now();
-        }
+            other => Err(format!("engine: unexpected result {other:?} (others: {others:?}) while receiving {key}")),
+        })
     }
 
     fn plan(&self, case: &Case) -> Result<PackPlan, String> {
