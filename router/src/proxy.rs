@@ -158,6 +158,17 @@ async fn completion_inner(
     }
 }
 
+/// The value of a `Result<_, Reject>`, or, from the enclosing `Outcome` handler, the rejection's
+/// response.
+macro_rules! or_reject {
+    ($result:expr) => {
+        match $result {
+            Ok(v) => v,
+            Err(r) => return Outcome::Response(r.into_response()),
+        }
+    };
+}
+
 enum Outcome {
     Response(Response<ProxyBody>),
     /// A leg could not connect: nothing reached a server that matters, so the request may go again.
@@ -334,18 +345,9 @@ async fn push(
     request: &Map<String, Value>,
     received: Instant,
 ) -> Outcome {
-    let p_lease = match pick(shared, Leg::Prefill) {
-        Ok(l) => l,
-        Err(r) => return Outcome::Response(r.into_response()),
-    };
-    let d_lease = match pick(shared, Leg::Decode) {
-        Ok(l) => l,
-        Err(r) => return Outcome::Response(r.into_response()),
-    };
-    let tid = match transfer_id(shared) {
-        Ok(t) => t,
-        Err(r) => return Outcome::Response(r.into_response()),
-    };
+    let p_lease = or_reject!(pick(shared, Leg::Prefill));
+    let d_lease = or_reject!(pick(shared, Leg::Decode));
+    let tid = or_reject!(transfer_id(shared));
     let Some(target) = p_lease.instance().push_target() else {
         // Admission guarantees an engine id for an in-rotation push-mode P; be explicit anyway.
         shared.metrics.error(ErrorKind::Internal);
@@ -416,14 +418,8 @@ async fn pull(
     request: &Map<String, Value>,
     received: Instant,
 ) -> Outcome {
-    let p_lease = match pick(shared, Leg::Prefill) {
-        Ok(l) => l,
-        Err(r) => return Outcome::Response(r.into_response()),
-    };
-    let tid = match transfer_id(shared) {
-        Ok(t) => t,
-        Err(r) => return Outcome::Response(r.into_response()),
-    };
+    let p_lease = or_reject!(pick(shared, Leg::Prefill));
+    let tid = or_reject!(transfer_id(shared));
     let p_body = to_bytes(&prefill_body(request, &tid));
     let p_url = format!("{}{path}", p_lease.instance().base);
     // Run inline: a client that goes away drops this future, and with it P's request.
@@ -450,10 +446,7 @@ async fn pull(
     let d_body = to_bytes(&d_req);
     let mut tries = 0;
     loop {
-        let d_lease = match pick(shared, Leg::Decode) {
-            Ok(l) => l,
-            Err(r) => return Outcome::Response(r.into_response()),
-        };
+        let d_lease = or_reject!(pick(shared, Leg::Decode));
         let d_inst = Arc::clone(d_lease.instance());
         let decode_sent = Instant::now();
         let timeout = shared.config.decode_timeout;
