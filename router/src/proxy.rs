@@ -139,12 +139,12 @@ async fn completion_inner(
         }
     };
     let headers = upstream::forwardable_request_headers(&parts.headers);
-    let path = endpoint.path();
+    let proxied = Proxied { path: endpoint.path(), headers: &headers, request: &request, received };
     let mut attempt = 0;
     loop {
         let outcome = match shared.config.mode {
-            TransferMode::Push => push(shared, path, &headers, &request, received).await,
-            TransferMode::Pull => pull(shared, path, &headers, &request, received).await,
+            TransferMode::Push => push(shared, proxied).await,
+            TransferMode::Pull => pull(shared, proxied).await,
         };
         match outcome {
             Outcome::Response(r) => return r,
@@ -156,6 +156,15 @@ async fn completion_inner(
             Outcome::Retry(leg, e) => return leg_error_response(leg, &e),
         }
     }
+}
+
+/// The client's request as every attempt relays it (a retry sends the same again).
+#[derive(Clone, Copy)]
+struct Proxied<'a> {
+    path: &'static str,
+    headers: &'a HeaderMap,
+    request: &'a Map<String, Value>,
+    received: Instant,
 }
 
 /// The value of a `Result<_, Reject>`, or, from the enclosing `Outcome` handler, the rejection's
@@ -338,13 +347,8 @@ async fn prefill_leg(
     result
 }
 
-async fn push(
-    shared: &Arc<Shared>,
-    path: &'static str,
-    headers: &HeaderMap,
-    request: &Map<String, Value>,
-    received: Instant,
-) -> Outcome {
+async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>) -> Outcome {
+    let Proxied { path, headers, request, received } = proxied;
     let p_lease = or_reject!(pick(shared, Leg::Prefill));
     let d_lease = or_reject!(pick(shared, Leg::Decode));
     let tid = or_reject!(transfer_id(shared));
@@ -411,13 +415,8 @@ async fn push(
     }
 }
 
-async fn pull(
-    shared: &Arc<Shared>,
-    path: &'static str,
-    headers: &HeaderMap,
-    request: &Map<String, Value>,
-    received: Instant,
-) -> Outcome {
+async fn pull(shared: &Arc<Shared>, proxied: Proxied<'_>) -> Outcome {
+    let Proxied { path, headers, request, received } = proxied;
     let p_lease = or_reject!(pick(shared, Leg::Prefill));
     let tid = or_reject!(transfer_id(shared));
     let p_body = to_bytes(&prefill_body(request, &tid));
