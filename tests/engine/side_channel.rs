@@ -39,6 +39,12 @@ fn worker(id: &str, mode: Mode, fabric: &Fabric, secret: Option<&[u8]>) -> Worke
     worker_with(id, id, mode, fabric, side_config(secret))
 }
 
+/// A push-mode producer "prefill" and a consumer "decode" in `d_mode` on `fabric`, each with its own
+/// shared secret, not yet connected.
+fn pair(fabric: &Fabric, d_mode: Mode, p_secret: Option<&[u8]>, d_secret: Option<&[u8]>) -> (Worker, Worker) {
+    (worker("prefill", Mode::Push, fabric, p_secret), worker("decode", d_mode, fabric, d_secret))
+}
+
 /// A worker of engine `id` whose loopback endpoint is `endpoint` (two processes of one engine, the
 /// old and the restarted, need two endpoints).
 fn worker_with(id: &str, endpoint: &str, mode: Mode, fabric: &Fabric, side: SideConfig) -> Worker {
@@ -64,8 +70,7 @@ fn wait_for(w: &Worker, what: &str, pred: impl Fn(&Finished) -> bool) -> Finishe
 #[test]
 fn push_over_the_side_channel_with_a_shared_secret() {
     let fabric = Fabric::new();
-    let p = worker("prefill", Mode::Push, &fabric, Some(b"s3cret"));
-    let d = worker("decode", Mode::Push, &fabric, Some(b"s3cret"));
+    let (p, d) = pair(&fabric, Mode::Push, Some(b"s3cret"), Some(b"s3cret"));
     let peer = d.side.connect(p.side.local_addr()).expect("handshake");
     assert_eq!(peer.engine, "prefill");
     // The producer side learned the consumer too.
@@ -93,8 +98,7 @@ fn push_over_the_side_channel_with_a_shared_secret() {
 #[test]
 fn mode_mismatch_is_refused_on_both_sides_with_the_compatibility_message() {
     let fabric = Fabric::new();
-    let p = worker("prefill", Mode::Push, &fabric, None);
-    let d = worker("decode", Mode::Pull, &fabric, None);
+    let (p, d) = pair(&fabric, Mode::Pull, None, None);
     let e = d.side.connect(p.side.local_addr()).expect_err("must refuse");
     let text = e.to_string();
     assert!(matches!(e, SideError::Refused { .. }), "{text}");
@@ -106,8 +110,7 @@ fn mode_mismatch_is_refused_on_both_sides_with_the_compatibility_message() {
 #[test]
 fn strangers_without_the_secret_are_refused() {
     let fabric = Fabric::new();
-    let p = worker("prefill", Mode::Push, &fabric, Some(b"right"));
-    let wrong = worker("decode", Mode::Push, &fabric, Some(b"wrong"));
+    let (p, wrong) = pair(&fabric, Mode::Push, Some(b"right"), Some(b"wrong"));
     let e = wrong.side.connect(p.side.local_addr()).expect_err("wrong secret");
     assert!(matches!(e, SideError::Auth { .. }), "{e}");
     assert!(e.to_string().contains("shared secrets differ"), "{e}");
@@ -133,8 +136,7 @@ fn strangers_without_the_secret_are_refused() {
 fn a_malformed_frame_closes_the_connection_and_is_counted() {
     use kvpush::engine::ControlLink;
     let fabric = Fabric::new();
-    let p = worker("prefill", Mode::Push, &fabric, None);
-    let d = worker("decode", Mode::Push, &fabric, None);
+    let (p, d) = pair(&fabric, Mode::Push, None, None);
     let peer = d.side.connect(p.side.local_addr()).expect("handshake");
     d.side.send(d.engine.addr(), &peer, b"KP\x01\x00\x63\x00\x00\x00\x00".to_vec()).expect("queued");
     poll_until(
@@ -151,8 +153,7 @@ fn a_malformed_frame_closes_the_connection_and_is_counted() {
 #[test]
 fn a_lost_consumer_releases_the_producer_blocks_and_a_lost_producer_fails_the_consumer() {
     let fabric = Fabric::new();
-    let p = worker("prefill", Mode::Push, &fabric, None);
-    let d = worker("decode", Mode::Push, &fabric, None);
+    let (p, d) = pair(&fabric, Mode::Push, None, None);
     d.side.connect(p.side.local_addr()).expect("handshake");
     // D registers, then disappears before P's prefill finishes: P must drop the registration, and
     // the blocks it reports ready come back at once, not after the lease.
