@@ -350,6 +350,15 @@ impl EngineCounts {
 // ---------------------------------------------------------------------------------------------
 // The P and D processes.
 
+/// Which way [`Memory::start_pack`] moves a piece between the KV cache and its staging slot.
+#[derive(Clone, Copy, Debug)]
+enum Pack {
+    /// Cache to slot (P).
+    Gather,
+    /// Slot to cache (D).
+    Scatter,
+}
+
 /// A side's memory: the KV cache and the staging slots, on the GPU or in host memory.
 enum Memory {
     Cuda {
@@ -423,42 +432,33 @@ impl Memory {
         }
     }
 
-    /// Starts packing `piece` into slot `piece.slot` (the loaded side is the source).
-    fn start_gather(&mut self, space: UnitSpace, side: &Side<'_>, piece: &Piece) -> Result<(), String> {
+    /// Starts packing `piece` into slot `piece.slot` (`Pack::Gather`, the loaded side is the source)
+    /// or unpacking it from there (`Pack::Scatter`, the loaded side is the destination).
+    fn start_pack(&mut self, pack: Pack, space: UnitSpace, side: &Side<'_>, piece: &Piece) -> Result<(), String> {
         match self {
             Memory::Cuda { kernels, stream, table, slots, events, .. } => {
-                let slot = &slots[piece.slot as usize];
-                // SAFETY: the units are this process's KV cache blocks of a ready request (not written
-                // while in flight); the slot is not read until its event completes, and not written by
-                // NIXL since its previous WRITE completed (the caller's slot state).
-                unsafe { kernels.gather(stream, table, piece.first_unit, piece.units, slot.mem(), 0) }
-                    .map_err(|e| e.to_string())?;
+                let (first, units, slot) = (piece.first_unit, piece.units, slots[piece.slot as usize].mem());
+                match pack {
+                    // SAFETY: the units are this process's KV cache blocks of a ready request (not
+                    // written while in flight); the slot is not read until its event completes, and not
+                    // written by NIXL since its previous WRITE completed (the caller's slot state).
+                    Pack::Gather => unsafe { kernels.gather(stream, table, first, units, slot, 0) },
+                    // SAFETY: the slot holds the landed piece (its notification arrived after the data)
+                    // and is not written again before we credit it; the destination blocks are
+                    // registered for this request and nothing reads them before it is received.
+                    Pack::Scatter => unsafe { kernels.scatter(stream, table, first, units, slot, 0) },
+                }
+                .map_err(|e| e.to_string())?;
                 events[piece.slot as usize].record(stream).map_err(|e| e.to_string())
             }
             Memory::Host { cache, slots } => {
                 let base = cache.region().addr;
-                let slot = slots[piece.slot as usize].as_mut_slice();
-                unitpack::gather(&space, piece, side, cache.as_mut_slice(), base, slot).map_err(|e| e.to_string())
-            }
-        }
-    }
-
-    /// Starts unpacking `piece` from slot `piece.slot` (the loaded side is the destination).
-    fn start_scatter(&mut self, space: UnitSpace, side: &Side<'_>, piece: &Piece) -> Result<(), String> {
-        match self {
-            Memory::Cuda { kernels, stream, table, slots, events, .. } => {
-                let slot = &slots[piece.slot as usize];
-                // SAFETY: the slot holds the landed piece (its notification arrived after the data) and
-                // is not written again before we credit it; the destination blocks are registered for
-                // this request and nothing reads them before it is received.
-                unsafe { kernels.scatter(stream, table, piece.first_unit, piece.units, slot.mem(), 0) }
-                    .map_err(|e| e.to_string())?;
-                events[piece.slot as usize].record(stream).map_err(|e| e.to_string())
-            }
-            Memory::Host { cache, slots } => {
-                let base = cache.region().addr;
-                let slot = slots[piece.slot as usize].as_mut_slice();
-                unitpack::scatter(&space, piece, side, slot, cache.as_mut_slice(), base).map_err(|e| e.to_string())
+                let (mem, slot) = (cache.as_mut_slice(), slots[piece.slot as usize].as_mut_slice());
+                match pack {
+                    Pack::Gather => unitpack::gather(&space, piece, side, mem, base, slot),
+                    Pack::Scatter => unitpack::scatter(&space, piece, side, slot, mem, base),
+                }
+                .map_err(|e| e.to_string())
             }
         }
     }
@@ -490,6 +490,33 @@ struct EngineSide {
     side: Arc<SideChannel>,
     /// D: the counters before the open request was registered.
     before: EngineCounts,
+}
+
+impl EngineSide {
+    /// Polls the engine until it reports a result, and hands the last one reported, the time it was
+    /// taken and the others reported with it to `answer`; after `deadline`, aborts `key` and fails
+    /// saying it was not `done` ("sent", "received") in time.
+    fn await_finished(
+        &self,
+        key: Key,
+        deadline: Instant,
+        done: &str,
+        answer: impl FnOnce(Finished, u64, &[Finished]) -> Result<Reply, String>,
+    ) -> Result<Reply, String> {
+        let mut finished = Vec::new();
+        loop {
+            self.engine.poll(&mut finished);
+            if let Some(f) = finished.pop() {
+                let t = child::now_ns();
+                return answer(f, t, &finished);
+            }
+            if Instant::now() > deadline {
+                let _ = self.engine.abort(key);
+                return Err(format!("engine: request {key} not {done} within {STEP_TIMEOUT:?}"));
+            }
+            std::thread::yield_now();
+        }
+    }
 }
 
 /// One side. Field order matters: `engine` (deregistering its regions, dropping its NIXL agent) and
@@ -898,73 +925,45 @@ impl Node {
         let eng = self.engine.as_ref().ok_or("the engine is not running")?;
         let deadline = Instant::now() + STEP_TIMEOUT;
         let before = EngineCounts::read(&eng.engine);
-        let mut finished = Vec::new();
         let t_ready = child::now_ns();
         tracing::trace!(target: "kvpush::bench", %key, "blocks ready");
         eng.engine.request_finished(key, vec![case.p_ids.clone()], case.tokens).map_err(|e| format!("engine: {e}"))?;
-        loop {
-            eng.engine.poll(&mut finished);
-            if let Some(f) = finished.pop() {
-                let t_done = child::now_ns();
-                return match f {
-                    Finished::Sent { key: k, reason: ReleaseReason::Sent } if k == key && finished.is_empty() => {
-                        let c = EngineCounts::read(&eng.engine).since(before);
-                        let posts = if c.pieces > 0 { c.pieces } else { c.posts };
-                        Ok(Reply::Sent {
-                            t_ready,
-                            t_done,
-                            descriptors: c.descriptors_posted,
-                            posts,
-                            bytes: c.bytes,
-                            engine: Some(c),
-                        })
-                    }
-                    Finished::Sent { key: k, reason } if k == key => {
-                        Err(format!("engine: request {key} released with reason {reason:?}"))
-                    }
-                    other => {
-                        Err(format!("engine: unexpected result {other:?} (others: {finished:?}) while sending {key}"))
-                    }
-                };
+        eng.await_finished(key, deadline, "sent", |f, t_done, others| match f {
+            Finished::Sent { key: k, reason: ReleaseReason::Sent } if k == key && others.is_empty() => {
+                let c = EngineCounts::read(&eng.engine).since(before);
+                let posts = if c.pieces > 0 { c.pieces } else { c.posts };
+                Ok(Reply::Sent {
+                    t_ready,
+                    t_done,
+                    descriptors: c.descriptors_posted,
+                    posts,
+                    bytes: c.bytes,
+                    engine: Some(c),
+                })
             }
-            if Instant::now() > deadline {
-                let _ = eng.engine.abort(key);
-                return Err(format!("engine: request {key} not sent within {STEP_TIMEOUT:?}"));
+            Finished::Sent { key: k, reason } if k == key => {
+                Err(format!("engine: request {key} released with reason {reason:?}"))
             }
-            std::thread::yield_now();
-        }
+            other => Err(format!("engine: unexpected result {other:?} (others: {others:?}) while sending {key}")),
+        })
     }
 
     /// D, engine: waits for `Finished::Received` of the request registered in `Prepare`.
     fn receive_engine(&mut self, key: Key) -> Result<Reply, String> {
         let eng = self.engine.as_ref().ok_or("the engine is not running")?;
         let deadline = Instant::now() + STEP_TIMEOUT;
-        let mut finished = Vec::new();
-        loop {
-            eng.engine.poll(&mut finished);
-            if let Some(f) = finished.pop() {
-                let t_received = child::now_ns();
-                return match f {
-                    Finished::Received { key: k } if k == key && finished.is_empty() => {
-                        tracing::trace!(target: "kvpush::bench", %key, "received");
-                        let c = EngineCounts::read(&eng.engine).since(eng.before);
-                        // D's staging counts transfers, not pieces: P's Sent carries those.
-                        Ok(Reply::Received { t_received, pieces: 0, engine: Some(c) })
-                    }
-                    Finished::Failed { key: k, reason, .. } if k == key => {
-                        Err(format!("engine: request {key} failed: {reason}"))
-                    }
-                    other => {
-                        Err(format!("engine: unexpected result {other:?} (others: {finished:?}) while receiving {key}"))
-                    }
-                };
+        eng.await_finished(key, deadline, "received", |f, t_received, others| match f {
+            Finished::Received { key: k } if k == key && others.is_empty() => {
+                tracing::trace!(target: "kvpush::bench", %key, "received");
+                let c = EngineCounts::read(&eng.engine).since(eng.before);
+                // D's staging counts transfers, not pieces: P's Sent carries those.
+                Ok(Reply::Received { t_received, pieces: 0, engine: Some(c) })
             }
-            if Instant::now() > deadline {
-                let _ = eng.engine.abort(key);
-                return Err(format!("engine: request {key} not received within {STEP_TIMEOUT:?}"));
+            Finished::Failed { key: k, reason, .. } if k == key => {
+                Err(format!("engine: request {key} failed: {reason}"))
             }
-            std::thread::yield_now();
-        }
+            other => Err(format!("engine: unexpected result {other:?} (others: {others:?}) while receiving {key}")),
+        })
     }
 
     fn plan(&self, case: &Case) -> Result<PackPlan, String> {
@@ -995,7 +994,7 @@ impl Node {
         while completed < n {
             if next_gather < n && local_free[plan.pieces[next_gather].slot as usize] {
                 let p = plan.pieces[next_gather];
-                self.mem.start_gather(space, &side, &p)?;
+                self.mem.start_pack(Pack::Gather, space, &side, &p)?;
                 local_free[p.slot as usize] = false;
                 gathered.push_back(next_gather);
                 next_gather += 1;
@@ -1088,7 +1087,7 @@ impl Node {
             }
             // One scatter per slot in flight; pieces of one slot arrive in order (credits).
             while let Some(k) = landed.pop_front() {
-                self.mem.start_scatter(space, &side, &plan.pieces[k])?;
+                self.mem.start_pack(Pack::Scatter, space, &side, &plan.pieces[k])?;
                 scattering.push_back(k);
             }
             while let Some(&k) = scattering.front() {

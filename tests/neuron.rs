@@ -148,6 +148,14 @@ impl Fake {
         v
     }
 
+    /// A full fake with `knob` set to `value`, and the error opening it in own mode gives.
+    fn refusing(knob: &str, value: c_long) -> (Fake, NeuronError) {
+        let fake = Fake::new(Variant::Full);
+        fake.set(knob, value);
+        let err = fake.open(RuntimeMode::Own).unwrap_err();
+        (fake, err)
+    }
+
     fn config(&self, mode: RuntimeMode) -> NeuronConfig {
         NeuronConfig { library: Some(self.path.clone()), mode, core: 0 }
     }
@@ -319,9 +327,7 @@ fn attach_mode_never_inits_or_closes() {
 
 #[test]
 fn a_failing_nrt_init_is_reported_with_its_status() {
-    let fake = Fake::new(Variant::Full);
-    fake.set("FAKE_NRT_FAIL_INIT", 1);
-    let err = fake.open(RuntimeMode::Own).unwrap_err();
+    let (fake, err) = Fake::refusing("FAKE_NRT_FAIL_INIT", 1);
     assert!(matches!(err, NeuronError::Init { .. }), "{err:?}");
     assert!(err.to_string().contains("nrt_init failed with NRT_FAILURE (1)"), "{err}");
     assert_eq!((fake.get("init_calls"), fake.get("close_calls")), (1, 0), "nothing to close after a failed init");
@@ -332,9 +338,7 @@ fn a_failing_nrt_init_is_reported_with_its_status() {
 
 #[test]
 fn no_device_and_bad_cores_are_refused() {
-    let fake = Fake::new(Variant::Full);
-    fake.set("FAKE_NRT_NC_COUNT", 0);
-    let err = fake.open(RuntimeMode::Own).unwrap_err();
+    let (fake, err) = Fake::refusing("FAKE_NRT_NC_COUNT", 0);
     assert!(matches!(err, NeuronError::NoDevice { .. }) && err.is_absent(), "{err:?}");
     assert!(err.to_string().contains("0 NeuronCores"), "{err}");
     fake.set("FAKE_NRT_NC_COUNT", 2);
@@ -503,9 +507,7 @@ fn framework_mode_accepts_what_libnrt_maps_and_nothing_else() {
 
 #[test]
 fn unmapped_device_addresses_fail_clearly() {
-    let fake = Fake::new(Variant::Full);
-    fake.set("FAKE_NRT_NO_MAP_HBM", 1);
-    let err = fake.open(RuntimeMode::Own).unwrap_err();
+    let (fake, err) = Fake::refusing("FAKE_NRT_NO_MAP_HBM", 1);
     assert!(matches!(err, NeuronError::AddressesNotMapped { core: 0, .. }), "{err:?}");
     let msg = err.to_string();
     assert!(msg.contains("nrt_tensor_get_va returned NULL") && msg.contains("set NEURON_RT_MAP_HBM=1"), "{msg}");

@@ -21,6 +21,8 @@
 //! *logical* position (region, request block index), not on where it lives, so the consumer can check
 //! what landed in its own blocks.
 
+use core::ops::Range;
+
 /// Why a plan or a reference copy cannot be made.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -241,15 +243,7 @@ pub fn gather(
     base: u64,
     slot: &mut [u8],
 ) -> Result<(), PackError> {
-    src.check(space)?;
-    check_slot(piece, slot.len())?;
-    let ub = space.unit_bytes as usize;
-    for k in 0..piece.units {
-        let off = src.locate_in(space, piece.first_unit + k, base, mem.len())?;
-        let at = k as usize * ub;
-        slot[at..at + ub].copy_from_slice(&mem[off..off + ub]);
-    }
-    Ok(())
+    each_unit(space, piece, src, base, mem.len(), slot.len(), |m, s| slot[s].copy_from_slice(&mem[m]))
 }
 
 /// Reference scatter: unpacks `piece`'s units from `slot` into `mem` (whose first byte is at
@@ -262,13 +256,28 @@ pub fn scatter(
     mem: &mut [u8],
     base: u64,
 ) -> Result<(), PackError> {
-    dst.check(space)?;
-    check_slot(piece, slot.len())?;
+    each_unit(space, piece, dst, base, mem.len(), slot.len(), |m, s| mem[m].copy_from_slice(&slot[s]))
+}
+
+/// The walk [`gather`] and [`scatter`] share: checks `side` and the slot, then calls `copy` with the
+/// byte ranges of each of `piece`'s units in `mem` (of `mem_len` bytes from `base`) and in the slot,
+/// in order, stopping at the first unit outside `mem`.
+fn each_unit(
+    space: &UnitSpace,
+    piece: &Piece,
+    side: &Side<'_>,
+    base: u64,
+    mem_len: usize,
+    slot_len: usize,
+    mut copy: impl FnMut(Range<usize>, Range<usize>),
+) -> Result<(), PackError> {
+    side.check(space)?;
+    check_slot(piece, slot_len)?;
     let ub = space.unit_bytes as usize;
     for k in 0..piece.units {
-        let off = dst.locate_in(space, piece.first_unit + k, base, mem.len())?;
+        let off = side.locate_in(space, piece.first_unit + k, base, mem_len)?;
         let at = k as usize * ub;
-        mem[off..off + ub].copy_from_slice(&slot[at..at + ub]);
+        copy(off..off + ub, at..at + ub);
     }
     Ok(())
 }

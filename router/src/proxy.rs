@@ -139,12 +139,12 @@ async fn completion_inner(
         }
     };
     let headers = upstream::forwardable_request_headers(&parts.headers);
-    let path = endpoint.path();
+    let proxied = Proxied { path: endpoint.path(), headers: &headers, request: &request, received };
     let mut attempt = 0;
     loop {
         let outcome = match shared.config.mode {
-            TransferMode::Push => push(shared, path, &headers, &request, received).await,
-            TransferMode::Pull => pull(shared, path, &headers, &request, received).await,
+            TransferMode::Push => push(shared, proxied).await,
+            TransferMode::Pull => pull(shared, proxied).await,
         };
         match outcome {
             Outcome::Response(r) => return r,
@@ -156,6 +156,26 @@ async fn completion_inner(
             Outcome::Retry(leg, e) => return leg_error_response(leg, &e),
         }
     }
+}
+
+/// The client's request as every attempt relays it (a retry sends the same again).
+#[derive(Clone, Copy)]
+struct Proxied<'a> {
+    path: &'static str,
+    headers: &'a HeaderMap,
+    request: &'a Map<String, Value>,
+    received: Instant,
+}
+
+/// The value of a `Result<_, Reject>`, or, from the enclosing `Outcome` handler, the rejection's
+/// response.
+macro_rules! or_reject {
+    ($result:expr) => {
+        match $result {
+            Ok(v) => v,
+            Err(r) => return Outcome::Response(r.into_response()),
+        }
+    };
 }
 
 enum Outcome {
@@ -327,25 +347,11 @@ async fn prefill_leg(
     result
 }
 
-async fn push(
-    shared: &Arc<Shared>,
-    path: &'static str,
-    headers: &HeaderMap,
-    request: &Map<String, Value>,
-    received: Instant,
-) -> Outcome {
-    let p_lease = match pick(shared, Leg::Prefill) {
-        Ok(l) => l,
-        Err(r) => return Outcome::Response(r.into_response()),
-    };
-    let d_lease = match pick(shared, Leg::Decode) {
-        Ok(l) => l,
-        Err(r) => return Outcome::Response(r.into_response()),
-    };
-    let tid = match transfer_id(shared) {
-        Ok(t) => t,
-        Err(r) => return Outcome::Response(r.into_response()),
-    };
+async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>) -> Outcome {
+    let Proxied { path, headers, request, received } = proxied;
+    let p_lease = or_reject!(pick(shared, Leg::Prefill));
+    let d_lease = or_reject!(pick(shared, Leg::Decode));
+    let tid = or_reject!(transfer_id(shared));
     let Some(target) = p_lease.instance().push_target() else {
         // Admission guarantees an engine id for an in-rotation push-mode P; be explicit anyway.
         shared.metrics.error(ErrorKind::Internal);
@@ -409,21 +415,10 @@ async fn push(
     }
 }
 
-async fn pull(
-    shared: &Arc<Shared>,
-    path: &'static str,
-    headers: &HeaderMap,
-    request: &Map<String, Value>,
-    received: Instant,
-) -> Outcome {
-    let p_lease = match pick(shared, Leg::Prefill) {
-        Ok(l) => l,
-        Err(r) => return Outcome::Response(r.into_response()),
-    };
-    let tid = match transfer_id(shared) {
-        Ok(t) => t,
-        Err(r) => return Outcome::Response(r.into_response()),
-    };
+async fn pull(shared: &Arc<Shared>, proxied: Proxied<'_>) -> Outcome {
+    let Proxied { path, headers, request, received } = proxied;
+    let p_lease = or_reject!(pick(shared, Leg::Prefill));
+    let tid = or_reject!(transfer_id(shared));
     let p_body = to_bytes(&prefill_body(request, &tid));
     let p_url = format!("{}{path}", p_lease.instance().base);
     // Run inline: a client that goes away drops this future, and with it P's request.
@@ -450,10 +445,7 @@ async fn pull(
     let d_body = to_bytes(&d_req);
     let mut tries = 0;
     loop {
-        let d_lease = match pick(shared, Leg::Decode) {
-            Ok(l) => l,
-            Err(r) => return Outcome::Response(r.into_response()),
-        };
+        let d_lease = or_reject!(pick(shared, Leg::Decode));
         let d_inst = Arc::clone(d_lease.instance());
         let decode_sent = Instant::now();
         let timeout = shared.config.decode_timeout;

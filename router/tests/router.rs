@@ -320,19 +320,7 @@ async fn decode_error_status_and_body_pass_through_and_cancel_prefill() {
     // D answers only once P has the request, so that there is a P request to cancel.
     let p_arrivals = Arc::new(Arrivals::default());
     let pa = p_arrivals.clone();
-    let p = Fake::start(
-        None,
-        handler(move |s: Seen| {
-            pa.arrive(&s);
-            let probe = DropProbe::new(cancel_tx.clone());
-            async move {
-                tokio::time::sleep(Duration::from_secs(30)).await;
-                probe.done();
-                json_reply(200, &json!({}))
-            }
-        }),
-    )
-    .await;
+    let p = Fake::start(None, hanging(cancel_tx, json!({}), move |s| pa.arrive(s))).await;
     let err = json!({"object": "error", "message": "This model's maximum context length is 16 tokens",
                      "type": "BadRequestError", "param": null, "code": 400});
     let err2 = err.clone();
@@ -376,19 +364,7 @@ async fn failed_prefill_cancels_decode_with_a_clear_error() {
     )
     .await;
     let (cancel_tx, mut cancel_rx) = mpsc::unbounded_channel();
-    let d = Fake::start(
-        None,
-        handler(move |s: Seen| {
-            arrivals.arrive(&s);
-            let probe = DropProbe::new(cancel_tx.clone());
-            async move {
-                tokio::time::sleep(Duration::from_secs(30)).await;
-                probe.done();
-                json_reply(200, &completion("late"))
-            }
-        }),
-    )
-    .await;
+    let d = Fake::start(None, hanging(cancel_tx, completion("late"), move |s| arrivals.arrive(s))).await;
     let (_r, base) = start(config(TransferMode::Push, &[&p], &[&d])).await;
     let c = client();
 
@@ -470,18 +446,7 @@ async fn raw_post(base_addr: SocketAddr, body: &str) -> TcpStream {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_disconnects_mid_stream_aborts_both_legs() {
     let (p_tx, mut p_rx) = mpsc::unbounded_channel();
-    let p = Fake::start(
-        None,
-        handler(move |_s| {
-            let probe = DropProbe::new(p_tx.clone());
-            async move {
-                tokio::time::sleep(Duration::from_secs(30)).await;
-                probe.done();
-                json_reply(200, &json!({}))
-            }
-        }),
-    )
-    .await;
+    let p = Fake::start(None, hanging(p_tx, json!({}), |_| {})).await;
     let (d_tx, mut d_rx) = mpsc::unbounded_channel();
     let d = Fake::start(
         None,
@@ -536,18 +501,8 @@ async fn a_client_that_disconnects_mid_stream_aborts_both_legs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_disconnects_before_any_answer_aborts_both_legs() {
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let hang = |tx: mpsc::UnboundedSender<bool>| {
-        handler(move |_s| {
-            let probe = DropProbe::new(tx.clone());
-            async move {
-                tokio::time::sleep(Duration::from_secs(30)).await;
-                probe.done();
-                json_reply(200, &json!({}))
-            }
-        })
-    };
-    let p = Fake::start(None, hang(tx.clone())).await;
-    let d = Fake::start(None, hang(tx)).await;
+    let p = Fake::start(None, hanging(tx.clone(), json!({}), |_| {})).await;
+    let d = Fake::start(None, hanging(tx, json!({}), |_| {})).await;
     for mode in [TransferMode::Push, TransferMode::Pull] {
         let (r, _base) = start(config(mode, &[&p], &[&d])).await;
         let before = p.count() + d.count();

@@ -219,6 +219,14 @@ impl Entries<'_> {
         }
     }
 
+    /// Checks the entries as every operation must take them: aligned, and at most `max_entries`.
+    fn check(&self, max_entries: usize) -> Result<(), DeviceError> {
+        match *self {
+            Entries::List(l) => check_entries(DeviceKind::Cuda, l, max_entries),
+            Entries::Table(t) => check_table(DeviceKind::Cuda, t, max_entries).map(drop),
+        }
+    }
+
     /// Bytes the entries move (for error messages).
     fn bytes(&self) -> u64 {
         match self {
@@ -336,8 +344,8 @@ impl CudaStager {
     ///
     /// # Safety
     ///
-    /// The calling `gather` or `scatter`'s contract; the entries passed [`check_entries`]; the lane's
-    /// previous operation is done (the caller's rule), so neither of its tables is still being read.
+    /// The calling `gather` or `scatter`'s contract; the lane's previous operation is done (the
+    /// caller's rule), so neither of its tables is still being read. The entries are checked here.
     unsafe fn run(
         &mut self,
         lane: usize,
@@ -346,6 +354,7 @@ impl CudaStager {
         gather: bool,
         extra: Option<(u64, &[u8])>,
     ) -> Result<(), DeviceError> {
+        entries.check(self.max_entries)?;
         let what = if gather { "gather" } else { "scatter" };
         let n = entries.len();
         let failed = |e: CudaError| DeviceError::Copy {
@@ -380,7 +389,7 @@ impl CudaStager {
             host[mine..mine + extra_len].copy_from_slice(t);
         }
         // SAFETY: the lane's tables hold `2 × max_entries × 16` bytes, `entries` passed
-        // `check_entries` (at most `max_entries`) and the extra table fits after them (checked); the
+        // `Entries::check` (at most `max_entries`) and the extra table fits after them (checked); the
         // copy is queued on the kernels' stream after the lane's previous kernel, and the host table
         // is not written again before the lane is done (after the copy and the kernel ran).
         unsafe { self.stream.copy_to_device(l.table.ptr(), &l.host.as_slice()[..mine + extra_len]) }.map_err(failed)?;
@@ -390,7 +399,7 @@ impl CudaStager {
             unsafe { self.stream.copy_device(to, l.table.ptr() + mine as u64, extra_len) }.map_err(failed)?;
         }
         // SAFETY: the table holds these entries once the copy queued just before runs; they are
-        // aligned (`check_entries`); the KV and slot ranges they name are the caller's contract.
+        // aligned (`Entries::check`); the KV and slot ranges they name are the caller's contract.
         unsafe { self.launch(lane, n, slot, gather) }.map_err(failed)
     }
 }
@@ -401,8 +410,7 @@ impl Stager for CudaStager {
     }
 
     unsafe fn gather(&mut self, lane: usize, entries: &[StageEntry], slot: u64) -> Result<(), DeviceError> {
-        check_entries(DeviceKind::Cuda, entries, self.max_entries)?;
-        // SAFETY: forwarded from `Stager::gather`'s contract; the entries were checked above.
+        // SAFETY: forwarded from `Stager::gather`'s contract; `run` checks the entries.
         unsafe { self.run(lane, Entries::List(entries), slot, true, None) }
     }
 
@@ -414,15 +422,13 @@ impl Stager for CudaStager {
         table_to: u64,
         table: &[u8],
     ) -> Result<(), DeviceError> {
-        check_table(DeviceKind::Cuda, local, self.max_entries)?;
         // SAFETY: forwarded from the contracts of `Stager::write` (for `table_to`) and
-        // `Stager::gather`; the entries were checked above.
+        // `Stager::gather`; `run` checks the entries.
         unsafe { self.run(lane, Entries::Table(local), slot, true, Some((table_to, table))) }
     }
 
     unsafe fn scatter(&mut self, lane: usize, entries: &[StageEntry], slot: u64) -> Result<(), DeviceError> {
-        check_entries(DeviceKind::Cuda, entries, self.max_entries)?;
-        // SAFETY: forwarded from `Stager::scatter`'s contract; the entries were checked above.
+        // SAFETY: forwarded from `Stager::scatter`'s contract; `run` checks the entries.
         unsafe { self.run(lane, Entries::List(entries), slot, false, None) }
     }
 

@@ -102,11 +102,7 @@ impl Device for HostDevice {
         if addr == 0 {
             return Err(reject("null address".into()));
         }
-        if len == 0 {
-            return Err(reject("empty range".into()));
-        }
-        let end =
-            addr.checked_add(len).ok_or_else(|| reject("range wraps past the end of the address space".into()))?;
+        let end = super::range_end(DeviceKind::Host, addr, len)?;
         match std::fs::read_to_string("/proc/self/maps") {
             Ok(maps) => check_mapped(&maps, addr, end).map_err(reject)?,
             Err(e) => tracing::debug!(error = %e, "host: /proc/self/maps unreadable, range not checked"),

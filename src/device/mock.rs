@@ -189,11 +189,7 @@ impl Device for MockDevice {
             return Err(DeviceError::Injected { device: DeviceKind::Mock, what: "describe" });
         }
         let reject = |reason: String| DeviceError::NotDeviceMemory { device: DeviceKind::Mock, addr, len, reason };
-        if len == 0 {
-            return Err(reject("empty range".into()));
-        }
-        let end =
-            addr.checked_add(len).ok_or_else(|| reject("range wraps past the end of the address space".into()))?;
+        let end = super::range_end(DeviceKind::Mock, addr, len)?;
         let books = self.shared.books();
         match books.live.range(..=addr).next_back() {
             Some((&start, &alloc_len)) if addr < start + alloc_len => {

@@ -213,6 +213,16 @@ pub trait Device: Send + Sync + fmt::Debug {
     }
 }
 
+/// The end of `[addr, addr + len)` for a backend's `describe`, or its `NotDeviceMemory` if the range
+/// is empty or wraps past the end of the address space.
+pub(crate) fn range_end(device: DeviceKind, addr: u64, len: u64) -> Result<u64, DeviceError> {
+    let reject = |reason: &str| DeviceError::NotDeviceMemory { device, addr, len, reason: reason.into() };
+    if len == 0 {
+        return Err(reject("empty range"));
+    }
+    addr.checked_add(len).ok_or_else(|| reject("range wraps past the end of the address space"))
+}
+
 /// Picks the backend named by `spec` (`auto|neuron|cuda|cuda:<ordinal>|host|mock`, case-insensitive).
 ///
 /// `auto` tries Neuron, then CUDA, then host. An explicit backend that is not available is an error,

@@ -445,7 +445,7 @@ impl NeuronDevice {
         tensor.zero().map_err(nrt_error)?;
         let region = MemRegion { addr, len, kind: MemKind::Vram, dev_id: self.core };
         self.shared.insert(addr, Known { len: tensor.size() as u64, core: self.core, origin: Origin::Allocated })?;
-        Ok(NeuronBuffer { tensor, region, shared: Arc::clone(&self.shared) })
+        Ok(NeuronBuffer { booked: Booked { region, shared: Arc::clone(&self.shared) }, tensor })
     }
 
     /// Registers a tensor the framework allocated, so that [`Device::describe`] accepts its memory:
@@ -482,10 +482,8 @@ impl NeuronDevice {
         let len = size as u64;
         self.shared.insert(addr, Known { len, core, origin: Origin::Registered })?;
         tracing::debug!(addr = format_args!("{addr:#x}"), len, core, "neuron: tensor registered");
-        Ok(TensorRegistration {
-            region: MemRegion { addr, len, kind: MemKind::Vram, dev_id: core },
-            shared: Arc::clone(&self.shared),
-        })
+        let region = MemRegion { addr, len, kind: MemKind::Vram, dev_id: core };
+        Ok(TensorRegistration(Booked { region, shared: Arc::clone(&self.shared) }))
     }
 
     /// Like [`Device::describe`], and also checks that the memory is on NeuronCore `claimed_core`, as
@@ -546,11 +544,7 @@ impl Device for NeuronDevice {
     /// if libnrt proves it mapped device memory (see `describe_mapped`).
     fn describe(&self, addr: u64, len: u64) -> Result<MemRegion, DeviceError> {
         let reject = |reason: String| DeviceError::NotDeviceMemory { device: DeviceKind::Neuron, addr, len, reason };
-        if len == 0 {
-            return Err(reject("empty range".into()));
-        }
-        let end =
-            addr.checked_add(len).ok_or_else(|| reject("range wraps past the end of the address space".into()))?;
+        let end = super::range_end(DeviceKind::Neuron, addr, len)?;
         let books = self.shared.books();
         match books.range(..=addr).next_back() {
             Some((&start, k)) if addr < start + k.len => {
@@ -613,15 +607,16 @@ pub(super) fn open_for_select() -> Result<Arc<dyn Device>, String> {
 
 /// Device memory kvpush allocated; freed (and forgotten by the device) on drop.
 pub struct NeuronBuffer {
+    /// Declared before `tensor`, so it drops first: the memory is forgotten before the tensor is
+    /// freed, and no describe can succeed for freed memory.
+    booked: Booked,
     tensor: Tensor,
-    region: MemRegion,
-    shared: Arc<Shared>,
 }
 
 impl NeuronBuffer {
     /// The dma-buf fd of the whole buffer (`nrt_get_dmabuf_fd`).
     pub fn dmabuf_fd(&self) -> Result<OwnedFd, NeuronError> {
-        self.tensor.runtime().dmabuf_fd(self.region.addr, self.region.len).map_err(nrt_error)
+        self.tensor.runtime().dmabuf_fd(self.booked.region.addr, self.booked.region.len).map_err(nrt_error)
     }
 
     /// The raw `nrt_tensor_t*`, valid while the buffer lives (for handing to other libnrt users).
@@ -632,7 +627,7 @@ impl NeuronBuffer {
 
 impl Buffer for NeuronBuffer {
     fn region(&self) -> MemRegion {
-        self.region
+        self.booked.region
     }
 
     fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
@@ -650,12 +645,12 @@ impl NeuronBuffer {
     /// Keeps copies inside the region (the tensor may be larger than asked for).
     fn check(&self, offset: u64, len: usize) -> Result<(), DeviceError> {
         match offset.checked_add(len as u64) {
-            Some(end) if end <= self.region.len => Ok(()),
+            Some(end) if end <= self.booked.region.len => Ok(()),
             _ => Err(DeviceError::Copy {
                 device: DeviceKind::Neuron,
                 offset,
                 len: len as u64,
-                reason: format!("out of range: the buffer holds {} bytes", self.region.len),
+                reason: format!("out of range: the buffer holds {} bytes", self.booked.region.len),
             }),
         }
     }
@@ -665,17 +660,22 @@ fn copy_error(offset: u64, len: usize, e: neuron_sys::Error) -> DeviceError {
     DeviceError::Copy { device: DeviceKind::Neuron, offset, len: len as u64, reason: e.to_string() }
 }
 
-impl Drop for NeuronBuffer {
-    fn drop(&mut self) {
-        // Forget the memory before the tensor is freed (fields drop after this body), so no describe
-        // can succeed for freed memory.
-        self.shared.remove(self.region.addr);
+impl fmt::Debug for NeuronBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.booked.debug(f, "NeuronBuffer")
     }
 }
 
-impl fmt::Debug for NeuronBuffer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("NeuronBuffer")
+/// Memory in a [`NeuronDevice`]'s books (allocated or registered), forgotten when this drops.
+struct Booked {
+    region: MemRegion,
+    shared: Arc<Shared>,
+}
+
+impl Booked {
+    /// Formats the handle `name` that holds this as its region: address, length and NeuronCore.
+    fn debug(&self, f: &mut fmt::Formatter<'_>, name: &str) -> fmt::Result {
+        f.debug_struct(name)
             .field("addr", &format_args!("{:#x}", self.region.addr))
             .field("len", &self.region.len)
             .field("core", &self.region.dev_id)
@@ -683,32 +683,25 @@ impl fmt::Debug for NeuronBuffer {
     }
 }
 
-/// A framework tensor known to a [`NeuronDevice`]; forgotten on drop.
-pub struct TensorRegistration {
-    region: MemRegion,
-    shared: Arc<Shared>,
+impl Drop for Booked {
+    fn drop(&mut self) {
+        self.shared.remove(self.region.addr);
+    }
 }
+
+/// A framework tensor known to a [`NeuronDevice`]; forgotten on drop.
+pub struct TensorRegistration(Booked);
 
 impl TensorRegistration {
     /// The tensor's memory, as libnrt reported it.
     pub fn region(&self) -> MemRegion {
-        self.region
-    }
-}
-
-impl Drop for TensorRegistration {
-    fn drop(&mut self) {
-        self.shared.remove(self.region.addr);
+        self.0.region
     }
 }
 
 impl fmt::Debug for TensorRegistration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TensorRegistration")
-            .field("addr", &format_args!("{:#x}", self.region.addr))
-            .field("len", &self.region.len)
-            .field("core", &self.region.dev_id)
-            .finish()
+        self.0.debug(f, "TensorRegistration")
     }
 }
 

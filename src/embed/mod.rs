@@ -334,6 +334,37 @@ pub struct LayoutSpec {
     pub region_lens: Vec<u64>,
 }
 
+/// Builds a [`LayoutSpec`] from a binding's flat layout `$l` — the C ABI's `kvpush_layout` or the cxx
+/// bridge's `LayoutSpec`, whose scalar fields and TP/PP fields carry these names — and the lists the
+/// binding converted itself. One place maps the flat fields, so the bindings cannot disagree.
+macro_rules! layout_spec_from_flat {
+    ($l:expr, groups: $groups:expr, region_bases: $bases:expr, region_lens: $lens:expr $(,)?) => {{
+        let l = $l;
+        $crate::embed::LayoutSpec {
+            total_layers: l.total_layers,
+            kv_heads: l.kv_heads,
+            head_dim: l.head_dim,
+            dtype: l.dtype,
+            kv_kind: l.kv_kind,
+            block_tokens: l.block_tokens,
+            num_blocks: l.num_blocks,
+            order: l.order,
+            placement: l.placement,
+            parallel: $crate::proto::layout::Parallel {
+                tp_rank: l.tp_rank,
+                tp_size: l.tp_size,
+                pp_rank: l.pp_rank,
+                pp_size: l.pp_size,
+            },
+            block_stride: l.block_stride,
+            groups: $groups,
+            region_bases: $bases,
+            region_lens: $lens,
+        }
+    }};
+}
+pub(crate) use layout_spec_from_flat;
+
 impl Default for LayoutSpec {
     /// Every number 0 (codes: f16, keys and values, HND, separate), one worker (TP 1, PP 1).
     fn default() -> Self {

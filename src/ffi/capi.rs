@@ -32,7 +32,6 @@ use crate::embed::{
     TransportSpec,
 };
 use crate::engine::stats::{Counters, Failures, LatencySummary, StatsSnapshot};
-use crate::proto::layout::Parallel;
 use crate::proto::Key;
 
 /// Version of this ABI (`KVPUSH_ABI_VERSION` in the header); grows when a struct or signature changes.
@@ -430,6 +429,28 @@ fn remove(handle: usize, kind: usize) -> Result<Item, FfiError> {
     item.ok_or_else(|| unknown(kind, handle))
 }
 
+/// Makes `item` a handle and writes it through `out`: the last step of a `*_create` entry point.
+///
+/// # Safety
+///
+/// 1. `out` is null or valid for a write of a pointer.
+unsafe fn put_handle<T>(out: *mut *mut T, item: Item) -> Result<(), FfiError> {
+    let id = insert(item)?;
+    // SAFETY: the caller's contract (1).
+    unsafe { put("out", out, id as *mut T) }
+}
+
+/// A `*_destroy` entry point: refuses a null `handle` (the argument `arg`), else removes the handle
+/// of `kind` and drops what it held.
+fn destroy(call: &'static str, arg: &'static str, handle: usize, kind: usize) -> c_int {
+    guard(call, || {
+        if handle == 0 {
+            return Err(FfiError::Null(arg));
+        }
+        remove(handle, kind).map(drop)
+    })
+}
+
 // ---------------------------------------------------------------------------------------------
 // Checked conversions of C arguments.
 
@@ -529,22 +550,7 @@ unsafe fn layout_spec(l: &kvpush_layout) -> Result<LayoutSpec, FfiError> {
         // SAFETY: the caller's contract (1): `region_lens` holds `num_regions` lengths.
         unsafe { slice("layout.region_lens", l.region_lens, l.num_regions) }?.to_vec()
     };
-    Ok(LayoutSpec {
-        total_layers: l.total_layers,
-        kv_heads: l.kv_heads,
-        head_dim: l.head_dim,
-        dtype: l.dtype,
-        kv_kind: l.kv_kind,
-        block_tokens: l.block_tokens,
-        num_blocks: l.num_blocks,
-        order: l.order,
-        placement: l.placement,
-        parallel: Parallel { tp_rank: l.tp_rank, tp_size: l.tp_size, pp_rank: l.pp_rank, pp_size: l.pp_size },
-        block_stride: l.block_stride,
-        groups,
-        region_bases,
-        region_lens,
-    })
+    Ok(crate::embed::layout_spec_from_flat!(l, groups: groups, region_bases: region_bases, region_lens: region_lens))
 }
 
 /// Writes `value` through a required out-pointer.
@@ -727,9 +733,8 @@ pub unsafe extern "C" fn kvpush_hub_create(out: *mut *mut kvpush_hub) -> c_int {
         if out.is_null() {
             return Err(FfiError::Null("out"));
         }
-        let id = insert(Item::Hub(Hub::new()))?;
         // SAFETY: the caller's contract (1).
-        unsafe { put("out", out, id as *mut kvpush_hub) }
+        unsafe { put_handle(out, Item::Hub(Hub::new())) }
     })
 }
 
@@ -740,12 +745,7 @@ pub unsafe extern "C" fn kvpush_hub_create(out: *mut *mut kvpush_hub) -> c_int {
 /// None beyond the handle's being any value: unknown handles are answered with an error.
 #[no_mangle]
 pub unsafe extern "C" fn kvpush_hub_destroy(hub: *mut kvpush_hub) -> c_int {
-    guard("kvpush_hub_destroy", || {
-        if hub.is_null() {
-            return Err(FfiError::Null("hub"));
-        }
-        remove(hub as usize, KIND_HUB).map(drop)
-    })
+    destroy("kvpush_hub_destroy", "hub", hub as usize, KIND_HUB)
 }
 
 /// Creates an engine worker: validates the layout, checks and registers its memory, starts the
@@ -828,9 +828,8 @@ pub unsafe extern "C" fn kvpush_engine_create(
         let layout = unsafe { layout_spec(l) }?;
         // SAFETY: the caller's contracts (2) and (3) are `FfiEngine::new`'s.
         let engine = unsafe { FfiEngine::new(&spec, &layout) }?;
-        let id = insert(Item::Engine(engine))?;
         // SAFETY: the caller's contract (1) for `out`.
-        unsafe { put("out", out, id as *mut kvpush_engine) }
+        unsafe { put_handle(out, Item::Engine(engine)) }
     })
 }
 
@@ -842,14 +841,9 @@ pub unsafe extern "C" fn kvpush_engine_create(
 /// None beyond the handle's being any value: unknown handles are answered with an error.
 #[no_mangle]
 pub unsafe extern "C" fn kvpush_engine_destroy(engine: *mut kvpush_engine) -> c_int {
-    guard("kvpush_engine_destroy", || {
-        if engine.is_null() {
-            return Err(FfiError::Null("engine"));
-        }
-        // The engine stops here, after the calls in progress on it ended: its memory is no longer
-        // used once this returns.
-        remove(engine as usize, KIND_ENGINE).map(drop)
-    })
+    // The engine stops here, after the calls in progress on it ended: its memory is no longer used
+    // once this returns.
+    destroy("kvpush_engine_destroy", "engine", engine as usize, KIND_ENGINE)
 }
 
 /// Writes this worker's encoded handshake into `buf` (`cap` bytes) and its length into `*len`. With

@@ -13,7 +13,6 @@ use std::sync::Arc;
 use super::capi::kvpush_stats;
 use super::cxx::{Completion, EngineSpec, GroupSpec, Key, LayoutSpec};
 use crate::embed::{key_of, key_parts, panic_message, FfiEngine, FfiError, Hub, TransportSpec};
-use crate::proto::layout::Parallel;
 
 thread_local! {
     static ERROR_CODE: Cell<i32> = const { Cell::new(0) };
@@ -94,26 +93,17 @@ fn engine_spec(s: &EngineSpec, transport: TransportSpec) -> crate::embed::Engine
 }
 
 fn layout_spec(l: &LayoutSpec) -> crate::embed::LayoutSpec {
-    crate::embed::LayoutSpec {
-        total_layers: l.total_layers,
-        kv_heads: l.kv_heads,
-        head_dim: l.head_dim,
-        dtype: l.dtype,
-        kv_kind: l.kv_kind,
-        block_tokens: l.block_tokens,
-        num_blocks: l.num_blocks,
-        order: l.order,
-        placement: l.placement,
-        parallel: Parallel { tp_rank: l.tp_rank, tp_size: l.tp_size, pp_rank: l.pp_rank, pp_size: l.pp_size },
-        block_stride: l.block_stride,
-        groups: l
-            .groups
-            .iter()
-            .map(|g: &GroupSpec| crate::embed::GroupSpec { window_tokens: g.window_tokens, layers: g.layers.clone() })
-            .collect(),
+    let groups = l
+        .groups
+        .iter()
+        .map(|g: &GroupSpec| crate::embed::GroupSpec { window_tokens: g.window_tokens, layers: g.layers.clone() })
+        .collect();
+    crate::embed::layout_spec_from_flat!(
+        l,
+        groups: groups,
         region_bases: l.region_bases.clone(),
         region_lens: l.region_lens.clone(),
-    }
+    )
 }
 
 /// # Safety

@@ -22,8 +22,9 @@
 //! [`CompletionConfig::drain_timeout_us`] passes (a producer that is gone). Only then is the event
 //! emitted, so the engine never hands out blocks a late write could still land in.
 
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 
+use super::deadlines::Deadlines;
 use super::ids::{Instant, Key, Rank, TransferId};
 use super::msg::{Completion, Failure, FailureKind, Registration};
 
@@ -180,7 +181,7 @@ pub struct Completions {
     config: CompletionConfig,
     waiting: HashMap<TransferId, Waiting>,
     draining: HashMap<Key, Draining>,
-    deadlines: BinaryHeap<core::cmp::Reverse<(Instant, TransferId, u32)>>,
+    deadlines: Deadlines,
     events: VecDeque<Event>,
     stats: CompletionStats,
 }
@@ -192,7 +193,7 @@ impl Completions {
             config,
             waiting: HashMap::new(),
             draining: HashMap::new(),
-            deadlines: BinaryHeap::new(),
+            deadlines: Deadlines::default(),
             events: VecDeque::new(),
             stats: CompletionStats::default(),
         }
@@ -253,7 +254,7 @@ impl Completions {
 
     /// The earliest time [`Completions::handle_timeout`] has something to do.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.deadlines.peek().map(|r| r.0 .0)
+        self.deadlines.next()
     }
 
     // ---- inputs ----
@@ -284,7 +285,7 @@ impl Completions {
             return Err(RegisterError::Full { pending: self.pending(), max: self.config.max_pending });
         }
         let deadline = now.plus_micros(self.config.timeout_us);
-        self.deadlines.push(core::cmp::Reverse((deadline, id, key.attempt.0)));
+        self.deadlines.push(deadline, key);
         self.waiting.insert(
             id,
             Waiting {
@@ -351,12 +352,8 @@ impl Completions {
     /// Fails every request whose deadline is at or before `now`, and reports every draining
     /// request whose drain deadline passed.
     pub fn handle_timeout(&mut self, now: Instant) {
-        while let Some(core::cmp::Reverse((at, id, attempt))) = self.deadlines.peek().copied() {
-            if at > now {
-                break;
-            }
-            self.deadlines.pop();
-            let key = Key { transfer_id: id, attempt: super::ids::Attempt(attempt) };
+        while let Some((at, key)) = self.deadlines.pop_due(now) {
+            let (id, attempt) = (key.transfer_id, key.attempt.0);
             if self.draining.get(&key).is_some_and(|d| d.deadline == at) {
                 if let Some(d) = self.draining.remove(&key) {
                     self.stats.drain_expired += 1;
@@ -387,7 +384,7 @@ impl Completions {
             return;
         }
         let deadline = now.plus_micros(self.config.drain_timeout_us);
-        self.deadlines.push(core::cmp::Reverse((deadline, key.transfer_id, key.attempt.0)));
+        self.deadlines.push(deadline, key);
         self.draining.insert(key, Draining { expected, heard, deadline, event });
         self.events.push_back(Event::Draining { key });
     }

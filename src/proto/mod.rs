@@ -15,6 +15,7 @@ mod bounded;
 pub mod codec;
 pub mod compat;
 pub mod completion;
+mod deadlines;
 pub mod ids;
 pub mod layout;
 pub mod merge;

@@ -572,11 +572,23 @@ mod tests {
         l
     }
 
+    /// Single-rank source (regions from 1 GiB) and destination (from 16 GiB) layouts of `m`, with
+    /// their block tokens and placements.
+    fn single_rank(
+        m: &ModelShape,
+        block_tokens: (u32, u32),
+        order: BlockOrder,
+        placement: (KvPlacement, KvPlacement),
+    ) -> (KvLayout, KvLayout) {
+        let s = layout(m, block_tokens.0, order, placement.0, Parallel::SINGLE, 1 << 30);
+        let d = layout(m, block_tokens.1, order, placement.1, Parallel::SINGLE, 1 << 34);
+        (s, d)
+    }
+
     #[test]
     fn contiguous_blocks_merge_to_one_copy_per_layer_and_part() {
         let m = model(3, 2, full(3));
-        let s = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 30);
-        let d = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 34);
+        let (s, d) = single_rank(&m, (16, 16), BlockOrder::Hnd, (KvPlacement::Separate, KvPlacement::Separate));
         let ids: Vec<u32> = (10..20).collect();
         let input = PlanInput {
             src: &s,
@@ -599,8 +611,7 @@ mod tests {
     #[test]
     fn joint_placement_merges_k_and_v_of_consecutive_blocks() {
         let m = model(1, 2, full(1));
-        let s = layout(&m, 16, BlockOrder::Nhd, KvPlacement::Joint, Parallel::SINGLE, 1 << 30);
-        let d = layout(&m, 16, BlockOrder::Nhd, KvPlacement::Joint, Parallel::SINGLE, 1 << 34);
+        let (s, d) = single_rank(&m, (16, 16), BlockOrder::Nhd, (KvPlacement::Joint, KvPlacement::Joint));
         let input =
             PlanInput { src: &s, dst: &d, src_blocks: &[vec![3, 4, 5]], dst_blocks: &[vec![7, 8, 9]], num_tokens: 48 };
         let mut out = Vec::new();
@@ -612,8 +623,7 @@ mod tests {
     #[test]
     fn prefix_hit_on_destination_writes_only_the_tail() {
         let m = model(1, 1, full(1));
-        let s = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 30);
-        let d = layout(&m, 32, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 34);
+        let (s, d) = single_rank(&m, (16, 32), BlockOrder::Hnd, (KvPlacement::Separate, KvPlacement::Separate));
         // 100 tokens: P has 7 blocks of 16, D lists only its last 2 of 4 blocks of 32 (tokens 64..100).
         let src_ids: Vec<u32> = (0..7).collect();
         let input =
@@ -635,8 +645,7 @@ mod tests {
             KvGroup { kind: GroupKind::SlidingWindow { window_tokens: 20 }, layers: vec![1] },
         ];
         let m = model(2, 1, groups);
-        let s = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 30);
-        let d = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 34);
+        let (s, d) = single_rank(&m, (16, 16), BlockOrder::Hnd, (KvPlacement::Separate, KvPlacement::Separate));
         let ids: Vec<u32> = (0..4).collect();
         let input = PlanInput {
             src: &s,
@@ -662,8 +671,7 @@ mod tests {
             KvGroup { kind: GroupKind::SlidingWindow { window_tokens: 32 }, layers: vec![1] },
         ];
         let m = model(4, 2, groups);
-        let s = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 30);
-        let d = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Joint, Parallel::SINGLE, 1 << 34);
+        let (s, d) = single_rank(&m, (16, 16), BlockOrder::Hnd, (KvPlacement::Separate, KvPlacement::Joint));
         let src_ids: Vec<u32> = (0..8).map(|i| (i * 5) % 8).collect();
         let dst_ids: Vec<u32> = (0..8).map(|i| 40 - 3 * i).collect();
         let input = PlanInput {
@@ -725,8 +733,7 @@ mod tests {
     #[test]
     fn bad_inputs_are_errors() {
         let m = model(1, 1, full(1));
-        let s = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 30);
-        let d = layout(&m, 16, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, 1 << 34);
+        let (s, d) = single_rank(&m, (16, 16), BlockOrder::Hnd, (KvPlacement::Separate, KvPlacement::Separate));
         let mut out = Vec::new();
         let mut p = Planner::new();
         let bad_id = PlanInput { src: &s, dst: &d, src_blocks: &[vec![64]], dst_blocks: &[vec![0]], num_tokens: 16 };

@@ -22,9 +22,10 @@
 //!   fails at once instead of waiting for its timeout;
 //! * the number of live transfer ids never exceeds [`RendezvousConfig::max_pending`] (over it: refusal).
 
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
+use super::deadlines::Deadlines;
 use super::ids::{EngineId, Instant, Key, Rank, TransferId};
 use super::msg::{FailureKind, Registration};
 
@@ -236,7 +237,7 @@ pub struct Rendezvous {
     config: RendezvousConfig,
     entries: HashMap<TransferId, Entry>,
     draining: HashMap<Key, Draining>,
-    deadlines: BinaryHeap<core::cmp::Reverse<(Instant, TransferId, u32)>>,
+    deadlines: Deadlines,
     tombs: HashMap<TransferId, Tomb>,
     tomb_order: VecDeque<(Instant, TransferId, u32)>,
     actions: VecDeque<Action>,
@@ -250,7 +251,7 @@ impl Rendezvous {
             config,
             entries: HashMap::new(),
             draining: HashMap::new(),
-            deadlines: BinaryHeap::new(),
+            deadlines: Deadlines::default(),
             tombs: HashMap::new(),
             tomb_order: VecDeque::new(),
             actions: VecDeque::new(),
@@ -304,7 +305,7 @@ impl Rendezvous {
 
     /// The earliest time [`Rendezvous::handle_timeout`] has something to do.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let d = self.deadlines.peek().map(|r| r.0 .0);
+        let d = self.deadlines.next();
         let t = self.tomb_order.front().map(|t| t.0);
         match (d, t) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -496,12 +497,8 @@ impl Rendezvous {
     /// Expires leases and registration waits whose deadline is at or before `now`, and forgets old
     /// tombstones.
     pub fn handle_timeout(&mut self, now: Instant) {
-        while let Some(core::cmp::Reverse((at, id, attempt))) = self.deadlines.peek().copied() {
-            if at > now {
-                break;
-            }
-            self.deadlines.pop();
-            let key = Key { transfer_id: id, attempt: super::ids::Attempt(attempt) };
+        while let Some((at, key)) = self.deadlines.pop_due(now) {
+            let (id, attempt) = (key.transfer_id, key.attempt.0);
             let live = match self.entries.get(&id) {
                 Some(Entry { attempt: a, slot }) if *a == attempt => match slot {
                     Slot::AwaitingRegistration(w) => w.lease_deadline == at,
@@ -620,7 +617,7 @@ impl Rendezvous {
     }
 
     fn arm(&mut self, at: Instant, key: Key) {
-        self.deadlines.push(core::cmp::Reverse((at, key.transfer_id, key.attempt.0)));
+        self.deadlines.push(at, key);
     }
 
     fn bury(&mut self, now: Instant, key: Key, kind: FailureKind) {

@@ -39,6 +39,12 @@ fn worker(id: &str, mode: Mode, fabric: &Fabric, secret: Option<&[u8]>) -> Worke
     worker_with(id, id, mode, fabric, side_config(secret))
 }
 
+/// A push-mode producer "prefill" and a consumer "decode" in `d_mode` on `fabric`, each with its own
+/// shared secret, not yet connected.
+fn pair(fabric: &Fabric, d_mode: Mode, p_secret: Option<&[u8]>, d_secret: Option<&[u8]>) -> (Worker, Worker) {
+    (worker("prefill", Mode::Push, fabric, p_secret), worker("decode", d_mode, fabric, d_secret))
+}
+
 /// A worker of engine `id` whose loopback endpoint is `endpoint` (two processes of one engine, the
 /// old and the restarted, need two endpoints).
 fn worker_with(id: &str, endpoint: &str, mode: Mode, fabric: &Fabric, side: SideConfig) -> Worker {
@@ -64,8 +70,7 @@ fn wait_for(w: &Worker, what: &str, pred: impl Fn(&Finished) -> bool) -> Finishe
 #[test]
 fn push_over_the_side_channel_with_a_shared_secret() {
     let fabric = Fabric::new();
-    let p = worker("prefill", Mode::Push, &fabric, Some(b"s3cret"));
-    let d = worker("decode", Mode::Push, &fabric, Some(b"s3cret"));
+    let (p, d) = pair(&fabric, Mode::Push, Some(b"s3cret"), Some(b"s3cret"));
     let peer = d.side.connect(p.side.local_addr()).expect("handshake");
     assert_eq!(peer.engine, "prefill");
     // The producer side learned the consumer too.
@@ -93,8 +98,7 @@ fn push_over_the_side_channel_with_a_shared_secret() {
 #[test]
 fn mode_mismatch_is_refused_on_both_sides_with_the_compatibility_message() {
     let fabric = Fabric::new();
-    let p = worker("prefill", Mode::Push, &fabric, None);
-    let d = worker("decode", Mode::Pull, &fabric, None);
+    let (p, d) = pair(&fabric, Mode::Pull, None, None);
     let e = d.side.connect(p.side.local_addr()).expect_err("must refuse");
     let text = e.to_string();
     assert!(matches!(e, SideError::Refused { .. }), "{text}");
@@ -106,8 +110,7 @@ fn mode_mismatch_is_refused_on_both_sides_with_the_compatibility_message() {
 #[test]
 fn strangers_without_the_secret_are_refused() {
     let fabric = Fabric::new();
-    let p = worker("prefill", Mode::Push, &fabric, Some(b"right"));
-    let wrong = worker("decode", Mode::Push, &fabric, Some(b"wrong"));
+    let (p, wrong) = pair(&fabric, Mode::Push, Some(b"right"), Some(b"wrong"));
     let e = wrong.side.connect(p.side.local_addr()).expect_err("wrong secret");
     assert!(matches!(e, SideError::Auth { .. }), "{e}");
     assert!(e.to_string().contains("shared secrets differ"), "{e}");
@@ -133,8 +136,7 @@ fn strangers_without_the_secret_are_refused() {
 fn a_malformed_frame_closes_the_connection_and_is_counted() {
     use kvpush::engine::ControlLink;
     let fabric = Fabric::new();
-    let p = worker("prefill", Mode::Push, &fabric, None);
-    let d = worker("decode", Mode::Push, &fabric, None);
+    let (p, d) = pair(&fabric, Mode::Push, None, None);
     let peer = d.side.connect(p.side.local_addr()).expect("handshake");
     d.side.send(d.engine.addr(), &peer, b"KP\x01\x00\x63\x00\x00\x00\x00".to_vec()).expect("queued");
     poll_until(
@@ -151,8 +153,7 @@ fn a_malformed_frame_closes_the_connection_and_is_counted() {
 #[test]
 fn a_lost_consumer_releases_the_producer_blocks_and_a_lost_producer_fails_the_consumer() {
     let fabric = Fabric::new();
-    let p = worker("prefill", Mode::Push, &fabric, None);
-    let d = worker("decode", Mode::Push, &fabric, None);
+    let (p, d) = pair(&fabric, Mode::Push, None, None);
     d.side.connect(p.side.local_addr()).expect("handshake");
     // D registers, then disappears before P's prefill finishes: P must drop the registration, and
     // the blocks it reports ready come back at once, not after the lease.
@@ -358,9 +359,12 @@ impl Relay {
     }
 }
 
-/// Sends `attack` to P through the relay and checks that P refuses it, closes the connection, and
-/// hands no frame to its engine.
-fn refused_through_the_relay(p: &Worker, relay: &Relay, attack: &[u8]) {
+/// Builds a [`relayed_pair`], sends the record `attack` makes of it to P through the relay, and
+/// checks that P refuses it, closes the connection, and hands no frame to its engine.
+fn refused_through_a_relay(attack: impl FnOnce(&Worker, &Relay) -> Vec<u8>) {
+    let fabric = Fabric::new();
+    let (p, _d, relay) = relayed_pair(&fabric);
+    let attack = attack(&p, &relay);
     // Hold D's own records (heartbeats), and wait until P has taken every one already on its way, so
     // that any frame P counts from here on can only be the attack.
     relay.hold();
@@ -368,7 +372,7 @@ fn refused_through_the_relay(p: &Worker, relay: &Relay, attack: &[u8]) {
     let mut stable_since = Instant::now();
     let deadline = Instant::now() + Duration::from_secs(5);
     while stable_since.elapsed() < Duration::from_millis(300) {
-        assert!(Instant::now() < deadline, "P kept counting frames from a held relay: {}", stats_of(p)());
+        assert!(Instant::now() < deadline, "P kept counting frames from a held relay: {}", stats_of(&p)());
         std::thread::sleep(Duration::from_millis(10));
         let now = p.side.stats().frames_in;
         if now != last {
@@ -376,38 +380,32 @@ fn refused_through_the_relay(p: &Worker, relay: &Relay, attack: &[u8]) {
         }
     }
     let before = p.side.stats();
-    relay.inject(attack);
-    until("P refused the record", || p.side.stats().auth_failures == before.auth_failures + 1, stats_of(p));
-    until("P closed the connection", || p.side.peers().is_empty(), stats_of(p));
+    relay.inject(&attack);
+    until("P refused the record", || p.side.stats().auth_failures == before.auth_failures + 1, stats_of(&p));
+    until("P closed the connection", || p.side.peers().is_empty(), stats_of(&p));
     let after = p.side.stats();
     assert_eq!((after.frames_in, after.malformed), (before.frames_in, before.malformed), "it reached the engine");
 }
 
 #[test]
 fn a_relay_cannot_inject_a_frame() {
-    let fabric = Fabric::new();
-    let (p, _d, relay) = relayed_pair(&fabric);
-    // An abort for a transfer, as a plaintext codec frame wrapped in a record: the old channel
-    // took any frame after its handshake.
-    let mut frame = b"KP\x01\x00\x63\x00\x00\x00\x00".to_vec();
-    frame.splice(0..0, (frame.len() as u16).to_be_bytes());
-    refused_through_the_relay(&p, &relay, &frame);
+    refused_through_a_relay(|_, _| {
+        // An abort for a transfer, as a plaintext codec frame wrapped in a record: the old channel
+        // took any frame after its handshake.
+        let mut frame = b"KP\x01\x00\x63\x00\x00\x00\x00".to_vec();
+        frame.splice(0..0, (frame.len() as u16).to_be_bytes());
+        frame
+    });
 }
 
 #[test]
 fn a_replayed_record_is_refused() {
-    let fabric = Fabric::new();
-    let (p, _d, relay) = relayed_pair(&fabric);
-    let replay = Relay::a_later_record(&relay.from_dialer, &p);
-    refused_through_the_relay(&p, &relay, &replay);
+    refused_through_a_relay(|p, relay| Relay::a_later_record(&relay.from_dialer, p));
 }
 
 #[test]
 fn a_reflected_record_is_refused() {
-    let fabric = Fabric::new();
-    let (p, _d, relay) = relayed_pair(&fabric);
-    let own = Relay::a_later_record(&relay.from_target, &p);
-    refused_through_the_relay(&p, &relay, &own);
+    refused_through_a_relay(|p, relay| Relay::a_later_record(&relay.from_target, p));
 }
 
 #[test]

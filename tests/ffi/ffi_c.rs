@@ -26,7 +26,7 @@ use kvpush::ffi::status;
 use serde::Serialize;
 
 use crate::ffi_support;
-use ffi_support::{build, cdylib, nixl_or_skip, root, run_ok, stage};
+use ffi_support::{build, cdylib, root, run_nixl_ok, run_ok, stage};
 
 /// The test program, built once per test binary.
 fn program() -> &'static PathBuf {
@@ -48,10 +48,7 @@ fn loopback_push_pull_aborts_and_error_paths() {
 
 #[test]
 fn nixl_push_through_the_side_channel() {
-    if !nixl_or_skip() {
-        return;
-    }
-    let out = run_ok(program(), &["nixl"], "all NIXL checks passed");
+    let Some(out) = run_nixl_ok(program, "all NIXL checks passed") else { return };
     assert!(out.contains("push ok: 4 requests"), "{out}");
 }
 

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use crate::ffi_support;
-use ffi_support::{build, cdylib, nixl_or_skip, root, run_ok, stage};
+use ffi_support::{build, cdylib, root, run_nixl_ok, run_ok, stage};
 
 /// The test program, built once per test binary.
 fn program() -> &'static PathBuf {
@@ -30,9 +30,6 @@ fn loopback_push_abort_and_exceptions() {
 
 #[test]
 fn nixl_push_through_the_side_channel() {
-    if !nixl_or_skip() {
-        return;
-    }
-    let out = run_ok(program(), &["nixl"], "all C++ NIXL checks passed");
+    let Some(out) = run_nixl_ok(program, "all C++ NIXL checks passed") else { return };
     assert!(out.contains("push ok: 3 requests"), "{out}");
 }

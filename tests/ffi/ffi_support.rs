@@ -156,3 +156,9 @@ pub fn nixl_or_skip() -> bool {
     eprintln!("SKIPPED (not under CI): {msg}");
     false
 }
+
+/// Runs the test program that `program` builds with the argument `nixl`, as [`run_ok`] does, and
+/// returns its stdout; `None` where NIXL is not available (see [`nixl_or_skip`]), without building it.
+pub fn run_nixl_ok(program: fn() -> &'static PathBuf, marker: &str) -> Option<String> {
+    nixl_or_skip().then(|| run_ok(program(), &["nixl"], marker))
+}

@@ -14,6 +14,7 @@ use kvpush::device::mock::MockDevice;
 use kvpush::device::{Access, Buffer, CopyOp, Device, DeviceError, DeviceKind, MemKind, MemRegion};
 use kvpush::transport::loopback::{Fabric, Fault, FaultRates, LoopbackStats, LoopbackTransport, STATUS_BACKEND};
 use kvpush::transport::{Desc, Notification, Op, Transport, TransportError, XferId, XferState};
+use kvpush_testkit::engines::poll_until;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -40,16 +41,8 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 }
 
 fn wait(t: &LoopbackTransport, id: XferId) -> Result<XferState, TransportError> {
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
-        match t.poll(id) {
-            Ok(XferState::Pending) => {
-                assert!(Instant::now() < deadline, "transfer {id:?} never completed");
-                thread::sleep(Duration::from_micros(100));
-            }
-            other => return other,
-        }
-    }
+    let done = |s: &Result<XferState, TransportError>| !matches!(s, Ok(XferState::Pending));
+    poll_until(&format!("transfer {id:?} completed"), TIMEOUT, || t.poll(id), done)
 }
 
 fn wait_notifications(t: &LoopbackTransport, n: usize) -> Vec<Notification> {

@@ -17,6 +17,26 @@ fn nixl_or_skip() -> bool {
     )
 }
 
+/// The error text of an agent `agent` on `backend`, which must fail to start (`why` says why), or
+/// `None` where NIXL is not available (see [`nixl_or_skip`]).
+fn refused_backend(agent: &str, backend: &str, why: &str) -> Option<String> {
+    if !nixl_or_skip() {
+        return None;
+    }
+    let mut c = NixlConfig::new(agent);
+    c.backend = backend.into();
+    Some(NixlTransport::new(&c).expect_err(why).to_string())
+}
+
+/// Two UCX agents named `a` and `b`, or `None` where NIXL is not available (see [`nixl_or_skip`]).
+fn agents(a: &str, b: &str) -> Option<(NixlTransport, NixlTransport)> {
+    if !nixl_or_skip() {
+        return None;
+    }
+    let agent = |name: &str| NixlTransport::new(&NixlConfig::new(name)).unwrap_or_else(|e| panic!("agent {name}: {e}"));
+    Some((agent(a), agent(b)))
+}
+
 fn region(buf: &mut [u8]) -> MemRegion {
     MemRegion { addr: buf.as_mut_ptr() as u64, len: buf.len() as u64, kind: MemKind::Dram, dev_id: 0 }
 }
@@ -60,11 +80,7 @@ fn wait_notif(t: &NixlTransport, other: &NixlTransport, seen: &mut Vec<Notificat
 
 #[test]
 fn write_and_read_with_notifications_over_ucx() {
-    if !nixl_or_skip() {
-        return;
-    }
-    let p = NixlTransport::new(&NixlConfig::new("t-prefill")).expect("prefill agent");
-    let d = NixlTransport::new(&NixlConfig::new("t-decode")).expect("decode agent");
+    let Some((p, d)) = agents("t-prefill", "t-decode") else { return };
     let mut src: Vec<u8> = (0..1 << 20).map(|i| (i * 7 % 251) as u8).collect();
     let mut dst = vec![0u8; 1 << 20];
     // SAFETY: both buffers live until the end of the test, after the agents are dropped; the test
@@ -119,12 +135,8 @@ fn write_and_read_with_notifications_over_ucx() {
 /// post, a restarted peer's old list is never used, and the bytes land either way.
 #[test]
 fn prepared_lists_post_single_units_by_index() {
-    if !nixl_or_skip() {
-        return;
-    }
     const UNIT: u64 = 4096;
-    let p = NixlTransport::new(&NixlConfig::new("t-prep-p")).expect("prefill agent");
-    let d = NixlTransport::new(&NixlConfig::new("t-prep-d")).expect("decode agent");
+    let Some((p, d)) = agents("t-prep-p", "t-prep-d") else { return };
     let mut src: Vec<u8> = (0..64 * UNIT as usize).map(|i| (i * 13 % 253) as u8).collect();
     let mut dst = vec![0u8; 64 * UNIT as usize];
     // SAFETY: both buffers outlive the agents (dropped at the end of the test, before the buffers);
@@ -186,13 +198,7 @@ fn prepared_lists_post_single_units_by_index() {
 
 #[test]
 fn unknown_backend_is_a_clear_error() {
-    if !nixl_or_skip() {
-        return;
-    }
-    let mut c = NixlConfig::new("t-bad-backend");
-    c.backend = "NOPE".into();
-    let e = NixlTransport::new(&c).expect_err("no such plugin");
-    let text = e.to_string();
+    let Some(text) = refused_backend("t-bad-backend", "NOPE", "no such plugin") else { return };
     assert!(text.contains("getPluginParams") && text.contains("NOPE"), "{text}");
 }
 
@@ -269,11 +275,7 @@ fn staged_write_over_ucx_lands_every_byte() {
 /// NIXL sees it.
 #[test]
 fn metadata_names_the_device_and_a_cut_short_prefix_is_refused() {
-    if !nixl_or_skip() {
-        return;
-    }
-    let a = NixlTransport::new(&NixlConfig::new("md-a")).expect("agent");
-    let b = NixlTransport::new(&NixlConfig::new("md-b")).expect("agent");
+    let Some((a, b)) = agents("md-a", "md-b") else { return };
     let md = b.local_metadata().expect("md");
     assert_eq!((&md[..4], &md[4..8]), (&nixl::MD_MAGIC_V2[..], &[0u8, 0, 0, 0][..]), "no region registered yet");
     let mut buf = vec![0u8; 4096];
@@ -296,13 +298,9 @@ fn metadata_names_the_device_and_a_cut_short_prefix_is_refused() {
 /// silent fallback to UCX.
 #[test]
 fn a_libfabric_plugin_that_cannot_load_is_a_clear_error() {
-    if !nixl_or_skip() {
+    let Some(msg) = refused_backend("t-libfabric", "LIBFABRIC", "the LIBFABRIC plugin has no libfabric here") else {
         return;
-    }
-    let mut cfg = NixlConfig::new("t-libfabric");
-    cfg.backend = "LIBFABRIC".into();
-    let e = NixlTransport::new(&cfg).expect_err("the LIBFABRIC plugin has no libfabric here");
-    let msg = e.to_string();
+    };
     assert!(msg.contains("LIBFABRIC") && msg.contains("NIXL_PLUGIN_DIR"), "{msg}");
     // The same agent name with UCX works: the failure is the plugin's, not NIXL's.
     assert!(NixlTransport::new(&NixlConfig::new("t-libfabric")).is_ok());

@@ -68,6 +68,21 @@ where
     Arc::new(move |s| Box::pin(f(s)))
 }
 
+/// A handler that tells `seen` of each request, then answers it only after 30 s, with `body` (JSON,
+/// status 200), reporting on `tx` whether the request was dropped before then (see [`DropProbe`]).
+pub fn hanging(tx: mpsc::UnboundedSender<bool>, body: Value, seen: impl Fn(&Seen) + Send + Sync + 'static) -> Handler {
+    handler(move |s: Seen| {
+        seen(&s);
+        let probe = DropProbe::new(tx.clone());
+        let body = body.clone();
+        async move {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            probe.done();
+            json_reply(200, &body)
+        }
+    })
+}
+
 pub fn json_reply(status: u16, v: &Value) -> Reply {
     let mut r = Response::new(FakeBody::Full(Some(Bytes::from(v.to_string()))));
     *r.status_mut() = StatusCode::from_u16(status).unwrap();

@@ -442,6 +442,25 @@ pub fn requests(w: &Workload) -> Vec<(u64, bool)> {
 }
 
 impl ModeReport {
+    /// A mode's report from its outcome counts, its wall time (s) and each worker's engine counters
+    /// (bytes, descriptors before merging, descriptors posted), summed.
+    pub(crate) fn new(
+        requests: u64,
+        verified_bytes: u64,
+        verified: u64,
+        failed: u64,
+        wall_s: f64,
+        counters: impl IntoIterator<Item = (u64, u64, u64)>,
+    ) -> Self {
+        let mut report = ModeReport { requests, verified_bytes, verified, failed, wall_s, ..Default::default() };
+        for (bytes, unmerged, posted) in counters {
+            report.bytes += bytes;
+            report.descriptors_unmerged += unmerged;
+            report.descriptors_posted += posted;
+        }
+        report
+    }
+
     /// Fills the percentiles from the requests' latencies (µs) and engine-thread times (ns), and the
     /// bandwidth from `bytes` over `wall_s`.
     pub(crate) fn summarize(&mut self, mut latencies_us: Vec<u64>, engine_ns: impl Iterator<Item = u64>) {
@@ -828,20 +847,11 @@ fn run_mode(
     let _ = prefill.join();
     let _ = verifier.join();
 
-    let mut report = ModeReport {
-        requests: specs.len() as u64,
-        verified_bytes,
-        verified,
-        failed,
-        wall_s: wall,
-        ..Default::default()
-    };
-    for wk in p.iter().chain(d.iter()) {
-        let s = wk.engine.stats();
-        report.bytes += s.counters.bytes;
-        report.descriptors_unmerged += s.counters.descriptors_unmerged;
-        report.descriptors_posted += s.counters.descriptors_posted;
-    }
+    let counters = p.iter().chain(d.iter()).map(|wk| {
+        let c = wk.engine.stats().counters;
+        (c.bytes, c.descriptors_unmerged, c.descriptors_posted)
+    });
+    let mut report = ModeReport::new(specs.len() as u64, verified_bytes, verified, failed, wall, counters);
     report.summarize(latencies, reqs.iter().map(|r| r.engine_ns));
     Ok(report)
 }

@@ -1063,20 +1063,12 @@ fn play(pair: &mut Pair, t: &Topology, w: &Workload, mode: Mode, tick: &dyn Fn()
         }
     }
     let wall = started.elapsed().as_secs_f64();
-    let mut report = ModeReport {
-        requests: specs.len() as u64,
-        verified_bytes,
-        verified,
-        failed,
-        wall_s: wall,
-        ..Default::default()
-    };
+    let mut counters = Vec::new();
     for role in [Role::Prefill, Role::Decode] {
         let (bytes, unmerged, posted, _, _) = pair.stats(role)?;
-        report.bytes += bytes;
-        report.descriptors_unmerged += unmerged;
-        report.descriptors_posted += posted;
+        counters.push((bytes, unmerged, posted));
     }
+    let mut report = ModeReport::new(specs.len() as u64, verified_bytes, verified, failed, wall, counters);
     report.summarize(latencies, reqs.iter().map(|r| r.engine_ns));
     Ok(report)
 }
