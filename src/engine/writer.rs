@@ -14,6 +14,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use super::side::Incarnation;
 use super::{addr_of, fan_out, producer_ranks, target_of, Cmd, Finished, PeerAddr, Shared, Stats, Via};
+use crate::pool::handoff::Inbox;
 use crate::proto::codec;
 use crate::proto::completion::{Completions, Event, FailReason};
 use crate::proto::ids::Instant;
@@ -87,6 +88,10 @@ pub(super) struct Writer {
     last_active: StdInstant,
 }
 
+/// The channel from the engine loop is closed: the engine is gone and the writer stops.
+#[derive(Debug)]
+struct Hangup;
+
 impl Writer {
     pub(super) fn new(index: usize, shared: Arc<Shared>, rx: Receiver<Cmd>) -> Self {
         let stats = Arc::clone(&shared.shards[index].stats);
@@ -158,15 +163,9 @@ impl Writer {
                     Err(crossbeam_channel::TryRecvError::Empty) => None,
                     Err(crossbeam_channel::TryRecvError::Disconnected) => return,
                 }
-            } else if !inbox.prepare_sleep() {
-                // Commands arrived while we were about to sleep: look at them instead.
-                None
             } else {
-                match self.rx.recv_timeout(wait) {
-                    Ok(cmd) => Some(cmd),
-                    Err(RecvTimeoutError::Timeout) => None,
-                    Err(RecvTimeoutError::Disconnected) => return,
-                }
+                let Ok(cmd) = self.sleep_for_command(&inbox, wait) else { return };
+                cmd
             };
             // Awake: the engine loop's pushes no longer ring until we prepare to sleep again.
             inbox.woke();
@@ -214,6 +213,19 @@ impl Writer {
     /// answers each command with a failure until the engine stops. A request with a transfer still
     /// posted gets its outcome only once the transport says that transfer ended (fail closed: its
     /// blocks are not handed back while a WRITE or READ can still touch them).
+    /// Sleeps up to `wait` for the next command, unless commands reached the inbox while we were
+    /// about to sleep (then look at those). `Err` when the engine loop is gone: the writer stops.
+    fn sleep_for_command(&self, inbox: &Inbox<Cmd>, wait: Duration) -> Result<Option<Cmd>, Hangup> {
+        if !inbox.prepare_sleep() {
+            return Ok(None);
+        }
+        match self.rx.recv_timeout(wait) {
+            Ok(cmd) => Ok(Some(cmd)),
+            Err(RecvTimeoutError::Timeout) => Ok(None),
+            Err(RecvTimeoutError::Disconnected) => Err(Hangup),
+        }
+    }
+
     fn fail_closed(&mut self, panic: String) {
         let me = self.shared.me.clone();
         self.stats().failures.writer_panic += 1;
@@ -255,15 +267,7 @@ impl Writer {
                 self.shared.outbox.push(f);
             }
             let wait = if self.inflight.is_empty() { IDLE_WAIT } else { POLL_WAITING_MAX };
-            let first = if !inbox.prepare_sleep() {
-                None
-            } else {
-                match self.rx.recv_timeout(wait) {
-                    Ok(cmd) => Some(cmd),
-                    Err(RecvTimeoutError::Timeout) => None,
-                    Err(RecvTimeoutError::Disconnected) => return,
-                }
-            };
+            let Ok(first) = self.sleep_for_command(&inbox, wait) else { return };
             inbox.woke();
             self.shared.shards[self.index].wake.clear();
             inbox.drain_into(&mut commands);
