@@ -68,7 +68,7 @@ use kvpush::proto::plan::{PlanInput, Planner};
 use kvpush::proto::rendezvous::ReleaseReason;
 use kvpush::proto::{Key, Mode};
 use kvpush::transport::nixl::{NixlConfig, NixlTransport};
-use kvpush::transport::staged::StagingConfig;
+use kvpush::transport::staged::{PathChoice, StagingConfig};
 use kvpush::transport::{Desc, Op, Transport, Units, XferId, XferState};
 use kvpush_cuda::unitpack::{self as unitpack, PackPlan, Piece, Side, UnitSpace};
 use kvpush_cuda::{Event, Kernels, Stream, UnitTable};
@@ -116,6 +116,14 @@ enum Method {
 enum Pattern {
     Contiguous,
     Fragmented,
+}
+
+/// How the engine method's WRITEs pick their path (`--engine-path`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum EnginePath {
+    Measured,
+    Staged,
 }
 
 /// GPU push bench (see the file's documentation).
@@ -176,6 +184,10 @@ struct Args {
     /// Seed of block-id permutations and data patterns.
     #[arg(long, default_value_t = 0x5eed_cafe)]
     seed: u64,
+    /// How the engine method picks each WRITE's path: `measured` (the engine's default on GPUs:
+    /// direct or staged, whichever it measured faster for the shape) or `staged` (always staged).
+    #[arg(long, value_enum, default_value = "measured")]
+    engine_path: EnginePath,
     /// PTX of the staging kernels, loaded when NVRTC is not available (made by `--emit-ptx`).
     #[arg(long)]
     ptx: Option<PathBuf>,
@@ -298,6 +310,9 @@ struct EngineCounts {
     pieces: u64,
     entries: u64,
     direct: u64,
+    /// Of `direct`, WRITEs that could have been staged and went direct because measured faster.
+    #[serde(default)]
+    chosen_direct: u64,
     received: u64,
     failed: u64,
     /// Whether the engine runs with a staging wrapper at all.
@@ -321,6 +336,7 @@ impl EngineCounts {
             pieces: st.pieces,
             entries: st.entries,
             direct: st.direct,
+            chosen_direct: st.chosen_direct,
             received: st.received,
             failed: st.failed,
             staging: s.is_some(),
@@ -340,6 +356,7 @@ impl EngineCounts {
             pieces: self.pieces.saturating_sub(before.pieces),
             entries: self.entries.saturating_sub(before.entries),
             direct: self.direct.saturating_sub(before.direct),
+            chosen_direct: self.chosen_direct.saturating_sub(before.chosen_direct),
             received: self.received.saturating_sub(before.received),
             failed: self.failed.saturating_sub(before.failed),
             staging: self.staging,
@@ -714,6 +731,10 @@ impl Node {
         config.staging = Staging::On(StagingConfig {
             slots: self.args.slots as usize,
             slot_bytes: self.args.slot_bytes(),
+            choice: match self.args.engine_path {
+                EnginePath::Measured => PathChoice::Measured,
+                EnginePath::Staged => PathChoice::Always,
+            },
             ..StagingConfig::default()
         });
         let layout = self.layout(&self.info);
@@ -1625,6 +1646,31 @@ fn orchestrate(args: &Args) -> Result<serde_json::Value, String> {
             .find(|r| r.tokens == largest && r.pattern == Some(pattern) && r.method == Method::Engine && r.verified)
             .map(|r| r.gbps_median / ceiling_gbps)
     };
+    // Per case, the engine against the better of the direct WRITE and the bench's staged pipeline:
+    // the engine's path choice should never cost more than a few percent.
+    let method_gbps = |tokens: u64, pattern: Pattern, m: Method| {
+        results
+            .iter()
+            .find(|r| r.tokens == tokens && r.pattern == Some(pattern) && r.method == m && r.verified)
+            .map(|r| r.gbps_median)
+    };
+    let mut engine_vs_best = Vec::new();
+    for &tokens in &args.tokens {
+        for pattern in [Pattern::Contiguous, Pattern::Fragmented] {
+            let engine = method_gbps(tokens, pattern, Method::Engine);
+            let direct = method_gbps(tokens, pattern, Method::Direct);
+            let staged = method_gbps(tokens, pattern, Method::Staged);
+            let best = direct.into_iter().chain(staged).reduce(f64::max);
+            if let (Some(e), Some(b)) = (engine, best) {
+                engine_vs_best.push(serde_json::json!({
+                    "tokens": tokens, "pattern": pattern, "engine_gbps": e, "direct_gbps": direct,
+                    "staged_gbps": staged, "engine_vs_best": e / b,
+                }));
+            }
+        }
+    }
+    let engine_vs_best_min =
+        engine_vs_best.iter().filter_map(|c| c["engine_vs_best"].as_f64()).reduce(f64::min);
     let all_verified = results.iter().all(|r| r.verified);
     Ok(serde_json::json!({
         "bench": "gpu_push",
@@ -1643,6 +1689,8 @@ fn orchestrate(args: &Args) -> Result<serde_json::Value, String> {
         "engine_contiguous_ratio": engine_ratio(Pattern::Contiguous),
         "engine_fragmented_ratio": engine_ratio(Pattern::Fragmented),
         "engine_error": engine_error,
+        "engine_vs_best_min": engine_vs_best_min,
+        "engine_vs_best": engine_vs_best,
         "contiguous": contiguous,
         "fragmented": fragmented,
         "pipeline": pipeline,
@@ -1733,16 +1781,23 @@ fn self_test() -> Result<(), String> {
     if v["all_verified"] != serde_json::Value::Bool(true) || cases != 2 + 2 * args.tokens.len() * methods {
         return Err(format!("self-test failed: {cases} cases, all verified: {}", v["all_verified"]));
     }
-    // The engine cases went through the engine's staging (HostStager here) on both sides.
+    // Each engine case's last iteration took one of the two paths: staged through the engine's
+    // staging (HostStager here) on both sides, or direct because it measured faster.
     let engine: Vec<&serde_json::Value> = list.iter().filter(|c| c["method"] == "engine").collect();
-    let staged = |c: &&serde_json::Value| {
+    let one_path = |c: &&serde_json::Value| {
         let e = &c["engine"];
-        e["p"]["staged_transfers"] == 1 && e["p"]["pieces"].as_u64().unwrap_or(0) > 0 && e["d"]["received"] == 1
+        let staged =
+            e["p"]["staged_transfers"] == 1 && e["p"]["pieces"].as_u64().unwrap_or(0) > 0 && e["d"]["received"] == 1;
+        let direct = e["p"]["chosen_direct"] == 1 && e["p"]["staged_transfers"] == 0;
+        staged != direct
     };
-    if engine.len() != 2 * args.tokens.len() || !engine.iter().all(staged) {
-        return Err(format!("self-test failed: engine cases not staged: {engine:?}"));
+    if engine.len() != 2 * args.tokens.len() || !engine.iter().all(one_path) {
+        return Err(format!("self-test failed: engine cases took no single path: {engine:?}"));
     }
-    eprintln!("gpu_push self-test (host memory, NIXL): {cases} cases, every byte verified, engine staged");
+    if v["engine_vs_best_min"].as_f64().is_none_or(|r| !r.is_finite() || r <= 0.0) {
+        return Err(format!("self-test failed: no engine_vs_best_min: {}", v["engine_vs_best_min"]));
+    }
+    eprintln!("gpu_push self-test (host memory, NIXL): {cases} cases, every byte verified, engine on one path each");
     Ok(())
 }
 

@@ -32,7 +32,7 @@ use crate::proto::layout::{KvLayout, LayoutError};
 use crate::proto::msg::{check_block_lists, Handshake, Message, Mode, RangeError};
 use crate::proto::rendezvous::{ReleaseReason, RendezvousConfig, SourceBlocks};
 use crate::proto::{Key, Rank};
-use crate::transport::staged::{Staged, StagingConfig, StagingCounts};
+use crate::transport::staged::{PathChoice, Staged, StagingConfig, StagingCounts};
 use crate::transport::{Transport, TransportError, Units};
 
 pub mod link;
@@ -66,13 +66,16 @@ pub struct Config {
 /// Whether an engine stages fragmented WRITEs through bounded slots on its device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Staging {
-    /// On with the default geometry where the device is a GPU (CUDA), off elsewhere.
+    /// On with the default geometry where the device is a GPU (CUDA), off elsewhere; each WRITE
+    /// that could be staged goes directly or staged, whichever is measured faster for its peer and
+    /// shape ([`PathChoice::Measured`]).
     Auto,
     /// As [`Staging::Auto`], with this geometry where it is on.
     AutoWith(StagingConfig),
     /// Never: every transfer is posted as merged descriptors.
     Off,
-    /// On with this geometry (where the device can stage; Neuron cannot yet).
+    /// On with this geometry (where the device can stage; Neuron cannot yet); the geometry's
+    /// [`StagingConfig::choice`] says whether every qualifying WRITE is staged (the default).
     On(StagingConfig),
 }
 
@@ -102,9 +105,11 @@ impl Staging {
     }
 
     fn resolve(self, device: DeviceKind) -> Option<StagingConfig> {
+        // Auto: each WRITE takes the path measured faster for its peer and shape; `on` stages all.
+        let measured = StagingConfig { choice: PathChoice::Measured, ..StagingConfig::default() };
         match self {
-            Staging::Auto if device == DeviceKind::Cuda => Some(StagingConfig::default()),
-            Staging::AutoWith(c) if device == DeviceKind::Cuda => Some(c),
+            Staging::Auto if device == DeviceKind::Cuda => Some(measured),
+            Staging::AutoWith(c) if device == DeviceKind::Cuda => Some(StagingConfig { choice: PathChoice::Measured, ..c }),
             Staging::Auto | Staging::AutoWith(_) | Staging::Off => None,
             Staging::On(c) => Some(c),
         }

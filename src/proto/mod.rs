@@ -20,6 +20,7 @@ pub mod ids;
 pub mod layout;
 pub mod merge;
 pub mod msg;
+pub mod path;
 pub mod plan;
 pub mod rendezvous;
 

@@ -10,6 +10,11 @@
 //! receiver's wrapper swallows the staging messages and delivers the sender's notification only after
 //! every byte is in place. Everything else passes straight through to the inner transport.
 //!
+//! Staging is not always faster: a WRITE of few large merged descriptors can beat it severalfold
+//! (P and D on one GPU). With [`PathChoice::Measured`] (the engine's `auto` setting) each WRITE that
+//! could be staged goes the way its peer's [`PathChooser`] (in `proto::path`) predicts faster for
+//! its shape; the wrapper times every such transfer from post to completion to teach it.
+//!
 //! The engine hands a push over as the planner's grid ([`Transport::post_grid`]): a layer's copies
 //! and the layers they repeat over. Cutting works per row and a piece's tables are expanded only when
 //! the piece is filled, so a 16k-token fragmented request (131072 copies) never exists as
@@ -58,6 +63,7 @@ use std::time::{Duration, Instant};
 use super::{Desc, Notification, Op, Transport, TransportError, Units, Waker, XferId, XferState};
 use crate::device::stage::{BadEntry, StageEntry, Stager, ENTRY_BYTES, STAGE_ALIGN};
 use crate::device::{Buffer, Device, MemRegion};
+use crate::proto::path::{Path, PathChooser, Shape};
 use crate::proto::plan::Grid;
 use crate::sync::lock;
 
@@ -99,6 +105,19 @@ pub struct StagingConfig {
     /// it. A receiver never reuses a slot before the sender's cancel (a late WRITE could land in
     /// it); a peer that went away is dropped sooner by the side channel.
     pub stall_timeout: Duration,
+    /// Whether a qualifying WRITE is always staged, or goes the way measured faster for its peer
+    /// and shape ([`PathChoice::Measured`]).
+    pub choice: PathChoice,
+}
+
+/// How a WRITE that could be staged picks its path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PathChoice {
+    /// Every qualifying WRITE is staged.
+    Always,
+    /// Each qualifying WRITE goes directly or staged, whichever [`PathChooser`] predicts faster
+    /// for its peer and shape; the wrapper times every transfer (post to completion) to learn it.
+    Measured,
 }
 
 impl Default for StagingConfig {
@@ -111,6 +130,7 @@ impl Default for StagingConfig {
             min_descs: 2,
             max_mean_desc: 16 << 20,
             stall_timeout: Duration::from_secs(10),
+            choice: PathChoice::Always,
         }
     }
 }
@@ -178,8 +198,12 @@ pub struct StagingCounts {
     pub entries: u64,
     /// Bytes sent staged.
     pub bytes: u64,
-    /// Transfers posted directly (not qualifying, or a peer without staging).
+    /// Transfers posted directly (not qualifying, a peer without staging, or measured faster).
     pub direct: u64,
+    /// Of `direct`, transfers that could have been staged but were measured faster direct.
+    pub chosen_direct: u64,
+    /// Decisions that went against the prediction to keep the cost model current.
+    pub explored: u64,
     /// Transfers received staged (all pieces scattered).
     pub received: u64,
     /// Staged transfers that failed (either side).
@@ -558,6 +582,20 @@ struct State {
     /// one per slot), and spare table buffers.
     prefilled: Vec<Prefilled>,
     spare: Vec<(Vec<u8>, Vec<u8>)>,
+    /// Per peer, the learned choice between direct and staged ([`PathChoice::Measured`]).
+    choosers: HashMap<String, PathChooser>,
+    /// Transfers being timed for the choosers: handle → (peer, path, shape, posted at).
+    timed: HashMap<u64, Timed>,
+    /// A grid the chooser sent direct: the caller posts its expansion next, which goes direct too.
+    grid_direct: Option<(String, Shape)>,
+}
+
+/// A transfer being timed for its peer's [`PathChooser`].
+struct Timed {
+    peer: String,
+    path: Path,
+    shape: Shape,
+    posted: Instant,
 }
 
 impl State {
@@ -668,6 +706,9 @@ impl Staged {
             landed: HashMap::new(),
             prefilled: Vec::new(),
             spare: Vec::new(),
+            choosers: HashMap::new(),
+            timed: HashMap::new(),
+            grid_direct: None,
         };
         Ok(Some(Staged { inner, cfg, send_buf, recv_buf, state: Mutex::new(state), next: AtomicU64::new(0) }))
     }
@@ -692,8 +733,8 @@ impl Staged {
         }
     }
 
-    /// Whether a WRITE of `descs` to `peer` is staged, and the peer's geometry.
-    fn qualifies(&self, st: &State, op: Op, peer: &str, descs: &[Desc]) -> Option<PeerCaps> {
+    /// Whether a WRITE of `descs` to `peer` can be staged: the peer's geometry and the bytes.
+    fn qualifies(&self, st: &State, op: Op, peer: &str, descs: &[Desc]) -> Option<(PeerCaps, u64)> {
         if op != Op::Write || descs.len() < self.cfg.min_descs {
             return None;
         }
@@ -709,7 +750,37 @@ impl Staged {
             }
             total += d.len;
         }
-        (total / descs.len() as u64 <= self.cfg.max_mean_desc).then_some(caps)
+        (total / descs.len() as u64 <= self.cfg.max_mean_desc).then_some((caps, total))
+    }
+
+    /// Which path a qualifying WRITE of `shape` to `peer` takes.
+    fn choose(&self, st: &mut State, peer: &str, shape: Shape) -> Path {
+        match self.cfg.choice {
+            PathChoice::Always => Path::Staged,
+            PathChoice::Measured => {
+                let chooser = st.choosers.entry(peer.to_owned()).or_default();
+                let before = chooser.explored(Path::Direct) + chooser.explored(Path::Staged);
+                let path = chooser.choose(shape);
+                st.counts.explored += chooser.explored(Path::Direct) + chooser.explored(Path::Staged) - before;
+                path
+            }
+        }
+    }
+
+    /// Starts timing transfer `id` for `peer`'s chooser (measured choice only).
+    fn time(&self, st: &mut State, id: XferId, peer: &str, path: Path, shape: Shape, posted: Instant) {
+        if self.cfg.choice == PathChoice::Measured {
+            st.timed.insert(id.0, Timed { peer: peer.to_owned(), path, shape, posted });
+        }
+    }
+
+    /// Transfer `id` ended; a completed one teaches its peer's chooser how long its path took.
+    fn timed_end(&self, st: &mut State, id: XferId, completed: bool) {
+        let Some(t) = st.timed.remove(&id.0) else { return };
+        if completed {
+            let nanos = t.posted.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+            st.choosers.entry(t.peer).or_default().observe(t.path, t.shape, nanos);
+        }
     }
 
     /// How transfers to a peer of geometry `caps` are cut: pieces that fit both sides' slots.
@@ -1464,6 +1535,7 @@ impl Transport for Staged {
             let st = &mut *guard;
             st.peers.remove(peer);
             st.landed.remove(peer);
+            st.timed.retain(|_, t| t.peer != peer);
             // Outgoing: fails at once (the receiver is gone). Pieces being gathered or written keep
             // their send slots until those end (the next pumps).
             for o in st.out.values_mut().filter(|o| o.peer == peer && o.outcome.is_none()) {
@@ -1496,20 +1568,53 @@ impl Transport for Staged {
     fn post(&self, op: Op, peer: &str, descs: &[Desc], notif: Option<&[u8]>) -> Result<XferId, TransportError> {
         let started = Instant::now();
         let mut st = lock(&self.state);
-        let Some(caps) = self.qualifies(&st, op, peer, descs) else {
-            st.counts.direct += 1;
-            drop(st);
-            return self.inner.post(op, peer, descs, notif);
+        // The expansion of a grid the chooser already sent direct goes direct without deciding again.
+        let from_grid = st.grid_direct.take().filter(|(p, s)| p == peer && s.descs == descs.len() as u64);
+        let chosen = match (from_grid, self.qualifies(&st, op, peer, descs)) {
+            (Some((_, shape)), _) => Some((Path::Direct, shape, None)),
+            (None, None) => None,
+            (None, Some((caps, bytes))) => {
+                let shape = Shape { descs: descs.len() as u64, bytes };
+                Some((self.choose(&mut st, peer, shape), shape, Some(caps)))
+            }
         };
-        self.start(st, caps, peer, Source::Descs(descs.to_vec()), notif, started)
+        match chosen {
+            Some((Path::Staged, shape, Some(caps))) => {
+                let id = self.start(st, caps, peer, Source::Descs(descs.to_vec()), notif, started)?;
+                self.time(&mut lock(&self.state), id, peer, Path::Staged, shape, started);
+                Ok(id)
+            }
+            Some((_, shape, _)) => {
+                st.counts.direct += 1;
+                st.counts.chosen_direct += 1;
+                drop(st);
+                let id = self.inner.post(op, peer, descs, notif)?;
+                self.time(&mut lock(&self.state), id, peer, Path::Direct, shape, started);
+                Ok(id)
+            }
+            None => {
+                st.counts.direct += 1;
+                drop(st);
+                self.inner.post(op, peer, descs, notif)
+            }
+        }
     }
 
     fn post_grid(&self, peer: &str, grid: &Grid, notif: Option<&[u8]>) -> Option<Result<XferId, TransportError>> {
         let started = Instant::now();
-        let st = lock(&self.state);
+        let mut st = lock(&self.state);
         // Not qualifying as a grid: the caller posts the expansion (`post` decides again).
         let caps = self.qualifies_grid(&st, peer, grid)?;
-        Some(self.start(st, caps, peer, Source::Grid(grid.clone()), notif, started))
+        let shape = Shape { descs: grid.copies() as u64, bytes: grid.bytes() };
+        if self.choose(&mut st, peer, shape) == Path::Direct {
+            st.grid_direct = Some((peer.to_owned(), shape));
+            return None;
+        }
+        let r = self.start(st, caps, peer, Source::Grid(grid.clone()), notif, started);
+        if let Ok(id) = r {
+            self.time(&mut lock(&self.state), id, peer, Path::Staged, shape, started);
+        }
+        Some(r)
     }
 
     fn cancel(&self, id: XferId) {
@@ -1529,7 +1634,11 @@ impl Transport for Staged {
 
     fn poll(&self, id: XferId) -> Result<XferState, TransportError> {
         if id.0 & STAGED_BIT == 0 {
-            return self.inner.poll(id);
+            let r = self.inner.poll(id);
+            if !matches!(r, Ok(XferState::Pending)) && self.cfg.choice == PathChoice::Measured {
+                self.timed_end(&mut lock(&self.state), id, matches!(r, Ok(XferState::Done)));
+            }
+            return r;
         }
         let tag = id.0 & !STAGED_BIT;
         let mut st = lock(&self.state);
@@ -1544,6 +1653,7 @@ impl Transport for Staged {
             st.out.remove(&tag);
             st.out_order.retain(|t| *t != tag);
         }
+        self.timed_end(&mut st, id, outcome.is_ok());
         match outcome {
             Ok(()) => Ok(XferState::Done),
             Err(why) => Err(failed(id, &peer, why)),

@@ -10,7 +10,7 @@ use kvpush::engine::{Finished, LocalHub, Staging};
 use kvpush::proto::rendezvous::ReleaseReason;
 use kvpush::proto::{Key, Mode};
 use kvpush::transport::loopback::{Fabric, Fault, FaultRates};
-use kvpush::transport::staged::StagingConfig;
+use kvpush::transport::staged::{PathChoice, StagingConfig};
 use kvpush_testkit::demo::pattern;
 use kvpush_testkit::engines::{self, wait_for};
 use kvpush_testkit::rng::Rng;
@@ -791,6 +791,7 @@ fn staged(mut s: Setup) -> Setup {
         min_descs: 1,
         max_mean_desc: u64::MAX,
         stall_timeout: Duration::from_secs(10),
+        choice: PathChoice::Always,
     });
     s
 }
@@ -823,6 +824,24 @@ fn staged_push_concurrent_requests_p2_d1() {
     assert_staged(&d, "P TP 2, D TP 1");
     let c = d.c.p[0].engine.staging_counts().expect("on");
     assert_eq!(c.direct, 0, "every WRITE qualifies: {c:?}");
+}
+
+/// Measured path choice: every byte arrives whichever way each WRITE went, and both ways were
+/// taken (the chooser tries the path it does not predict faster while it has few samples of it).
+#[test]
+fn measured_path_choice_moves_every_byte_both_ways_p2_d1() {
+    let mut s = staged(Setup::new(Mode::Push, 2, 1));
+    if let Staging::On(c) = &mut s.staging {
+        c.choice = PathChoice::Measured;
+    }
+    s.num_blocks = 30_000;
+    let d = stress(s, 400, 0x5aa0);
+    for (i, w) in d.c.p.iter().enumerate() {
+        let c = w.engine.staging_counts().expect("staging is on");
+        assert!(c.transfers > 0 && c.chosen_direct > 0, "P[{i}] took one path only: {c:?}");
+        assert!(c.explored > 0, "P[{i}] never explored: {c:?}");
+        assert_eq!(c.malformed, 0, "P[{i}] {c:?}");
+    }
 }
 
 #[test]

@@ -1,0 +1,367 @@
+//! Which path a WRITE takes to a peer: its merged descriptors posted directly, or staged through
+//! bounded slots (gather, one WRITE per slot-sized piece, scatter).
+//!
+//! Neither path wins everywhere. Measured on one H200 with P and D on the same GPU, a direct WRITE
+//! of a contiguous 16k-token request (128 merged descriptors) moved ~600 GB/s and staging ~100 GB/s;
+//! on two H200s over NVLink the direct WRITE paid ~4 µs per descriptor, so a fragmented request
+//! (131,072 descriptors) took 500 ms direct and 1.5 ms staged. The right answer depends on the peer,
+//! the memory and the request's shape, so [`PathChooser`] learns it: per path it fits
+//! `time = fixed + per_descriptor × descriptors + per_byte × bytes` to the transfers it has seen
+//! (recursive least squares with forgetting, so the fit follows a machine whose load changes), and
+//! a request goes the way predicted faster.
+//!
+//! Exploration is bounded: a path is tried against the prediction only while it has few samples or
+//! on one decision in [`EXPLORE_EVERY`], and never when it is predicted more than
+//! [`EXPLORE_MAX_RATIO`] times slower — so a fragmented request is not sent down a path expected
+//! to take 300 times longer just to check.
+//!
+//! Like all of `proto`, this reads no clock: the caller measures a transfer (post to completion)
+//! and hands the duration in.
+
+/// A way to move a WRITE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Path {
+    /// The merged descriptors, posted as one transfer.
+    Direct,
+    /// Through the staging slots.
+    Staged,
+}
+
+impl Path {
+    fn index(self) -> usize {
+        match self {
+            Path::Direct => 0,
+            Path::Staged => 1,
+        }
+    }
+
+    fn other(self) -> Path {
+        match self {
+            Path::Direct => Path::Staged,
+            Path::Staged => Path::Direct,
+        }
+    }
+}
+
+/// What a transfer moves, as the cost model sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    /// Descriptors (after merging).
+    pub descs: u64,
+    /// Bytes.
+    pub bytes: u64,
+}
+
+/// A path is explored against the prediction on one eligible decision in this many.
+pub const EXPLORE_EVERY: u64 = 32;
+/// A path predicted more than this many times slower than the other is never explored.
+pub const EXPLORE_MAX_RATIO: f64 = 3.0;
+/// Samples a path needs in a shape class before only the prediction (and periodic exploration)
+/// picks it there.
+pub const WARM_SAMPLES: u32 = 1;
+/// Weight of the newest sample in a shape class's running estimate.
+const CLASS_WEIGHT: f64 = 0.25;
+/// Shape classes remembered per chooser (the oldest is forgotten beyond this).
+const MAX_CLASSES: usize = 256;
+
+/// The features of a shape: a constant, thousands of descriptors, MiB.
+fn features(s: Shape) -> [f64; 3] {
+    [1.0, s.descs as f64 / 1024.0, s.bytes as f64 / (1u64 << 20) as f64]
+}
+
+/// A shape's class: transfers within a factor of two in descriptors and in bytes.
+fn class(s: Shape) -> (u32, u32) {
+    (s.descs.max(1).ilog2(), s.bytes.max(1).ilog2())
+}
+
+/// One path's cost over all shapes, fitted by least squares (µs per feature). It predicts shapes
+/// never seen on this path; a shape class seen recently uses its own [`Recent`] estimate, since one
+/// line cannot follow every machine (a direct WRITE's per-descriptor cost is only visible when
+/// descriptor counts vary).
+#[derive(Clone, Debug)]
+struct Fit {
+    theta: [f64; 3],
+    /// Covariance of the estimate (how much a new sample may move each coefficient).
+    p: [[f64; 3]; 3],
+    samples: u32,
+}
+
+impl Fit {
+    fn new(prior: [f64; 3]) -> Fit {
+        // Loose around the prior: a handful of transfers outweigh it.
+        let diag = [1e4, 1e6, 1e4];
+        let p = core::array::from_fn(|i| core::array::from_fn(|j| if i == j { diag[i] } else { 0.0 }));
+        Fit { theta: prior, p, samples: 0 }
+    }
+
+    fn predict(&self, s: Shape) -> f64 {
+        let x = features(s);
+        (0..3).map(|i| self.theta[i] * x[i]).sum::<f64>().max(0.1)
+    }
+
+    fn observe(&mut self, s: Shape, micros: f64) {
+        let x = features(s);
+        let px: [f64; 3] = core::array::from_fn(|i| (0..3).map(|j| self.p[i][j] * x[j]).sum());
+        let denom = 1.0 + (0..3).map(|i| x[i] * px[i]).sum::<f64>();
+        if !(denom.is_finite() && denom > 0.0 && micros.is_finite()) {
+            return;
+        }
+        let k: [f64; 3] = core::array::from_fn(|i| px[i] / denom);
+        let err = micros - (0..3).map(|i| self.theta[i] * x[i]).sum::<f64>();
+        for (theta, k) in self.theta.iter_mut().zip(k) {
+            // Costs are never negative: a coefficient pushed below zero by noise is clamped.
+            *theta = (*theta + k * err).max(0.0);
+        }
+        for (row, k) in self.p.iter_mut().zip(k) {
+            for (p, px) in row.iter_mut().zip(px) {
+                *p -= k * px;
+            }
+        }
+        self.samples = self.samples.saturating_add(1);
+    }
+}
+
+/// A path's recent cost in one shape class: a running mean of µs per MiB-and-descriptor unit,
+/// scaled back to the shape asked about.
+#[derive(Clone, Copy, Debug, Default)]
+struct Recent {
+    /// Running mean of observed µs ÷ the shape's size (MiB + descriptors/1024 + 1).
+    per_unit: f64,
+    samples: u32,
+}
+
+fn units(s: Shape) -> f64 {
+    let x = features(s);
+    x[0] + x[1] + x[2]
+}
+
+impl Recent {
+    fn observe(&mut self, s: Shape, micros: f64) {
+        let v = micros / units(s);
+        self.per_unit = if self.samples == 0 { v } else { self.per_unit + CLASS_WEIGHT * (v - self.per_unit) };
+        self.samples = self.samples.saturating_add(1);
+    }
+}
+
+/// The learned choice between [`Path::Direct`] and [`Path::Staged`] for one peer.
+#[derive(Clone, Debug)]
+pub struct PathChooser {
+    fits: [Fit; 2],
+    /// Per shape class, each path's recent estimate; oldest class first.
+    classes: Vec<((u32, u32), [Recent; 2])>,
+    decisions: u64,
+    explored: [u64; 2],
+}
+
+impl Default for PathChooser {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PathChooser {
+    /// A chooser with no samples. The priors (a direct descriptor costs ~1 µs, staging ~100 GB/s
+    /// with ~20 ns per descriptor) only order the first decisions; samples replace them quickly.
+    pub fn new() -> PathChooser {
+        PathChooser {
+            fits: [Fit::new([10.0, 1000.0, 5.0]), Fit::new([30.0, 20.0, 10.0])],
+            classes: Vec::new(),
+            decisions: 0,
+            explored: [0; 2],
+        }
+    }
+
+    fn recent(&self, path: Path, shape: Shape) -> Recent {
+        let c = class(shape);
+        self.classes.iter().find(|(k, _)| *k == c).map(|(_, r)| r[path.index()]).unwrap_or_default()
+    }
+
+    /// The predicted time of `shape` on `path`, in µs: the shape class's recent cost where this
+    /// path has moved such shapes, the fit over all shapes otherwise.
+    pub fn predict(&self, path: Path, shape: Shape) -> f64 {
+        let r = self.recent(path, shape);
+        if r.samples > 0 {
+            (r.per_unit * units(shape)).max(0.1)
+        } else {
+            self.fits[path.index()].predict(shape)
+        }
+    }
+
+    /// Samples seen on `path` (all shapes).
+    pub fn samples(&self, path: Path) -> u32 {
+        self.fits[path.index()].samples
+    }
+
+    /// Decisions that went against the prediction to keep both estimates current, per path.
+    pub fn explored(&self, path: Path) -> u64 {
+        self.explored[path.index()]
+    }
+
+    /// Which path a WRITE of `shape` takes (both are possible for it).
+    pub fn choose(&mut self, shape: Shape) -> Path {
+        self.decisions += 1;
+        let (d, s) = (self.predict(Path::Direct, shape), self.predict(Path::Staged, shape));
+        let best = if d <= s { Path::Direct } else { Path::Staged };
+        let other = best.other();
+        let ratio = d.max(s) / d.min(s);
+        let cold = self.recent(other, shape).samples < WARM_SAMPLES;
+        let due = self.decisions.is_multiple_of(EXPLORE_EVERY);
+        if ratio <= EXPLORE_MAX_RATIO && (cold || due) {
+            self.explored[other.index()] += 1;
+            return other;
+        }
+        best
+    }
+
+    /// A transfer of `shape` on `path` took `nanos` from post to completion.
+    pub fn observe(&mut self, path: Path, shape: Shape, nanos: u64) {
+        let micros = nanos as f64 / 1000.0;
+        if !micros.is_finite() || micros > 3.6e9 {
+            return;
+        }
+        self.fits[path.index()].observe(shape, micros);
+        let c = class(shape);
+        let i = match self.classes.iter().position(|(k, _)| *k == c) {
+            Some(i) => i,
+            None => {
+                if self.classes.len() == MAX_CLASSES {
+                    self.classes.remove(0);
+                }
+                self.classes.push((c, [Recent::default(); 2]));
+                self.classes.len() - 1
+            }
+        };
+        self.classes[i].1[path.index()].observe(shape, micros);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A machine: each path's true cost (µs fixed, µs per descriptor, GB/s).
+    struct World {
+        direct: (f64, f64, f64),
+        staged: (f64, f64, f64),
+    }
+
+    impl World {
+        fn cost(&self, path: Path, s: Shape) -> f64 {
+            let (fixed, per_desc, gbps) = match path {
+                Path::Direct => self.direct,
+                Path::Staged => self.staged,
+            };
+            fixed + per_desc * s.descs as f64 + s.bytes as f64 / (gbps * 1e3)
+        }
+    }
+
+    /// The shapes of gpu_push: 1k/4k/16k tokens, contiguous (128 merged descriptors) and
+    /// fragmented (8 descriptors per token), 64 KiB per token.
+    fn shapes() -> Vec<Shape> {
+        let mut v = Vec::new();
+        for tokens in [1024u64, 4096, 16384] {
+            let bytes = tokens * 65536;
+            v.push(Shape { descs: 128, bytes });
+            v.push(Shape { descs: tokens * 8, bytes });
+        }
+        v
+    }
+
+    /// Plays `rounds` passes over the shapes with `jitter` noise; returns, over the last half,
+    /// the total time taken divided by the total time of the better path each time.
+    fn regret(world: &World, rounds: usize, jitter: f64) -> f64 {
+        let mut c = PathChooser::new();
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let (mut taken, mut best) = (0.0, 0.0);
+        for round in 0..rounds {
+            for s in shapes() {
+                let p = c.choose(s);
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                let noise = 1.0 + jitter * ((seed % 1000) as f64 / 1000.0 - 0.5);
+                let t = world.cost(p, s) * noise;
+                c.observe(p, s, (t * 1000.0) as u64);
+                if round >= rounds / 2 {
+                    taken += world.cost(p, s);
+                    best += world.cost(Path::Direct, s).min(world.cost(Path::Staged, s));
+                }
+            }
+        }
+        taken / best
+    }
+
+    #[test]
+    fn one_gpu_world_goes_direct_when_contiguous_and_staged_when_fragmented() {
+        // P and D on one GPU: direct descriptors are cheap and fast, staging tops out lower.
+        let world = World { direct: (15.0, 0.3, 650.0), staged: (40.0, 0.002, 100.0) };
+        let mut c = PathChooser::new();
+        for _ in 0..40 {
+            for s in shapes() {
+                let p = c.choose(s);
+                c.observe(p, s, (world.cost(p, s) * 1000.0) as u64);
+            }
+        }
+        let contiguous = Shape { descs: 128, bytes: 16384 * 65536 };
+        let fragmented = Shape { descs: 16384 * 8, bytes: 16384 * 65536 };
+        assert!(c.predict(Path::Direct, contiguous) < c.predict(Path::Staged, contiguous));
+        assert!(c.predict(Path::Staged, fragmented) < c.predict(Path::Direct, fragmented));
+        assert!(regret(&world, 200, 0.0) < 1.05, "regret {}", regret(&world, 200, 0.0));
+    }
+
+    #[test]
+    fn nvlink_world_stages_everything_and_never_explores_the_slow_path_much() {
+        // Two GPUs: every direct descriptor costs ~4 µs; staging is near the link's ceiling.
+        let world = World { direct: (20.0, 4.0, 300.0), staged: (40.0, 0.002, 350.0) };
+        let r = regret(&world, 200, 0.1);
+        assert!(r < 1.05, "regret {r}");
+        let mut c = PathChooser::new();
+        let fragmented = Shape { descs: 16384 * 8, bytes: 16384 * 65536 };
+        for _ in 0..100 {
+            let p = c.choose(fragmented);
+            c.observe(p, fragmented, (world.cost(p, fragmented) * 1000.0) as u64);
+        }
+        // The prior already puts direct far behind: it is never tried on this shape.
+        assert_eq!(c.samples(Path::Direct), 0);
+    }
+
+    #[test]
+    fn host_world_with_jitter_stays_within_five_percent() {
+        // Host memory: descriptors are cheap either way, staging costs an extra copy.
+        let world = World { direct: (8.0, 0.05, 20.0), staged: (25.0, 0.001, 12.0) };
+        let r = regret(&world, 300, 0.2);
+        assert!(r < 1.05, "regret {r}");
+    }
+
+    #[test]
+    fn a_machine_that_changes_is_followed() {
+        let fast_direct = World { direct: (15.0, 0.3, 650.0), staged: (40.0, 0.002, 100.0) };
+        let slow_direct = World { direct: (15.0, 0.3, 50.0), staged: (40.0, 0.002, 100.0) };
+        let mut c = PathChooser::new();
+        let s = Shape { descs: 128, bytes: 16384 * 65536 };
+        for _ in 0..100 {
+            let p = c.choose(s);
+            c.observe(p, s, (fast_direct.cost(p, s) * 1000.0) as u64);
+        }
+        assert_eq!(c.choose(s), Path::Direct);
+        for _ in 0..400 {
+            let p = c.choose(s);
+            c.observe(p, s, (slow_direct.cost(p, s) * 1000.0) as u64);
+        }
+        let mut staged = 0;
+        for _ in 0..64 {
+            staged += usize::from(c.choose(s) == Path::Staged);
+        }
+        assert!(staged >= 60, "staged {staged} of 64 after direct slowed down");
+    }
+
+    #[test]
+    fn garbage_samples_do_not_poison_the_fit() {
+        let mut c = PathChooser::new();
+        let s = Shape { descs: 1, bytes: 0 };
+        c.observe(Path::Direct, s, u64::MAX);
+        c.observe(Path::Direct, Shape { descs: 0, bytes: 0 }, 0);
+        let p = c.predict(Path::Direct, Shape { descs: 128, bytes: 1 << 30 });
+        assert!(p.is_finite() && p > 0.0);
+    }
+}
