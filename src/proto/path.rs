@@ -10,10 +10,11 @@
 //! (recursive least squares with forgetting, so the fit follows a machine whose load changes), and
 //! a request goes the way predicted faster.
 //!
-//! Exploration is bounded: a path is tried against the prediction only while it has few samples or
-//! on one decision in [`EXPLORE_EVERY`], and never when it is predicted more than
-//! [`EXPLORE_MAX_RATIO`] times slower — so a fragmented request is not sent down a path expected
-//! to take 300 times longer just to check.
+//! Exploration is bounded: a path is tried against the prediction only while it has few samples in
+//! the shape's class or on one decision in [`EXPLORE_EVERY`], and never when it is predicted more
+//! than [`EXPLORE_MAX_RATIO`] times slower — so a fragmented request is not sent down a path expected
+//! to take 300 times longer just to check. The one exception is a path's second sample in a class,
+//! which it gets whatever its first said (a first transfer pays one-off costs).
 //!
 //! Like all of `proto`, this reads no clock: the caller measures a transfer (post to completion)
 //! and hands the duration in.
@@ -58,9 +59,9 @@ pub const EXPLORE_EVERY: u64 = 32;
 pub const EXPLORE_MAX_RATIO: f64 = 3.0;
 /// Samples a path needs in a shape class before only the prediction (and periodic exploration)
 /// picks it there.
-pub const WARM_SAMPLES: u32 = 1;
-/// Weight of the newest sample in a shape class's running estimate.
-const CLASS_WEIGHT: f64 = 0.25;
+pub const WARM_SAMPLES: u32 = 2;
+/// Samples a shape class remembers per path; its estimate is the best of them.
+const CLASS_WINDOW: usize = 4;
 /// Shape classes remembered per chooser (the oldest is forgotten beyond this).
 const MAX_CLASSES: usize = 256;
 
@@ -121,12 +122,14 @@ impl Fit {
     }
 }
 
-/// A path's recent cost in one shape class: a running mean of µs per MiB-and-descriptor unit,
-/// scaled back to the shape asked about.
+/// A path's recent cost in one shape class, in µs per MiB-and-descriptor unit, scaled back to the
+/// shape asked about. The estimate is the best of the last [`CLASS_WINDOW`] samples: a path's first
+/// transfers pay one-off costs (connections, kernel loads) and a busy moment slows one transfer, and
+/// neither should keep a path from being chosen; the window still follows a machine that slowed.
 #[derive(Clone, Copy, Debug, Default)]
 struct Recent {
-    /// Running mean of observed µs ÷ the shape's size (MiB + descriptors/1024 + 1).
-    per_unit: f64,
+    /// Observed µs ÷ the shape's size (MiB + descriptors/1024 + 1), newest at `samples % WINDOW`.
+    window: [f64; CLASS_WINDOW],
     samples: u32,
 }
 
@@ -137,9 +140,13 @@ fn units(s: Shape) -> f64 {
 
 impl Recent {
     fn observe(&mut self, s: Shape, micros: f64) {
-        let v = micros / units(s);
-        self.per_unit = if self.samples == 0 { v } else { self.per_unit + CLASS_WEIGHT * (v - self.per_unit) };
+        self.window[self.samples as usize % CLASS_WINDOW] = micros / units(s);
         self.samples = self.samples.saturating_add(1);
+    }
+
+    fn per_unit(&self) -> f64 {
+        let n = (self.samples as usize).min(CLASS_WINDOW);
+        self.window[..n].iter().copied().fold(f64::INFINITY, f64::min)
     }
 }
 
@@ -181,7 +188,7 @@ impl PathChooser {
     pub fn predict(&self, path: Path, shape: Shape) -> f64 {
         let r = self.recent(path, shape);
         if r.samples > 0 {
-            (r.per_unit * units(shape)).max(0.1)
+            (r.per_unit() * units(shape)).max(0.1)
         } else {
             self.fits[path.index()].predict(shape)
         }
@@ -204,9 +211,12 @@ impl PathChooser {
         let best = if d <= s { Path::Direct } else { Path::Staged };
         let other = best.other();
         let ratio = d.max(s) / d.min(s);
-        let cold = self.recent(other, shape).samples < WARM_SAMPLES;
+        let seen = self.recent(other, shape).samples;
         let due = self.decisions.is_multiple_of(EXPLORE_EVERY);
-        if ratio <= EXPLORE_MAX_RATIO && (cold || due) {
+        // A path tried once here gets its second sample whatever the first said: the first may have
+        // paid a one-off cost, and it was plausible enough to be tried at all.
+        let second = seen > 0 && seen < WARM_SAMPLES;
+        if second || (ratio <= EXPLORE_MAX_RATIO && (seen < WARM_SAMPLES || due)) {
             self.explored[other.index()] += 1;
             return other;
         }
@@ -353,6 +363,30 @@ mod tests {
             staged += usize::from(c.choose(s) == Path::Staged);
         }
         assert!(staged >= 60, "staged {staged} of 64 after direct slowed down");
+    }
+
+    #[test]
+    fn a_slow_first_transfer_does_not_lock_a_path_out() {
+        // Staging's first transfer pays a one-off 50 ms (connection, kernel load); it is then 3x
+        // faster than direct for this shape.
+        let s = Shape { descs: 128, bytes: 64 << 20 };
+        let mut c = PathChooser::new();
+        let mut staged_seen = 0;
+        let mut last = Vec::new();
+        for i in 0..40 {
+            let p = c.choose(s);
+            let t = match p {
+                Path::Direct => 1100.0,
+                Path::Staged if staged_seen == 0 => 50_000.0,
+                Path::Staged => 350.0,
+            };
+            staged_seen += usize::from(p == Path::Staged);
+            c.observe(p, s, (t * 1000.0) as u64);
+            if i >= 30 {
+                last.push(p);
+            }
+        }
+        assert!(last.iter().all(|&p| p == Path::Staged), "{last:?}");
     }
 
     #[test]
