@@ -1324,6 +1324,8 @@ fn child_args(a: &Args, role: Role) -> Vec<String> {
         list(&a.gpus.iter().map(|&g| u64::from(g)).collect::<Vec<_>>()),
         "--backend".into(),
         a.backend.clone(),
+        "--engine-path".into(),
+        format!("{:?}", a.engine_path).to_lowercase(),
     ];
     if let Some(ptx) = &a.ptx {
         out.push("--ptx".into());
