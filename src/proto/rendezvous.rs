@@ -164,6 +164,8 @@ pub struct RendezvousStats {
     pub refused: u64,
     /// Transfers that finished with an error.
     pub transfer_failures: u64,
+    /// Registrations refused because another consumer engine had registered the key first.
+    pub foreign: u64,
 }
 
 /// A transfer id's live attempt, by state.
@@ -431,6 +433,11 @@ impl Rendezvous {
             Slot::AwaitingBlocks(mut w) => {
                 if w.registrations.iter().any(|(r, _)| r.engine_id() == target.engine && r.rank() == target.rank) {
                     self.stats.duplicates += 1;
+                } else if w.registrations.iter().any(|(r, _)| r.engine_id() != target.engine) {
+                    // A key belongs to the first consumer engine that registered it: another engine
+                    // (a stale router's choice, a confused peer) never receives its KV.
+                    self.stats.foreign += 1;
+                    self.actions.push_back(Action::Fail { key, target, kind: FailureKind::Refused });
                 } else if w.registrations.len() >= usize::from(w.fan_out) {
                     self.actions.push_back(Action::Fail { key, target, kind: FailureKind::Refused });
                 } else {
@@ -441,6 +448,9 @@ impl Rendezvous {
             Slot::Active(mut a) => {
                 if a.started.contains(&target) {
                     self.stats.duplicates += 1;
+                } else if a.started.iter().any(|t| t.engine != target.engine) {
+                    self.stats.foreign += 1;
+                    self.actions.push_back(Action::Fail { key, target, kind: FailureKind::Refused });
                 } else if a.started.len() >= usize::from(a.fan_out) {
                     self.actions.push_back(Action::Fail { key, target, kind: FailureKind::Refused });
                 } else {
@@ -751,6 +761,40 @@ mod tests {
         assert_eq!(r.poll_timeout(), None);
         let s = r.stats();
         assert_eq!((s.registrations, s.blocks_ready, s.matches, s.expired), (1, 1, 1, 0));
+    }
+
+    /// Issue #16, window 8: a key is bound to the first consumer engine that registered it, before
+    /// and after the transfer started; another engine's registration is refused and moves nothing.
+    #[test]
+    fn a_key_belongs_to_the_first_consumer_engine() {
+        let l = layout(0, 1);
+        let from = |engine: &str, id: u128| {
+            Registration::new(Key::new(id, 1), engine.into(), l.parallel.rank(), 40, vec![vec![9, 9, 9], vec![9]], &l)
+                .expect("fits")
+        };
+        let other = Target { engine: "intruder".into(), rank: Rank::new(0, 0) };
+        for blocks_first in [false, true] {
+            let mut r = rdv();
+            let key = Key::new(7, 1);
+            if blocks_first {
+                r.handle_blocks_ready(t(1), key, blocks(100));
+                assert!(drain(&mut r).is_empty());
+            }
+            r.handle_registration(t(2), reg(7, 1), 2);
+            if blocks_first {
+                expect_transfer(&mut r, key, &target(0), Order::BlocksFirst, 1);
+            } else {
+                assert!(drain(&mut r).is_empty());
+            }
+            // The fan-out (2) leaves room for one more rank, but not of another engine.
+            r.handle_registration(t(3), from("intruder", 7), 2);
+            expect_fail(&mut r, key, &other, FailureKind::Refused);
+            assert_eq!(r.stats().foreign, 1);
+            if !blocks_first {
+                r.handle_blocks_ready(t(4), key, blocks(100));
+                expect_transfer(&mut r, key, &target(0), Order::RegistrationFirst, 2);
+            }
+        }
     }
 
     #[test]
