@@ -1671,8 +1671,7 @@ fn orchestrate(args: &Args) -> Result<serde_json::Value, String> {
             }
         }
     }
-    let engine_vs_best_min =
-        engine_vs_best.iter().filter_map(|c| c["engine_vs_best"].as_f64()).reduce(f64::min);
+    let engine_vs_best_min = engine_vs_best.iter().filter_map(|c| c["engine_vs_best"].as_f64()).reduce(f64::min);
     let all_verified = results.iter().all(|r| r.verified);
     Ok(serde_json::json!({
         "bench": "gpu_push",

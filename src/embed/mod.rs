@@ -798,6 +798,7 @@ fn kind_name(m: &Message) -> &'static str {
         Message::Failure(_) => "failure",
         Message::Abort(_) => "abort",
         Message::Heartbeat(_) => "heartbeat",
+        Message::Grant(_) => "grant",
     }
 }
 

@@ -109,7 +109,9 @@ impl Staging {
         let measured = StagingConfig { choice: PathChoice::Measured, ..StagingConfig::default() };
         match self {
             Staging::Auto if device == DeviceKind::Cuda => Some(measured),
-            Staging::AutoWith(c) if device == DeviceKind::Cuda => Some(StagingConfig { choice: PathChoice::Measured, ..c }),
+            Staging::AutoWith(c) if device == DeviceKind::Cuda => {
+                Some(StagingConfig { choice: PathChoice::Measured, ..c })
+            }
             Staging::Auto | Staging::AutoWith(_) | Staging::Off => None,
             Staging::On(c) => Some(c),
         }
@@ -374,6 +376,7 @@ impl Shared {
         let key = match &msg {
             Message::Registration(r) => r.key(),
             Message::Completion(c) => c.key,
+            Message::Grant(g) => g.key,
             Message::Failure(f) => f.key,
             Message::Abort(a) => a.key,
             Message::Handshake(_) | Message::Heartbeat(_) => return Ok(()),

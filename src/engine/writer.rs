@@ -18,7 +18,7 @@ use crate::pool::handoff::Inbox;
 use crate::proto::codec;
 use crate::proto::completion::{Completions, Event, FailReason};
 use crate::proto::ids::Instant;
-use crate::proto::msg::{Abort, Completion, Failure, FailureKind, Message, Mode, Registration};
+use crate::proto::msg::{Abort, Completion, Failure, FailureKind, Grant, Message, Mode, Registration};
 use crate::proto::plan::{Grid, PlanInput, PlanStats, Planner};
 use crate::proto::rendezvous::{Action, Order, ReleaseReason, Rendezvous, SourceBlocks};
 use crate::proto::{Copy, Key};
@@ -542,20 +542,10 @@ impl Writer {
                 if self.grants.contains_key(&(c.key, from.clone())) {
                     // Producer side of a pull: the consumer finished reading our blocks.
                     self.read_done(now, c.key, from, Ok(()));
-                } else if mode == Mode::Pull && self.pulls.contains_key(&c.key) {
-                    // Consumer side of a pull: a producer rank pinned its blocks for us.
-                    self.post_read(now, c.key, from);
                 } else if mode == Mode::Pull {
-                    // A grant for a read this worker no longer wants (aborted, failed or superseded
-                    // before the grant came): nothing will read, so let the producer release now
-                    // instead of holding its blocks until its read timeout.
-                    let detail: String = "read no longer wanted".into();
-                    let f = Failure { key: c.key, rank: self.shared.me.rank, kind: FailureKind::Aborted, detail };
-                    self.send_frame(&from, &Message::Failure(f));
-                    // And this producer rank has given its final word: nothing of it will land.
-                    let heard =
-                        Failure { key: c.key, rank: from.rank, kind: FailureKind::Aborted, detail: String::new() };
-                    self.comp.handle_failure(now, &heard);
+                    // A producer grants a read with a Grant, never with a Completion.
+                    self.stats().failures.malformed += 1;
+                    tracing::warn!(worker = %self.shared.me, peer = %from, key = %c.key, "pull completion for no granted read refused");
                 } else if via == Via::Data {
                     self.comp.handle_completion(now, &c);
                 } else {
@@ -564,6 +554,33 @@ impl Writer {
                     // transport's notification, delivered after the data, counts.
                     self.stats().failures.malformed += 1;
                     tracing::warn!(worker = %self.shared.me, peer = %from, key = %c.key, "push completion on the control link refused");
+                }
+            }
+            Message::Grant(g) => {
+                if mode != Mode::Pull {
+                    self.stats().failures.malformed += 1;
+                    tracing::warn!(worker = %self.shared.me, peer = %from, key = %g.key, "grant in push mode refused");
+                } else if self.pulls.get(&g.key).is_some_and(|r| r.remote_blocks == g.block_ids) {
+                    // Consumer side of a pull: a producer rank pinned exactly the blocks we read.
+                    self.post_read(now, g.key, from);
+                } else {
+                    // A grant for a read this worker no longer wants (aborted, failed or superseded
+                    // before the grant came), or for other blocks than the request named (stale or
+                    // forged ids): nothing is read, the producer releases now instead of at its read
+                    // timeout, and the request fails.
+                    let wanted = self.pulls.contains_key(&g.key);
+                    let (kind, detail) = if wanted {
+                        self.stats().failures.plan += 1;
+                        tracing::warn!(worker = %self.shared.me, peer = %from, key = %g.key, "the producer pinned other blocks than the request named; nothing read");
+                        (FailureKind::Refused, "the producer pinned other blocks than the request named")
+                    } else {
+                        (FailureKind::Aborted, "read no longer wanted")
+                    };
+                    let f = Failure { key: g.key, rank: self.shared.me.rank, kind, detail: detail.into() };
+                    self.send_frame(&from, &Message::Failure(f));
+                    // And this producer rank has given its final word: nothing of it will land.
+                    let heard = Failure { key: g.key, rank: from.rank, kind, detail: detail.into() };
+                    self.comp.handle_failure(now, &heard);
                 }
             }
             Message::Failure(f) => {
@@ -888,7 +905,13 @@ impl Writer {
                                 PeerAddr { engine: registration.engine_id().to_owned(), rank: registration.rank() };
                             let deadline = now.plus_micros(self.shared.config.pull_read_timeout_us);
                             self.grants.insert((key, to.clone()), deadline);
-                            let grant = Message::Completion(Completion { key, rank: self.shared.me.rank });
+                            // The grant names the pinned blocks: D reads these or nothing.
+                            let grant = Message::Grant(Grant {
+                                key,
+                                rank: self.shared.me.rank,
+                                num_tokens: blocks.num_tokens,
+                                block_ids: blocks.block_ids.clone(),
+                            });
                             self.send_frame(&to, &grant);
                         }
                     }

@@ -21,8 +21,8 @@ use super::compat::compat_hash;
 use super::ids::Rank;
 use super::layout::KvLayout;
 use super::msg::{
-    check_len, Abort, Completion, Failure, Handshake, Heartbeat, Message, RangeError, Registration, RegistrationWire,
-    MAX_AGENT_METADATA, MAX_DETAIL, MAX_ENGINE_ID,
+    check_block_lists, check_len, Abort, Completion, Failure, Grant, Handshake, Heartbeat, Message, RangeError,
+    Registration, RegistrationWire, MAX_AGENT_METADATA, MAX_DETAIL, MAX_ENGINE_ID, MAX_TOKENS,
 };
 
 /// Version of the wire format; a peer speaking another version is refused.
@@ -52,6 +52,8 @@ pub enum Kind {
     Abort = 5,
     /// [`Heartbeat`].
     Heartbeat = 6,
+    /// [`Grant`].
+    Grant = 7,
 }
 
 impl Kind {
@@ -63,6 +65,7 @@ impl Kind {
             4 => Kind::Failure,
             5 => Kind::Abort,
             6 => Kind::Heartbeat,
+            7 => Kind::Grant,
             _ => return None,
         })
     }
@@ -83,6 +86,7 @@ impl Kind {
             Kind::Failure => "failure",
             Kind::Abort => "abort",
             Kind::Heartbeat => "heartbeat",
+            Kind::Grant => "grant",
         }
     }
 }
@@ -205,6 +209,7 @@ fn kind_of(msg: &Message) -> Kind {
         Message::Failure(_) => Kind::Failure,
         Message::Abort(_) => Kind::Abort,
         Message::Heartbeat(_) => Kind::Heartbeat,
+        Message::Grant(_) => Kind::Grant,
     }
 }
 
@@ -218,7 +223,7 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         Message::Handshake(h) => check_handshake_fields(h).map_err(range)?,
         Message::Failure(f) => check_len("detail", f.detail.len(), MAX_DETAIL).map_err(range)?,
         Message::Abort(a) => check_len("reason", a.reason.len(), MAX_DETAIL).map_err(range)?,
-        Message::Registration(_) | Message::Completion(_) | Message::Heartbeat(_) => {}
+        Message::Registration(_) | Message::Completion(_) | Message::Heartbeat(_) | Message::Grant(_) => {}
     }
     let payload = match msg {
         Message::Handshake(h) => postcard::to_allocvec(h.as_ref()),
@@ -227,6 +232,7 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         Message::Failure(f) => postcard::to_allocvec(f),
         Message::Abort(a) => postcard::to_allocvec(a),
         Message::Heartbeat(h) => postcard::to_allocvec(h),
+        Message::Grant(g) => postcard::to_allocvec(g),
     }
     .map_err(|e| EncodeError::Serialize { kind: name, reason: e.to_string() })?;
     let max = kind.max_payload();
@@ -356,6 +362,17 @@ pub fn decode(bytes: &[u8], peer: Option<&KvLayout>) -> Result<Message, DecodeEr
             Message::Abort(a)
         }
         Kind::Heartbeat => Message::Heartbeat(parse::<Heartbeat>(kind, payload)?),
+        Kind::Grant => {
+            let layout = need_peer()?;
+            let g: Grant = parse(kind, payload)?;
+            if g.num_tokens == 0 || g.num_tokens > MAX_TOKENS {
+                let e = RangeError::OutOfRange { field: "num_tokens", value: g.num_tokens, limit: MAX_TOKENS };
+                return Err(range(e));
+            }
+            check_rank(g.rank, layout).map_err(range)?;
+            check_block_lists(&g.block_ids, g.num_tokens, layout).map_err(range)?;
+            Message::Grant(g)
+        }
     })
 }
 
@@ -376,6 +393,7 @@ mod tests {
                 Registration::new(key, "decode-0".into(), rank, 33, vec![vec![4, 5, 6], vec![9]], &l).expect("fits"),
             ),
             Message::Completion(Completion { key, rank }),
+            Message::Grant(Grant { key, rank, num_tokens: 33, block_ids: vec![vec![4, 5, 6], vec![9]] }),
             Message::Failure(Failure {
                 key,
                 rank,
@@ -435,6 +453,26 @@ mod tests {
         // A completion before the handshake has nothing to be checked against.
         let c = to_vec(&Message::Completion(Completion { key: Key::new(1, 1), rank: l.parallel.rank() })).unwrap();
         assert!(matches!(decode(&c, None), Err(DecodeError::NoPeerLayout { .. })));
+    }
+
+    #[test]
+    fn grants_are_checked_against_the_producers_layout() {
+        let l = small_layout(); // 64 blocks of 16 tokens, 2 groups
+        let rank = l.parallel.rank();
+        let grant = |num_tokens: u64, block_ids: Vec<Vec<u32>>| {
+            to_vec(&Message::Grant(Grant { key: Key::new(3, 1), rank, num_tokens, block_ids })).expect("encodes")
+        };
+        assert!(decode(&grant(33, vec![vec![1, 2, 3], vec![4]]), Some(&l)).is_ok());
+        let bad = [
+            grant(33, vec![vec![1, 2, 3]]),           // one list for two groups
+            grant(33, vec![vec![1, 2, 64], vec![4]]), // id beyond the pool
+            grant(16, vec![vec![1, 2, 3], vec![4]]),  // more blocks than 16 tokens need
+            grant(0, vec![vec![], vec![]]),           // no tokens
+        ];
+        for b in bad {
+            assert!(matches!(decode(&b, Some(&l)), Err(DecodeError::Range { .. })), "{:?}", decode(&b, Some(&l)));
+        }
+        assert!(matches!(decode(&grant(33, vec![vec![1], vec![4]]), None), Err(DecodeError::NoPeerLayout { .. })));
     }
 
     #[test]

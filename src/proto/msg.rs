@@ -232,6 +232,22 @@ pub struct Completion {
     pub rank: Rank,
 }
 
+/// P → D, pull mode, over the side channel: "my blocks of `key` are pinned for your read; these
+/// are the blocks you may read". D reads exactly these (and fails the request where the ids it was
+/// handed differ), so a stale or forged `remote_block_ids` reads nothing.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Grant {
+    /// Which transfer and attempt.
+    pub key: Key,
+    /// The producer rank that pinned its blocks.
+    pub rank: Rank,
+    /// Tokens the blocks hold.
+    pub num_tokens: u64,
+    /// The pinned block ids per KV group (checked against the producer's layout on decode).
+    #[serde(deserialize_with = "super::bounded::vec::<_, _, { super::layout::MAX_GROUPS }>")]
+    pub block_ids: Vec<Vec<u32>>,
+}
+
 /// Why a transfer failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[non_exhaustive]
@@ -306,6 +322,8 @@ pub enum Message {
     Registration(Registration),
     /// See [`Completion`].
     Completion(Completion),
+    /// See [`Grant`].
+    Grant(Grant),
     /// See [`Failure`].
     Failure(Failure),
     /// See [`Abort`].

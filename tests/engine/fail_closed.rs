@@ -103,3 +103,43 @@ fn a_writer_panic_fails_its_shard_closed() {
     wait_for(&d.engine, "D's request failed", LIMIT, |f| matches!(f, Finished::Failed { key, .. } if *key == met));
     assert_eq!(p.engine.stats().failures.writer_panic, 1, "the panic is counted once");
 }
+
+/// Issue 16, window 7: a pull reads only the blocks P pinned for it. D names other blocks than P
+/// pinned (a stale or forged `remote_block_ids`): P's grant carries its pinned ids, D reads nothing,
+/// the request fails, and P releases at once instead of at its read timeout (60 s). Then a pull
+/// that names the pinned blocks reads them, every byte checked. (Before the fix D read the blocks
+/// it was handed, whatever P had pinned.)
+#[test]
+fn a_pull_reads_only_the_blocks_the_producer_pinned() {
+    let c = Cluster::new(Setup::new(Mode::Pull, 1, 1));
+    let (p, d) = (&c.p[0], &c.d[0]);
+    let tokens = 2 * u64::from(BLOCK_TOKENS);
+    let (pinned, other) = (vec![vec![3, 4]], vec![vec![5, 6]]);
+    // P's blocks 3 and 4 hold the request; 5 and 6 hold another request's KV.
+    pattern::fill(p.engine.layout(), &p.buffers, &other, tokens, 0xbad).expect("other request");
+    let seed = 0x5eed;
+    pattern::fill(p.engine.layout(), &p.buffers, &pinned, tokens, seed).expect("prefill");
+    let stale = Key::new(0x7a11_0001, 1);
+    p.engine.request_finished(stale, pinned.clone(), tokens).expect("finished");
+    let local = vec![vec![10, 11]];
+    pattern::fill(d.engine.layout(), &d.buffers, &local, tokens, 0xd00d).expect("D's blocks marked");
+    d.engine.start_pull(stale, P_ENGINE, other.clone(), local.clone(), tokens).expect("pull starts");
+    let failed = wait_for(
+        &d.engine,
+        "the mismatched pull fails",
+        LIMIT,
+        |f| matches!(f, Finished::Failed { key, .. } | Finished::Received { key } if *key == stale),
+    );
+    assert!(matches!(failed, Finished::Failed { .. }), "D read blocks P did not pin: {failed:?}");
+    wait_for(&p.engine, "P releases at once", LIMIT, |f| matches!(f, Finished::Sent { key, .. } if *key == stale));
+    let untouched = pattern::verify(d.engine.layout(), &d.buffers, &local, tokens, 0xd00d).expect("reads");
+    assert!(untouched.ok(), "D's blocks were written by a refused read: {untouched:?}");
+    // The same blocks, named right, in a new request.
+    let good = Key::new(0x7a11_0002, 1);
+    p.engine.request_finished(good, pinned.clone(), tokens).expect("finished");
+    d.engine.start_pull(good, P_ENGINE, pinned.clone(), local.clone(), tokens).expect("pull starts");
+    wait_for(&d.engine, "received", LIMIT, |f| matches!(f, Finished::Received { key } if *key == good));
+    let v = pattern::verify(d.engine.layout(), &d.buffers, &local, tokens, seed).expect("reads");
+    assert!(v.ok(), "received but wrong: {v:?}");
+    wait_for(&p.engine, "sent", LIMIT, |f| matches!(f, Finished::Sent { key, .. } if *key == good));
+}

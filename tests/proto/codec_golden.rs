@@ -16,7 +16,9 @@ use kvpush::proto::ids::{Key, Rank};
 use kvpush::proto::layout::{
     BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, ModelShape, Parallel,
 };
-use kvpush::proto::msg::{Abort, Completion, Failure, FailureKind, Handshake, Heartbeat, Message, Mode, Registration};
+use kvpush::proto::msg::{
+    Abort, Completion, Failure, FailureKind, Grant, Handshake, Heartbeat, Message, Mode, Registration,
+};
 
 /// Parses hex bytes; on each line, `--` starts a comment (the field the bytes encode).
 fn hex(s: &str) -> Vec<u8> {
@@ -166,6 +168,23 @@ fn goldens() -> Vec<Golden> {
             name: "completion",
             bytes: hex("4b 50 01 00 03 05 00 00 00  b4 24 02 00 00"),
             msg: Message::Completion(Completion { key: Key::new(0x1234, 2), rank }),
+            peer: true,
+        },
+        Golden {
+            name: "grant",
+            bytes: hex("4b 50 01 00 07 0f 00 00 00  -- kind 7 (Grant), length 15
+                 b4 24 02  -- key 0x1234#2
+                 00 00  -- rank tp0/pp0 (P's)
+                 28  -- num_tokens 40
+                 02  -- block_ids: 2 lists
+                 03 05 06 c8 01  -- group 0: 5, 6, 200
+                 01 ab 02  -- group 1: 299"),
+            msg: Message::Grant(Grant {
+                key: Key::new(0x1234, 2),
+                rank,
+                num_tokens: 40,
+                block_ids: vec![vec![5, 6, 200], vec![299]],
+            }),
             peer: true,
         },
         Golden {
