@@ -45,6 +45,7 @@ const COMPLETION: u8 = 3;
 const FAILURE: u8 = 4;
 const ABORT: u8 = 5;
 const HEARTBEAT: u8 = 6;
+const GRANT: u8 = 7;
 
 /// Mirror of kvpush's crate-private `RegistrationWire` (same fields, same order).
 #[derive(Clone, Serialize)]
@@ -166,7 +167,7 @@ fn header_faults(c: &mut Corpus, valid: &[(&'static str, Vec<u8>)]) {
     f[2..4].copy_from_slice(&2u16.to_le_bytes());
     c.add("hdr_version_2_handshake.bin", f, false, "UnsupportedVersion", "valid handshake payload, version 2");
 
-    for k in [0u8, 7, 0x80, 0xff] {
+    for k in [0u8, 8, 0x80, 0xff] {
         let mut f = hb.clone();
         f[4] = k;
         c.add(format!("hdr_kind_{k}.bin"), f, false, "UnknownKind", format!("heartbeat payload under kind byte {k}"));
@@ -276,7 +277,7 @@ fn header_flip_expectation(kind: u8, payload: usize, byte: usize, bit: u8) -> Op
         }
         4 => {
             let k = kind ^ (1 << bit);
-            if (HANDSHAKE..=HEARTBEAT).contains(&k) {
+            if (HANDSHAKE..=GRANT).contains(&k) {
                 return None;
             }
             ("UnknownKind", format!("kind byte {k}"))
