@@ -49,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "python"))
@@ -221,19 +221,23 @@ def run_setup(setup: Setup, args: argparse.Namespace, model_dir: Path, prompt_se
     started: list[srv.Server] = []
     t0 = time.monotonic()
     # Each server's side channel: vLLM's connectors read VLLM_NIXL_SIDE_CHANNEL_PORT (start_vllm sets it),
-    # kvpush's its kv_connector_extra_config "side_channel_port"; the router hands P's to D.
-    p_port, d_port = srv.free_ports(2)
-    p_cfg, d_cfg = json.loads(json.dumps(setup.p_config)), json.loads(json.dumps(setup.d_config))
-    if setup.needs_kvpush:
-        p_cfg["kv_connector_extra_config"]["side_channel_port"] = p_port
-        d_cfg["kv_connector_extra_config"]["side_channel_port"] = d_port
-    out["p_kv_transfer_config"], out["d_kv_transfer_config"] = p_cfg, d_cfg
+    # kvpush's its kv_connector_extra_config "side_channel_port"; the router hands P's to D. start_vllm
+    # picks the port (again, if it was taken before the server bound it) and makes the config with it.
+    def config(base: dict) -> Callable[[int], dict]:
+        def with_port(port: int) -> dict:
+            cfg = json.loads(json.dumps(base))
+            if setup.needs_kvpush:
+                cfg["kv_connector_extra_config"]["side_channel_port"] = port
+            return cfg
+
+        return with_port
+
     try:
         with ThreadPoolExecutor(2) as pool:
-            pf = pool.submit(srv.start_vllm, f"{tag}-P", model_dir, kv_transfer_config=p_cfg, extra_env=p_env,
-                             side_channel_port=p_port)  # fmt: skip
-            df = pool.submit(srv.start_vllm, f"{tag}-D", model_dir, kv_transfer_config=d_cfg, extra_env=d_env,
-                             side_channel_port=d_port)  # fmt: skip
+            pf = pool.submit(srv.start_vllm, f"{tag}-P", model_dir, kv_transfer_config=config(setup.p_config),
+                             extra_env=p_env)  # fmt: skip
+            df = pool.submit(srv.start_vllm, f"{tag}-D", model_dir, kv_transfer_config=config(setup.d_config),
+                             extra_env=d_env)  # fmt: skip
             for f in (pf, df):
                 try:
                     started.append(f.result())
@@ -242,6 +246,7 @@ def run_setup(setup: Setup, args: argparse.Namespace, model_dir: Path, prompt_se
                         s.stop()
                     raise
         p, d = started
+        out["p_kv_transfer_config"], out["d_kv_transfer_config"] = p.kv_transfer_config, d.kv_transfer_config
         out["servers"] = {"P": {"log": str(p.log_path), "env": p.env, "ready_s": round(p.ready_s or 0, 1)},
                           "D": {"log": str(d.log_path), "env": d.env, "ready_s": round(d.ready_s or 0, 1)}}  # fmt: skip
         router = srv.start_router(setup.mode, [p], [d], name=f"{tag}-router")

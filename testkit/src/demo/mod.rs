@@ -3,33 +3,36 @@
 //!
 //! Read [`run`]. It builds a P engine and a D engine (each with `tp` workers) on the device
 //! `KVPUSH_DEVICE` selects (host by default) and an in-process [`Fabric`], then plays one workload per
-//! mode. A *driver* thread plays both engines' loops: it admits requests, allocates blocks from each
-//! engine's block pool, calls the engine API and polls results, timing every call it makes on a
-//! request's behalf (the engine-thread time). A *prefill* thread writes each request's KV into P's
-//! blocks (standing in for the accelerator), and a *verifier* thread checks every byte that arrived
-//! on D against the expected contents ([`pattern`]) before D's blocks are freed.
+//! mode with the workload driver (`driver.rs`), the same one that drives the two-process demo
+//! ([`procs`]). Each engine runs in the host a child process runs (`procs::WorkerState`): it takes
+//! blocks from its engine's block pool, calls the engine API and polls results, timing every call
+//! made on a request's behalf (the engine-thread time); a helper thread writes each request's KV into
+//! P's blocks (standing in for the accelerator) or checks every byte that arrived on D against the
+//! expected contents ([`pattern`]) before D's blocks are freed. Here the driver's commands go to the
+//! hosts directly, and the hosts are stepped while the driver waits for an event.
 
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{unbounded, Receiver, Sender};
 use serde::Serialize;
 
 use kvpush::device::{self, Buffer, Device};
-use kvpush::engine::{Config, Engine, EngineError, Finished, LocalHub, Staging};
+use kvpush::engine::{Config, Engine, EngineError, LocalHub, Staging};
 use kvpush::proto::layout::{
     BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, ModelShape, Parallel,
 };
-use kvpush::proto::msg::{blocks_for, Mode};
-use kvpush::proto::Key;
+use kvpush::proto::msg::Mode;
 use kvpush::transport::loopback::Fabric;
 
 // The workload's random source; `procs` seeds its own from the workload's seed too.
 pub(crate) use crate::rng::Rng;
 
+mod driver;
 pub mod pattern;
 pub mod procs;
+
+use procs::{Role, Worker, WorkerSpec, WorkerState};
 
 /// The model and parallel layout of the demo.
 #[derive(Clone, Debug, Serialize)]
@@ -253,15 +256,17 @@ pub enum DemoError {
     /// The configuration cannot work.
     #[error("configuration: {0}")]
     Config(String),
+    /// An engine of the in-process demo reported an error.
+    #[error("{role} engine: {message}")]
+    Host {
+        /// Which.
+        role: Role,
+        /// What.
+        message: String,
+    },
     /// Requests did not finish in time.
     #[error("{0}")]
     Stuck(String),
-}
-
-/// One worker of the demo: its engine and memory.
-struct Worker {
-    engine: Engine,
-    buffers: Vec<Box<dyn Buffer>>,
 }
 
 pub(crate) fn model(t: &Topology) -> ModelShape {
@@ -396,38 +401,8 @@ impl Pool {
 /// Block ids per KV group.
 pub(crate) type BlockLists = Vec<Vec<u32>>;
 
-/// A verification result: request index and outcome.
-type Checked = (usize, Result<pattern::Verified, String>);
-
 /// A row of the table: label and how to render it from a mode's report.
 type Row = (&'static str, fn(&ModeReport) -> String);
-
-/// A request as the driver tracks it.
-struct Req {
-    key: Key,
-    tokens: u64,
-    seed: u64,
-    registration_first: bool,
-    p_blocks: Vec<Vec<u32>>,
-    d_blocks: Option<Vec<Vec<u32>>>,
-    ready_at: Option<Instant>,
-    engine_ns: u64,
-    p_released: usize,
-    /// D workers that reported an outcome (received, failed or ended).
-    d_reported: usize,
-    d_received: usize,
-    verified: bool,
-    failed: bool,
-    done: bool,
-}
-
-#[derive(PartialEq, Eq, PartialOrd, Ord)]
-enum Due {
-    /// P's prefill finished: call request_finished.
-    PrefillDone(usize),
-    /// The consumer leg arrives: allocate and register (push) or start the read (pull).
-    Consumer(usize),
-}
 
 /// Prompt lengths and orders of the workload (log-uniform lengths).
 pub fn requests(w: &Workload) -> Vec<(u64, bool)> {
@@ -542,12 +517,13 @@ fn build(
         config.writers = t.writers;
         config.staging = t.staging.engine(t.staging_slots, t.staging_slot_bytes);
         // SAFETY: the regions are `buffers`, allocated just above and owned by the same `Worker`
-        // as the engine; `Worker` drops its engine before its buffers. The driver follows the block
-        // ownership rules: P's blocks return to the pool only after `Finished::Sent` from every
-        // worker, D's only after every worker reported the request's outcome.
+        // as the engine; `Worker` drops its engine before its buffers. The engine's host
+        // (`WorkerState`) follows the block ownership rules: P's blocks return to the pool only
+        // after `Finished::Sent` from every worker, D's only after every worker reported the
+        // request's outcome (and after verification, which only reads them).
         let engine = unsafe { Engine::new(config, layout, dev.clone(), transport, hub.clone()) }?;
         hub.attach(engine.addr().clone(), engine.sink());
-        workers.push(Worker { engine, buffers });
+        workers.push(Worker { engine, side: None, buffers });
     }
     Ok(workers)
 }
@@ -562,298 +538,78 @@ fn run_mode(
     let fabric = Fabric::new();
     let hub = LocalHub::new();
     let medium = Medium { dev: &dev, fabric: &fabric, hub: &hub };
-    let p = Arc::new(build(t, mode, &medium, "prefill", t.p_tp, t.p_block)?);
-    let d = Arc::new(build(t, mode, &medium, "decode", t.d_tp, t.d_block)?);
-    for a in p.iter() {
-        for b in d.iter() {
+    let p = build(t, mode, &medium, "prefill", t.p_tp, t.p_block)?;
+    let d = build(t, mode, &medium, "decode", t.d_tp, t.d_block)?;
+    for a in &p {
+        for b in &d {
             b.engine.add_peer(&a.engine.handshake()?)?;
             a.engine.add_peer(&b.engine.handshake()?)?;
         }
     }
-    let groups = p[0].engine.layout().model.groups.len();
-    let mut p_pool = Pool::new(t.num_blocks, t.allocator);
-    let mut d_pool = Pool::new(t.num_blocks, t.allocator);
-    let specs = requests(w);
-    let mut reqs: Vec<Req> = Vec::with_capacity(specs.len());
-    let mut rng = Rng(w.seed ^ 0x5eed);
+    let host = |role: Role, workers| {
+        WorkerState::new(&WorkerSpec::new(role, mode, t), Arc::clone(&dev), workers)
+            .map_err(|message| DemoError::Host { role, message })
+    };
+    let mut local = Local { p: host(Role::Prefill, p)?, d: host(Role::Decode, d)? };
+    let report = driver::play(&mut local, t, w, mode, tick);
+    local.p.shutdown();
+    local.d.shutdown();
+    report
+}
 
-    // Prefill thread: writes each request's KV into P's blocks (the accelerator's work).
-    let (fill_tx, fill_rx) = unbounded::<(usize, Vec<Vec<u32>>, u64, u64)>();
-    let (filled_tx, filled_rx) = unbounded::<(usize, Result<(), String>)>();
-    let pf = Arc::clone(&p);
-    let pdev = Arc::clone(&dev);
-    let prefill = std::thread::spawn(move || {
-        // Bulk copies (through the device for GPU memory), one mover per worker.
-        let mut movers = movers(pdev.as_ref(), pf.len());
-        for (i, blocks, n, seed) in fill_rx {
-            let mut r = Ok(());
-            for (k, wk) in pf.iter().enumerate() {
-                let res = match movers.as_mut() {
-                    // SAFETY: the request's P blocks are not in flight: the driver calls
-                    // `request_finished` only after this fill reported back.
-                    Ok(m) => unsafe { m[k].fill(wk.engine.layout(), &wk.buffers, &blocks, n, seed) }
-                        .map_err(|e| e.to_string()),
-                    Err(e) => Err(e.clone()),
-                };
-                if let Err(e) = res {
-                    r = Err(e);
-                }
-            }
-            if filled_tx.send((i, r)).is_err() {
-                return;
-            }
-        }
-    });
-    // Verifier thread: checks what arrived on D.
-    let (check_tx, check_rx) = unbounded::<(usize, Vec<Vec<u32>>, u64, u64)>();
-    let (checked_tx, checked_rx): (Sender<Checked>, Receiver<Checked>) = unbounded();
-    let df = Arc::clone(&d);
-    let ddev = Arc::clone(&dev);
-    let verifier = std::thread::spawn(move || {
-        let mut movers = movers(ddev.as_ref(), df.len());
-        for (i, blocks, n, seed) in check_rx {
-            let mut total = pattern::Verified::default();
-            let mut res = Ok(());
-            for (k, wk) in df.iter().enumerate() {
-                let v = match movers.as_mut() {
-                    // SAFETY: every D worker reported the request received and its blocks return to the
-                    // pool only after this check: nothing writes them meanwhile.
-                    Ok(m) => unsafe { m[k].verify(wk.engine.layout(), &wk.buffers, &blocks, n, seed) }
-                        .map_err(|e| e.to_string()),
-                    Err(e) => Err(e.clone()),
-                };
-                match v {
-                    Ok(v) => total.add(v),
-                    Err(e) => res = Err(e),
-                }
-            }
-            if checked_tx.send((i, res.map(|()| total))).is_err() {
-                return;
-            }
-        }
-    });
+/// Both engines in this process: the driver's commands go straight to their hosts, which are
+/// stepped while the driver waits for an event.
+struct Local {
+    p: WorkerState,
+    d: WorkerState,
+}
 
-    let started = Instant::now();
-    let mut due: BinaryHeap<std::cmp::Reverse<(Instant, Due)>> = BinaryHeap::new();
-    let mut next = 0usize;
-    let mut in_flight = 0usize;
-    let mut finished = 0usize;
-    let mut by_key: HashMap<Key, usize> = HashMap::new();
-    let mut latencies = Vec::with_capacity(specs.len());
-    let mut verified_bytes = 0u64;
-    let mut verified = 0u64;
-    let mut failed = 0u64;
-    let mut out = Vec::new();
-    let mut last_progress = Instant::now();
-    let limit = Duration::from_secs(120);
+impl Local {
+    fn pop(&mut self) -> Result<Option<(Role, procs::Event)>, DemoError> {
+        for (role, host) in [(Role::Prefill, &mut self.p), (Role::Decode, &mut self.d)] {
+            match host.pop() {
+                Some(procs::Event::Error { message }) => return Err(DemoError::Host { role, message }),
+                Some(ev) => return Ok(Some((role, ev))),
+                None => {}
+            }
+        }
+        Ok(None)
+    }
+}
 
-    while finished < specs.len() {
-        let mut busy = false;
-        let now = Instant::now();
-        // Admit.
-        while next < specs.len() && in_flight < w.concurrency {
-            let (tokens, registration_first) = specs[next];
-            let pn = blocks_for(tokens, t.p_block) as usize;
-            let dn = blocks_for(tokens, t.d_block) as usize;
-            let d_now = mode == Mode::Push && registration_first;
-            if p_pool.free() < pn * groups || (d_now && d_pool.free() < dn * groups) {
-                break;
-            }
-            let p_blocks: Vec<Vec<u32>> = (0..groups).filter_map(|_| p_pool.take(pn)).collect();
-            let key = Key::new(u128::from(rng.next()) << 64 | next as u128, 1);
-            let seed = rng.next();
-            reqs.push(Req {
-                key,
-                tokens,
-                seed,
-                registration_first,
-                p_blocks: p_blocks.clone(),
-                d_blocks: None,
-                ready_at: None,
-                engine_ns: 0,
-                p_released: 0,
-                d_reported: 0,
-                d_received: 0,
-                verified: false,
-                failed: false,
-                done: false,
-            });
-            by_key.insert(key, next);
-            let _ = fill_tx.send((next, p_blocks, tokens, seed));
-            if d_now {
-                due.push(std::cmp::Reverse((now, Due::Consumer(next))));
-            }
-            next += 1;
-            in_flight += 1;
-            busy = true;
+impl driver::Side for Local {
+    type Error = DemoError;
+
+    fn send(&mut self, role: Role, cmd: &procs::Command) -> Result<(), DemoError> {
+        // What the command emits (an error too) comes out of `next`.
+        match role {
+            Role::Prefill => self.p.command(cmd.clone()),
+            Role::Decode => self.d.command(cmd.clone()),
         }
-        // Prefill finished writing: request_finished after the simulated prefill time.
-        while let Ok((i, r)) = filled_rx.try_recv() {
-            if let Err(e) = r {
-                return Err(DemoError::Config(format!("prefill of request {i} failed: {e}")));
+        Ok(())
+    }
+
+    fn next(&mut self, wait: Duration) -> Result<Option<(Role, procs::Event)>, DemoError> {
+        let deadline = Instant::now() + wait;
+        loop {
+            if let Some(ev) = self.pop()? {
+                return Ok(Some(ev));
             }
-            let at = now + Duration::from_nanos(reqs[i].tokens * w.prefill_ns_per_token);
-            due.push(std::cmp::Reverse((at, Due::PrefillDone(i))));
-        }
-        // Timed events.
-        while let Some(std::cmp::Reverse((at, _))) = due.peek() {
-            if *at > Instant::now() {
-                break;
+            self.p.step();
+            self.d.step();
+            if let Some(ev) = self.pop()? {
+                return Ok(Some(ev));
             }
-            let Some(std::cmp::Reverse((_, ev))) = due.pop() else { break };
-            busy = true;
-            match ev {
-                Due::PrefillDone(i) => {
-                    let r = &mut reqs[i];
-                    // The lists are built before the clock starts: an engine hands over lists it owns.
-                    let lists: Vec<Vec<Vec<u32>>> = p.iter().map(|_| r.p_blocks.clone()).collect();
-                    let t0 = Instant::now();
-                    for (wk, ids) in p.iter().zip(lists) {
-                        wk.engine.request_finished(r.key, ids, r.tokens)?;
-                    }
-                    r.engine_ns += t0.elapsed().as_nanos() as u64;
-                    r.ready_at = Some(t0);
-                    let consumer_now = mode == Mode::Push && r.registration_first;
-                    if !consumer_now {
-                        due.push(std::cmp::Reverse((t0 + Duration::from_micros(w.relay_us), Due::Consumer(i))));
-                    }
-                }
-                Due::Consumer(i) => {
-                    let r = &mut reqs[i];
-                    let dn = blocks_for(r.tokens, t.d_block) as usize;
-                    if d_pool.free() < dn * groups {
-                        // Retry shortly: D has no room yet.
-                        due.push(std::cmp::Reverse((Instant::now() + Duration::from_micros(100), Due::Consumer(i))));
-                        continue;
-                    }
-                    let d_blocks: Vec<Vec<u32>> = (0..groups).filter_map(|_| d_pool.take(dn)).collect();
-                    let lists: Vec<(BlockLists, BlockLists)> =
-                        d.iter().map(|_| (d_blocks.clone(), r.p_blocks.clone())).collect();
-                    let t0 = Instant::now();
-                    for (wk, (local, remote)) in d.iter().zip(lists) {
-                        match mode {
-                            Mode::Push => wk.engine.blocks_allocated(r.key, "prefill", local, r.tokens)?,
-                            Mode::Pull => wk.engine.start_pull(r.key, "prefill", remote, local, r.tokens)?,
-                        }
-                    }
-                    r.engine_ns += t0.elapsed().as_nanos() as u64;
-                    r.d_blocks = Some(d_blocks);
-                }
-            }
-        }
-        // Poll both engines.
-        for (side, workers) in [(0, &p), (1, &d)] {
-            for wk in workers.iter() {
-                out.clear();
-                let t0 = Instant::now();
-                let n = wk.engine.poll(&mut out);
-                if n == 0 {
-                    continue;
-                }
-                busy = true;
-                let share = t0.elapsed().as_nanos() as u64 / n as u64;
-                for f in out.drain(..) {
-                    let key = match &f {
-                        Finished::Sent { key, .. }
-                        | Finished::Received { key }
-                        | Finished::Failed { key, .. }
-                        | Finished::Ended { key } => *key,
-                    };
-                    let Some(&i) = by_key.get(&key) else { continue };
-                    let r = &mut reqs[i];
-                    r.engine_ns += share;
-                    match f {
-                        Finished::Sent { .. } if side == 0 => {
-                            r.p_released += 1;
-                            if r.p_released == p.len() {
-                                p_pool.give(r.p_blocks.iter().flatten().copied());
-                            }
-                        }
-                        Finished::Received { .. } => {
-                            r.d_reported += 1;
-                            r.d_received += 1;
-                            if r.d_received == d.len() {
-                                if let Some(at) = r.ready_at {
-                                    latencies.push(at.elapsed().as_micros() as u64);
-                                }
-                                let blocks = r.d_blocks.clone().unwrap_or_default();
-                                let _ = check_tx.send((i, blocks, r.tokens, r.seed));
-                            }
-                        }
-                        Finished::Failed { reason, .. } => {
-                            tracing::warn!(%reason, "request failed");
-                            r.failed = true;
-                            r.d_reported += 1;
-                        }
-                        Finished::Ended { .. } => {
-                            r.failed = true;
-                            r.d_reported += 1;
-                        }
-                        Finished::Sent { .. } => {}
-                    }
-                }
-            }
-        }
-        // Verification results.
-        while let Ok((i, res)) = checked_rx.try_recv() {
-            let r = &mut reqs[i];
-            match res {
-                Ok(v) if v.ok() => {
-                    verified_bytes += v.bytes;
-                    verified += 1;
-                }
-                Ok(v) => {
-                    tracing::error!(key = %r.key, mismatched = v.mismatched_elements, "KV arrived wrong");
-                    r.failed = true;
-                }
-                Err(e) => {
-                    tracing::error!(key = %r.key, error = %e, "cannot verify");
-                    r.failed = true;
-                }
-            }
-            r.verified = true;
-        }
-        // Retire requests whose both legs ended.
-        for r in reqs.iter_mut().filter(|r| !r.done) {
-            let d_over = r.verified || (r.failed && r.d_reported >= d.len());
-            if d_over && r.p_released >= p.len() {
-                r.done = true;
-                if let Some(b) = r.d_blocks.take() {
-                    d_pool.give(b.into_iter().flatten());
-                }
-                failed += u64::from(r.failed);
-                finished += 1;
-                in_flight -= 1;
-                busy = true;
-                tick();
-            }
-        }
-        if busy {
-            last_progress = Instant::now();
-        } else {
-            if last_progress.elapsed() > limit {
-                let stuck: Vec<String> = reqs.iter().filter(|r| !r.done).take(5).map(|r| r.key.to_string()).collect();
-                return Err(DemoError::Stuck(format!(
-                    "{mode}: no progress for {limit:?}; {} requests unfinished, e.g. {stuck:?}",
-                    specs.len() - finished
-                )));
+            if Instant::now() >= deadline {
+                return Ok(None);
             }
             std::thread::sleep(Duration::from_micros(20));
         }
     }
-    let wall = started.elapsed().as_secs_f64();
-    drop(fill_tx);
-    drop(check_tx);
-    let _ = prefill.join();
-    let _ = verifier.join();
 
-    let counters = p.iter().chain(d.iter()).map(|wk| {
-        let c = wk.engine.stats().counters;
-        (c.bytes, c.descriptors_unmerged, c.descriptors_posted)
-    });
-    let mut report = ModeReport::new(specs.len() as u64, verified_bytes, verified, failed, wall, counters);
-    report.summarize(latencies, reqs.iter().map(|r| r.engine_ns));
-    Ok(report)
+    fn fail(&mut self, role: Role, message: String) -> DemoError {
+        DemoError::Host { role, message }
+    }
 }
 
 /// Renders the report as a table.

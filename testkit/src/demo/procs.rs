@@ -10,8 +10,8 @@
 //! child dials every prefill worker from every one of its workers (the parent relays the ports); the
 //! handshakes on the side channel load NIXL metadata both ways.
 //!
-//! The parent then plays the same workload as the in-process demo ([`super::requests`], the same keys,
-//! seeds and orders) as a router would: it sends `prefill` commands (P allocates blocks, fills them
+//! The parent then plays the workload with the driver the in-process demo uses (`driver.rs`: the same
+//! requests, keys, seeds and orders), as a router would: it sends `prefill` commands (P allocates blocks, fills them
 //! with [`pattern::fill`], calls `request_finished` after the simulated prefill time and reports
 //! `ready` with a wall-clock timestamp) and `decode` commands (D allocates, registers in push mode or
 //! starts the read with P's relayed block ids in pull mode, and verifies every byte that arrives with
@@ -24,10 +24,13 @@
 //! the same requests pushed with every one ready at once. Each is the median of its rounds; every
 //! round's figure is kept in the report.
 //!
+//! A child's work is done by a `WorkerState`, which the in-process demo runs too (one per engine,
+//! its events queued instead of written to stdout).
+//!
 //! Children exit when their stdin closes (the parent exited or died); the parent kills and reaps them
 //! on any error ([`WorkerProc`] does so when dropped).
 
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
@@ -41,6 +44,7 @@ use serde::{Deserialize, Serialize};
 pub use crate::child::LogFn;
 use crate::child::{self, Channel, Child};
 
+use super::driver::{self, Side};
 use super::{pattern, requests, BlockLists, DemoError, ModeReport, Pool, Report, Rng, Topology, Workload};
 use kvpush::device::{self, Buffer, Device, MemRegion};
 use kvpush::engine::side::{SideChannel, SideConfig};
@@ -672,6 +676,38 @@ impl Pair {
         }
     }
 
+    /// Closes both children's stdin and reaps them (killing one that lingers).
+    fn close(mut self) {
+        self.p.mute();
+        self.d.mute();
+        self.p.close_stdin();
+        self.d.close_stdin();
+        self.p.close(Duration::from_secs(10));
+        self.d.close(Duration::from_secs(10));
+    }
+}
+
+impl Side for Pair {
+    type Error = ProcsError;
+
+    fn send(&mut self, role: Role, cmd: &Command) -> Result<(), ProcsError> {
+        match self.proc(role).send(cmd) {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.fail(role, format!("cannot send a command: {e}"))),
+        }
+    }
+
+    fn next(&mut self, timeout: Duration) -> Result<Option<(Role, Event)>, ProcsError> {
+        match self.rx.recv_timeout(timeout) {
+            Ok((role, Incoming::Reply(Event::Error { message }))) => Err(self.fail(role, message)),
+            Ok((role, Incoming::Reply(ev))) => Ok(Some((role, ev))),
+            Ok((role, Incoming::Garbled(why))) => Err(self.fail(role, format!("garbled reply {why}"))),
+            Ok((role, Incoming::Closed)) => Err(self.fail(role, "exited unexpectedly".into())),
+            Err(RecvTimeoutError::Timeout) => Ok(None),
+            Err(RecvTimeoutError::Disconnected) => Err(self.fail(Role::Prefill, "event stream closed".into())),
+        }
+    }
+
     fn fail(&mut self, role: Role, message: String) -> ProcsError {
         let proc = self.proc(role);
         // Give a dying child a moment, so its status and last words are in the message.
@@ -685,74 +721,6 @@ impl Pair {
             format!("\n  last lines of its stderr:\n    {}", lines[n..].join("\n    "))
         };
         ProcsError::Worker { role, message: format!("{message}{status}"), tail }
-    }
-
-    fn send(&mut self, role: Role, cmd: &Command) -> Result<(), ProcsError> {
-        match self.proc(role).send(cmd) {
-            Ok(()) => Ok(()),
-            Err(e) => Err(self.fail(role, format!("cannot send a command: {e}"))),
-        }
-    }
-
-    /// The next event, `None` after `timeout`; a closed child or an `error` event is an error.
-    fn next(&mut self, timeout: Duration) -> Result<Option<(Role, Event)>, ProcsError> {
-        match self.rx.recv_timeout(timeout) {
-            Ok((role, Incoming::Reply(Event::Error { message }))) => Err(self.fail(role, message)),
-            Ok((role, Incoming::Reply(ev))) => Ok(Some((role, ev))),
-            Ok((role, Incoming::Garbled(why))) => Err(self.fail(role, format!("garbled reply {why}"))),
-            Ok((role, Incoming::Closed)) => Err(self.fail(role, "exited unexpectedly".into())),
-            Err(RecvTimeoutError::Timeout) => Ok(None),
-            Err(RecvTimeoutError::Disconnected) => Err(self.fail(Role::Prefill, "event stream closed".into())),
-        }
-    }
-
-    /// The next event if one is queued.
-    fn try_next(&mut self) -> Result<Option<(Role, Event)>, ProcsError> {
-        match self.rx.try_recv() {
-            Ok((role, Incoming::Reply(Event::Error { message }))) => Err(self.fail(role, message)),
-            Ok((role, Incoming::Reply(ev))) => Ok(Some((role, ev))),
-            Ok((role, Incoming::Garbled(why))) => Err(self.fail(role, format!("garbled reply {why}"))),
-            Ok((role, Incoming::Closed)) => Err(self.fail(role, "exited unexpectedly".into())),
-            Err(_) => Ok(None),
-        }
-    }
-
-    /// Waits for the event of `role` that `f` accepts; other events are errors (setup is sequential).
-    fn expect<T>(
-        &mut self,
-        role: Role,
-        what: &str,
-        timeout: Duration,
-        f: impl FnOnce(Event) -> Option<T>,
-    ) -> Result<T, ProcsError> {
-        match self.next(timeout)? {
-            Some((r, ev)) if r == role => {
-                let text = format!("{ev:?}");
-                f(ev).ok_or_else(|| self.fail(role, format!("expected {what}, got {text}")))
-            }
-            Some((r, ev)) => Err(self.fail(r, format!("unexpected event while waiting for {what}: {ev:?}"))),
-            None => Err(self.fail(role, format!("no {what} after {timeout:?}"))),
-        }
-    }
-
-    fn stats(&mut self, role: Role) -> Result<(u64, u64, u64, u64, u64), ProcsError> {
-        self.send(role, &Command::Stats)?;
-        self.expect(role, "stats", Duration::from_secs(30), |ev| match ev {
-            Event::Stats { bytes, descriptors_unmerged, descriptors_posted, registrations, staged_pieces, .. } => {
-                Some((bytes, descriptors_unmerged, descriptors_posted, registrations, staged_pieces))
-            }
-            _ => None,
-        })
-    }
-
-    /// Closes both children's stdin and reaps them (killing one that lingers).
-    fn close(mut self) {
-        self.p.mute();
-        self.d.mute();
-        self.p.close_stdin();
-        self.d.close_stdin();
-        self.p.close(Duration::from_secs(10));
-        self.d.close(Duration::from_secs(10));
     }
 }
 
@@ -856,26 +824,9 @@ fn start(t: &Topology, mode: Mode, opts: &Options) -> Result<Pair, ProcsError> {
     Ok(pair)
 }
 
-/// A request as the parent (the router) tracks it.
-struct Tracked {
-    key: Key,
-    tokens: u64,
-    seed: u64,
-    registration_first: bool,
-    p_need: usize,
-    d_need: usize,
-    ready_us: Option<u64>,
-    p_blocks: Option<BlockLists>,
-    engine_ns: u64,
-    sent: bool,
-    d_done: bool,
-    failed: bool,
-    done: bool,
-}
-
 fn run_mode(t: &Topology, w: &Workload, mode: Mode, opts: &Options, tick: &dyn Fn()) -> Result<ModeReport, ProcsError> {
     let mut pair = start(t, mode, opts)?;
-    let mut report = play(&mut pair, t, w, mode, tick)?;
+    let mut report = driver::play(&mut pair, t, w, mode, tick)?;
     let bytes = report.bytes.min(CEILING_MAX_BYTES);
     if opts.references && bytes > 0 {
         // Interleaved, so that both references see the same machine: a ceiling WRITE, then (push)
@@ -895,181 +846,6 @@ fn run_mode(t: &Topology, w: &Workload, mode: Mode, opts: &Options, tick: &dyn F
         report.push_gbps = super::median(&report.push_gbps_rounds);
     }
     pair.close();
-    Ok(report)
-}
-
-/// The workload, played like the in-process demo.
-fn play(pair: &mut Pair, t: &Topology, w: &Workload, mode: Mode, tick: &dyn Fn()) -> Result<ModeReport, ProcsError> {
-    let groups = super::model(t).groups.len();
-    let specs = requests(w);
-    let mut rng = Rng(w.seed ^ 0x5eed);
-    let (mut p_free, mut d_free) = (t.num_blocks as usize, t.num_blocks as usize);
-    let mut reqs: Vec<Tracked> = Vec::with_capacity(specs.len());
-    let mut due: BinaryHeap<std::cmp::Reverse<(Instant, usize)>> = BinaryHeap::new();
-    let (mut next, mut in_flight, mut finished) = (0usize, 0usize, 0usize);
-    let mut latencies = Vec::with_capacity(specs.len());
-    let (mut verified_bytes, mut verified, mut failed) = (0u64, 0u64, 0u64);
-    let limit = Duration::from_secs(120);
-    let mut last_progress = Instant::now();
-    let started = Instant::now();
-
-    while finished < specs.len() {
-        // Admit.
-        while next < specs.len() && in_flight < w.concurrency {
-            let (tokens, registration_first) = specs[next];
-            let p_need = blocks_for(tokens, t.p_block) as usize * groups;
-            let d_need = blocks_for(tokens, t.d_block) as usize * groups;
-            let d_now = mode == Mode::Push && registration_first;
-            if p_free < p_need || (d_now && d_free < d_need) {
-                if p_need > t.num_blocks as usize || d_need > t.num_blocks as usize {
-                    return Err(DemoError::Config(format!(
-                        "a request of {tokens} tokens needs more blocks than a pool of {} holds",
-                        t.num_blocks
-                    ))
-                    .into());
-                }
-                break;
-            }
-            let key = Key::new(u128::from(rng.next()) << 64 | next as u128, 1);
-            let seed = rng.next();
-            p_free -= p_need;
-            let delay_ns = Some(tokens * w.prefill_ns_per_token);
-            pair.send(Role::Prefill, &Command::Prefill { req: next as u64, key, tokens, seed, delay_ns })?;
-            if d_now {
-                d_free -= d_need;
-                let cmd =
-                    Command::Decode { req: next as u64, key, tokens, seed, remote_blocks: None, hold_verify: false };
-                pair.send(Role::Decode, &cmd)?;
-            }
-            reqs.push(Tracked {
-                key,
-                tokens,
-                seed,
-                registration_first,
-                p_need,
-                d_need,
-                ready_us: None,
-                p_blocks: None,
-                engine_ns: 0,
-                sent: false,
-                d_done: false,
-                failed: false,
-                done: false,
-            });
-            next += 1;
-            in_flight += 1;
-        }
-        // The consumer legs that are due (the router relays after `relay_us`).
-        while let Some(std::cmp::Reverse((at, i))) = due.peek().copied() {
-            if at > Instant::now() {
-                break;
-            }
-            due.pop();
-            let r = &mut reqs[i];
-            if d_free < r.d_need {
-                due.push(std::cmp::Reverse((Instant::now() + Duration::from_micros(100), i)));
-                break;
-            }
-            d_free -= r.d_need;
-            let remote_blocks = if mode == Mode::Pull { r.p_blocks.take() } else { None };
-            let cmd = Command::Decode {
-                req: i as u64,
-                key: r.key,
-                tokens: r.tokens,
-                seed: r.seed,
-                remote_blocks,
-                hold_verify: false,
-            };
-            pair.send(Role::Decode, &cmd)?;
-        }
-        // Events.
-        let wait = due
-            .peek()
-            .map(|std::cmp::Reverse((at, _))| at.saturating_duration_since(Instant::now()))
-            .unwrap_or(Duration::from_millis(100))
-            .min(Duration::from_millis(100));
-        let mut got = pair.next(wait)?;
-        if got.is_none() {
-            if last_progress.elapsed() > limit {
-                let stuck: Vec<String> = reqs.iter().filter(|r| !r.done).take(5).map(|r| r.key.to_string()).collect();
-                return Err(DemoError::Stuck(format!(
-                    "{mode}: no progress for {limit:?}; {} requests unfinished, e.g. {stuck:?}",
-                    specs.len() - finished
-                ))
-                .into());
-            }
-            continue;
-        }
-        while let Some((role, ev)) = got.take() {
-            last_progress = Instant::now();
-            let i = match &ev {
-                Event::Ready { req, .. }
-                | Event::Sent { req, .. }
-                | Event::Received { req, .. }
-                | Event::Failed { req, .. }
-                | Event::Registered { req } => *req as usize,
-                other => return Err(pair.fail(role, format!("unexpected event during the workload: {other:?}"))),
-            };
-            if i >= reqs.len() {
-                return Err(pair.fail(role, format!("event for unknown request {i}: {ev:?}")));
-            }
-            let r = &mut reqs[i];
-            match ev {
-                Event::Ready { at_us, engine_ns, blocks, .. } => {
-                    r.ready_us = Some(at_us);
-                    r.engine_ns += engine_ns;
-                    if !(mode == Mode::Push && r.registration_first) {
-                        r.p_blocks = Some(blocks);
-                        due.push(std::cmp::Reverse((Instant::now() + Duration::from_micros(w.relay_us), i)));
-                    }
-                }
-                Event::Sent { engine_ns, .. } => {
-                    r.engine_ns += engine_ns;
-                    r.sent = true;
-                    p_free += r.p_need;
-                }
-                Event::Received { at_us, verified_bytes: v, ok, detail, engine_ns, .. } => {
-                    r.engine_ns += engine_ns;
-                    if let Some(ready) = r.ready_us {
-                        latencies.push(at_us.saturating_sub(ready));
-                    }
-                    if ok {
-                        verified_bytes += v;
-                        verified += 1;
-                    } else {
-                        tracing::error!(key = %r.key, detail = detail.as_deref().unwrap_or(""), "KV arrived wrong");
-                        r.failed = true;
-                    }
-                    r.d_done = true;
-                    d_free += r.d_need;
-                }
-                Event::Failed { reason, engine_ns, .. } => {
-                    tracing::warn!(key = %r.key, %reason, "request failed");
-                    r.engine_ns += engine_ns;
-                    r.failed = true;
-                    r.d_done = true;
-                    d_free += r.d_need;
-                }
-                _ => {}
-            }
-            if r.sent && r.d_done && !r.done {
-                r.done = true;
-                failed += u64::from(r.failed);
-                finished += 1;
-                in_flight -= 1;
-                tick();
-            }
-            got = pair.try_next()?;
-        }
-    }
-    let wall = started.elapsed().as_secs_f64();
-    let mut counters = Vec::new();
-    for role in [Role::Prefill, Role::Decode] {
-        let (bytes, unmerged, posted, _, _) = pair.stats(role)?;
-        counters.push((bytes, unmerged, posted));
-    }
-    let mut report = ModeReport::new(specs.len() as u64, verified_bytes, verified, failed, wall, counters);
-    report.summarize(latencies, reqs.iter().map(|r| r.engine_ns));
     Ok(report)
 }
 
@@ -1226,13 +1002,14 @@ fn bandwidth(pair: &mut Pair, t: &Topology, w: &Workload, round: usize) -> Resul
 }
 
 // ---------------------------------------------------------------------------------------------------
-// The child.
+// The child, and the engine host it shares with the in-process demo.
 
-/// One worker of a child: engine, side channel and memory (dropped in this order).
-struct Worker {
-    engine: Engine,
-    side: Arc<SideChannel>,
-    buffers: Vec<Box<dyn Buffer>>,
+/// One worker of an engine: its engine, its side channel (child processes only; the in-process demo
+/// links its engines through a `LocalHub`) and its memory, dropped in this order.
+pub(super) struct Worker {
+    pub(super) engine: Engine,
+    pub(super) side: Option<Arc<SideChannel>>,
+    pub(super) buffers: Vec<Box<dyn Buffer>>,
 }
 
 /// A request as a child tracks it.
@@ -1286,7 +1063,29 @@ struct Ceiling {
 /// A fill or verification job: request, blocks, tokens, seed.
 type Job = (u64, BlockLists, u64, u64);
 
-struct WorkerState {
+/// Where a host's events go: a child's protocol channel, or a queue the in-process side drains.
+enum Out {
+    Line(Channel),
+    Queue(VecDeque<Event>),
+}
+
+impl Out {
+    fn emit(&mut self, ev: &Event) {
+        match self {
+            Out::Line(c) => c.emit(ev),
+            Out::Queue(q) => q.push_back(ev.clone()),
+        }
+    }
+
+    fn broken(&self) -> bool {
+        matches!(self, Out::Line(c) if c.broken())
+    }
+}
+
+/// The workers of one engine (P or D) serving [`Command`]s and emitting [`Event`]s: a child's whole
+/// work ([`worker_main`]), and each engine of the in-process demo (`super::run`, which hands it the
+/// commands and drains its events itself).
+pub(super) struct WorkerState {
     role: Role,
     mode: Mode,
     spec: WorkerSpec,
@@ -1309,7 +1108,7 @@ struct WorkerState {
     helper: Option<JoinHandle<()>>,
     finished: Vec<Finished>,
     ceiling: Option<Ceiling>,
-    out: Channel,
+    out: Out,
 }
 
 /// Runs `kvpush demo-worker`: builds the engine, says hello on stdout, and serves commands from stdin
@@ -1345,18 +1144,20 @@ pub fn worker_main(spec: &WorkerSpec) -> i32 {
         out.emit(&Event::Error { message: format!("cannot start the stdin reader: {e}") });
         return 1;
     }
-    let mut channel = Some(out);
-    let mut state = match WorkerState::new(spec, &mut channel) {
+    let built = device::from_env()
+        .map_err(|e| format!("device: {e}"))
+        .and_then(|dev| Ok((nixl_workers(spec, &dev)?, dev)))
+        .and_then(|(workers, dev)| WorkerState::new(spec, dev, workers));
+    let mut state = match built {
         Ok(s) => s,
         Err(message) => {
             tracing::error!(role = %spec.role, "{message}");
-            if let Some(out) = channel.as_mut() {
-                out.emit(&Event::Error { message });
-            }
+            out.emit(&Event::Error { message });
             return 1;
         }
     };
-    let ports = state.workers.iter().map(|w| w.side.local_addr().port()).collect();
+    state.out = Out::Line(out);
+    let ports = state.workers.iter().filter_map(|w| w.side.as_ref()).map(|s| s.local_addr().port()).collect();
     state.out.emit(&Event::Hello { role: spec.role, pid: std::process::id(), ports, num_blocks: spec.num_blocks });
     state.serve(&cmd_rx);
     state.shutdown();
@@ -1379,48 +1180,52 @@ fn pretouch(buffers: &[Box<dyn Buffer>], byte: u8) -> Result<(), String> {
     Ok(())
 }
 
+/// A child's workers: engines on NIXL, each with a side channel as its control link.
+fn nixl_workers(spec: &WorkerSpec, dev: &Arc<dyn Device>) -> Result<Vec<Worker>, String> {
+    let t = spec.topology();
+    let role = spec.role;
+    let mode = spec.engine_mode();
+    let (tp, block) = match role {
+        Role::Prefill => (t.p_tp, t.p_block),
+        Role::Decode => (t.d_tp, t.d_block),
+    };
+    let engine_id = role.engine_id();
+    let mut workers = Vec::new();
+    for r in 0..tp {
+        let (layout, buffers) =
+            super::worker_layout(&t, dev.as_ref(), r, tp, block).map_err(|e| format!("rank {r}: {e}"))?;
+        pretouch(&buffers, 0)?;
+        let nixl = NixlConfig { agent_name: format!("{engine_id}/{r}"), backend: spec.backend.clone(), params: vec![] };
+        let transport = Arc::new(NixlTransport::new(&nixl).map_err(|e| format!("rank {r}: {e}"))?);
+        let mut sc = SideConfig::for_rank(r);
+        sc.listen = format!("{}:0", spec.host);
+        sc.heartbeat = Duration::from_millis(spec.heartbeat_ms.max(1));
+        sc.peer_timeout = Duration::from_millis(spec.peer_timeout_ms.max(1));
+        sc.handshake_timeout = Duration::from_millis(spec.handshake_timeout_ms.max(1));
+        let side = Arc::new(SideChannel::bind(sc).map_err(|e| format!("rank {r}: {e}"))?);
+        let mut config = Config::new(engine_id, mode);
+        config.writers = t.writers;
+        config.staging = t.staging.engine(t.staging_slots, t.staging_slot_bytes);
+        config.rendezvous.lease_us = spec.lease_ms * 1000;
+        config.completion.timeout_us = spec.timeout_ms * 1000;
+        // SAFETY: the regions are `buffers`, allocated just above and owned by the same `Worker`
+        // as the engine; `Worker` drops its engine before its buffers. This child follows the
+        // block ownership rules: P's blocks return to the pool only after `Finished::Sent` from
+        // every worker, D's only after every worker reported the request's outcome (and after
+        // verification, which only reads them).
+        let engine = unsafe { Engine::new(config, layout, dev.clone(), transport, side.clone()) }
+            .map_err(|e| format!("rank {r}: {e}"))?;
+        side.serve(engine.endpoint());
+        workers.push(Worker { engine, side: Some(side), buffers });
+    }
+    Ok(workers)
+}
+
 impl WorkerState {
-    /// Builds the engines; takes the protocol channel from `out` only once they are up, so a failure
-    /// can still be reported on it.
-    fn new(spec: &WorkerSpec, out: &mut Option<Channel>) -> Result<Self, String> {
-        let t = spec.topology();
+    /// Starts hosting `workers` (the engine of `spec.role`, on `dev`), its events queued until a
+    /// child points them at its protocol channel.
+    pub(super) fn new(spec: &WorkerSpec, dev: Arc<dyn Device>, workers: Vec<Worker>) -> Result<Self, String> {
         let role = spec.role;
-        let mode = spec.engine_mode();
-        let dev = device::from_env().map_err(|e| format!("device: {e}"))?;
-        let (tp, block) = match role {
-            Role::Prefill => (t.p_tp, t.p_block),
-            Role::Decode => (t.d_tp, t.d_block),
-        };
-        let engine_id = role.engine_id();
-        let mut workers = Vec::new();
-        for r in 0..tp {
-            let (layout, buffers) =
-                super::worker_layout(&t, dev.as_ref(), r, tp, block).map_err(|e| format!("rank {r}: {e}"))?;
-            pretouch(&buffers, 0)?;
-            let nixl =
-                NixlConfig { agent_name: format!("{engine_id}/{r}"), backend: spec.backend.clone(), params: vec![] };
-            let transport = Arc::new(NixlTransport::new(&nixl).map_err(|e| format!("rank {r}: {e}"))?);
-            let mut sc = SideConfig::for_rank(r);
-            sc.listen = format!("{}:0", spec.host);
-            sc.heartbeat = Duration::from_millis(spec.heartbeat_ms.max(1));
-            sc.peer_timeout = Duration::from_millis(spec.peer_timeout_ms.max(1));
-            sc.handshake_timeout = Duration::from_millis(spec.handshake_timeout_ms.max(1));
-            let side = Arc::new(SideChannel::bind(sc).map_err(|e| format!("rank {r}: {e}"))?);
-            let mut config = Config::new(engine_id, mode);
-            config.writers = t.writers;
-            config.staging = t.staging.engine(t.staging_slots, t.staging_slot_bytes);
-            config.rendezvous.lease_us = spec.lease_ms * 1000;
-            config.completion.timeout_us = spec.timeout_ms * 1000;
-            // SAFETY: the regions are `buffers`, allocated just above and owned by the same `Worker`
-            // as the engine; `Worker` drops its engine before its buffers. This child follows the
-            // block ownership rules: P's blocks return to the pool only after `Finished::Sent` from
-            // every worker, D's only after every worker reported the request's outcome (and after
-            // verification, which only reads them).
-            let engine = unsafe { Engine::new(config, layout, dev.clone(), transport, side.clone()) }
-                .map_err(|e| format!("rank {r}: {e}"))?;
-            side.serve(engine.endpoint());
-            workers.push(Worker { engine, side, buffers });
-        }
         let workers = Arc::new(workers);
         let groups = workers[0].engine.layout().model.groups.len();
         // Helper thread: fills P's blocks (the accelerator's prefill) or verifies D's.
@@ -1467,10 +1272,9 @@ impl WorkerState {
                 }
             })
             .map_err(|e| format!("cannot start a helper thread: {e}"))?;
-        let Some(out) = out.take() else { return Err("the protocol channel is gone".into()) };
         Ok(Self {
             role,
-            mode,
+            mode: spec.engine_mode(),
             spec: spec.clone(),
             dev,
             workers,
@@ -1489,7 +1293,7 @@ impl WorkerState {
             helper: Some(helper),
             finished: Vec::new(),
             ceiling: None,
-            out,
+            out: Out::Queue(VecDeque::new()),
         })
     }
 
@@ -1524,13 +1328,15 @@ impl WorkerState {
         }
     }
 
-    fn command(&mut self, cmd: Command) {
+    /// Carries out one command.
+    pub(super) fn command(&mut self, cmd: Command) {
         match cmd {
             Command::Connect { ports } => self.connect(&ports),
             Command::AwaitPeers { per_worker, timeout_ms } => {
                 let deadline = Instant::now() + Duration::from_millis(timeout_ms);
                 let peers = loop {
-                    let peers: Vec<usize> = self.workers.iter().map(|w| w.side.peers().len()).collect();
+                    let peers: Vec<usize> =
+                        self.workers.iter().map(|w| w.side.as_ref().map_or(0, |s| s.peers().len())).collect();
                     if peers.iter().all(|&n| n >= per_worker) || Instant::now() > deadline {
                         break peers;
                     }
@@ -1554,11 +1360,12 @@ impl WorkerState {
                     descriptors_posted += c.descriptors_posted;
                     registrations += c.registrations;
                     staged_pieces += w.engine.staging_counts().map_or(0, |c| c.pieces);
-                    let s = w.side.stats();
-                    side.handshakes += s.handshakes;
-                    side.refused += s.refused;
-                    side.malformed += s.malformed;
-                    side.peers_lost += s.peers_lost;
+                    if let Some(s) = w.side.as_ref().map(|s| s.stats()) {
+                        side.handshakes += s.handshakes;
+                        side.refused += s.refused;
+                        side.malformed += s.malformed;
+                        side.peers_lost += s.peers_lost;
+                    }
                 }
                 let ev = Event::Stats {
                     bytes,
@@ -1630,7 +1437,11 @@ impl WorkerState {
         for (r, w) in self.workers.iter().enumerate() {
             for &port in ports {
                 let addr = format!("{}:{port}", self.spec.host);
-                match w.side.connect(addr.as_str()) {
+                let Some(side) = w.side.as_ref() else {
+                    errors.push(format!("decode worker {r} has no side channel"));
+                    continue;
+                };
+                match side.connect(addr.as_str()) {
                     Ok(peer) => {
                         tracing::info!(rank = r, %peer, %addr, "handshake done");
                         handshakes += 1;
@@ -1791,7 +1602,7 @@ impl WorkerState {
     }
 
     /// Timed events, engine results, helper results, reference progress.
-    fn step(&mut self) {
+    pub(super) fn step(&mut self) {
         // Fills (P) and verifications (D).
         while let Ok((req, res)) = self.results.try_recv() {
             match self.role {
@@ -1981,7 +1792,16 @@ impl WorkerState {
         Ok(Event::CeilingResult { gbps: bytes as f64 / best / 1e9, seconds })
     }
 
-    fn shutdown(mut self) {
+    /// The oldest event not taken yet, in-process (a child's events go to its channel at once).
+    pub(super) fn pop(&mut self) -> Option<Event> {
+        match &mut self.out {
+            Out::Queue(q) => q.pop_front(),
+            Out::Line(_) => None,
+        }
+    }
+
+    /// Stops the helper thread and the engines.
+    pub(super) fn shutdown(mut self) {
         if let Some(c) = self.ceiling.take() {
             let _ = c.transport.deregister(&c.region);
         }
