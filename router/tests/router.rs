@@ -885,6 +885,55 @@ async fn a_server_down_at_start_joins_later_only_if_its_mode_matches() {
     assert_eq!(h["prefill"][0]["up"], false, "the push-mode server stays out of a pull router: {h}");
 }
 
+/// Reads from a raw socket until `needle` appears or the peer closes; the text read.
+async fn read_until(s: &mut TcpStream, needle: &str) -> String {
+    let mut buf = vec![0u8; 4096];
+    let mut got = String::new();
+    while !got.contains(needle) {
+        let n = s.read(&mut buf).await.unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        got.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    got
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_named_in_connection_are_stripped_both_ways() {
+    let p = Fake::start(None, handler(|_| async { json_reply(200, &json!({})) })).await;
+    let d = Fake::start(
+        None,
+        handler(|_| async {
+            let mut r = json_reply(200, &completion("ok"));
+            let h = r.headers_mut();
+            h.insert("connection", "x-d-hop".parse().unwrap());
+            h.insert("x-d-hop", "1".parse().unwrap());
+            h.insert("x-d-end", "1".parse().unwrap());
+            r
+        }),
+    )
+    .await;
+    let (r, _base) = start(config(TransferMode::Push, &[&p], &[&d])).await;
+    let mut s = TcpStream::connect(r.local_addr()).await.unwrap();
+    let body = r#"{"prompt":"x"}"#;
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n\
+         Connection: keep-alive, X-Secret-Hop\r\nX-Secret-Hop: 1\r\nX-End: 2\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let got = within(5.0, "the response", read_until(&mut s, "\"ok\"")).await.to_ascii_lowercase();
+    assert!(got.starts_with("http/1.1 200"), "{got}");
+    assert!(got.contains("x-d-end: 1"), "{got}");
+    assert!(!got.contains("x-d-hop"), "a header D named in Connection reached the client:\n{got}");
+    for (name, f) in [("P", &p), ("D", &d)] {
+        let seen = &f.requests()[0];
+        assert_eq!(seen.headers["x-end"], "2", "{name}");
+        assert!(!seen.headers.contains_key("x-secret-hop"), "{name} got a header the client named in Connection");
+    }
+}
+
 #[test]
 fn config_file_and_flags_resolve_with_flags_winning() {
     let dir = std::env::temp_dir().join(format!("kvpush-router-test-{}", std::process::id()));
