@@ -934,6 +934,75 @@ async fn headers_named_in_connection_are_stripped_both_ways() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfer_ids_never_reach_the_client() {
+    // D and P answer as vLLM does: request ids made of X-Request-Id, echoed in a header and the body.
+    fn echo(s: &Seen) -> String {
+        s.headers["x-request-id"].to_str().unwrap().to_owned()
+    }
+    let p = Fake::start(None, handler(|_| async { json_reply(200, &json!({})) })).await;
+    let d = Fake::start(
+        None,
+        handler(|s: Seen| async move {
+            let rid = echo(&s);
+            let mut r = if s.json["stream"] == true {
+                let (r, tx) = sse_reply();
+                tokio::spawn(async move {
+                    for i in 0..3 {
+                        let ev = sse_event(&json!({"id": format!("cmpl-{rid}-0"), "choices": [{"text": i}]}));
+                        // Split each event mid-id, as a TCP stream may.
+                        let cut = ev.len() / 3;
+                        tx.send(ev.slice(..cut)).await.unwrap();
+                        tx.send(ev.slice(cut..)).await.unwrap();
+                    }
+                    tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await.unwrap();
+                });
+                r
+            } else {
+                json_reply(200, &json!({"id": format!("cmpl-{rid}-0"), "kv_transfer_params": {"transfer_id": rid}}))
+            };
+            r.headers_mut().insert("x-request-id", echo(&s).parse().unwrap());
+            r
+        }),
+    )
+    .await;
+    let (_r, base) = start(config(TransferMode::Push, &[&p], &[&d])).await;
+    for stream in [false, true] {
+        let req = json!({"prompt": "x", "stream": stream});
+        let resp = post(&client(), &format!("{base}/v1/completions"), req.to_string()).await;
+        let (status, headers, body) = within(5.0, "the response", read_all(resp)).await;
+        let body = String::from_utf8_lossy(&body).into_owned();
+        let tid = tid(d.requests().last().unwrap());
+        assert_eq!(tid.len(), 32);
+        assert_eq!(status, 200, "{body}");
+        let public = headers["x-request-id"].to_str().unwrap().to_owned();
+        assert_ne!(public, tid);
+        assert_eq!(public.len(), 32);
+        assert!(!body.contains(&tid), "the transfer id reached the client: {body}");
+        assert!(body.contains(&format!("cmpl-{public}-0")), "{body}");
+        for (_, v) in &headers {
+            assert!(!v.to_str().unwrap_or_default().contains(&tid), "{headers:?}");
+        }
+    }
+    // An error P passes through names P's request the same way.
+    let p_err = Fake::start(
+        None,
+        handler(|s: Seen| async move {
+            let msg = format!("request cmpl-{}-0 is invalid", echo(&s));
+            json_reply(400, &json!({"error": {"message": msg}}))
+        }),
+    )
+    .await;
+    // (Pull mode: P answers before D is asked, so P's error is what the client gets.)
+    let (_r2, base2) = start(config(TransferMode::Pull, &[&p_err], &[&d])).await;
+    let resp = post(&client(), &format!("{base2}/v1/completions"), r#"{"prompt":"x"}"#).await;
+    let (status, _, body) = within(5.0, "the error", read_all(resp)).await;
+    let body = String::from_utf8_lossy(&body).into_owned();
+    assert_eq!(status, 400, "{body}");
+    let tid = tid(p_err.requests().last().unwrap());
+    assert!(body.contains("is invalid") && !body.contains(&tid), "{body}");
+}
+
 #[test]
 fn config_file_and_flags_resolve_with_flags_winning() {
     let dir = std::env::temp_dir().join(format!("kvpush-router-test-{}", std::process::id()));
