@@ -118,7 +118,17 @@ async fn completion_inner(
     received: Instant,
 ) -> Response<ProxyBody> {
     let (parts, body) = req.into_parts();
-    let bytes = match Limited::new(body, shared.config.max_body_bytes).collect().await {
+    let limit = shared.config.body_timeout;
+    let Ok(collected) = tokio::time::timeout(limit, Limited::new(body, shared.config.max_body_bytes).collect()).await
+    else {
+        shared.metrics.error(ErrorKind::BodyTimeout);
+        let msg = format!("the request body did not arrive within {:.1} s", limit.as_secs_f64());
+        let mut r = error_response(StatusCode::REQUEST_TIMEOUT, ErrorKind::BodyTimeout, &msg);
+        // The rest of the body may still be on its way: this connection cannot serve another request.
+        r.headers_mut().insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
+        return r;
+    };
+    let bytes = match collected {
         Ok(c) => c.to_bytes(),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
             shared.metrics.error(ErrorKind::PayloadTooLarge);

@@ -900,6 +900,87 @@ async fn read_until(s: &mut TcpStream, needle: &str) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_trickles_its_body_gets_408_and_no_leg_is_sent() {
+    let p = Fake::start(None, handler(|_| async { json_reply(200, &json!({})) })).await;
+    let d = Fake::start(None, handler(|_| async { json_reply(200, &completion("x")) })).await;
+    let mut c = config(TransferMode::Push, &[&p], &[&d]);
+    c.body_timeout = Duration::from_millis(300);
+    let (r, base) = start(c).await;
+    let mut s = TcpStream::connect(r.local_addr()).await.unwrap();
+    let head = "POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n";
+    s.write_all(head.as_bytes()).await.unwrap();
+    // One byte every 100 ms: each read makes progress, the whole body never comes.
+    let trickle = async {
+        for _ in 0..100 {
+            if s.write_all(b" ").await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    within(5.0, "the trickle to be cut off", trickle).await;
+    let got = within(5.0, "the answer", read_until(&mut s, "}}")).await;
+    assert!(got.starts_with("HTTP/1.1 408"), "{got}");
+    assert!(got.contains("body_timeout"), "{got}");
+    assert_eq!(p.count() + d.count(), 0, "no leg for a body that never came");
+    assert_eq!(metric(&metrics(&base).await, "kvpush_router_errors_total{kind=\"body_timeout\"}"), 1.0);
+    // A client that never finishes its request head is cut off too.
+    let mut s = TcpStream::connect(r.local_addr()).await.unwrap();
+    s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: r").await.unwrap();
+    let mut buf = [0u8; 256];
+    let closed = within(5.0, "a slow head to be cut off", async {
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return true,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(closed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_over_the_cap_get_503_at_once_and_slots_come_back() {
+    let p = Fake::start(None, handler(|_| async { json_reply(200, &json!({})) })).await;
+    let d = Fake::start(None, handler(|_| async { json_reply(200, &completion("ok")) })).await;
+    let mut c = config(TransferMode::Push, &[&p], &[&d]);
+    c.max_connections = 4;
+    let (r, base) = start(c).await;
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(TcpStream::connect(r.local_addr()).await.unwrap());
+    }
+    // The idle connections are accepted (and hold their slots) before the next one arrives.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = Instant::now();
+    let mut over = raw_post(r.local_addr(), r#"{"prompt":"x"}"#).await;
+    let got = within(2.0, "the refusal", read_until(&mut over, "}}")).await;
+    assert!(got.starts_with("HTTP/1.1 503"), "{got}");
+    assert!(got.contains("too_many_connections"), "{got}");
+    assert!(started.elapsed() < Duration::from_secs(1), "refused in {:?}", started.elapsed());
+    assert_eq!(p.count() + d.count(), 0);
+    drop(held);
+    // Freed slots serve again.
+    let mut ok = false;
+    for _ in 0..50 {
+        let req = hyper::Request::post(format!("{base}/v1/completions"))
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(Bytes::from_static(br#"{"prompt":"x"}"#)))
+            .unwrap();
+        // Until the router saw the idle connections close, the answer is a 503 (maybe before the request
+        // was even written, which the client reports as an error).
+        if client().request(req).await.is_ok_and(|r| r.status() == 200) {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(ok, "a request is served once the idle connections left");
+    assert!(metric(&metrics(&base).await, "kvpush_router_errors_total{kind=\"too_many_connections\"}") >= 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn headers_named_in_connection_are_stripped_both_ways() {
     let p = Fake::start(None, handler(|_| async { json_reply(200, &json!({})) })).await;
     let d = Fake::start(
