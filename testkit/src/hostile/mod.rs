@@ -375,10 +375,17 @@ struct Victim {
 }
 
 impl Victim {
-    fn spawn(exe: &std::path::Path, t: &Topology, secret: &str, log: Option<LogFn>) -> Result<Victim, ProcsError> {
+    /// Starts a consumer engine `engine_id` holding `secret`.
+    fn spawn(
+        exe: &std::path::Path,
+        t: &Topology,
+        engine_id: &str,
+        secret: &str,
+        log: Option<LogFn>,
+    ) -> Result<Victim, ProcsError> {
         let (tx, rx) = unbounded();
         let mut spec = WorkerSpec::new(Role::Decode, Mode::Push, t);
-        spec.engine_id = Some(VICTIM.into());
+        spec.engine_id = Some(engine_id.into());
         tweak(&mut spec);
         let env = [(kvpush::engine::side::SECRET_ENV.to_owned(), secret.to_owned())];
         let proc = WorkerProc::spawn(exe, &spec, &env, tx, Some(log.unwrap_or_else(|| Arc::new(|_: &str| {}))))
@@ -709,7 +716,7 @@ impl Probe {
     fn wrong_secret(&mut self, opts: &Options, t: &Topology) -> Result<u64, ProcsError> {
         let wrong = kvpush::engine::side::random_secret()
             .map_err(|e| DemoError::Config(format!("no randomness for a secret: {e}")))?;
-        let mut v = Victim::spawn(&opts.exe, t, &wrong, opts.log.clone())?;
+        let mut v = Victim::spawn(&opts.exe, t, Role::Decode.engine_id(), &wrong, opts.log.clone())?;
         let (mut attempts, mut refused) = (0, 0);
         for _ in 0..opts.rounds {
             refused += u64::from(!v.connect(self.p_ports[0])?);
@@ -724,7 +731,7 @@ impl Probe {
 
     /// The relay attacks: the victim engine dials P through the attacker's relay, which tampers.
     fn relayed(&mut self, name: &str, opts: &Options, t: &Topology) -> Result<u64, ProcsError> {
-        let mut v = Victim::spawn(&opts.exe, t, &self.secret, opts.log.clone())?;
+        let mut v = Victim::spawn(&opts.exe, t, VICTIM, &self.secret, opts.log.clone())?;
         let rounds = opts.rounds.min(20);
         let mut args = self.attack_args(name, opts);
         args.rounds = rounds;
@@ -752,8 +759,8 @@ impl Probe {
     /// The victim registers with P, freezes, and comes back as a new process under the same engine
     /// id; P then finishes the prefills the old process had registered for.
     fn restart(&mut self, opts: &Options, t: &Topology) -> Result<u64, ProcsError> {
-        let mut old = Victim::spawn(&opts.exe, t, &self.secret, opts.log.clone())?;
-        let mut new = Victim::spawn(&opts.exe, t, &self.secret, opts.log.clone())?;
+        let mut old = Victim::spawn(&opts.exe, t, VICTIM, &self.secret, opts.log.clone())?;
+        let mut new = Victim::spawn(&opts.exe, t, VICTIM, &self.secret, opts.log.clone())?;
         if !old.connect(self.p_ports[0])? {
             return Err(old.fail("the first incarnation could not handshake with P".into()));
         }
