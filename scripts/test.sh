@@ -39,6 +39,9 @@ RUSTFLAGS="--cfg kvpush_loom" CARGO_TARGET_DIR=target/loom cargo test --release 
 step "kvpush demo (the main job) on a small workload"
 cargo run --release --quiet -p kvpush-cli -- demo --requests 40 --quiet --json target/demo-ci.json
 
+step "hostile probe: the P/D pair attacked from separate processes (scripts/hostile.sh; ~75 s)"
+./scripts/hostile.sh --json target/hostile-ci.json
+
 step "Python: vLLM (CPU build), NIXL wheels, test tools (scripts/python.sh; cached in .cache/)"
 # shellcheck source=scripts/python.sh
 . scripts/python.sh

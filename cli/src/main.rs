@@ -31,9 +31,31 @@ enum Command {
     /// Print what kvpush finds on this machine (NIXL and its plugins, the backends that start, the
     /// device KVPUSH_DEVICE resolves to, the side-channel port, EFA) and what to fix.
     Doctor(DoctorArgs),
+    /// Attack a P/D pair (two processes, real NIXL, a secret set) from separate processes while it serves
+    /// verified traffic, and report what each attack achieved (scripts/hostile.sh; docs/security.md).
+    Hostile(HostileArgs),
+    /// One attacker process of `kvpush hostile` (internal).
+    #[command(hide = true)]
+    HostileAttack(kvpush_testkit::hostile::attack::AttackArgs),
     /// Serve an OpenAI-compatible P/D router in front of prefill and decode servers: in push mode it sends
     /// both legs of every request at once (docs/router.md).
     Router(kvpush_router::RouterArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct HostileArgs {
+    /// Write the report as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Connections of the connection flood.
+    #[arg(long, default_value_t = 10_000)]
+    connections: usize,
+    /// Repetitions of each of the other attacks (the relays make at most 20).
+    #[arg(long, default_value_t = 50)]
+    rounds: usize,
+    /// Show the engines' and attackers' log lines.
+    #[arg(long)]
+    verbose: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -202,6 +224,11 @@ fn main() -> ExitCode {
             Ok(code) => ExitCode::from(code),
             Err(_) => ExitCode::FAILURE,
         },
+        Command::HostileAttack(a) => match u8::try_from(kvpush_testkit::hostile::attack::attack_main(&a)) {
+            Ok(code) => ExitCode::from(code),
+            Err(_) => ExitCode::FAILURE,
+        },
+        Command::Hostile(a) => hostile_cmd(a),
         Command::Demo(args) => match demo_cmd(args) {
             Ok(code) => code,
             Err(e) => {
@@ -209,6 +236,66 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+    }
+}
+
+/// `kvpush hostile`: one line per attack as it ends, the table, the JSON; exit 1 if a target is missed.
+fn hostile_cmd(a: HostileArgs) -> ExitCode {
+    use kvpush_testkit::hostile::{self, AttackReport};
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("kvpush hostile: cannot find this executable: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let log: Option<kvpush_testkit::child::LogFn> =
+        if a.verbose { None } else { Some(std::sync::Arc::new(|_: &str| {})) };
+    let opts = hostile::Options { exe, connections: a.connections, rounds: a.rounds, log };
+    let progress = |r: &AttackReport| {
+        eprintln!(
+            "kvpush hostile: {:<24} attempts {:>6}  accepted {}  served {} (failed {})  rss +{:.1} MiB  threads {}",
+            r.name, r.attempts, r.accepted, r.served, r.served_failed, r.rss_growth_mib, r.threads_max
+        );
+    };
+    let report = match hostile::run(&opts, &progress) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kvpush hostile: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!("| attack | attempts | accepted | served (failed) | RSS growth (MiB) | threads max |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for r in &report.attacks {
+        println!(
+            "| {} | {} | {} | {} ({}) | {:.1} | {} |",
+            r.name, r.attempts, r.accepted, r.served, r.served_failed, r.rss_growth_mib, r.threads_max
+        );
+    }
+    let t = &report.totals;
+    println!("| **total** | {} | {} | ({}) | | |", t.attempts, t.accepted, t.served_failed);
+    if let Some(path) = &a.json {
+        let text = match serde_json::to_string_pretty(&report) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("kvpush hostile: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        if let Err(e) = std::fs::write(path, text + "\n") {
+            eprintln!("kvpush hostile: cannot write {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+    }
+    let missed = report.missed();
+    for m in &missed {
+        eprintln!("kvpush hostile: target missed: {m}");
+    }
+    if missed.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
     }
 }
 

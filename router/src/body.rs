@@ -51,6 +51,15 @@ impl ProxyBody {
         ProxyBody(Inner::Relay(Box::new(r)))
     }
 
+    /// Rewrites the transfer id to the public id in this body (see [`IdMask`]).
+    pub(crate) fn mask(&mut self, mask: IdMask) {
+        match &mut self.0 {
+            Inner::Full(Some(b)) => *b = Bytes::from(mask.replace_all(b)),
+            Inner::Full(None) => {}
+            Inner::Relay(r) => r.mask = Some(mask),
+        }
+    }
+
     /// Keeps `flight` alive as long as a relayed body is (a small body drops it at once).
     pub(crate) fn hold(&mut self, flight: InFlight) {
         if let Inner::Relay(r) = &mut self.0 {
@@ -133,6 +142,8 @@ pub(crate) struct Relay {
     /// The body ended (normally or with an error already counted): dropping it is no disconnect.
     finished: bool,
     flight: Option<InFlight>,
+    /// Hides the transfer id from the client.
+    mask: Option<IdMask>,
 }
 
 impl Relay {
@@ -163,6 +174,7 @@ impl Relay {
             state: State::Streaming,
             finished: false,
             flight: None,
+            mask: None,
         }
     }
 
@@ -187,9 +199,17 @@ impl Relay {
             }
         }
         match Pin::new(&mut self.upstream).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
+            Poll::Ready(Some(Ok(mut frame))) => {
                 let idle = self.idle;
                 self.idle_timer.as_mut().reset(tokio::time::Instant::now() + idle);
+                if let Some(mask) = &mut self.mask {
+                    frame = frame.map_data(|d| mask.push(&d));
+                    if frame.data_ref().is_some_and(Bytes::is_empty) {
+                        // All of it may begin the transfer id: wait for the next frame.
+                        cx.waker().wake_by_ref();
+                        return Poll::Pending;
+                    }
+                }
                 if let Some(data) = frame.data_ref() {
                     if !data.is_empty() && !self.first_byte {
                         self.first_byte = true;
@@ -204,6 +224,9 @@ impl Relay {
                 return self.fail(Some(ErrorKind::DecodeBroken), format!("decode stream from {url} broke: {detail}"));
             }
             Poll::Ready(None) => {
+                if let Some(rest) = self.mask.as_mut().and_then(IdMask::finish) {
+                    return Poll::Ready(Some(Ok(Frame::data(rest))));
+                }
                 if self.success {
                     self.shared.metrics.decode_leg.observe(self.decode_sent.elapsed());
                 }
@@ -269,5 +292,87 @@ impl Drop for Relay {
         }
         // A prefill leg still running after a complete decode response is left to finish on its own: its
         // KV was already used, and it ends within the prefill timeout.
+    }
+}
+
+/// Replaces the transfer id in what goes back to the client by the request's public id (as long as the
+/// transfer id, so a `content-length` stays true): vLLM names a request after its `X-Request-Id`, which
+/// is the transfer id, so D's response ids and echoed headers carry it, and a client must never learn a
+/// transfer id (it names the KV of a request in flight). Bodies are rewritten as they stream: the longest
+/// tail of a frame that could begin the id is held back until the next frame (or the end) decides.
+#[derive(Debug)]
+pub(crate) struct IdMask {
+    secret: Box<[u8]>,
+    public: Box<[u8]>,
+    carry: Vec<u8>,
+}
+
+impl IdMask {
+    /// None when the two ids differ in length or the transfer id is empty.
+    pub(crate) fn new(secret: &str, public: &str) -> Option<Self> {
+        (!secret.is_empty() && secret.len() == public.len()).then(|| IdMask {
+            secret: secret.as_bytes().into(),
+            public: public.as_bytes().into(),
+            carry: Vec::new(),
+        })
+    }
+
+    /// The public id.
+    pub(crate) fn public(&self) -> &[u8] {
+        &self.public
+    }
+
+    /// `bytes` with every whole occurrence of the transfer id replaced (no carry involved).
+    pub(crate) fn replace_all(&self, bytes: &[u8]) -> Vec<u8> {
+        let mut out = bytes.to_vec();
+        let n = self.secret.len();
+        let mut i = 0;
+        while i + n <= out.len() {
+            if out[i..i + n] == *self.secret {
+                out[i..i + n].copy_from_slice(&self.public);
+                i += n;
+            } else {
+                i += 1;
+            }
+        }
+        out
+    }
+
+    /// The next chunk of a streamed body, rewritten; bytes that might begin the id are held back.
+    pub(crate) fn push(&mut self, chunk: &[u8]) -> Bytes {
+        let mut buf = std::mem::take(&mut self.carry);
+        buf.extend_from_slice(chunk);
+        let buf = self.replace_all(&buf);
+        let hold = (1..self.secret.len()).rev().find(|&k| buf.ends_with(&self.secret[..k])).unwrap_or(0);
+        let cut = buf.len() - hold;
+        self.carry = buf[cut..].to_vec();
+        Bytes::copy_from_slice(&buf[..cut])
+    }
+
+    /// What was held back, at the end of the body (None when nothing was).
+    pub(crate) fn finish(&mut self) -> Option<Bytes> {
+        (!self.carry.is_empty()).then(|| Bytes::from(std::mem::take(&mut self.carry)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::IdMask;
+
+    #[test]
+    fn the_transfer_id_is_replaced_even_when_split_across_frames() {
+        let secret = "0123456789abcdef0123456789abcdef";
+        let public = "ffffffffffffffffffffffffffffffff";
+        let body = format!("data: {{\"id\":\"cmpl-{secret}-0\"}}\n\ndata: {secret}{secret}0123\n\n");
+        for split in 0..=body.len() {
+            let mut m = IdMask::new(secret, public).unwrap();
+            let mut out = m.push(&body.as_bytes()[..split]).to_vec();
+            out.extend_from_slice(&m.push(&body.as_bytes()[split..]));
+            out.extend_from_slice(&m.finish().unwrap_or_default());
+            let out = String::from_utf8(out).unwrap();
+            assert_eq!(out, body.replace(secret, public), "split at {split}");
+        }
+        assert!(IdMask::new("ab", "abc").is_none());
+        assert!(IdMask::new("", "").is_none());
     }
 }

@@ -89,6 +89,13 @@ pub struct RouterArgs {
     /// Largest request body accepted from a client, in bytes; larger ones get 413 [default: 67108864].
     #[arg(long, value_name = "BYTES")]
     pub max_body_bytes: Option<usize>,
+    /// Longest time a client may take to send its request head or body, in seconds; past it the client
+    /// gets 408 (a slow body) or its connection is closed (a slow head), and no leg is sent [default: 30].
+    #[arg(long, value_name = "SECONDS")]
+    pub body_timeout_s: Option<f64>,
+    /// Most client connections served at once; one more is answered 503 at once and closed [default: 1024].
+    #[arg(long, value_name = "N")]
+    pub max_connections: Option<usize>,
     /// How many times a request whose leg could not connect is retried on other servers (with a fresh
     /// transfer id) before the client gets 502 [default: 2].
     #[arg(long, value_name = "N")]
@@ -222,6 +229,8 @@ struct FileConfig {
     decode_timeout_s: Option<f64>,
     stream_idle_timeout_s: Option<f64>,
     max_body_bytes: Option<usize>,
+    body_timeout_s: Option<f64>,
+    max_connections: Option<usize>,
     connect_retries: Option<u32>,
     unhealthy_after: Option<u32>,
 }
@@ -265,6 +274,11 @@ pub struct Config {
     pub stream_idle_timeout: Duration,
     /// Largest request body accepted.
     pub max_body_bytes: usize,
+    /// Longest time a client may take to send its request head or its body.
+    #[serde(serialize_with = "secs")]
+    pub body_timeout: Duration,
+    /// Most client connections served at once (one more is refused with 503).
+    pub max_connections: usize,
     /// Retries of a request whose leg could not connect.
     pub connect_retries: u32,
     /// Failed health probes in a row that take a server out of the rotation.
@@ -290,6 +304,8 @@ impl Config {
             decode_timeout: Duration::from_secs(600),
             stream_idle_timeout: Duration::from_secs(600),
             max_body_bytes: 64 << 20,
+            body_timeout: Duration::from_secs(30),
+            max_connections: 1024,
             connect_retries: 2,
             unhealthy_after: 3,
         }
@@ -344,6 +360,10 @@ impl Config {
         if let Some(n) = args.max_body_bytes.or(file.max_body_bytes) {
             c.max_body_bytes = n;
         }
+        c.body_timeout = dur("body_timeout_s", args.body_timeout_s, file.body_timeout_s, c.body_timeout)?;
+        if let Some(n) = args.max_connections.or(file.max_connections) {
+            c.max_connections = n;
+        }
         if let Some(n) = args.connect_retries.or(file.connect_retries) {
             c.connect_retries = n;
         }
@@ -368,6 +388,9 @@ impl Config {
         if self.max_body_bytes == 0 {
             return Err(ConfigError::Value { key: "max_body_bytes", detail: "must be at least 1".to_owned() });
         }
+        if self.max_connections == 0 {
+            return Err(ConfigError::Value { key: "max_connections", detail: "must be at least 1".to_owned() });
+        }
         if self.unhealthy_after == 0 {
             return Err(ConfigError::Value { key: "unhealthy_after", detail: "must be at least 1".to_owned() });
         }
@@ -378,6 +401,7 @@ impl Config {
             ("prefill_timeout_s", self.prefill_timeout),
             ("decode_timeout_s", self.decode_timeout),
             ("stream_idle_timeout_s", self.stream_idle_timeout),
+            ("body_timeout_s", self.body_timeout),
         ] {
             if d.is_zero() {
                 return Err(ConfigError::Value { key, detail: "must be positive".to_owned() });

@@ -24,15 +24,18 @@ use std::sync::Arc;
 
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
+use hyper::StatusCode;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::net::TcpListener;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
 pub use body::ProxyBody;
 pub use config::{Config, ConfigError, InstanceConfig, RouterArgs, TransferMode};
 
-use metrics::Metrics;
+use metrics::{ErrorKind, Metrics};
 use upstream::{HttpClient, Pool, Role};
 
 /// State shared by every request of one router.
@@ -108,6 +111,7 @@ pub async fn start(config: Config) -> Result<RouterHandle, RouterError> {
 }
 
 async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    let slots = Arc::new(Semaphore::new(shared.config.max_connections));
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
@@ -119,14 +123,58 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             }
         };
         let _ = stream.set_nodelay(true);
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            // Over the cap: answer at once and close, rather than queue a client nobody will serve.
+            shared.metrics.error(ErrorKind::TooManyConnections);
+            shared.metrics.response(StatusCode::SERVICE_UNAVAILABLE.as_u16());
+            tokio::spawn(refuse(stream, shared.config.max_connections, shared.config.body_timeout));
+            continue;
+        };
         let shared = Arc::clone(&shared);
         tokio::spawn(async move {
+            let _slot = slot;
+            let head_timeout = shared.config.body_timeout;
             let svc = service_fn(move |req| proxy::handle(Arc::clone(&shared), req));
-            let conn = http1::Builder::new().timer(TokioTimer::new()).serve_connection(TokioIo::new(stream), svc);
+            let conn = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(head_timeout)
+                .serve_connection(TokioIo::new(stream), svc);
             if let Err(e) = conn.await {
                 debug!(%peer, error = %e, "client connection ended with an error");
             }
         });
+    }
+}
+
+/// Answers a connection over the cap with `503` and closes it. What the client sent is read and dropped
+/// for up to a second after the answer (at most 64 KiB), so that closing does not reset the connection
+/// before the client read its answer.
+async fn refuse(mut stream: TcpStream, cap: usize, timeout: std::time::Duration) {
+    let message = format!("the router serves at most {cap} client connections at once; retry later");
+    let body = proxy::error_json(&message, "server_error", ErrorKind::TooManyConnections.as_str());
+    let mut out = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+         connection: close\r\nretry-after: 1\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(&body);
+    let answer = async {
+        stream.write_all(&out).await?;
+        stream.shutdown().await?;
+        let mut sink = [0u8; 4096];
+        let mut drained = 0;
+        while drained < 64 << 10 {
+            match stream.read(&mut sink).await? {
+                0 => break,
+                n => drained += n,
+            }
+        }
+        Ok::<(), std::io::Error>(())
+    };
+    let linger = timeout.min(std::time::Duration::from_secs(1));
+    if let Ok(Err(e)) = tokio::time::timeout(linger, answer).await {
+        debug!(error = %e, "refusing a connection over the cap");
     }
 }
 

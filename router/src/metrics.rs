@@ -29,11 +29,13 @@ pub(crate) enum ErrorKind {
     DecodeBroken,
     DecodeStreamIdle,
     ClientDisconnect,
+    BodyTimeout,
+    TooManyConnections,
     Internal,
 }
 
 impl ErrorKind {
-    const ALL: [ErrorKind; 17] = [
+    const ALL: [ErrorKind; 19] = [
         ErrorKind::BadRequest,
         ErrorKind::PayloadTooLarge,
         ErrorKind::NotFound,
@@ -50,6 +52,8 @@ impl ErrorKind {
         ErrorKind::DecodeBroken,
         ErrorKind::DecodeStreamIdle,
         ErrorKind::ClientDisconnect,
+        ErrorKind::BodyTimeout,
+        ErrorKind::TooManyConnections,
         ErrorKind::Internal,
     ];
 
@@ -72,6 +76,8 @@ impl ErrorKind {
             ErrorKind::DecodeBroken => "decode_broken",
             ErrorKind::DecodeStreamIdle => "decode_stream_idle",
             ErrorKind::ClientDisconnect => "client_disconnect",
+            ErrorKind::BodyTimeout => "body_timeout",
+            ErrorKind::TooManyConnections => "too_many_connections",
             ErrorKind::Internal => "internal",
         }
     }

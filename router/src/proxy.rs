@@ -17,12 +17,12 @@ use std::time::Instant;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use hyper::header::{HeaderMap, HeaderValue, CONTENT_TYPE};
+use hyper::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{json, Map, Value};
 use tracing::debug;
 
-use super::body::{InFlight, PrefillResult, ProxyBody, Relay};
+use super::body::{IdMask, InFlight, PrefillResult, ProxyBody, Relay};
 use super::config::TransferMode;
 use super::metrics::{Endpoint, ErrorKind};
 use super::upstream::{self, Lease, LegError, LegRequest, PushTarget, MAX_UPSTREAM_JSON};
@@ -118,7 +118,17 @@ async fn completion_inner(
     received: Instant,
 ) -> Response<ProxyBody> {
     let (parts, body) = req.into_parts();
-    let bytes = match Limited::new(body, shared.config.max_body_bytes).collect().await {
+    let limit = shared.config.body_timeout;
+    let Ok(collected) = tokio::time::timeout(limit, Limited::new(body, shared.config.max_body_bytes).collect()).await
+    else {
+        shared.metrics.error(ErrorKind::BodyTimeout);
+        let msg = format!("the request body did not arrive within {:.1} s", limit.as_secs_f64());
+        let mut r = error_response(StatusCode::REQUEST_TIMEOUT, ErrorKind::BodyTimeout, &msg);
+        // The rest of the body may still be on its way: this connection cannot serve another request.
+        r.headers_mut().insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
+        return r;
+    };
+    let bytes = match collected {
         Ok(c) => c.to_bytes(),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
             shared.metrics.error(ErrorKind::PayloadTooLarge);
@@ -142,12 +152,16 @@ async fn completion_inner(
     let proxied = Proxied { path: endpoint.path(), headers: &headers, request: &request, received };
     let mut attempt = 0;
     loop {
+        let (tid, public) = match (transfer_id(shared), transfer_id(shared)) {
+            (Ok(t), Ok(p)) => (t, p),
+            (Err(r), _) | (_, Err(r)) => return r.into_response(),
+        };
         let outcome = match shared.config.mode {
-            TransferMode::Push => push(shared, proxied).await,
-            TransferMode::Pull => pull(shared, proxied).await,
+            TransferMode::Push => push(shared, proxied, &tid).await,
+            TransferMode::Pull => pull(shared, proxied, &tid).await,
         };
         match outcome {
-            Outcome::Response(r) => return r,
+            Outcome::Response(r) => return hide_transfer_id(r, &tid, &public),
             Outcome::Retry(leg, e) if attempt < shared.config.connect_retries => {
                 attempt += 1;
                 shared.metrics.retry();
@@ -347,19 +361,18 @@ async fn prefill_leg(
     result
 }
 
-async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>) -> Outcome {
+async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome {
     let Proxied { path, headers, request, received } = proxied;
     let p_lease = or_reject!(pick(shared, Leg::Prefill));
     let d_lease = or_reject!(pick(shared, Leg::Decode));
-    let tid = or_reject!(transfer_id(shared));
     let Some(target) = p_lease.instance().push_target() else {
         // Admission guarantees an engine id for an in-rotation push-mode P; be explicit anyway.
         shared.metrics.error(ErrorKind::Internal);
         let msg = format!("prefill server {} has no engine id", p_lease.instance().base);
         return Outcome::Response(error_response(StatusCode::INTERNAL_SERVER_ERROR, ErrorKind::Internal, &msg));
     };
-    let p_body = to_bytes(&prefill_body(request, &tid));
-    let d_body = to_bytes(&push_decode_body(request, path, &tid, &target));
+    let p_body = to_bytes(&prefill_body(request, tid));
+    let d_body = to_bytes(&push_decode_body(request, path, tid, &target));
     let d_inst = Arc::clone(d_lease.instance());
 
     // Both legs leave now: P on its own task, D right here.
@@ -368,12 +381,12 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>) -> Outcome {
         p_lease,
         path,
         headers.clone(),
-        tid.clone(),
+        tid.to_owned(),
         p_body,
     ))));
     let decode_sent = Instant::now();
     let timeout = shared.config.decode_timeout;
-    let d_leg = LegRequest { method: Method::POST, path, headers, request_id: &tid, body: d_body };
+    let d_leg = LegRequest { method: Method::POST, path, headers, request_id: tid, body: d_body };
     let d_fut = upstream::send(&shared.client, &d_inst, d_leg, timeout);
     tokio::pin!(d_fut);
 
@@ -415,14 +428,13 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>) -> Outcome {
     }
 }
 
-async fn pull(shared: &Arc<Shared>, proxied: Proxied<'_>) -> Outcome {
+async fn pull(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome {
     let Proxied { path, headers, request, received } = proxied;
     let p_lease = or_reject!(pick(shared, Leg::Prefill));
-    let tid = or_reject!(transfer_id(shared));
-    let p_body = to_bytes(&prefill_body(request, &tid));
+    let p_body = to_bytes(&prefill_body(request, tid));
     let p_url = format!("{}{path}", p_lease.instance().base);
     // Run inline: a client that goes away drops this future, and with it P's request.
-    let p_json = match prefill_leg(Arc::clone(shared), p_lease, path, headers.clone(), tid.clone(), p_body).await {
+    let p_json = match prefill_leg(Arc::clone(shared), p_lease, path, headers.clone(), tid.to_owned(), p_body).await {
         Ok(v) => v,
         Err(e) if e.is_connect() => return Outcome::Retry(Leg::Prefill, e),
         Err(e) => return Outcome::Response(leg_error_response(Leg::Prefill, &e)),
@@ -449,7 +461,7 @@ async fn pull(shared: &Arc<Shared>, proxied: Proxied<'_>) -> Outcome {
         let d_inst = Arc::clone(d_lease.instance());
         let decode_sent = Instant::now();
         let timeout = shared.config.decode_timeout;
-        let d_leg = LegRequest { method: Method::POST, path, headers, request_id: &tid, body: d_body.clone() };
+        let d_leg = LegRequest { method: Method::POST, path, headers, request_id: tid, body: d_body.clone() };
         match upstream::send(&shared.client, &d_inst, d_leg, timeout).await {
             Ok(resp) => {
                 if !resp.status().is_success() {
@@ -469,6 +481,26 @@ async fn pull(shared: &Arc<Shared>, proxied: Proxied<'_>) -> Outcome {
             }
         }
     }
+}
+
+/// The client's response with the transfer id replaced by the request's public id everywhere: in its
+/// headers, in its body (D's response ids, an error passed through), and as its `x-request-id`.
+fn hide_transfer_id(mut resp: Response<ProxyBody>, tid: &str, public: &str) -> Response<ProxyBody> {
+    let Some(mask) = IdMask::new(tid, public) else {
+        return resp;
+    };
+    for value in resp.headers_mut().values_mut() {
+        if value.as_bytes().windows(tid.len()).any(|w| w == tid.as_bytes()) {
+            if let Ok(v) = HeaderValue::from_bytes(&mask.replace_all(value.as_bytes())) {
+                *value = v;
+            }
+        }
+    }
+    if let Ok(v) = HeaderValue::from_bytes(mask.public()) {
+        resp.headers_mut().insert(HeaderName::from_static("x-request-id"), v);
+    }
+    resp.body_mut().mask(mask);
+    resp
 }
 
 /// Hands D's response to the client: status and headers now, the body frame by frame.

@@ -481,10 +481,21 @@ pub(crate) fn forwardable_response_headers(h: &HeaderMap) -> HeaderMap {
     filter_headers(h, &DROPPED_RESPONSE_HEADERS)
 }
 
+/// `h` without the `dropped` headers and without every header that a `Connection` header names (those
+/// are hop-by-hop too, RFC 9110 §7.6.1, whatever their name).
 fn filter_headers(h: &HeaderMap, dropped: &[&str]) -> HeaderMap {
+    let named: Vec<String> = h
+        .get_all(hyper::header::CONNECTION)
+        .iter()
+        .flat_map(|v| {
+            let tokens = String::from_utf8_lossy(v.as_bytes()).to_ascii_lowercase();
+            tokens.split(',').map(|t| t.trim().to_owned()).filter(|t| !t.is_empty()).collect::<Vec<_>>()
+        })
+        .collect();
     let mut out = HeaderMap::with_capacity(h.len());
     for (name, value) in h {
-        if !dropped.contains(&name.as_str()) {
+        let name_str = name.as_str();
+        if !dropped.contains(&name_str) && !named.iter().any(|n| n == name_str) {
             out.append(name.clone(), value.clone());
         }
     }

@@ -885,6 +885,205 @@ async fn a_server_down_at_start_joins_later_only_if_its_mode_matches() {
     assert_eq!(h["prefill"][0]["up"], false, "the push-mode server stays out of a pull router: {h}");
 }
 
+/// Reads from a raw socket until `needle` appears or the peer closes; the text read.
+async fn read_until(s: &mut TcpStream, needle: &str) -> String {
+    let mut buf = vec![0u8; 4096];
+    let mut got = String::new();
+    while !got.contains(needle) {
+        let n = s.read(&mut buf).await.unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        got.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    got
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_trickles_its_body_gets_408_and_no_leg_is_sent() {
+    let p = Fake::start(None, handler(|_| async { json_reply(200, &json!({})) })).await;
+    let d = Fake::start(None, handler(|_| async { json_reply(200, &completion("x")) })).await;
+    let mut c = config(TransferMode::Push, &[&p], &[&d]);
+    c.body_timeout = Duration::from_millis(300);
+    let (r, base) = start(c).await;
+    let mut s = TcpStream::connect(r.local_addr()).await.unwrap();
+    let head = "POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n";
+    s.write_all(head.as_bytes()).await.unwrap();
+    // One byte every 100 ms: each read makes progress, the whole body never comes.
+    let trickle = async {
+        for _ in 0..100 {
+            if s.write_all(b" ").await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    within(5.0, "the trickle to be cut off", trickle).await;
+    let got = within(5.0, "the answer", read_until(&mut s, "}}")).await;
+    assert!(got.starts_with("HTTP/1.1 408"), "{got}");
+    assert!(got.contains("body_timeout"), "{got}");
+    assert_eq!(p.count() + d.count(), 0, "no leg for a body that never came");
+    assert_eq!(metric(&metrics(&base).await, "kvpush_router_errors_total{kind=\"body_timeout\"}"), 1.0);
+    // A client that never finishes its request head is cut off too.
+    let mut s = TcpStream::connect(r.local_addr()).await.unwrap();
+    s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: r").await.unwrap();
+    let mut buf = [0u8; 256];
+    let closed = within(5.0, "a slow head to be cut off", async {
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return true,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(closed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_over_the_cap_get_503_at_once_and_slots_come_back() {
+    let p = Fake::start(None, handler(|_| async { json_reply(200, &json!({})) })).await;
+    let d = Fake::start(None, handler(|_| async { json_reply(200, &completion("ok")) })).await;
+    let mut c = config(TransferMode::Push, &[&p], &[&d]);
+    c.max_connections = 4;
+    let (r, base) = start(c).await;
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(TcpStream::connect(r.local_addr()).await.unwrap());
+    }
+    // The idle connections are accepted (and hold their slots) before the next one arrives.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = Instant::now();
+    let mut over = raw_post(r.local_addr(), r#"{"prompt":"x"}"#).await;
+    let got = within(2.0, "the refusal", read_until(&mut over, "}}")).await;
+    assert!(got.starts_with("HTTP/1.1 503"), "{got}");
+    assert!(got.contains("too_many_connections"), "{got}");
+    assert!(started.elapsed() < Duration::from_secs(1), "refused in {:?}", started.elapsed());
+    assert_eq!(p.count() + d.count(), 0);
+    drop(held);
+    // Freed slots serve again.
+    let mut ok = false;
+    for _ in 0..50 {
+        let req = hyper::Request::post(format!("{base}/v1/completions"))
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(Bytes::from_static(br#"{"prompt":"x"}"#)))
+            .unwrap();
+        // Until the router saw the idle connections close, the answer is a 503 (maybe before the request
+        // was even written, which the client reports as an error).
+        if client().request(req).await.is_ok_and(|r| r.status() == 200) {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(ok, "a request is served once the idle connections left");
+    assert!(metric(&metrics(&base).await, "kvpush_router_errors_total{kind=\"too_many_connections\"}") >= 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_named_in_connection_are_stripped_both_ways() {
+    let p = Fake::start(None, handler(|_| async { json_reply(200, &json!({})) })).await;
+    let d = Fake::start(
+        None,
+        handler(|_| async {
+            let mut r = json_reply(200, &completion("ok"));
+            let h = r.headers_mut();
+            h.insert("connection", "x-d-hop".parse().unwrap());
+            h.insert("x-d-hop", "1".parse().unwrap());
+            h.insert("x-d-end", "1".parse().unwrap());
+            r
+        }),
+    )
+    .await;
+    let (r, _base) = start(config(TransferMode::Push, &[&p], &[&d])).await;
+    let mut s = TcpStream::connect(r.local_addr()).await.unwrap();
+    let body = r#"{"prompt":"x"}"#;
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n\
+         Connection: keep-alive, X-Secret-Hop\r\nX-Secret-Hop: 1\r\nX-End: 2\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let got = within(5.0, "the response", read_until(&mut s, "\"ok\"")).await.to_ascii_lowercase();
+    assert!(got.starts_with("http/1.1 200"), "{got}");
+    assert!(got.contains("x-d-end: 1"), "{got}");
+    assert!(!got.contains("x-d-hop"), "a header D named in Connection reached the client:\n{got}");
+    for (name, f) in [("P", &p), ("D", &d)] {
+        let seen = &f.requests()[0];
+        assert_eq!(seen.headers["x-end"], "2", "{name}");
+        assert!(!seen.headers.contains_key("x-secret-hop"), "{name} got a header the client named in Connection");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfer_ids_never_reach_the_client() {
+    // D and P answer as vLLM does: request ids made of X-Request-Id, echoed in a header and the body.
+    fn echo(s: &Seen) -> String {
+        s.headers["x-request-id"].to_str().unwrap().to_owned()
+    }
+    let p = Fake::start(None, handler(|_| async { json_reply(200, &json!({})) })).await;
+    let d = Fake::start(
+        None,
+        handler(|s: Seen| async move {
+            let rid = echo(&s);
+            let mut r = if s.json["stream"] == true {
+                let (r, tx) = sse_reply();
+                tokio::spawn(async move {
+                    for i in 0..3 {
+                        let ev = sse_event(&json!({"id": format!("cmpl-{rid}-0"), "choices": [{"text": i}]}));
+                        // Split each event mid-id, as a TCP stream may.
+                        let cut = ev.len() / 3;
+                        tx.send(ev.slice(..cut)).await.unwrap();
+                        tx.send(ev.slice(cut..)).await.unwrap();
+                    }
+                    tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await.unwrap();
+                });
+                r
+            } else {
+                json_reply(200, &json!({"id": format!("cmpl-{rid}-0"), "kv_transfer_params": {"transfer_id": rid}}))
+            };
+            r.headers_mut().insert("x-request-id", echo(&s).parse().unwrap());
+            r
+        }),
+    )
+    .await;
+    let (_r, base) = start(config(TransferMode::Push, &[&p], &[&d])).await;
+    for stream in [false, true] {
+        let req = json!({"prompt": "x", "stream": stream});
+        let resp = post(&client(), &format!("{base}/v1/completions"), req.to_string()).await;
+        let (status, headers, body) = within(5.0, "the response", read_all(resp)).await;
+        let body = String::from_utf8_lossy(&body).into_owned();
+        let tid = tid(d.requests().last().unwrap());
+        assert_eq!(tid.len(), 32);
+        assert_eq!(status, 200, "{body}");
+        let public = headers["x-request-id"].to_str().unwrap().to_owned();
+        assert_ne!(public, tid);
+        assert_eq!(public.len(), 32);
+        assert!(!body.contains(&tid), "the transfer id reached the client: {body}");
+        assert!(body.contains(&format!("cmpl-{public}-0")), "{body}");
+        for (_, v) in &headers {
+            assert!(!v.to_str().unwrap_or_default().contains(&tid), "{headers:?}");
+        }
+    }
+    // An error P passes through names P's request the same way.
+    let p_err = Fake::start(
+        None,
+        handler(|s: Seen| async move {
+            let msg = format!("request cmpl-{}-0 is invalid", echo(&s));
+            json_reply(400, &json!({"error": {"message": msg}}))
+        }),
+    )
+    .await;
+    // (Pull mode: P answers before D is asked, so P's error is what the client gets.)
+    let (_r2, base2) = start(config(TransferMode::Pull, &[&p_err], &[&d])).await;
+    let resp = post(&client(), &format!("{base2}/v1/completions"), r#"{"prompt":"x"}"#).await;
+    let (status, _, body) = within(5.0, "the error", read_all(resp)).await;
+    let body = String::from_utf8_lossy(&body).into_owned();
+    assert_eq!(status, 400, "{body}");
+    let tid = tid(p_err.requests().last().unwrap());
+    assert!(body.contains("is invalid") && !body.contains(&tid), "{body}");
+}
+
 #[test]
 fn config_file_and_flags_resolve_with_flags_winning() {
     let dir = std::env::temp_dir().join(format!("kvpush-router-test-{}", std::process::id()));

@@ -9,6 +9,7 @@ pub mod child;
 pub mod corpus;
 pub mod demo;
 pub mod engines;
+pub mod hostile;
 pub mod layouts;
 pub mod require;
 pub mod rng;

@@ -28,7 +28,7 @@ use kvpush::transport::loopback::Fabric;
 // The workload's random source; `procs` seeds its own from the workload's seed too.
 pub(crate) use crate::rng::Rng;
 
-mod driver;
+pub(crate) mod driver;
 pub mod pattern;
 pub mod procs;
 
@@ -523,7 +523,7 @@ fn build(
         // request's outcome (and after verification, which only reads them).
         let engine = unsafe { Engine::new(config, layout, dev.clone(), transport, hub.clone()) }?;
         hub.attach(engine.addr().clone(), engine.sink());
-        workers.push(Worker { engine, side: None, buffers });
+        workers.push(Worker { engine, side: None, buffers, transport: None });
     }
     Ok(workers)
 }

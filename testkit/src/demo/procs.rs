@@ -186,6 +186,9 @@ pub struct WorkerSpec {
     /// NIXL backend plugin.
     #[arg(long, default_value = "UCX")]
     pub backend: String,
+    /// Engine id, instead of the role's (`prefill`, `decode`): a third engine beside the pair.
+    #[arg(long)]
+    pub engine_id: Option<String>,
 }
 
 impl WorkerSpec {
@@ -223,6 +226,7 @@ impl WorkerSpec {
             handshake_timeout_ms: 10_000,
             host: "127.0.0.1".into(),
             backend: "UCX".into(),
+            engine_id: None,
         }
     }
 
@@ -291,6 +295,9 @@ impl WorkerSpec {
         flag(&mut v, "handshake-timeout-ms", self.handshake_timeout_ms.to_string());
         flag(&mut v, "host", self.host.clone());
         flag(&mut v, "backend", self.backend.clone());
+        if let Some(id) = &self.engine_id {
+            flag(&mut v, "engine-id", id.clone());
+        }
         v
     }
 }
@@ -354,6 +361,8 @@ pub enum Command {
     },
     /// Report [`Event::Stats`].
     Stats,
+    /// Report [`Event::Metadata`]: each worker's NIXL agent metadata, as a peer loads it.
+    Metadata,
     /// Report [`Event::Pool`].
     Pool,
     /// Create one more NIXL agent with one buffer of `bytes` (the single-descriptor reference).
@@ -392,6 +401,47 @@ pub struct SideCounters {
     pub malformed: u64,
     /// Peers lost.
     pub peers_lost: u64,
+    /// Connections whose handshake or a record failed authentication.
+    #[serde(default)]
+    pub auth_failures: u64,
+    /// Handshakes past their deadline.
+    #[serde(default)]
+    pub timeouts: u64,
+    /// Records or messages over their state's size limit.
+    #[serde(default)]
+    pub oversized: u64,
+    /// Connections closed at once over a connection limit.
+    #[serde(default)]
+    pub over_limit: u64,
+    /// Frames received from authenticated peers.
+    #[serde(default)]
+    pub frames_in: u64,
+    /// Known peers that came back with a new incarnation.
+    #[serde(default)]
+    pub restarts: u64,
+}
+
+/// Engine counters of a child beyond those the demo reports (all its workers).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineCounters {
+    /// D: requests received.
+    pub received: u64,
+    /// D: requests failed.
+    pub failed: u64,
+    /// Aborts handled.
+    pub aborted: u64,
+    /// Transfers posted.
+    pub posts: u64,
+    /// D: failure notifications received from a peer.
+    pub remote_failures: u64,
+    /// Frames or transfers concerning unknown peers.
+    pub unknown_peer: u64,
+    /// Frames that could not be decoded.
+    pub malformed: u64,
+    /// Staged transfers received (all pieces scattered).
+    pub staged_received: u64,
+    /// Staging frames refused.
+    pub staged_malformed: u64,
 }
 
 /// Child → parent, one JSON object per line (`{"event": "ready", ...}`).
@@ -493,6 +543,14 @@ pub enum Event {
         staged_pieces: u64,
         /// Side-channel counters.
         side: SideCounters,
+        /// More engine counters.
+        #[serde(default)]
+        engine: EngineCounters,
+    },
+    /// Each worker's NIXL agent: its name and metadata (hex).
+    Metadata {
+        /// `(agent name, metadata hex)` by rank.
+        agents: Vec<(String, String)>,
     },
     /// Free blocks of the child's pool.
     Pool {
@@ -662,9 +720,9 @@ pub enum ProcsError {
 }
 
 /// Both children of one mode and their event stream.
-struct Pair {
-    p: WorkerProc,
-    d: WorkerProc,
+pub(crate) struct Pair {
+    pub(crate) p: WorkerProc,
+    pub(crate) d: WorkerProc,
     rx: Receiver<(Role, Incoming)>,
 }
 
@@ -677,7 +735,7 @@ impl Pair {
     }
 
     /// Closes both children's stdin and reaps them (killing one that lingers).
-    fn close(mut self) {
+    pub(crate) fn close(mut self) {
         self.p.mute();
         self.d.mute();
         self.p.close_stdin();
@@ -775,6 +833,17 @@ pub fn run(t: &Topology, w: &Workload, modes: &[Mode], opts: &Options, tick: &dy
 }
 
 fn start(t: &Topology, mode: Mode, opts: &Options) -> Result<Pair, ProcsError> {
+    start_with(t, mode, opts, &|_| {}).map(|(pair, ..)| pair)
+}
+
+/// [`start`], with `tweak` applied to both children's flags; also returns the run's secret (for a
+/// third engine that is to join the pair) and P's and D's side-channel ports.
+pub(crate) fn start_with(
+    t: &Topology,
+    mode: Mode,
+    opts: &Options,
+    tweak: &dyn Fn(&mut WorkerSpec),
+) -> Result<(Pair, String, Vec<u16>, Vec<u16>), ProcsError> {
     let (tx, rx) = unbounded();
     // The two children authenticate each other with a secret made for this run.
     let secret = kvpush::engine::side::random_secret().map_err(|e| ProcsError::Spawn {
@@ -782,11 +851,12 @@ fn start(t: &Topology, mode: Mode, opts: &Options) -> Result<Pair, ProcsError> {
         exe: opts.exe.display().to_string(),
         source: std::io::Error::other(e.to_string()),
     })?;
-    let env = [(kvpush::engine::side::SECRET_ENV.to_owned(), secret)];
+    let env = [(kvpush::engine::side::SECRET_ENV.to_owned(), secret.clone())];
     let spawn =
         |role: Role| {
             let mut spec = WorkerSpec::new(role, mode, t);
             spec.backend = opts.backend.clone();
+            tweak(&mut spec);
             WorkerProc::spawn(&opts.exe, &spec, &env, tx.clone(), opts.log.clone())
                 .map_err(|source| ProcsError::Spawn { role, exe: opts.exe.display().to_string(), source })
         };
@@ -796,11 +866,11 @@ fn start(t: &Topology, mode: Mode, opts: &Options) -> Result<Pair, ProcsError> {
     drop(tx);
     let mut pair = Pair { p, d, rx };
     let limit = Duration::from_secs(120);
-    let (mut p_ports, mut d_up) = (None, false);
-    while p_ports.is_none() || !d_up {
+    let (mut p_ports, mut d_ports) = (None, None);
+    while p_ports.is_none() || d_ports.is_none() {
         match pair.next(limit)? {
             Some((Role::Prefill, Event::Hello { ports, .. })) => p_ports = Some(ports),
-            Some((Role::Decode, Event::Hello { .. })) => d_up = true,
+            Some((Role::Decode, Event::Hello { ports, .. })) => d_ports = Some(ports),
             Some((role, ev)) => return Err(pair.fail(role, format!("expected hello, got {ev:?}"))),
             None => {
                 let role = if p_ports.is_none() { Role::Prefill } else { Role::Decode };
@@ -808,8 +878,8 @@ fn start(t: &Topology, mode: Mode, opts: &Options) -> Result<Pair, ProcsError> {
             }
         }
     }
-    let ports = p_ports.unwrap_or_default();
-    pair.send(Role::Decode, &Command::Connect { ports })?;
+    let (p_ports, d_ports) = (p_ports.unwrap_or_default(), d_ports.unwrap_or_default());
+    pair.send(Role::Decode, &Command::Connect { ports: p_ports.clone() })?;
     pair.expect(Role::Decode, "connected", Duration::from_secs(60), |ev| {
         matches!(ev, Event::Connected { .. }).then_some(())
     })?;
@@ -821,7 +891,7 @@ fn start(t: &Topology, mode: Mode, opts: &Options) -> Result<Pair, ProcsError> {
     if peers.iter().any(|&n| n < usize::from(t.d_tp)) {
         return Err(pair.fail(Role::Prefill, format!("handshaken decode workers per prefill worker: {peers:?}")));
     }
-    Ok(pair)
+    Ok((pair, secret, p_ports, d_ports))
 }
 
 fn run_mode(t: &Topology, w: &Workload, mode: Mode, opts: &Options, tick: &dyn Fn()) -> Result<ModeReport, ProcsError> {
@@ -1010,6 +1080,8 @@ pub(super) struct Worker {
     pub(super) engine: Engine,
     pub(super) side: Option<Arc<SideChannel>>,
     pub(super) buffers: Vec<Box<dyn Buffer>>,
+    /// The engine's NIXL agent, where it has one (for [`Command::Metadata`]).
+    pub(super) transport: Option<Arc<NixlTransport>>,
 }
 
 /// A request as a child tracks it.
@@ -1189,7 +1261,7 @@ fn nixl_workers(spec: &WorkerSpec, dev: &Arc<dyn Device>) -> Result<Vec<Worker>,
         Role::Prefill => (t.p_tp, t.p_block),
         Role::Decode => (t.d_tp, t.d_block),
     };
-    let engine_id = role.engine_id();
+    let engine_id = spec.engine_id.as_deref().unwrap_or(role.engine_id());
     let mut workers = Vec::new();
     for r in 0..tp {
         let (layout, buffers) =
@@ -1213,10 +1285,10 @@ fn nixl_workers(spec: &WorkerSpec, dev: &Arc<dyn Device>) -> Result<Vec<Worker>,
         // block ownership rules: P's blocks return to the pool only after `Finished::Sent` from
         // every worker, D's only after every worker reported the request's outcome (and after
         // verification, which only reads them).
-        let engine = unsafe { Engine::new(config, layout, dev.clone(), transport, side.clone()) }
+        let engine = unsafe { Engine::new(config, layout, dev.clone(), transport.clone(), side.clone()) }
             .map_err(|e| format!("rank {r}: {e}"))?;
         side.serve(engine.endpoint());
-        workers.push(Worker { engine, side: Some(side), buffers });
+        workers.push(Worker { engine, side: Some(side), buffers, transport: Some(transport) });
     }
     Ok(workers)
 }
@@ -1226,6 +1298,7 @@ impl WorkerState {
     /// child points them at its protocol channel.
     pub(super) fn new(spec: &WorkerSpec, dev: Arc<dyn Device>, workers: Vec<Worker>) -> Result<Self, String> {
         let role = spec.role;
+
         let workers = Arc::new(workers);
         let groups = workers[0].engine.layout().model.groups.len();
         // Helper thread: fills P's blocks (the accelerator's prefill) or verifies D's.
@@ -1353,8 +1426,21 @@ impl WorkerState {
                 let (mut bytes, mut descriptors_unmerged, mut descriptors_posted, mut registrations) = (0, 0, 0, 0);
                 let mut staged_pieces = 0;
                 let mut side = SideCounters::default();
+                let mut engine = EngineCounters::default();
                 for w in self.workers.iter() {
-                    let c = w.engine.stats().counters;
+                    let st = w.engine.stats();
+                    let c = st.counters;
+                    engine.received += c.received;
+                    engine.failed += c.failed;
+                    engine.aborted += c.aborted;
+                    engine.posts += c.posts;
+                    engine.remote_failures += st.failures.remote;
+                    engine.unknown_peer += st.failures.unknown_peer;
+                    engine.malformed += st.failures.malformed;
+                    if let Some(sc) = w.engine.staging_counts() {
+                        engine.staged_received += sc.received;
+                        engine.staged_malformed += sc.malformed;
+                    }
                     bytes += c.bytes;
                     descriptors_unmerged += c.descriptors_unmerged;
                     descriptors_posted += c.descriptors_posted;
@@ -1365,6 +1451,12 @@ impl WorkerState {
                         side.refused += s.refused;
                         side.malformed += s.malformed;
                         side.peers_lost += s.peers_lost;
+                        side.auth_failures += s.auth_failures;
+                        side.timeouts += s.timeouts;
+                        side.oversized += s.oversized;
+                        side.over_limit += s.over_limit;
+                        side.frames_in += s.frames_in;
+                        side.restarts += s.restarts;
                     }
                 }
                 let ev = Event::Stats {
@@ -1374,8 +1466,22 @@ impl WorkerState {
                     registrations,
                     staged_pieces,
                     side,
+                    engine,
                 };
                 self.out.emit(&ev);
+            }
+            Command::Metadata => {
+                let mut agents = Vec::new();
+                for w in self.workers.iter() {
+                    let Some(transport) = &w.transport else {
+                        return self.error("metadata: this engine has no NIXL agent".into());
+                    };
+                    match transport.local_metadata() {
+                        Ok(md) => agents.push((transport.name().to_owned(), child::hex::encode(&md))),
+                        Err(e) => return self.error(format!("metadata: {e}")),
+                    }
+                }
+                self.out.emit(&Event::Metadata { agents });
             }
             Command::Pool => {
                 let ev = Event::Pool { free: self.pool.free(), total: self.total_blocks };
