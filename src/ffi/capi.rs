@@ -896,8 +896,23 @@ pub unsafe extern "C" fn kvpush_engine_connect(a: *mut kvpush_engine, b: *mut kv
         if a == b && !a.is_null() {
             return Err(FfiError::invalid("b", "an engine cannot connect to itself"));
         }
-        engine_of(a)?.connect(&*engine_of(b)?)
+        // Both handles' read locks, taken in one global order (by slot): two threads connecting
+        // the same engines in opposite orders while each engine's destroy waits for its write lock
+        // would otherwise wait on each other forever (a waiting writer blocks new readers).
+        let a_first = locks_first(a, b);
+        let (first, second) = if a_first { (a, b) } else { (b, a) };
+        let (first, second) = (engine_of(first)?, engine_of(second)?);
+        let (ea, eb) = if a_first { (&*first, &*second) } else { (&*second, &*first) };
+        ea.connect(eb)
     })
+}
+
+/// Whether `a`'s handle lock is taken before `b`'s: by slot index, a handle that names no slot
+/// (null, forged) first, so its error comes before any lock is held.
+fn locks_first(a: *const kvpush_engine, b: *const kvpush_engine) -> bool {
+    let index =
+        |h: *const kvpush_engine| slot_of(h as usize, KIND_ENGINE).map(|(slot, _)| slot as *const Slot as usize);
+    index(a) <= index(b)
 }
 
 /// NIXL: dials the side channel of a peer worker at `addr` (`"host:port"`) and handshakes both
@@ -1170,6 +1185,59 @@ mod tests {
         let rc = unsafe { kvpush_engine_create(&c, &l, &mut e) };
         assert_eq!(rc, status::OK, "{}", last_error());
         e
+    }
+
+    /// `kvpush_engine_connect(a, b)` and `(b, a)` take the two handle locks in the same order, so
+    /// opposite connects racing with both engines' destroys cannot wait on each other; handles that
+    /// name no engine come first (their error needs no lock).
+    #[test]
+    fn connect_locks_both_handles_in_one_order() {
+        let mut hub = std::ptr::null_mut();
+        // SAFETY: `hub` is a valid out-pointer.
+        assert_eq!(unsafe { kvpush_hub_create(&mut hub) }, status::OK);
+        for _ in 0..50 {
+            let (mut ma, mut mb) = ([vec![0u8; 256], vec![0u8; 256]], [vec![0u8; 256], vec![0u8; 256]]);
+            let (a, b) = (small_engine(hub, c"a", &mut ma), small_engine(hub, c"b", &mut mb));
+            assert_ne!(locks_first(a, b), locks_first(b, a), "one order for both calls");
+            let fake = 0x1234usize as *mut kvpush_engine;
+            assert!(locks_first(fake, a) && !locks_first(a, fake));
+            assert!(locks_first(std::ptr::null(), b));
+            // Opposite connects racing with both destroys: all of them return.
+            let (ha, hb) = (a as usize, b as usize);
+            let (tx, rx) = std::sync::mpsc::channel();
+            let calls: Vec<_> = [(ha, hb), (hb, ha)]
+                .into_iter()
+                .map(|(x, y)| {
+                    let tx = tx.clone();
+                    std::thread::spawn(move || {
+                        for _ in 0..20 {
+                            // SAFETY: any handle values are allowed (dead ones are errors).
+                            let _ = unsafe { kvpush_engine_connect(x as *mut _, y as *mut _) };
+                        }
+                        let _ = tx.send(());
+                    })
+                })
+                .collect();
+            let destroys: Vec<_> = [ha, hb]
+                .into_iter()
+                .map(|h| {
+                    let tx = tx.clone();
+                    std::thread::spawn(move || {
+                        // SAFETY: as above.
+                        let _ = unsafe { kvpush_engine_destroy(h as *mut _) };
+                        let _ = tx.send(());
+                    })
+                })
+                .collect();
+            for _ in 0..4 {
+                rx.recv_timeout(std::time::Duration::from_secs(30)).expect("a connect or destroy never returned");
+            }
+            for t in calls.into_iter().chain(destroys) {
+                let _ = t.join();
+            }
+        }
+        // SAFETY: `hub` is live.
+        assert_eq!(unsafe { kvpush_hub_destroy(hub) }, status::OK);
     }
 
     #[test]
