@@ -203,6 +203,7 @@ typedef struct kvpush_failures {
   uint64_t unknown_peer;  /* frames or transfers concerning unknown peers */
   uint64_t link;          /* control-link sends that failed */
   uint64_t writer_panic;  /* writer threads that panicked (their requests were failed) */
+  uint64_t shutdown_unfenced; /* posted transfers still pending when destroy's fence gave up */
 } kvpush_failures;
 
 /* Percentiles of a latency histogram, in microseconds. */

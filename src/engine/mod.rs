@@ -759,8 +759,12 @@ impl Engine {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+        // The writers ended (or gave up on, counted and logged) every transfer they posted; now the
+        // memory leaves the transport, so nothing new can reach it.
         for r in &self.shared.regions {
-            let _ = self.shared.transport.deregister(r);
+            if let Err(e) = self.shared.transport.deregister(r) {
+                tracing::error!(worker = %self.shared.me, region = ?r, error = %e, "cannot deregister KV memory at shutdown");
+            }
         }
     }
 }

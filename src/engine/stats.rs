@@ -90,6 +90,9 @@ pub struct Failures {
     pub link: u64,
     /// Writer threads that panicked (each failed its shard's requests and refuses new ones).
     pub writer_panic: u64,
+    /// Transfers this engine posted that had not ended when its shutdown fence gave up (their
+    /// memory may still be touched after `stop`; logged with the peer and request).
+    pub shutdown_unfenced: u64,
 }
 
 /// Everything the writers record.
@@ -197,7 +200,8 @@ impl Stats {
             malformed,
             unknown_peer,
             link,
-            writer_panic
+            writer_panic,
+            shutdown_unfenced
         );
         self.wait_registration_first.add(&other.wait_registration_first);
         self.wait_blocks_first.add(&other.wait_blocks_first);

@@ -34,6 +34,8 @@ const LINGER: Duration = Duration::from_millis(2);
 const LINGER_TICK: Duration = Duration::from_micros(100);
 /// Longest polling interval while only waiting for a peer's notification (a polled transport).
 const POLL_WAITING_MAX: Duration = Duration::from_micros(200);
+/// How long shutdown waits for the transfers a writer posted to end ([`Writer::fence`]).
+const SHUTDOWN_FENCE: Duration = Duration::from_secs(5);
 /// How long after its last progress a writer with transfers in flight polls back to back. A transfer
 /// that has not finished by then is waiting on something else (a peer that is not scheduled, a slow
 /// link): the writer then polls at growing intervals, sleeping between polls, so a stalled transfer
@@ -182,6 +184,7 @@ impl Writer {
             let mut budget = 4096;
             while let Some(cmd) = next {
                 if matches!(cmd, Cmd::Stop) {
+                    self.fence();
                     return;
                 }
                 progressed |= !matches!(cmd, Cmd::Wake);
@@ -275,7 +278,10 @@ impl Writer {
             commands.extend(self.rx.try_iter());
             for cmd in commands.drain(..) {
                 match cmd {
-                    Cmd::Stop => return,
+                    Cmd::Stop => {
+                        self.fence();
+                        return;
+                    }
                     Cmd::BlocksReady { key, .. } => owed.push(Finished::Sent { key, reason: ReleaseReason::Failed }),
                     Cmd::Register { key, block_ids: invalid_blocks, .. }
                     | Cmd::Pull { key, local_blocks: invalid_blocks, .. } => {
@@ -291,6 +297,39 @@ impl Writer {
                 }
             }
         }
+    }
+
+    /// Shutdown: ends every transfer this writer posted before the engine deregisters its memory
+    /// (the caller may free it once `stop` returns). Each is cancelled where the transport can cut
+    /// it short, then polled until it reports its end, for at most [`SHUTDOWN_FENCE`]; one still
+    /// pending then is counted (`failures.shutdown_unfenced`) and logged with its request and peer.
+    fn fence(&mut self) {
+        if self.inflight.is_empty() {
+            return;
+        }
+        for id in self.inflight.keys() {
+            self.shared.transport.cancel(*id);
+        }
+        let deadline = StdInstant::now() + SHUTDOWN_FENCE;
+        while !self.inflight.is_empty() && StdInstant::now() < deadline {
+            let ids: Vec<XferId> = self.inflight.keys().copied().collect();
+            for id in ids {
+                if !matches!(self.shared.transport.poll(id), Ok(XferState::Pending)) {
+                    self.inflight.remove(&id);
+                }
+            }
+            // A staged transfer moves (and ends) only while its transport is pumped.
+            self.notifs.clear();
+            let _ = self.shared.transport.take_notifications(&mut self.notifs);
+            if !self.inflight.is_empty() {
+                std::thread::sleep(POLL_MIN);
+            }
+        }
+        for f in self.inflight.values() {
+            tracing::error!(worker = %self.shared.me, key = %f.key, peer = %f.peer, "transfer still in flight at shutdown: its memory may be touched after stop");
+        }
+        let left = self.inflight.len() as u64;
+        self.stats().failures.shutdown_unfenced += left;
     }
 
     /// Producer: tells every consumer worker that registered `key` that it will not arrive.

@@ -143,3 +143,29 @@ fn a_pull_reads_only_the_blocks_the_producer_pinned() {
     assert!(v.ok(), "received but wrong: {v:?}");
     wait_for(&p.engine, "sent", LIMIT, |f| matches!(f, Finished::Sent { key, .. } if *key == good));
 }
+
+/// Issue 16, window 9: an engine's shutdown ends the transfers it posted before it returns, so the
+/// caller may free its memory then. P's WRITE is held 1.5 s in the transport when P's engine is
+/// dropped: the drop waits for it, and once it returns no transfer of P's is open. (Before the fix
+/// the drop returned at once with the WRITE still reading P's memory.)
+#[test]
+fn shutdown_ends_the_transfers_it_posted() {
+    let mut c = Cluster::new(Setup::new(Mode::Push, 1, 1));
+    let key = Key::new(0x5d0_0001, 1);
+    let blocks = vec![vec![3, 4]];
+    let tokens = 2 * u64::from(BLOCK_TOKENS);
+    c.d[0].engine.blocks_allocated(key, P_ENGINE, blocks.clone(), tokens).expect("registers");
+    let p = c.p.remove(0);
+    poll_until("P sees the registration", LIMIT, || p.engine.stats().counters.registrations, |n| *n == 1);
+    let hold = Duration::from_millis(1500);
+    p.transport.inject_once(Fault::Delay(hold));
+    p.engine.request_finished(key, blocks, tokens).expect("finished");
+    poll_until("P posts its WRITE", LIMIT, || p.engine.stats().counters.posts, |n| *n == 1);
+    assert_eq!(p.transport.open_transfers(), 1, "the WRITE is in flight");
+    let started = std::time::Instant::now();
+    let kvpush_testkit::engines::Worker { engine, transport, buffers } = p;
+    drop(engine);
+    assert_eq!(transport.open_transfers(), 0, "shutdown returned with a transfer still open");
+    assert!(started.elapsed() < hold + Duration::from_secs(3), "shutdown waited past the transfer's end");
+    drop(buffers);
+}
