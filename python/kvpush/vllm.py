@@ -11,8 +11,9 @@ workers in the step's metadata — blocks ready on P, registrations (push) or re
 and frees blocks when the workers report outcomes. The worker half hands those lists to the native
 engine (``kvpush._native.Worker``: rendezvous, leases, planning, descriptor merging, NIXL posts and
 completion counting all happen there, on Rust writer threads) and turns its outcomes into vLLM's finished
-sets and invalid-block reports. Requests are matched across P and D by the router's ``transfer_id`` and
-``attempt``.
+sets and invalid-block reports. Requests are matched across P and D by the router's ``transfer_id`` (any
+string; without one, P's request id, which P hands back to D) and ``attempt``: kvpush/_transfer.py reads
+``kv_transfer_params`` without ever raising and maps each id to the engine's 32-hex key.
 docs/vllm.md documents every ``kv_connector_extra_config`` key.
 """
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -41,6 +41,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.logger import init_logger
 
 from kvpush._outcomes import OutcomeMatcher
+from kvpush._transfer import (
+    Producer,
+    Refused,
+    Transfer,
+    consumer_transfer,
+    is_consumer,
+    is_producer,
+    producer_transfer,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -69,9 +78,6 @@ DEFAULTS: dict[str, Any] = {
     "device": None,
     "staging": "auto",
 }
-
-_HEX32 = re.compile(r"^[0-9a-f]{32}$")
-
 
 @dataclass
 class KVPushConfig:
@@ -130,7 +136,8 @@ class KVPushConfig:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Scheduler → worker metadata.
+# Scheduler → worker metadata. ``transfer_id`` here is always the engine's key (``_transfer.transfer_key``:
+# 32 hex digits), which is also what the engine's outcomes name.
 
 
 @dataclass
@@ -176,16 +183,6 @@ class KVPushMetadata(KVConnectorMetadata):
     aborts: list[Abort] = field(default_factory=list)
 
 
-def _transfer(params: dict[str, Any] | None) -> tuple[str, int] | None:
-    """The router's transfer id and attempt in ``kv_transfer_params``, if any."""
-    if not params or "transfer_id" not in params:
-        return None
-    tid = str(params["transfer_id"]).lower()
-    if not _HEX32.match(tid):
-        raise ValueError(f"kvpush: transfer_id {tid!r} is not 32 hex digits (is kvpush router in front?)")
-    return tid, int(params.get("attempt", 1))
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -218,46 +215,56 @@ class _Scheduler:
         blocks = _cdiv(len(request.prompt_token_ids or ()), self.block_size)
         return blocks * self.block_size, blocks
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def _consumer(self, request: Request) -> tuple[Transfer, Producer] | None:
+        """D: the transfer and producer of a request that asks for remote KV, or None. Params that
+        cannot be used are warned about once and dropped: the request is prefilled here."""
         params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill") and _transfer(params):
+        if not is_consumer(params):
+            return None
+        parsed = consumer_transfer(params, self.cfg.mode)
+        if isinstance(parsed, Refused):
+            logger.warning(
+                "kvpush: request %s: kv_transfer_params unusable (%s); prefilling it locally",
+                request.request_id,
+                parsed.reason,
+            )
+            params["do_remote_prefill"] = False
+            return None
+        return parsed
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if self._consumer(request) is not None:
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
                 return count, True
         return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or num_external_tokens <= 0:
+        if num_external_tokens <= 0:
             return
-        transfer = _transfer(params)
-        if transfer is None:
+        parsed = self._consumer(request)
+        if parsed is None:
             return
-        tid, attempt = transfer
+        transfer, producer = parsed
         num_tokens, needed = self._whole_blocks(request)
         local = [list(g)[:needed] for g in blocks.get_unhashed_block_ids_all_groups()]
-        remote = None
-        if self.cfg.mode == "pull":
-            remote = [list(g) for g in (params.get("remote_block_ids") or ())]
-            if not remote:
-                raise ValueError(f"kvpush pull: request {request.request_id} has no remote_block_ids")
         self.meta.receives.append(
             Receive(
                 req_id=request.request_id,
-                transfer_id=tid,
-                attempt=attempt,
-                producer=str(params["remote_engine_id"]),
-                host=str(params["remote_host"]),
-                port=int(params["remote_port"]),
-                producer_tp=int(params.get("tp_size", 1)),
+                transfer_id=transfer.key,
+                attempt=transfer.attempt,
+                producer=producer.engine_id,
+                host=producer.host,
+                port=producer.port,
+                producer_tp=producer.tp_size,
                 block_ids=local,
                 num_tokens=num_tokens,
-                remote_block_ids=remote,
+                remote_block_ids=producer.remote_block_ids,
             )
         )
-        self.receiving[request.request_id] = transfer
+        self.receiving[request.request_id] = (transfer.key, transfer.attempt)
         # Registered once: a re-entry (preemption, reschedule) must not register again.
-        params["do_remote_prefill"] = False
+        request.kv_transfer_params["do_remote_prefill"] = False
 
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
@@ -270,12 +277,14 @@ class _Scheduler:
             tid, attempt = self.receiving[rid]
             self.meta.aborts.append(Abort(rid, tid, attempt))
             return True, None
-        if not params or not params.get("do_remote_decode"):
+        if not is_producer(params):
             return False, None
-        transfer = _transfer(params)
-        if transfer is None:
+        transfer = producer_transfer(params, rid)
+        if isinstance(transfer, Refused):
+            # Nothing can name this transfer to D: its blocks are freed now, D recomputes or fails.
+            logger.warning("kvpush: request %s: kv_transfer_params unusable (%s); not sent", rid, transfer.reason)
             return False, None
-        tid, attempt = transfer
+        tid, attempt = transfer.key, transfer.attempt
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             # P: aborted before its KV was complete; D is told and fails or recomputes at once.
             self.meta.aborts.append(Abort(rid, tid, attempt))
@@ -285,11 +294,15 @@ class _Scheduler:
         if not any(groups):
             return False, None
         self.meta.finished.append(Finished(rid, tid, attempt, groups, num_tokens))
-        self.sending[rid] = transfer
+        self.sending[rid] = (tid, attempt)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "transfer_id": tid,
+            # D maps the id to the same key. vLLM's push proxy relays only remote_request_id (in vLLM's
+            # convention P's request id, which is the transfer id here unless a router named one), so
+            # both carry the transfer id.
+            "transfer_id": transfer.transfer_id,
+            "remote_request_id": transfer.transfer_id,
             "attempt": attempt,
             "remote_engine_id": self.engine_id,
             "remote_host": self.cfg.side_channel_host,
