@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.logger import init_logger
 
+from kvpush._layouts import describe_kv_caches, expand_block_ids
 from kvpush._outcomes import OutcomeMatcher
 from kvpush._transfer import (
     Producer,
@@ -365,96 +366,23 @@ def _load_nixl() -> str | None:
         return None
 
 
-_TORCH_DTYPES = {
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float32: "float32",
-    torch.uint8: "uint8",
-}
-for _name, _code in (("float8_e4m3fn", "float8_e4m3fn"), ("float8_e5m2", "float8_e5m2")):
-    if hasattr(torch, _name):
-        _TORCH_DTYPES[getattr(torch, _name)] = _code
-
-
-def describe_kv_caches(
-    kv_caches: dict[str, torch.Tensor],
-    layer_groups: list[tuple[list[str], int]],
-    *,
-    total_layers: int,
-    total_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    layer_index: Any,
-) -> dict[str, Any]:
-    """The engine's layout keys for vLLM's per-layer KV cache tensors.
-
-    Recognised shapes (per layer): ``[num_blocks, heads, block_size, 2 * head_dim]`` (vLLM's CPU
-    backend: each head holds its K tokens then its V tokens: placement ``head_joint``), ``[2,
-    num_blocks, block_size, heads, head_dim]`` (K and V regions, NHD) and ``[2, num_blocks, heads,
-    block_size, head_dim]`` (K and V regions, HND). ``layer_groups`` is each KV cache group's layer
-    names with its sliding window in tokens (0: full attention).
-    """
-    names = sorted(kv_caches, key=layer_index)
-    first = kv_caches[names[0]]
-    dtype = _TORCH_DTYPES.get(first.dtype)
-    if dtype is None:
-        raise ValueError(f"kvpush: KV cache dtype {first.dtype} is not supported")
-    es = first.element_size()
-    shape = tuple(first.shape)
-    bases: list[int] = []
-    lens: list[int] = []
-    if len(shape) == 4 and shape[2] == block_size and shape[3] == 2 * head_dim:
-        placement, order = "head_joint", "hnd"
-        num_blocks, heads = shape[0], shape[1]
-        stride = first.stride(0) * es
-        for n in names:
-            t = kv_caches[n]
-            bases.append(t.data_ptr())
-            lens.append(t.shape[0] * t.stride(0) * es)
-    elif len(shape) == 5 and shape[0] == 2 and shape[4] == head_dim and block_size in (shape[2], shape[3]):
-        placement = "separate"
-        num_blocks = shape[1]
-        order, heads = ("nhd", shape[3]) if shape[2] == block_size else ("hnd", shape[2])
-        stride = first.stride(1) * es
-        for n in names:
-            t = kv_caches[n]
-            for part in (t[0], t[1]):
-                bases.append(part.data_ptr())
-                lens.append(part.shape[0] * part.stride(0) * es)
-    else:
-        raise ValueError(
-            f"kvpush: KV cache layout {shape} (block size {block_size}, head dim {head_dim}) is not one it knows"
-        )
-    groups = []
-    for layer_names, window in layer_groups:
-        layers = sorted({int(layer_index(n)) for n in layer_names if n in kv_caches})
-        if layers:
-            groups.append((layers, int(window)))
-    return {
-        "total_layers": total_layers,
-        "kv_heads": total_kv_heads,
-        "head_dim": head_dim,
-        "dtype": dtype,
-        "block_tokens": block_size,
-        "num_blocks": int(num_blocks),
-        "order": order,
-        "placement": placement,
-        "block_stride": int(stride),
-        "region_bases": bases,
-        "region_lens": lens,
-        "groups": groups,
-        "_local_heads": int(heads),
-        # The GPU this rank's KV cache is on (each TP rank has its own): the engine opens that one.
-        "_device": f"cuda:{first.device.index}" if first.is_cuda else "host",
-    }
-
-
 def _device_spec(configured: str | None, from_tensors: str) -> str:
     """The device the engine opens: the configured one, except that ``auto``/``cuda`` (or nothing) on a
     rank whose KV cache is on a GPU becomes that GPU (``cuda:<index>``): TP ranks each have their own."""
     if configured is None or (configured.strip().lower() in ("auto", "cuda") and from_tensors.startswith("cuda:")):
         return from_tensors
     return configured
+
+
+def _backend_name(vllm_config: VllmConfig) -> str | None:
+    """The attention backends' names (``get_name()``), comma-joined, or None when vLLM cannot say."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        return ",".join(sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})) or None
+    except Exception as e:  # an older vLLM without the helper: the tensors' device decides
+        logger.debug("kvpush: attention backend unknown: %s", e)
+        return None
 
 
 class _Worker:
@@ -468,6 +396,8 @@ class _Worker:
         assert ktc is not None
         self.engine_id = str(ktc.engine_id)
         self.native: Any = None
+        # Kernel blocks per vLLM block (describe_kv_caches): block ids are expanded before the engine.
+        self.blocks_per_block = 1
         # Which request each outcome ends; role "p" or "d".
         self.outcomes = OutcomeMatcher()
         self.load_errors: set[int] = set()
@@ -488,17 +418,30 @@ class _Worker:
         for g in self.kv_cache_config.kv_cache_groups:
             window = getattr(g.kv_cache_spec, "sliding_window", None) or 0
             groups.append((list(g.layer_names), int(window)))
+        total_heads, tp = int(mc.get_total_num_kv_heads()), int(pc.tensor_parallel_size)
         layout = describe_kv_caches(
             kv_caches,
             groups,
             total_layers=int(mc.hf_config.num_hidden_layers),
-            total_kv_heads=int(mc.get_total_num_kv_heads()),
+            total_kv_heads=total_heads,
             head_dim=int(mc.get_head_size()),
             block_size=int(self.vllm_config.cache_config.block_size),
             layer_index=extract_layer_index,
+            backend=_backend_name(self.vllm_config),
+            mla=bool(getattr(mc, "use_mla", False)),
+            num_blocks=int(self.kv_cache_config.num_blocks),
+            local_kv_heads=max(total_heads // tp, 1),
         )
         device = layout.pop("_device")
         layout.pop("_local_heads")
+        self.blocks_per_block = layout.pop("_blocks_per_block")
+        if self.blocks_per_block > 1 and self.cfg.mode == "pull":
+            # D would read P's kernel blocks by P's vLLM block ids, and nothing tells D P's ratio.
+            raise ValueError(
+                f"kvpush: pull mode needs kernel blocks of the whole block size ({layout['block_tokens']}-token "
+                f"kernel blocks in {self.vllm_config.cache_config.block_size}-token blocks here); use push "
+                f"mode or --block-size {layout['block_tokens']}"
+            )
         config = dict(layout)
         config.update(
             engine_id=self.engine_id,
@@ -548,7 +491,8 @@ class _Worker:
         for f in meta.finished:
             self.outcomes.expect(f.transfer_id, f.attempt, f.req_id, "p")
             try:
-                n.request_finished(f.transfer_id, f.attempt, f.block_ids, f.num_tokens)
+                blocks = expand_block_ids(f.block_ids, self.blocks_per_block)
+                n.request_finished(f.transfer_id, f.attempt, blocks, f.num_tokens)
             except Exception as e:
                 logger.error("kvpush: request %s (transfer %s) not sent: %s", f.req_id, f.transfer_id, e)
                 self._pending_sent.add(f.req_id)
@@ -556,8 +500,9 @@ class _Worker:
             self.outcomes.expect(r.transfer_id, r.attempt, r.req_id, "d")
             try:
                 if r.remote_block_ids is None:
+                    blocks = expand_block_ids(r.block_ids, self.blocks_per_block)
                     n.blocks_allocated(
-                        r.transfer_id, r.attempt, r.producer, r.host, r.port, r.producer_tp, r.block_ids, r.num_tokens
+                        r.transfer_id, r.attempt, r.producer, r.host, r.port, r.producer_tp, blocks, r.num_tokens
                     )
                 else:
                     n.start_pull(
@@ -603,7 +548,8 @@ class _Worker:
                     self.stats.record("requests_received", 1)
                 elif kind == "failed":
                     self.stats.record("requests_failed", 1)
-                    self.load_errors.update(b for g in invalid for b in g)
+                    # The engine names kernel blocks; vLLM wants its own block ids.
+                    self.load_errors.update(b // self.blocks_per_block for g in invalid for b in g)
                     logger.warning("kvpush: request %s (transfer %s) failed: %s", rid, tid, message)
         return sending, recving
 
@@ -675,6 +621,15 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = _Scheduler(vllm_config, kv_cache_config, self.cfg)
         else:
             self._worker = _Worker(vllm_config, kv_cache_config, self.cfg)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # Head-major pages (vLLM's LBHNC, as its NIXL connector asks): each head's tokens are one run,
+        # so a transfer between different TP sizes moves whole runs. MLA has one head: no preference.
+        model = getattr(vllm_config, "model_config", None)
+        if model is None or getattr(model, "use_mla", False):
+            return None
+        return "LBHNC"
 
     # ---- scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

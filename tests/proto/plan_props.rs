@@ -102,11 +102,15 @@ fn element_addr(l: &KvLayout, layer: u32, part: u32, block: u32, tok: u64, head:
         KvPlacement::Separate => (2, u64::from(part), 0),
         KvPlacement::Joint => (1, 0, u64::from(part) * part_bytes),
         KvPlacement::Single | KvPlacement::HeadJoint => (1, 0, 0),
+        KvPlacement::CellJoint => (1, 0, u64::from(part) * elem),
     };
     let region = (local_layer * regions_per_layer + region_in_layer) as usize;
     let within = match (l.order, l.placement) {
         // [heads, {K, V}, tokens, head_dim]
         (BlockOrder::Hnd, KvPlacement::HeadJoint) => ((head * 2 + u64::from(part)) * bt + tok) * elem,
+        // [heads, tokens, {K, V}, head_dim] and [tokens, heads, {K, V}, head_dim]
+        (BlockOrder::Hnd, KvPlacement::CellJoint) => (head * bt + tok) * 2 * elem,
+        (BlockOrder::Nhd, KvPlacement::CellJoint) => (tok * local_heads + head) * 2 * elem,
         (BlockOrder::Hnd, _) => (head * bt + tok) * elem,
         (BlockOrder::Nhd, _) => (tok * local_heads + head) * elem,
     };
@@ -515,12 +519,15 @@ fn engine_layouts(
     p: &SideParams,
     order: BlockOrder,
     num_blocks: u32,
+    cells: bool,
     rng: &mut Rng,
 ) -> Result<Vec<KvLayout>, TestCaseError> {
     let tp_size = 1u16 << p.tp_log;
     let pp_size = p.pp.min(model.total_layers as u16);
     let placement = match (model.kind, p.joint, order) {
         (KvKind::Latent, ..) => KvPlacement::Single,
+        // K‖V cells pair only with K‖V cells: both sides or neither (the case's choice).
+        (KvKind::KeyValue, ..) if cells => KvPlacement::CellJoint,
         (KvKind::KeyValue, 0, _) => KvPlacement::Separate,
         (KvKind::KeyValue, 2, BlockOrder::Hnd) => KvPlacement::HeadJoint,
         (KvKind::KeyValue, ..) => KvPlacement::Joint,
@@ -656,8 +663,10 @@ fn build(c: &Case) -> Result<Scenario, TestCaseError> {
         (true, BlockOrder::Hnd) => BlockOrder::Nhd,
         (true, BlockOrder::Nhd) => BlockOrder::Hnd,
     };
-    let src = engine_layouts(&model, &c.src, src_order, src_num_blocks, &mut rng)?;
-    let dst = engine_layouts(&model, &c.dst, dst_order, dst_num_blocks, &mut rng)?;
+    // One case in five keeps K and V side by side in each cell on both sides.
+    let cells = c.seed.is_multiple_of(5);
+    let src = engine_layouts(&model, &c.src, src_order, src_num_blocks, cells, &mut rng)?;
+    let dst = engine_layouts(&model, &c.dst, dst_order, dst_num_blocks, cells, &mut rng)?;
     let ascending = src_blocks.iter().chain(&dst_blocks).all(|l| l.windows(2).all(|w| w[0] < w[1]));
     Ok(Scenario { model, src, dst, src_blocks, dst_blocks, num_tokens: n, short, ascending })
 }
