@@ -84,6 +84,19 @@ pub enum PlanError {
         /// Destination placement.
         dst: KvPlacement,
     },
+    /// One side packs the tokens of a block by its block size ([`KvPlacement::HeadJoint`]: vLLM's
+    /// CPU backend lays tokens out per ISA), and the block sizes differ: a token's bytes in one
+    /// block size are not at its place in the other.
+    #[error(
+        "{src_tokens}-token and {dst_tokens}-token blocks cannot be mapped: HeadJoint blocks (vLLM's CPU backend) \
+         pack their tokens by block size; give both sides the same block size"
+    )]
+    PackedBlockSizes {
+        /// Source block size in tokens.
+        src_tokens: u32,
+        /// Destination block size in tokens.
+        dst_tokens: u32,
+    },
     /// The destination wants tokens the source's list does not cover.
     #[error("group {group}: destination needs tokens from {needed} but source blocks start at token {held}")]
     MissingSource {
@@ -310,6 +323,10 @@ impl Planner {
         let cells = (src.placement == KvPlacement::CellJoint, dst.placement == KvPlacement::CellJoint);
         if cells.0 != cells.1 {
             return Err(PlanError::PlacementMix { src: src.placement, dst: dst.placement });
+        }
+        let packed = src.placement == KvPlacement::HeadJoint || dst.placement == KvPlacement::HeadJoint;
+        if packed && src.block_tokens != dst.block_tokens {
+            return Err(PlanError::PackedBlockSizes { src_tokens: src.block_tokens, dst_tokens: dst.block_tokens });
         }
         // Parts the planner moves per block: a CellJoint cell is one (see `Geo::of`).
         let parts = if cells.0 { 1 } else { src.parts() };
@@ -803,6 +820,27 @@ mod tests {
             (out[1].src_addr, out[1].dst_addr, out[1].len),
             ((1 << 30) + 2 * s.block_stride + (2 + 1) * cell, (1 << 34) + 5 * d.block_stride + cell, cell)
         );
+    }
+
+    #[test]
+    fn head_joint_blocks_of_different_sizes_are_refused() {
+        let m = model(1, 2, full(1));
+        for placements in
+            [(KvPlacement::HeadJoint, KvPlacement::HeadJoint), (KvPlacement::Separate, KvPlacement::HeadJoint)]
+        {
+            let (s, d) = single_rank(&m, (16, 32), BlockOrder::Hnd, placements);
+            let input =
+                PlanInput { src: &s, dst: &d, src_blocks: &[vec![1, 2]], dst_blocks: &[vec![0]], num_tokens: 32 };
+            let mut out = Vec::new();
+            assert_eq!(
+                Planner::new().plan(&input, &mut out),
+                Err(PlanError::PackedBlockSizes { src_tokens: 16, dst_tokens: 32 })
+            );
+        }
+        // Same block sizes: whole blocks map byte for byte.
+        let (s, d) = single_rank(&m, (16, 16), BlockOrder::Hnd, (KvPlacement::HeadJoint, KvPlacement::HeadJoint));
+        let input = PlanInput { src: &s, dst: &d, src_blocks: &[vec![1]], dst_blocks: &[vec![0]], num_tokens: 16 };
+        assert!(Planner::new().plan(&input, &mut Vec::new()).is_ok());
     }
 
     #[test]

@@ -315,6 +315,18 @@ def wait_idle(server: VllmServer, timeout_s: float = 60.0) -> tuple[float, float
         time.sleep(0.5)
 
 
+def check_transfer_counted(d: VllmServer, before: dict[str, float], lengths: Sequence[int]) -> dict[str, float]:
+    """Asserts that D took the prompts of ``lengths`` (one request each, since ``before`` =
+    ``d.prompt_tokens_by_source()``) from the connector: at most the last prompt token of a request
+    computed on D, the rest counted as ``external_kv_transfer``. Returns the per-source difference."""
+    after = d.prompt_tokens_by_source()
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    print(f"  D's prompt tokens by source: {delta}")
+    assert delta.get("local_compute", 0) <= len(lengths), delta
+    assert delta.get("external_kv_transfer", 0) >= sum(lengths) - len(lengths), delta
+    return delta
+
+
 # kvpush's side channel authenticates peers with a shared secret (docs/security.md): every server of
 # a test session gets the same one, made for the session, unless the caller set $KVPUSH_SECRET.
 RUN_SECRET = os.environ.get("KVPUSH_SECRET") or secrets.token_hex(32)

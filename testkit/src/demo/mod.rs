@@ -66,6 +66,9 @@ pub struct Topology {
     pub staging_slot_bytes: u64,
     /// How the block pools hand out ids.
     pub allocator: AllocatorFlag,
+    /// Each side hands its engine the request's tokens rounded up to its own whole blocks (what the
+    /// vLLM connector does), rather than the exact count.
+    pub whole_blocks: bool,
 }
 
 /// `--staging`: whether the engines stage fragmented WRITEs ([`Staging`]).
@@ -134,7 +137,18 @@ impl Default for Topology {
             staging_slots: 0,
             staging_slot_bytes: 0,
             allocator: AllocatorFlag::Runs,
+            whole_blocks: false,
         }
+    }
+}
+
+/// The token count one side hands its engine for a request of `tokens` tokens (see
+/// [`Topology::whole_blocks`]).
+fn side_tokens(t: &Topology, tokens: u64, block: u32) -> u64 {
+    if t.whole_blocks {
+        blocks_for(tokens, block) * u64::from(block)
+    } else {
+        tokens
     }
 }
 
@@ -709,7 +723,7 @@ fn run_mode(
                     let lists: Vec<Vec<Vec<u32>>> = p.iter().map(|_| r.p_blocks.clone()).collect();
                     let t0 = Instant::now();
                     for (wk, ids) in p.iter().zip(lists) {
-                        wk.engine.request_finished(r.key, ids, r.tokens)?;
+                        wk.engine.request_finished(r.key, ids, side_tokens(t, r.tokens, t.p_block))?;
                     }
                     r.engine_ns += t0.elapsed().as_nanos() as u64;
                     r.ready_at = Some(t0);
@@ -730,10 +744,11 @@ fn run_mode(
                     let lists: Vec<(BlockLists, BlockLists)> =
                         d.iter().map(|_| (d_blocks.clone(), r.p_blocks.clone())).collect();
                     let t0 = Instant::now();
+                    let dt = side_tokens(t, r.tokens, t.d_block);
                     for (wk, (local, remote)) in d.iter().zip(lists) {
                         match mode {
-                            Mode::Push => wk.engine.blocks_allocated(r.key, "prefill", local, r.tokens)?,
-                            Mode::Pull => wk.engine.start_pull(r.key, "prefill", remote, local, r.tokens)?,
+                            Mode::Push => wk.engine.blocks_allocated(r.key, "prefill", local, dt)?,
+                            Mode::Pull => wk.engine.start_pull(r.key, "prefill", remote, local, dt)?,
                         }
                     }
                     r.engine_ns += t0.elapsed().as_nanos() as u64;

@@ -252,6 +252,7 @@ impl WorkerSpec {
             staging_slots: self.staging_slots,
             staging_slot_bytes: self.staging_slot_kib << 10,
             allocator: self.allocator,
+            whole_blocks: false,
         }
     }
 
