@@ -63,6 +63,9 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+# kv_transfer_config.kv_buffer_device values the connector knows (docs/vllm.md).
+KV_BUFFER_DEVICES = ("cuda", "cpu")
+
 # Extra-config keys and their defaults (docs/vllm.md explains each).
 DEFAULTS: dict[str, Any] = {
     "mode": "push",
@@ -97,6 +100,8 @@ class KVPushConfig:
     insecure: bool
     device: str | None
     staging: str
+    # vLLM's kv_transfer_config.kv_buffer_device: where the KV the connector moves lives.
+    kv_buffer_device: str = "cpu"
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> KVPushConfig:
@@ -119,6 +124,11 @@ class KVPushConfig:
             values["secret"] = os.environ.get("KVPUSH_SECRET")
         if not isinstance(values["insecure"], bool):
             raise ValueError(f"kvpush: insecure must be true or false, got {values['insecure']!r}")
+        buffer = str(getattr(ktc, "kv_buffer_device", None) or "").strip().lower()
+        if buffer not in KV_BUFFER_DEVICES:
+            raise ValueError(
+                f"kvpush: kv_buffer_device {buffer!r} is not one it knows; known: {', '.join(KV_BUFFER_DEVICES)}"
+            )
         return cls(
             mode=values["mode"],
             side_channel_host=str(values["side_channel_host"]),
@@ -133,6 +143,7 @@ class KVPushConfig:
             insecure=values["insecure"],
             device=values["device"],
             staging=str(values["staging"]).lower(),
+            kv_buffer_device=buffer,
         )
 
 
@@ -366,6 +377,25 @@ def _load_nixl() -> str | None:
         return None
 
 
+def _check_buffer_device(kv_buffer_device: str, from_tensors: str) -> None:
+    """Refuses a ``kv_buffer_device`` the KV cache tensors do not live on: ``cuda`` is the GPU memory
+    the cache is in (registered as device memory), ``cpu`` host memory (vLLM's CPU build). A GPU cache
+    moved through host buffers (vLLM's host-buffer contract, for hosts without GPUDirect) is not
+    implemented: refused at start-up rather than read as host memory."""
+    on_gpu = from_tensors.startswith("cuda")
+    if kv_buffer_device == "cuda" and not on_gpu:
+        raise ValueError(
+            "kvpush: kv_buffer_device is 'cuda' but the KV cache is in host memory (vLLM's CPU build?): "
+            "set kv_buffer_device to 'cpu'"
+        )
+    if kv_buffer_device == "cpu" and on_gpu:
+        raise ValueError(
+            f"kvpush: kv_buffer_device is 'cpu' but the KV cache is on {from_tensors}: staging it through "
+            "host buffers is not supported; set kv_buffer_device to 'cuda' (NIXL reads and writes GPU "
+            "memory directly)"
+        )
+
+
 def _device_spec(configured: str | None, from_tensors: str) -> str:
     """The device the engine opens: the configured one, except that ``auto``/``cuda`` (or nothing) on a
     rank whose KV cache is on a GPU becomes that GPU (``cuda:<index>``): TP ranks each have their own."""
@@ -433,6 +463,7 @@ class _Worker:
             local_kv_heads=max(total_heads // tp, 1),
         )
         device = layout.pop("_device")
+        _check_buffer_device(self.cfg.kv_buffer_device, device)
         layout.pop("_local_heads")
         self.blocks_per_block = layout.pop("_blocks_per_block")
         if self.blocks_per_block > 1 and self.cfg.mode == "pull":
