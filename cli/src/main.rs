@@ -335,6 +335,7 @@ fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         staging_slots: a.staging_slots,
         staging_slot_bytes: a.staging_slot_kib << 10,
         allocator: a.allocator,
+        whole_blocks: false,
     };
     let work = Workload {
         requests: a.requests,

@@ -80,7 +80,8 @@ typedef enum kvpush_placement {
   KVPUSH_PLACEMENT_SEPARATE = 0, /* K and V in two regions per layer */
   KVPUSH_PLACEMENT_JOINT = 1,    /* one region per layer; each block holds K then V */
   KVPUSH_PLACEMENT_SINGLE = 2,   /* one region per layer, one part (latent only) */
-  KVPUSH_PLACEMENT_HEAD_JOINT = 3 /* one region per layer; each head holds K then V (HND only) */
+  KVPUSH_PLACEMENT_HEAD_JOINT = 3, /* one region per layer; each head holds K then V (HND only) */
+  KVPUSH_PLACEMENT_CELL_JOINT = 4 /* one region per layer; each (head, token) cell holds K then V */
 } kvpush_placement;
 
 typedef enum kvpush_outcome {

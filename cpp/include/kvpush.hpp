@@ -55,7 +55,7 @@ enum class Mode : std::uint32_t { Push = 0, Pull = 1 };
 enum class DType : std::uint32_t { F16 = 0, BF16 = 1, F32 = 2, F8E4M3 = 3, F8E5M2 = 4, U8 = 5 };
 enum class KvKind : std::uint32_t { KeyValue = 0, Latent = 1 };
 enum class BlockOrder : std::uint32_t { HND = 0, NHD = 1 };
-enum class Placement : std::uint32_t { Separate = 0, Joint = 1, Single = 2, HeadJoint = 3 };
+enum class Placement : std::uint32_t { Separate = 0, Joint = 1, Single = 2, HeadJoint = 3, CellJoint = 4 };
 
 // What a Completion reports: producer Sent; consumer Received, Failed or Ended.
 enum class Outcome : std::uint32_t { Sent = 0, Received = 1, Failed = 2, Ended = 3 };

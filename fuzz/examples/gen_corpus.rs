@@ -401,7 +401,7 @@ const PAYLOAD_FLIPS: &[(&str, usize, u8, &str, &str)] = &[
     ("handshake", 47, 1, "Malformed", "BlockOrder 2"),
     ("handshake", 48, 0, "Range Layout:StrideTooSmall", "placement Joint needs a stride of 2 parts, has 1"),
     ("handshake", 48, 1, "Range Layout:PlacementMismatch", "keys and values with placement Single"),
-    ("handshake", 48, 2, "Malformed", "KvPlacement 4"),
+    ("handshake", 48, 2, "Range Layout:StrideTooSmall", "placement CellJoint needs a stride of 2 parts, has 1"),
     ("handshake", 51, 6, "Range Layout:OutOfRange:num_blocks", "num_blocks 0"),
     ("handshake", 52, 1, "Range Layout:RankOutOfRange:tp", "tp_rank 3 of 2"),
     ("handshake", 53, 0, "Range Layout:HeadsNotDivisible", "2 KV heads over TP 3"),
@@ -807,7 +807,7 @@ fn handshakes(c: &mut Corpus) {
         (dtype_at + 1, 2, "kv_kind_2", "unknown KvKind 2"),
         (group_at, 2, "group_kind_2", "unknown GroupKind 2"),
         (order_at, 2, "order_2", "unknown BlockOrder 2"),
-        (order_at + 1, 4, "placement_4", "unknown KvPlacement 4"),
+        (order_at + 1, 5, "placement_5", "unknown KvPlacement 5"),
     ] {
         let mut b = p.clone();
         b[at] = value;

@@ -11,8 +11,9 @@ workers in the step's metadata — blocks ready on P, registrations (push) or re
 and frees blocks when the workers report outcomes. The worker half hands those lists to the native
 engine (``kvpush._native.Worker``: rendezvous, leases, planning, descriptor merging, NIXL posts and
 completion counting all happen there, on Rust writer threads) and turns its outcomes into vLLM's finished
-sets and invalid-block reports. Requests are matched across P and D by the router's ``transfer_id`` and
-``attempt``.
+sets and invalid-block reports. Requests are matched across P and D by the router's ``transfer_id`` (any
+string; without one, P's request id, which P hands back to D) and ``attempt``: kvpush/_transfer.py reads
+``kv_transfer_params`` without ever raising and maps each id to the engine's 32-hex key.
 docs/vllm.md documents every ``kv_connector_extra_config`` key.
 """
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -40,7 +40,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.logger import init_logger
 
+from kvpush._layouts import describe_kv_caches, expand_block_ids
 from kvpush._outcomes import OutcomeMatcher
+from kvpush._transfer import (
+    Producer,
+    Refused,
+    Transfer,
+    consumer_transfer,
+    is_consumer,
+    is_producer,
+    producer_transfer,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -52,6 +62,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
+
+# kv_transfer_config.kv_buffer_device values the connector knows (docs/vllm.md).
+KV_BUFFER_DEVICES = ("cuda", "cpu")
 
 # Extra-config keys and their defaults (docs/vllm.md explains each).
 DEFAULTS: dict[str, Any] = {
@@ -70,9 +83,6 @@ DEFAULTS: dict[str, Any] = {
     "staging": "auto",
 }
 
-_HEX32 = re.compile(r"^[0-9a-f]{32}$")
-
-
 @dataclass
 class KVPushConfig:
     """The connector's settings, from ``kv_connector_extra_config``."""
@@ -90,6 +100,8 @@ class KVPushConfig:
     insecure: bool
     device: str | None
     staging: str
+    # vLLM's kv_transfer_config.kv_buffer_device: where the KV the connector moves lives.
+    kv_buffer_device: str = "cpu"
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> KVPushConfig:
@@ -112,6 +124,11 @@ class KVPushConfig:
             values["secret"] = os.environ.get("KVPUSH_SECRET")
         if not isinstance(values["insecure"], bool):
             raise ValueError(f"kvpush: insecure must be true or false, got {values['insecure']!r}")
+        buffer = str(getattr(ktc, "kv_buffer_device", None) or "").strip().lower()
+        if buffer not in KV_BUFFER_DEVICES:
+            raise ValueError(
+                f"kvpush: kv_buffer_device {buffer!r} is not one it knows; known: {', '.join(KV_BUFFER_DEVICES)}"
+            )
         return cls(
             mode=values["mode"],
             side_channel_host=str(values["side_channel_host"]),
@@ -126,11 +143,13 @@ class KVPushConfig:
             insecure=values["insecure"],
             device=values["device"],
             staging=str(values["staging"]).lower(),
+            kv_buffer_device=buffer,
         )
 
 
 # ---------------------------------------------------------------------------------------------------
-# Scheduler → worker metadata.
+# Scheduler → worker metadata. ``transfer_id`` here is always the engine's key (``_transfer.transfer_key``:
+# 32 hex digits), which is also what the engine's outcomes name.
 
 
 @dataclass
@@ -176,16 +195,6 @@ class KVPushMetadata(KVConnectorMetadata):
     aborts: list[Abort] = field(default_factory=list)
 
 
-def _transfer(params: dict[str, Any] | None) -> tuple[str, int] | None:
-    """The router's transfer id and attempt in ``kv_transfer_params``, if any."""
-    if not params or "transfer_id" not in params:
-        return None
-    tid = str(params["transfer_id"]).lower()
-    if not _HEX32.match(tid):
-        raise ValueError(f"kvpush: transfer_id {tid!r} is not 32 hex digits (is kvpush router in front?)")
-    return tid, int(params.get("attempt", 1))
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -218,46 +227,56 @@ class _Scheduler:
         blocks = _cdiv(len(request.prompt_token_ids or ()), self.block_size)
         return blocks * self.block_size, blocks
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def _consumer(self, request: Request) -> tuple[Transfer, Producer] | None:
+        """D: the transfer and producer of a request that asks for remote KV, or None. Params that
+        cannot be used are warned about once and dropped: the request is prefilled here."""
         params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill") and _transfer(params):
+        if not is_consumer(params):
+            return None
+        parsed = consumer_transfer(params, self.cfg.mode)
+        if isinstance(parsed, Refused):
+            logger.warning(
+                "kvpush: request %s: kv_transfer_params unusable (%s); prefilling it locally",
+                request.request_id,
+                parsed.reason,
+            )
+            params["do_remote_prefill"] = False
+            return None
+        return parsed
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if self._consumer(request) is not None:
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
                 return count, True
         return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or num_external_tokens <= 0:
+        if num_external_tokens <= 0:
             return
-        transfer = _transfer(params)
-        if transfer is None:
+        parsed = self._consumer(request)
+        if parsed is None:
             return
-        tid, attempt = transfer
+        transfer, producer = parsed
         num_tokens, needed = self._whole_blocks(request)
         local = [list(g)[:needed] for g in blocks.get_unhashed_block_ids_all_groups()]
-        remote = None
-        if self.cfg.mode == "pull":
-            remote = [list(g) for g in (params.get("remote_block_ids") or ())]
-            if not remote:
-                raise ValueError(f"kvpush pull: request {request.request_id} has no remote_block_ids")
         self.meta.receives.append(
             Receive(
                 req_id=request.request_id,
-                transfer_id=tid,
-                attempt=attempt,
-                producer=str(params["remote_engine_id"]),
-                host=str(params["remote_host"]),
-                port=int(params["remote_port"]),
-                producer_tp=int(params.get("tp_size", 1)),
+                transfer_id=transfer.key,
+                attempt=transfer.attempt,
+                producer=producer.engine_id,
+                host=producer.host,
+                port=producer.port,
+                producer_tp=producer.tp_size,
                 block_ids=local,
                 num_tokens=num_tokens,
-                remote_block_ids=remote,
+                remote_block_ids=producer.remote_block_ids,
             )
         )
-        self.receiving[request.request_id] = transfer
+        self.receiving[request.request_id] = (transfer.key, transfer.attempt)
         # Registered once: a re-entry (preemption, reschedule) must not register again.
-        params["do_remote_prefill"] = False
+        request.kv_transfer_params["do_remote_prefill"] = False
 
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
@@ -270,12 +289,14 @@ class _Scheduler:
             tid, attempt = self.receiving[rid]
             self.meta.aborts.append(Abort(rid, tid, attempt))
             return True, None
-        if not params or not params.get("do_remote_decode"):
+        if not is_producer(params):
             return False, None
-        transfer = _transfer(params)
-        if transfer is None:
+        transfer = producer_transfer(params, rid)
+        if isinstance(transfer, Refused):
+            # Nothing can name this transfer to D: its blocks are freed now, D recomputes or fails.
+            logger.warning("kvpush: request %s: kv_transfer_params unusable (%s); not sent", rid, transfer.reason)
             return False, None
-        tid, attempt = transfer
+        tid, attempt = transfer.key, transfer.attempt
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             # P: aborted before its KV was complete; D is told and fails or recomputes at once.
             self.meta.aborts.append(Abort(rid, tid, attempt))
@@ -285,11 +306,15 @@ class _Scheduler:
         if not any(groups):
             return False, None
         self.meta.finished.append(Finished(rid, tid, attempt, groups, num_tokens))
-        self.sending[rid] = transfer
+        self.sending[rid] = (tid, attempt)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "transfer_id": tid,
+            # D maps the id to the same key. vLLM's push proxy relays only remote_request_id (in vLLM's
+            # convention P's request id, which is the transfer id here unless a router named one), so
+            # both carry the transfer id.
+            "transfer_id": transfer.transfer_id,
+            "remote_request_id": transfer.transfer_id,
             "attempt": attempt,
             "remote_engine_id": self.engine_id,
             "remote_host": self.cfg.side_channel_host,
@@ -352,88 +377,23 @@ def _load_nixl() -> str | None:
         return None
 
 
-_TORCH_DTYPES = {
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float32: "float32",
-    torch.uint8: "uint8",
-}
-for _name, _code in (("float8_e4m3fn", "float8_e4m3fn"), ("float8_e5m2", "float8_e5m2")):
-    if hasattr(torch, _name):
-        _TORCH_DTYPES[getattr(torch, _name)] = _code
-
-
-def describe_kv_caches(
-    kv_caches: dict[str, torch.Tensor],
-    layer_groups: list[tuple[list[str], int]],
-    *,
-    total_layers: int,
-    total_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    layer_index: Any,
-) -> dict[str, Any]:
-    """The engine's layout keys for vLLM's per-layer KV cache tensors.
-
-    Recognised shapes (per layer): ``[num_blocks, heads, block_size, 2 * head_dim]`` (vLLM's CPU
-    backend: each head holds its K tokens then its V tokens: placement ``head_joint``), ``[2,
-    num_blocks, block_size, heads, head_dim]`` (K and V regions, NHD) and ``[2, num_blocks, heads,
-    block_size, head_dim]`` (K and V regions, HND). ``layer_groups`` is each KV cache group's layer
-    names with its sliding window in tokens (0: full attention).
-    """
-    names = sorted(kv_caches, key=layer_index)
-    first = kv_caches[names[0]]
-    dtype = _TORCH_DTYPES.get(first.dtype)
-    if dtype is None:
-        raise ValueError(f"kvpush: KV cache dtype {first.dtype} is not supported")
-    es = first.element_size()
-    shape = tuple(first.shape)
-    bases: list[int] = []
-    lens: list[int] = []
-    if len(shape) == 4 and shape[2] == block_size and shape[3] == 2 * head_dim:
-        placement, order = "head_joint", "hnd"
-        num_blocks, heads = shape[0], shape[1]
-        stride = first.stride(0) * es
-        for n in names:
-            t = kv_caches[n]
-            bases.append(t.data_ptr())
-            lens.append(t.shape[0] * t.stride(0) * es)
-    elif len(shape) == 5 and shape[0] == 2 and shape[4] == head_dim and block_size in (shape[2], shape[3]):
-        placement = "separate"
-        num_blocks = shape[1]
-        order, heads = ("nhd", shape[3]) if shape[2] == block_size else ("hnd", shape[2])
-        stride = first.stride(1) * es
-        for n in names:
-            t = kv_caches[n]
-            for part in (t[0], t[1]):
-                bases.append(part.data_ptr())
-                lens.append(part.shape[0] * part.stride(0) * es)
-    else:
+def _check_buffer_device(kv_buffer_device: str, from_tensors: str) -> None:
+    """Refuses a ``kv_buffer_device`` the KV cache tensors do not live on: ``cuda`` is the GPU memory
+    the cache is in (registered as device memory), ``cpu`` host memory (vLLM's CPU build). A GPU cache
+    moved through host buffers (vLLM's host-buffer contract, for hosts without GPUDirect) is not
+    implemented: refused at start-up rather than read as host memory."""
+    on_gpu = from_tensors.startswith("cuda")
+    if kv_buffer_device == "cuda" and not on_gpu:
         raise ValueError(
-            f"kvpush: KV cache layout {shape} (block size {block_size}, head dim {head_dim}) is not one it knows"
+            "kvpush: kv_buffer_device is 'cuda' but the KV cache is in host memory (vLLM's CPU build?): "
+            "set kv_buffer_device to 'cpu'"
         )
-    groups = []
-    for layer_names, window in layer_groups:
-        layers = sorted({int(layer_index(n)) for n in layer_names if n in kv_caches})
-        if layers:
-            groups.append((layers, int(window)))
-    return {
-        "total_layers": total_layers,
-        "kv_heads": total_kv_heads,
-        "head_dim": head_dim,
-        "dtype": dtype,
-        "block_tokens": block_size,
-        "num_blocks": int(num_blocks),
-        "order": order,
-        "placement": placement,
-        "block_stride": int(stride),
-        "region_bases": bases,
-        "region_lens": lens,
-        "groups": groups,
-        "_local_heads": int(heads),
-        # The GPU this rank's KV cache is on (each TP rank has its own): the engine opens that one.
-        "_device": f"cuda:{first.device.index}" if first.is_cuda else "host",
-    }
+    if kv_buffer_device == "cpu" and on_gpu:
+        raise ValueError(
+            f"kvpush: kv_buffer_device is 'cpu' but the KV cache is on {from_tensors}: staging it through "
+            "host buffers is not supported; set kv_buffer_device to 'cuda' (NIXL reads and writes GPU "
+            "memory directly)"
+        )
 
 
 def _device_spec(configured: str | None, from_tensors: str) -> str:
@@ -442,6 +402,17 @@ def _device_spec(configured: str | None, from_tensors: str) -> str:
     if configured is None or (configured.strip().lower() in ("auto", "cuda") and from_tensors.startswith("cuda:")):
         return from_tensors
     return configured
+
+
+def _backend_name(vllm_config: VllmConfig) -> str | None:
+    """The attention backends' names (``get_name()``), comma-joined, or None when vLLM cannot say."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        return ",".join(sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})) or None
+    except Exception as e:  # an older vLLM without the helper: the tensors' device decides
+        logger.debug("kvpush: attention backend unknown: %s", e)
+        return None
 
 
 class _Worker:
@@ -455,6 +426,8 @@ class _Worker:
         assert ktc is not None
         self.engine_id = str(ktc.engine_id)
         self.native: Any = None
+        # Kernel blocks per vLLM block (describe_kv_caches): block ids are expanded before the engine.
+        self.blocks_per_block = 1
         # Which request each outcome ends; role "p" or "d".
         self.outcomes = OutcomeMatcher()
         self.load_errors: set[int] = set()
@@ -475,17 +448,31 @@ class _Worker:
         for g in self.kv_cache_config.kv_cache_groups:
             window = getattr(g.kv_cache_spec, "sliding_window", None) or 0
             groups.append((list(g.layer_names), int(window)))
+        total_heads, tp = int(mc.get_total_num_kv_heads()), int(pc.tensor_parallel_size)
         layout = describe_kv_caches(
             kv_caches,
             groups,
             total_layers=int(mc.hf_config.num_hidden_layers),
-            total_kv_heads=int(mc.get_total_num_kv_heads()),
+            total_kv_heads=total_heads,
             head_dim=int(mc.get_head_size()),
             block_size=int(self.vllm_config.cache_config.block_size),
             layer_index=extract_layer_index,
+            backend=_backend_name(self.vllm_config),
+            mla=bool(getattr(mc, "use_mla", False)),
+            num_blocks=int(self.kv_cache_config.num_blocks),
+            local_kv_heads=max(total_heads // tp, 1),
         )
         device = layout.pop("_device")
+        _check_buffer_device(self.cfg.kv_buffer_device, device)
         layout.pop("_local_heads")
+        self.blocks_per_block = layout.pop("_blocks_per_block")
+        if self.blocks_per_block > 1 and self.cfg.mode == "pull":
+            # D would read P's kernel blocks by P's vLLM block ids, and nothing tells D P's ratio.
+            raise ValueError(
+                f"kvpush: pull mode needs kernel blocks of the whole block size ({layout['block_tokens']}-token "
+                f"kernel blocks in {self.vllm_config.cache_config.block_size}-token blocks here); use push "
+                f"mode or --block-size {layout['block_tokens']}"
+            )
         config = dict(layout)
         config.update(
             engine_id=self.engine_id,
@@ -535,7 +522,8 @@ class _Worker:
         for f in meta.finished:
             self.outcomes.expect(f.transfer_id, f.attempt, f.req_id, "p")
             try:
-                n.request_finished(f.transfer_id, f.attempt, f.block_ids, f.num_tokens)
+                blocks = expand_block_ids(f.block_ids, self.blocks_per_block)
+                n.request_finished(f.transfer_id, f.attempt, blocks, f.num_tokens)
             except Exception as e:
                 logger.error("kvpush: request %s (transfer %s) not sent: %s", f.req_id, f.transfer_id, e)
                 self._pending_sent.add(f.req_id)
@@ -543,8 +531,9 @@ class _Worker:
             self.outcomes.expect(r.transfer_id, r.attempt, r.req_id, "d")
             try:
                 if r.remote_block_ids is None:
+                    blocks = expand_block_ids(r.block_ids, self.blocks_per_block)
                     n.blocks_allocated(
-                        r.transfer_id, r.attempt, r.producer, r.host, r.port, r.producer_tp, r.block_ids, r.num_tokens
+                        r.transfer_id, r.attempt, r.producer, r.host, r.port, r.producer_tp, blocks, r.num_tokens
                     )
                 else:
                     n.start_pull(
@@ -590,7 +579,8 @@ class _Worker:
                     self.stats.record("requests_received", 1)
                 elif kind == "failed":
                     self.stats.record("requests_failed", 1)
-                    self.load_errors.update(b for g in invalid for b in g)
+                    # The engine names kernel blocks; vLLM wants its own block ids.
+                    self.load_errors.update(b // self.blocks_per_block for g in invalid for b in g)
                     logger.warning("kvpush: request %s (transfer %s) failed: %s", rid, tid, message)
         return sending, recving
 
@@ -662,6 +652,15 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = _Scheduler(vllm_config, kv_cache_config, self.cfg)
         else:
             self._worker = _Worker(vllm_config, kv_cache_config, self.cfg)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # Head-major pages (vLLM's LBHNC, as its NIXL connector asks): each head's tokens are one run,
+        # so a transfer between different TP sizes moves whole runs. MLA has one head: no preference.
+        model = getattr(vllm_config, "model_config", None)
+        if model is None or getattr(model, "use_mla", False):
+            return None
+        return "LBHNC"
 
     # ---- scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -320,7 +320,7 @@ pub struct LayoutSpec {
     /// 0 HND (`[heads, tokens, head_dim]`), 1 NHD.
     pub order: u32,
     /// 0 separate K and V regions, 1 joint (K then V in each block), 2 single (latent), 3 K then V
-    /// per head in each block (vLLM's CPU layout).
+    /// per head in each block (vLLM's CPU layout), 4 K then V in each (head, token) cell.
     pub placement: u32,
     /// TP and PP position.
     pub parallel: Parallel,
@@ -403,7 +403,13 @@ impl LayoutSpec {
         let placement = code(
             "placement",
             self.placement,
-            &[KvPlacement::Separate, KvPlacement::Joint, KvPlacement::Single, KvPlacement::HeadJoint],
+            &[
+                KvPlacement::Separate,
+                KvPlacement::Joint,
+                KvPlacement::Single,
+                KvPlacement::HeadJoint,
+                KvPlacement::CellJoint,
+            ],
         )?;
         let groups = if self.groups.is_empty() {
             vec![KvGroup {

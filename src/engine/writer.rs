@@ -18,7 +18,9 @@ use crate::pool::handoff::Inbox;
 use crate::proto::codec;
 use crate::proto::completion::{Completions, Event, FailReason};
 use crate::proto::ids::Instant;
-use crate::proto::msg::{Abort, Completion, Failure, FailureKind, Grant, Message, Mode, Registration};
+use crate::proto::msg::{
+    clip_block_lists, common_tokens, Abort, Completion, Failure, FailureKind, Grant, Message, Mode, Registration,
+};
 use crate::proto::plan::{Grid, PlanInput, PlanStats, Planner};
 use crate::proto::rendezvous::{Action, Order, ReleaseReason, Rendezvous, SourceBlocks};
 use crate::proto::{Copy, Key};
@@ -772,13 +774,23 @@ impl Writer {
     fn post_read(&mut self, now: Instant, key: Key, from: PeerAddr) {
         let Some(peer) = self.shared.peer_by_addr(&from) else { return };
         let Some(req) = self.pulls.get(&key) else { return };
-        let input = PlanInput {
-            src: &peer.layout,
-            dst: &self.shared.layout,
-            src_blocks: &req.remote_blocks,
-            dst_blocks: &req.local_blocks,
-            num_tokens: req.num_tokens,
+        // The producer's lists are whole (from token 0) and each side rounded the request up to its
+        // own whole blocks: the tokens both hold move.
+        let src_bt = peer.layout.block_tokens;
+        let src_tokens = req.remote_blocks.iter().map(|g| g.len() as u64).max().unwrap_or(0) * u64::from(src_bt);
+        let dst_bt = self.shared.layout.block_tokens;
+        let n = common_tokens((src_tokens, src_bt), (req.num_tokens, dst_bt)).unwrap_or(req.num_tokens);
+        let clipped;
+        let (src_blocks, dst_blocks) = if n == src_tokens && n == req.num_tokens {
+            (&req.remote_blocks[..], &req.local_blocks[..])
+        } else {
+            clipped = (
+                clip_block_lists(&req.remote_blocks, src_tokens, src_bt, n),
+                clip_block_lists(&req.local_blocks, req.num_tokens, dst_bt, n),
+            );
+            (&clipped.0[..], &clipped.1[..])
         };
+        let input = PlanInput { src: &peer.layout, dst: &self.shared.layout, src_blocks, dst_blocks, num_tokens: n };
         let started = StdInstant::now();
         let planned = self.planner.plan(&input, &mut self.copies);
         let stats = match planned {
@@ -816,18 +828,26 @@ impl Writer {
             self.rdv.handle_transfer_done(now, key, &target_of(&to), Err(FailureKind::PeerLost));
             return;
         }
-        if reg.num_tokens() != blocks.num_tokens {
+        // Each side rounded the request up to its own whole blocks: with different block sizes the
+        // counts differ, and the tokens both hold move.
+        let src_bt = self.shared.layout.block_tokens;
+        let Some(n) = common_tokens((blocks.num_tokens, src_bt), (reg.num_tokens(), peer.layout.block_tokens)) else {
             self.stats().failures.plan += 1;
+            tracing::warn!(worker = %self.shared.me, %key, peer = %to, ours = blocks.num_tokens, theirs = reg.num_tokens(), "token counts of the two sides differ");
             self.rdv.handle_transfer_done(now, key, &target_of(&to), Err(FailureKind::PlanFailed));
             return;
-        }
-        let input = PlanInput {
-            src: &self.shared.layout,
-            dst: &peer.layout,
-            src_blocks: &blocks.block_ids,
-            dst_blocks: reg.block_ids(),
-            num_tokens: reg.num_tokens(),
         };
+        let clipped;
+        let (src_blocks, dst_blocks) = if n == blocks.num_tokens && n == reg.num_tokens() {
+            (&blocks.block_ids[..], reg.block_ids())
+        } else {
+            clipped = (
+                clip_block_lists(&blocks.block_ids, blocks.num_tokens, src_bt, n),
+                clip_block_lists(reg.block_ids(), reg.num_tokens(), peer.layout.block_tokens, n),
+            );
+            (&clipped.0[..], &clipped.1[..])
+        };
+        let input = PlanInput { src: &self.shared.layout, dst: &peer.layout, src_blocks, dst_blocks, num_tokens: n };
         let started = StdInstant::now();
         // The plan stays in grid form unless the transport wants descriptors (`post`).
         let stats = match self.planner.plan_grid(&input, &mut self.grid) {

@@ -94,13 +94,17 @@ pub enum KvPlacement {
     /// (`[num_blocks, kv_heads, 2, block_tokens, head_dim]`, vLLM's CPU backend). [`BlockOrder::Hnd`]
     /// only.
     HeadJoint,
+    /// One region per layer; each (head, token) cell holds that token's K then its V side by side
+    /// (`[.., 2 · head_dim]` cells: vLLM's `[blocks, heads, tokens, K‖V]` pages, in either order).
+    /// K and V of a cell always move together.
+    CellJoint,
 }
 
 impl KvPlacement {
     /// Number of parts (K, V) each block of a region holds.
     pub const fn parts_in_block(self) -> u32 {
         match self {
-            KvPlacement::Joint | KvPlacement::HeadJoint => 2,
+            KvPlacement::Joint | KvPlacement::HeadJoint | KvPlacement::CellJoint => 2,
             KvPlacement::Separate | KvPlacement::Single => 1,
         }
     }
@@ -109,7 +113,7 @@ impl KvPlacement {
     pub const fn regions_per_layer(self) -> u32 {
         match self {
             KvPlacement::Separate => 2,
-            KvPlacement::Joint | KvPlacement::Single | KvPlacement::HeadJoint => 1,
+            KvPlacement::Joint | KvPlacement::Single | KvPlacement::HeadJoint | KvPlacement::CellJoint => 1,
         }
     }
 }
@@ -466,6 +470,10 @@ impl KvLayout {
                 let head_part = self.part_bytes() / u64::from(self.local_heads().max(1));
                 (local_layer, u64::from(part) * head_part)
             }
+            // Cell 0's part; the other cells follow every 2 parts' worth of one head and token.
+            KvPlacement::CellJoint => {
+                (local_layer, u64::from(part) * u64::from(self.model.head_dim) * self.model.dtype.size())
+            }
         }
     }
 
@@ -500,7 +508,10 @@ impl KvLayout {
             return Err(LayoutError::RankOutOfRange { what: "pp", rank: p.pp_rank, size: p.pp_size });
         }
         match (m.kind, self.placement) {
-            (KvKind::KeyValue, KvPlacement::Separate | KvPlacement::Joint | KvPlacement::HeadJoint) => {}
+            (
+                KvKind::KeyValue,
+                KvPlacement::Separate | KvPlacement::Joint | KvPlacement::HeadJoint | KvPlacement::CellJoint,
+            ) => {}
             (KvKind::Latent, KvPlacement::Single) => {}
             (kind, placement) => return Err(LayoutError::PlacementMismatch { placement, kind }),
         }

@@ -148,6 +148,30 @@ pub fn blocks_for(tokens: u64, block_tokens: u32) -> u64 {
     tokens.div_ceil(u64::from(block_tokens.max(1)))
 }
 
+/// The tokens both sides of a transfer hold when each rounded the request up to its own whole blocks
+/// (a producer and a consumer with different block sizes): `Some(the smaller count)` when the two
+/// counts are two such roundings of one prompt — they differ by less than the larger block — else
+/// `None` (two different requests under one key).
+pub fn common_tokens(src: (u64, u32), dst: (u64, u32)) -> Option<u64> {
+    let ((a, ba), (b, bb)) = (src, dst);
+    (a.abs_diff(b) < u64::from(ba.max(bb))).then_some(a.min(b))
+}
+
+/// `block_ids` (lists for the last blocks of `num_tokens` tokens at `block_tokens` per block, as in a
+/// registration) cut to the blocks that hold the first `to` tokens (`to <= num_tokens`): blocks a
+/// list skips (a prefix hit) stay skipped, blocks past token `to` are dropped.
+pub fn clip_block_lists(block_ids: &[Vec<u32>], num_tokens: u64, block_tokens: u32, to: u64) -> Vec<Vec<u32>> {
+    let (all, keep) = (blocks_for(num_tokens, block_tokens), blocks_for(to, block_tokens));
+    block_ids
+        .iter()
+        .map(|ids| {
+            let skipped = all.saturating_sub(ids.len() as u64);
+            let n = keep.saturating_sub(skipped).min(ids.len() as u64) as usize;
+            ids[..n].to_vec()
+        })
+        .collect()
+}
+
 impl Registration {
     /// Builds a registration, checking it against `layout` (the registering worker's layout).
     ///
@@ -359,6 +383,30 @@ impl From<&Registration> for RegistrationWire {
 mod tests {
     use super::*;
     use crate::proto::testutil::small_layout;
+
+    #[test]
+    fn block_sizes_of_both_sides_meet_at_the_smaller_rounding() {
+        // A 40-token prompt: P at 16 per block holds 48 tokens, D at 32 holds 64; both hold 48.
+        assert_eq!(common_tokens((48, 16), (64, 32)), Some(48));
+        assert_eq!(common_tokens((64, 32), (48, 16)), Some(48));
+        // 64/128 and 128/64 (a 100-token prompt): both hold 128.
+        assert_eq!(common_tokens((128, 64), (128, 128)), Some(128));
+        // Counts a whole larger block apart are two different prompts.
+        assert_eq!(common_tokens((48, 16), (80, 32)), None);
+        assert_eq!(common_tokens((16, 16), (16, 16)), Some(16));
+    }
+
+    #[test]
+    fn clipping_keeps_the_blocks_of_the_first_tokens() {
+        // Full lists: 64 tokens at 32 per block cut to 48 keep both blocks; at 16 per block cut to 32
+        // keep two of four.
+        assert_eq!(clip_block_lists(&[vec![7, 8]], 64, 32, 48), vec![vec![7, 8]]);
+        assert_eq!(clip_block_lists(&[vec![1, 2, 3, 4]], 64, 16, 32), vec![vec![1, 2]]);
+        // A tail list (first block a prefix hit) stays a tail list of the shorter request.
+        assert_eq!(clip_block_lists(&[vec![2, 3, 4]], 64, 16, 48), vec![vec![2, 3]]);
+        // Per group; nothing past the list's end is invented.
+        assert_eq!(clip_block_lists(&[vec![5], vec![6, 9]], 32, 16, 32), vec![vec![5], vec![6, 9]]);
+    }
 
     #[test]
     fn registration_is_range_checked() {

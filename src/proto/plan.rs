@@ -73,6 +73,30 @@ pub enum PlanError {
     /// Destination block lists do not fit the destination layout.
     #[error("destination blocks: {0}")]
     DestinationBlocks(#[source] RangeError),
+    /// One side keeps K and V side by side in each cell ([`KvPlacement::CellJoint`]) and the other
+    /// does not: its cells would have to be split into elements.
+    #[error(
+        "placements {src:?} (source) and {dst:?} (destination) cannot be mapped: CellJoint pairs only with CellJoint"
+    )]
+    PlacementMix {
+        /// Source placement.
+        src: KvPlacement,
+        /// Destination placement.
+        dst: KvPlacement,
+    },
+    /// One side packs the tokens of a block by its block size ([`KvPlacement::HeadJoint`]: vLLM's
+    /// CPU backend lays tokens out per ISA), and the block sizes differ: a token's bytes in one
+    /// block size are not at its place in the other.
+    #[error(
+        "{src_tokens}-token and {dst_tokens}-token blocks cannot be mapped: HeadJoint blocks (vLLM's CPU backend) \
+         pack their tokens by block size; give both sides the same block size"
+    )]
+    PackedBlockSizes {
+        /// Source block size in tokens.
+        src_tokens: u32,
+        /// Destination block size in tokens.
+        dst_tokens: u32,
+    },
     /// The destination wants tokens the source's list does not cover.
     #[error("group {group}: destination needs tokens from {needed} but source blocks start at token {held}")]
     MissingSource {
@@ -112,14 +136,21 @@ struct Geo {
 
 impl Geo {
     fn of(l: &KvLayout) -> Geo {
+        let elem = u64::from(l.model.head_dim) * l.model.dtype.size();
+        // A CellJoint cell is K then V of one head and token, and both always move: plan it as one
+        // part whose element is the whole cell (the planner pairs CellJoint only with CellJoint).
+        let (placement, elem, part_bytes) = match l.placement {
+            KvPlacement::CellJoint => (KvPlacement::Single, 2 * elem, 2 * l.part_bytes()),
+            p => (p, elem, l.part_bytes()),
+        };
         Geo {
             order: l.order,
             block_tokens: l.block_tokens.into(),
             heads: l.local_heads().into(),
-            elem: u64::from(l.model.head_dim) * l.model.dtype.size(),
+            elem,
             stride: l.block_stride,
-            part_bytes: l.part_bytes(),
-            placement: l.placement,
+            part_bytes,
+            placement,
         }
     }
 
@@ -129,7 +160,7 @@ impl Geo {
         let (rp, part_off, head_span) = match self.placement {
             KvPlacement::Separate => (part, 0, 1),
             KvPlacement::Joint => (0, u64::from(part) * self.part_bytes, 1),
-            KvPlacement::Single => (0, 0, 1),
+            KvPlacement::Single | KvPlacement::CellJoint => (0, 0, 1),
             // Each head holds its K tokens then its V tokens (validated: Hnd only).
             KvPlacement::HeadJoint => (0, u64::from(part) * self.block_tokens * self.elem, 2),
         };
@@ -289,6 +320,16 @@ impl Planner {
         if layers.is_empty() {
             return Err(not_target);
         }
+        let cells = (src.placement == KvPlacement::CellJoint, dst.placement == KvPlacement::CellJoint);
+        if cells.0 != cells.1 {
+            return Err(PlanError::PlacementMix { src: src.placement, dst: dst.placement });
+        }
+        let packed = src.placement == KvPlacement::HeadJoint || dst.placement == KvPlacement::HeadJoint;
+        if packed && src.block_tokens != dst.block_tokens {
+            return Err(PlanError::PackedBlockSizes { src_tokens: src.block_tokens, dst_tokens: dst.block_tokens });
+        }
+        // Parts the planner moves per block: a CellJoint cell is one (see `Geo::of`).
+        let parts = if cells.0 { 1 } else { src.parts() };
         let (gs, gd) = (Geo::of(src), Geo::of(dst));
         let (src_heads, dst_heads) = (src.head_range(), dst.head_range());
         let slice = Heads {
@@ -309,7 +350,7 @@ impl Planner {
                 None => continue,
             };
             self.pieces_for(g, tokens, input);
-            let unmerged = self.relative_copies(&gs, &gd, &slice, src.parts());
+            let unmerged = self.relative_copies(&gs, &gd, &slice, parts);
             stats.unmerged += unmerged * n_layers;
             let (cells, rows) = (grid.cells.len(), grid.rows.len());
             grid.cells.extend_from_slice(&self.rel);
@@ -565,7 +606,7 @@ mod tests {
             parallel: par,
             region_bases: Vec::new(),
         };
-        l.block_stride = l.part_bytes() * if placement == KvPlacement::Joint { 2 } else { 1 };
+        l.block_stride = l.part_bytes() * u64::from(placement.parts_in_block());
         let n = l.layer_range().len() as u64 * u64::from(placement.regions_per_layer());
         l.region_bases = (0..n).map(|i| base + i * (1 << 20)).collect();
         l.validate().expect("test layout is valid");
@@ -746,5 +787,71 @@ mod tests {
         let mismatch =
             PlanInput { src: &s, dst: &other, src_blocks: &[vec![1]], dst_blocks: &[vec![0]], num_tokens: 16 };
         assert_eq!(p.plan(&mismatch, &mut out), Err(PlanError::ModelMismatch));
+    }
+
+    #[test]
+    fn cell_joint_moves_whole_cells_of_the_heads_moved() {
+        // [heads, tokens, K‖V]: P TP 1 (2 heads) into D TP 2 rank 1 (head 1), 16 → 32 token blocks.
+        let m = model(1, 2, full(1));
+        let par = |tp_rank, tp_size| Parallel { tp_rank, tp_size, pp_rank: 0, pp_size: 1 };
+        let s = layout(&m, 16, BlockOrder::Hnd, KvPlacement::CellJoint, par(0, 1), 1 << 30);
+        let d = layout(&m, 32, BlockOrder::Hnd, KvPlacement::CellJoint, par(1, 2), 1 << 34);
+        let input = PlanInput { src: &s, dst: &d, src_blocks: &[vec![3, 4]], dst_blocks: &[vec![9]], num_tokens: 32 };
+        let mut out = Vec::new();
+        let st = Planner::new().plan(&input, &mut out).expect("plans");
+        let cell = 2 * 4 * 2; // K and V of 4 f16 elements
+        assert_eq!(st.bytes, 32 * cell);
+        // Head 1 of each P block (16 cells after head 0's) into D's only head, tokens 0.. and 16...
+        assert_eq!(out.len(), 2);
+        assert_eq!(
+            (out[0].src_addr, out[0].dst_addr),
+            ((1 << 30) + 3 * s.block_stride + 16 * cell, (1 << 34) + 9 * d.block_stride)
+        );
+        assert_eq!(out[1].src_addr, (1 << 30) + 4 * s.block_stride + 16 * cell);
+        assert_eq!(out[1].dst_addr, (1 << 34) + 9 * d.block_stride + 16 * cell);
+        assert!(out.iter().all(|c| c.len == 16 * cell));
+        // NHD cells: the token's cells of the heads moved, one copy per token.
+        let s = layout(&m, 16, BlockOrder::Nhd, KvPlacement::CellJoint, par(0, 1), 1 << 30);
+        let d = layout(&m, 16, BlockOrder::Nhd, KvPlacement::CellJoint, par(1, 2), 1 << 34);
+        let input = PlanInput { src: &s, dst: &d, src_blocks: &[vec![2]], dst_blocks: &[vec![5]], num_tokens: 16 };
+        Planner::new().plan(&input, &mut out).expect("plans");
+        assert_eq!(out.len(), 16);
+        assert_eq!(
+            (out[1].src_addr, out[1].dst_addr, out[1].len),
+            ((1 << 30) + 2 * s.block_stride + (2 + 1) * cell, (1 << 34) + 5 * d.block_stride + cell, cell)
+        );
+    }
+
+    #[test]
+    fn head_joint_blocks_of_different_sizes_are_refused() {
+        let m = model(1, 2, full(1));
+        for placements in
+            [(KvPlacement::HeadJoint, KvPlacement::HeadJoint), (KvPlacement::Separate, KvPlacement::HeadJoint)]
+        {
+            let (s, d) = single_rank(&m, (16, 32), BlockOrder::Hnd, placements);
+            let input =
+                PlanInput { src: &s, dst: &d, src_blocks: &[vec![1, 2]], dst_blocks: &[vec![0]], num_tokens: 32 };
+            let mut out = Vec::new();
+            assert_eq!(
+                Planner::new().plan(&input, &mut out),
+                Err(PlanError::PackedBlockSizes { src_tokens: 16, dst_tokens: 32 })
+            );
+        }
+        // Same block sizes: whole blocks map byte for byte.
+        let (s, d) = single_rank(&m, (16, 16), BlockOrder::Hnd, (KvPlacement::HeadJoint, KvPlacement::HeadJoint));
+        let input = PlanInput { src: &s, dst: &d, src_blocks: &[vec![1]], dst_blocks: &[vec![0]], num_tokens: 16 };
+        assert!(Planner::new().plan(&input, &mut Vec::new()).is_ok());
+    }
+
+    #[test]
+    fn cell_joint_pairs_only_with_cell_joint() {
+        let m = model(1, 2, full(1));
+        let (s, d) = single_rank(&m, (16, 16), BlockOrder::Hnd, (KvPlacement::CellJoint, KvPlacement::HeadJoint));
+        let input = PlanInput { src: &s, dst: &d, src_blocks: &[vec![1]], dst_blocks: &[vec![0]], num_tokens: 16 };
+        let mut out = Vec::new();
+        assert_eq!(
+            Planner::new().plan(&input, &mut out),
+            Err(PlanError::PlacementMix { src: KvPlacement::CellJoint, dst: KvPlacement::HeadJoint })
+        );
     }
 }

@@ -224,17 +224,19 @@ fn pick(key: &str, value: &str, names: &[&str]) -> PyResult<u32> {
     })
 }
 
-/// Builds the engine and layout specs from the config dict (keys documented in docs/vllm.md).
-fn specs(d: &Bound<'_, PyDict>) -> PyResult<(EngineSpec, LayoutSpec)> {
-    let mode = pick("mode", &need::<String>(d, "mode")?, &["push", "pull"])?;
+/// Builds the layout spec from the config dict's layout keys (docs/vllm.md).
+fn layout_spec(d: &Bound<'_, PyDict>) -> PyResult<LayoutSpec> {
     let dtype = pick(
         "dtype",
         &need::<String>(d, "dtype")?,
         &["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8"],
     )?;
     let order = pick("order", &get::<String>(d, "order")?.unwrap_or_else(|| "hnd".into()), &["hnd", "nhd"])?;
-    let placement =
-        pick("placement", &need::<String>(d, "placement")?, &["separate", "joint", "single", "head_joint"])?;
+    let placement = pick(
+        "placement",
+        &need::<String>(d, "placement")?,
+        &["separate", "joint", "single", "head_joint", "cell_joint"],
+    )?;
     let kv_kind =
         pick("kv_kind", &get::<String>(d, "kv_kind")?.unwrap_or_else(|| "key_value".into()), &["key_value", "latent"])?;
     let groups: Vec<(Vec<u32>, u32)> = get(d, "groups")?.unwrap_or_default();
@@ -260,6 +262,14 @@ fn specs(d: &Bound<'_, PyDict>) -> PyResult<(EngineSpec, LayoutSpec)> {
         region_bases: need(d, "region_bases")?,
         region_lens: get(d, "region_lens")?.unwrap_or_default(),
     };
+    Ok(layout)
+}
+
+/// Builds the engine and layout specs from the config dict (keys documented in docs/vllm.md).
+fn specs(d: &Bound<'_, PyDict>) -> PyResult<(EngineSpec, LayoutSpec)> {
+    let mode = pick("mode", &need::<String>(d, "mode")?, &["push", "pull"])?;
+    let layout = layout_spec(d)?;
+    let parallel = layout.parallel;
     let host: String = get(d, "side_channel_host")?.unwrap_or_else(|| "0.0.0.0".into());
     let port: u32 = get(d, "side_channel_port")?.unwrap_or(5600);
     let port = port + u32::from(parallel.tp_rank) + u32::from(parallel.pp_rank) * u32::from(parallel.tp_size);
@@ -486,6 +496,40 @@ fn json_to_py<'py>(py: Python<'py>, v: &serde_json::Value) -> PyResult<Bound<'py
     })
 }
 
+/// Validates the layout keys of a worker config (the same keys and checks as `Worker`'s, without
+/// starting anything) and returns what the engine makes of them: `placement`, `order`, `kv_kind`,
+/// `block_tokens`, `num_blocks`, `block_stride`, `part_bytes` (one K, V or latent part of a block),
+/// `local_heads`, `head_dim`, `regions` and `region_len` (bytes each region must hold).
+#[pyfunction]
+fn check_layout<'py>(py: Python<'py>, config: &Bound<'py, PyDict>) -> PyResult<Bound<'py, PyDict>> {
+    let l = layout_spec(config)?.build().map_err(py_err)?;
+    let out = PyDict::new(py);
+    let name = |v: &dyn std::fmt::Debug| {
+        let text = format!("{v:?}");
+        // CamelCase → snake_case, as the config spells them.
+        let mut snake = String::new();
+        for (i, c) in text.chars().enumerate() {
+            if c.is_ascii_uppercase() && i > 0 {
+                snake.push('_');
+            }
+            snake.push(c.to_ascii_lowercase());
+        }
+        snake
+    };
+    out.set_item("placement", name(&l.placement))?;
+    out.set_item("order", name(&l.order))?;
+    out.set_item("kv_kind", name(&l.model.kind))?;
+    out.set_item("block_tokens", l.block_tokens)?;
+    out.set_item("num_blocks", l.num_blocks)?;
+    out.set_item("block_stride", l.block_stride)?;
+    out.set_item("part_bytes", l.part_bytes())?;
+    out.set_item("local_heads", l.local_heads())?;
+    out.set_item("head_dim", l.model.head_dim)?;
+    out.set_item("regions", l.num_regions())?;
+    out.set_item("region_len", l.region_len())?;
+    Ok(out)
+}
+
 /// Whether the NIXL library can be loaded in this process.
 #[pyfunction]
 fn nixl_available() -> bool {
@@ -512,6 +556,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<Worker>()?;
     m.add_function(wrap_pyfunction!(nixl_available, m)?)?;
+    m.add_function(wrap_pyfunction!(check_layout, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     m.add("KvpushError", py.get_type::<KvpushError>())?;

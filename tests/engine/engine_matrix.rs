@@ -90,3 +90,18 @@ fn nhd_layout_with_head_slices() {
     t.order = kvpush::proto::layout::BlockOrder::Nhd;
     check(&t, &[Mode::Push, Mode::Pull], 7);
 }
+
+#[test]
+fn each_side_rounding_to_its_own_whole_blocks() {
+    // The vLLM connector hands each engine the prompt rounded up to that side's whole blocks, so with
+    // different block sizes P and D name different token counts: the tokens both hold move, every
+    // byte checked, in both directions and both modes (16/32, 64/128, 128/64).
+    for (pb, db) in [(16, 32), (32, 16), (64, 128), (128, 64)] {
+        let mut t = topology(2, 1, pb, db);
+        t.whole_blocks = true;
+        // Full attention only: a sliding window counted back from a rounded-up count misses the
+        // window's first real tokens (the rounding and windows do not compose yet; see docs/vllm.md).
+        t.window_every = 0;
+        check(&t, &[Mode::Push, Mode::Pull], 40 + u64::from(pb));
+    }
+}

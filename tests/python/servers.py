@@ -41,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence, Union
@@ -328,6 +329,53 @@ def nixl_kv_config(
     if extra:
         cfg["kv_connector_extra_config"] = dict(extra)
     return cfg
+
+
+def kvpush_config(role: str, mode: str, engine_id: str, side_port: int, **extra: Any) -> dict[str, Any]:
+    """A ``--kv-transfer-config`` for kvpush's connector: ``role`` ``prefill`` or ``decode``, ``mode``
+    ``push`` or ``pull``; ``extra`` adds to (or overrides) ``kv_connector_extra_config``."""
+    return {
+        "kv_connector": "KVPushConnector",
+        "kv_connector_module_path": "kvpush.vllm",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "engine_id": engine_id,
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"mode": mode, "side_channel_port": side_port, "timeout_ms": 30000, **extra},
+    }
+
+
+def kv_usage(server: VllmServer) -> float:
+    """``vllm:kv_cache_usage_perc`` summed over engines: 0 when no block is held."""
+    return sum(v for k, v in server.metrics().items() if k.startswith("vllm:kv_cache_usage_perc"))
+
+
+def busy_requests(server: VllmServer) -> float:
+    """Requests running or waiting on ``server``."""
+    m = server.metrics()
+    return sum(v for k, v in m.items() if k.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+
+
+def wait_idle(server: VllmServer, timeout_s: float = 60.0) -> tuple[float, float]:
+    """Waits until ``server`` holds no KV block and no request, at most ``timeout_s``; returns (KV cache
+    usage, requests running or waiting) as last seen."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        usage, busy = kv_usage(server), busy_requests(server)
+        if (usage == 0 and busy == 0) or time.monotonic() > deadline:
+            return usage, busy
+        time.sleep(0.5)
+
+
+def check_transfer_counted(d: VllmServer, before: dict[str, float], lengths: Sequence[int]) -> dict[str, float]:
+    """Asserts that D took the prompts of ``lengths`` (one request each, since ``before`` =
+    ``d.prompt_tokens_by_source()``) from the connector: at most the last prompt token of a request
+    computed on D, the rest counted as ``external_kv_transfer``. Returns the per-source difference."""
+    after = d.prompt_tokens_by_source()
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    print(f"  D's prompt tokens by source: {delta}")
+    assert delta.get("local_compute", 0) <= len(lengths), delta
+    assert delta.get("external_kv_transfer", 0) >= sum(lengths) - len(lengths), delta
+    return delta
 
 
 # kvpush's side channel authenticates peers with a shared secret (docs/security.md): every server of
@@ -667,6 +715,68 @@ def complete(
     if out.token_times_s:
         out.ttft_s = out.token_times_s[0]
     return out
+
+
+def consumer_params(p: VllmServer, transfer_id: str) -> dict[str, Any]:
+    """The ``kv_transfer_params`` that send a request to D for the KV of transfer ``transfer_id`` from P
+    (what kvpush router gives D in push mode)."""
+    return {
+        "do_remote_prefill": True,
+        "transfer_id": transfer_id,
+        "remote_engine_id": p.engine_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": p.side_channel_port,
+        "tp_size": 1,
+    }
+
+
+# What vLLM's own proxies send P (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py and
+# toy_push_proxy_server.py upstream): the prefill flag, and nulls where D's coordinates would go.
+VLLM_PROXY_P_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+# The fields of P's answer vLLM's push proxy relays to D (it drops the rest, remote_block_ids included).
+VLLM_PUSH_PROXY_RELAYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size")
+
+
+def vllm_proxy_complete(
+    p_url: str,
+    d_url: str,
+    prompt: Sequence[int] | str,
+    max_tokens: int,
+    *,
+    push: bool,
+    transfer_id: str | None = None,
+    stream: bool = False,
+    timeout_s: float = 300.0,
+) -> Completion:
+    """One completion the way vLLM's toy proxies make it: P first (``max_tokens`` 1, not streamed, the
+    same ``X-Request-Id`` on both legs, ``VLLM_PROXY_P_PARAMS`` plus ``transfer_id`` when given), then D
+    with P's ``kv_transfer_params``: all of them (the pull proxy) or only ``VLLM_PUSH_PROXY_RELAYS`` with
+    ``do_remote_prefill`` (the push proxy, ``push=True``)."""
+    headers = {"X-Request-Id": str(uuid.uuid4())}
+    p_params = dict(VLLM_PROXY_P_PARAMS)
+    if transfer_id is not None:
+        p_params["transfer_id"] = transfer_id
+    body = completion_body(prompt, 1, False, False, extra={"kv_transfer_params": p_params})
+    r = requests.post(p_url.rstrip("/") + "/v1/completions", json=body, headers=headers, timeout=timeout_s)
+    if r.status_code != 200:
+        raise ServerError(f"POST {p_url}/v1/completions (prefill leg): {r.status_code} {r.text[:2000]}")
+    answer = r.json().get("kv_transfer_params") or {}
+    if push:
+        d_params = {"do_remote_prefill": True, "do_remote_decode": False}
+        d_params.update({k: answer.get(k) for k in VLLM_PUSH_PROXY_RELAYS})
+    else:
+        d_params = answer
+    return complete(
+        d_url, prompt, max_tokens, stream=stream, headers=headers, timeout_s=timeout_s,
+        extra={"kv_transfer_params": d_params},
+    )  # fmt: skip
 
 
 # vLLM general plugins (entry point group ``vllm.general_plugins``: vLLM calls them in the API server, the

@@ -22,3 +22,30 @@ kv = pytest.importorskip("kvpush.vllm", reason="the kvpush package (maturin deve
 )
 def test_device_spec_gives_each_rank_its_own_gpu(configured: str | None, from_tensors: str, expected: str) -> None:
     assert kv._device_spec(configured, from_tensors) == expected
+
+
+def _vllm_config(kv_buffer_device: str | None) -> object:
+    from types import SimpleNamespace
+
+    ktc = SimpleNamespace(kv_connector_extra_config={}, kv_buffer_device=kv_buffer_device, engine_id="e")
+    return SimpleNamespace(kv_transfer_config=ktc)
+
+
+@pytest.mark.parametrize(("given", "kept"), [("cuda", "cuda"), ("cpu", "cpu"), (" CUDA ", "cuda")])
+def test_kv_buffer_device_cuda_and_cpu_are_known(given: str, kept: str) -> None:
+    assert kv.KVPushConfig.from_vllm(_vllm_config(given)).kv_buffer_device == kept
+
+
+@pytest.mark.parametrize("given", ["xpu", "tpu", "gpu", "", None])
+def test_unknown_kv_buffer_device_is_refused_with_the_known_ones(given: str | None) -> None:
+    with pytest.raises(ValueError, match=r"kv_buffer_device .* not one it knows; known: cuda, cpu"):
+        kv.KVPushConfig.from_vllm(_vllm_config(given))
+
+
+def test_kv_buffer_device_must_be_where_the_kv_cache_is() -> None:
+    kv._check_buffer_device("cuda", "cuda:1")
+    kv._check_buffer_device("cpu", "host")
+    with pytest.raises(ValueError, match="kv_buffer_device is 'cuda' but the KV cache is in host memory"):
+        kv._check_buffer_device("cuda", "host")
+    with pytest.raises(ValueError, match="kv_buffer_device is 'cpu' but the KV cache is on cuda:0"):
+        kv._check_buffer_device("cpu", "cuda:0")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,15 +33,7 @@ MAX_TOKENS = 12
 PROMPTS = tiny_model.make_prompts(LENGTHS, seed=11)
 
 
-def kvpush_config(role: str, mode: str, engine_id: str, side_port: int) -> dict:
-    return {
-        "kv_connector": "KVPushConnector",
-        "kv_connector_module_path": "kvpush.vllm",
-        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-        "engine_id": engine_id,
-        "kv_buffer_device": "cpu",
-        "kv_connector_extra_config": {"mode": mode, "side_channel_port": side_port, "timeout_ms": 30000},
-    }
+kvpush_config = srv.kvpush_config
 
 
 @pytest.fixture(scope="module")
@@ -74,23 +65,7 @@ def start_pair(servers: "object", tag: str, p_mode: str, d_mode: str) -> tuple[s
         return p.result(), d.result()
 
 
-def kv_usage(server: srv.VllmServer) -> float:
-    m = server.metrics()
-    return sum(v for k, v in m.items() if k.startswith("vllm:kv_cache_usage_perc"))
-
-
-def running(server: srv.VllmServer) -> float:
-    m = server.metrics()
-    return sum(v for k, v in m.items() if k.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
-
-
-def wait_idle(server: srv.VllmServer, timeout_s: float = 60.0) -> tuple[float, float]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        usage, busy = kv_usage(server), running(server)
-        if (usage == 0 and busy == 0) or time.monotonic() > deadline:
-            return usage, busy
-        time.sleep(0.5)
+wait_idle = srv.wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -131,14 +106,7 @@ def test_negative_control_wrong_kv_changes_the_output(push_pair, reference) -> N
     p_body = srv.completion_body(a, 1, True, False)
     p_body["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": tid}
     d_body = srv.completion_body(b, MAX_TOKENS, True, False)
-    d_body["kv_transfer_params"] = {
-        "do_remote_prefill": True,
-        "transfer_id": tid,
-        "remote_engine_id": p.engine_id,
-        "remote_host": "127.0.0.1",
-        "remote_port": p.side_channel_port,
-        "tp_size": 1,
-    }
+    d_body["kv_transfer_params"] = srv.consumer_params(p, tid)
     with ThreadPoolExecutor(2) as pool:
         d_fut = pool.submit(requests.post, d.url + "/v1/completions", json=d_body, timeout=120)
         p_fut = pool.submit(requests.post, p.url + "/v1/completions", json=p_body, timeout=120)

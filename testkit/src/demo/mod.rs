@@ -69,6 +69,9 @@ pub struct Topology {
     pub staging_slot_bytes: u64,
     /// How the block pools hand out ids.
     pub allocator: AllocatorFlag,
+    /// Each side hands its engine the request's tokens rounded up to its own whole blocks (what the
+    /// vLLM connector does), rather than the exact count.
+    pub whole_blocks: bool,
 }
 
 /// `--staging`: whether the engines stage fragmented WRITEs ([`Staging`]).
@@ -137,7 +140,18 @@ impl Default for Topology {
             staging_slots: 0,
             staging_slot_bytes: 0,
             allocator: AllocatorFlag::Runs,
+            whole_blocks: false,
         }
+    }
+}
+
+/// The token count one side hands its engine for a request of `tokens` tokens (see
+/// [`Topology::whole_blocks`]).
+pub(crate) fn side_tokens(t: &Topology, tokens: u64, block: u32) -> u64 {
+    if t.whole_blocks {
+        kvpush::proto::msg::blocks_for(tokens, block) * u64::from(block)
+    } else {
+        tokens
     }
 }
 

@@ -189,6 +189,10 @@ pub struct WorkerSpec {
     /// Engine id, instead of the role's (`prefill`, `decode`): a third engine beside the pair.
     #[arg(long)]
     pub engine_id: Option<String>,
+    /// Hand the engine each request's tokens rounded up to this side's whole blocks
+    /// ([`Topology::whole_blocks`]).
+    #[arg(long)]
+    pub whole_blocks: bool,
 }
 
 impl WorkerSpec {
@@ -219,6 +223,7 @@ impl WorkerSpec {
             staging_slots: t.staging_slots,
             staging_slot_kib: t.staging_slot_bytes >> 10,
             allocator: t.allocator,
+            whole_blocks: t.whole_blocks,
             lease_ms: 30_000,
             timeout_ms: 120_000,
             heartbeat_ms: 1_000,
@@ -260,6 +265,7 @@ impl WorkerSpec {
             staging_slots: self.staging_slots,
             staging_slot_bytes: self.staging_slot_kib << 10,
             allocator: self.allocator,
+            whole_blocks: self.whole_blocks,
         }
     }
 
@@ -297,6 +303,9 @@ impl WorkerSpec {
         flag(&mut v, "backend", self.backend.clone());
         if let Some(id) = &self.engine_id {
             flag(&mut v, "engine-id", id.clone());
+        }
+        if self.whole_blocks {
+            v.push("--whole-blocks".into());
         }
         v
     }
@@ -1597,10 +1606,11 @@ impl WorkerState {
         // The lists are built before the clock starts: an engine hands over lists it owns.
         let lists: Vec<BlockLists> = self.workers.iter().map(|_| r.blocks.clone()).collect();
         let at_us = child::now_us();
+        let tokens = super::side_tokens(&self.spec.topology(), r.tokens, self.spec.p_block);
         let t0 = Instant::now();
         let mut err = None;
         for (w, ids) in self.workers.iter().zip(lists) {
-            if let Err(e) = w.engine.request_finished(r.key, ids, r.tokens) {
+            if let Err(e) = w.engine.request_finished(r.key, ids, tokens) {
                 err = Some(format!("request {req}: request_finished: {e}"));
             }
         }
@@ -1652,12 +1662,13 @@ impl WorkerState {
         let Some(blocks) = self.take_blocks(req, tokens, self.spec.d_block) else { return };
         let lists: Vec<(BlockLists, Option<BlockLists>)> =
             self.workers.iter().map(|_| (blocks.clone(), remote_blocks.clone())).collect();
+        let side = super::side_tokens(&self.spec.topology(), tokens, self.spec.d_block);
         let t0 = Instant::now();
         let (mut expected, mut failure) = (0, None);
         for (w, (local, remote)) in self.workers.iter().zip(lists) {
             let r = match (self.mode, remote) {
-                (Mode::Push, _) => w.engine.blocks_allocated(key, "prefill", local, tokens),
-                (Mode::Pull, Some(remote)) => w.engine.start_pull(key, "prefill", remote, local, tokens),
+                (Mode::Push, _) => w.engine.blocks_allocated(key, "prefill", local, side),
+                (Mode::Pull, Some(remote)) => w.engine.start_pull(key, "prefill", remote, local, side),
                 (Mode::Pull, None) => {
                     failure = Some("pull mode needs the prefill block ids".to_string());
                     continue;

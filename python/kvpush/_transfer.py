@@ -1,0 +1,181 @@
+"""What a request's ``kv_transfer_params`` say about its transfer, read without ever raising.
+
+The connector's scheduler half runs inside vLLM's scheduler, where an exception stops the whole server.
+``kv_transfer_params`` come from whatever sits in front of vLLM — kvpush router, vLLM's own toy proxy,
+llm-d, a client — so every value is checked here and a bad one becomes a :class:`Refused` with the reason,
+never an exception: D then prefills the request itself, P releases its blocks at once.
+
+Transfer ids: kvpush router mints 32 hex digits; other routers send UUIDs or any string, and vLLM's own
+proxies send none (P's vLLM request id names the transfer, and D learns it from P's answer as
+``remote_request_id``). The engine keys a transfer by 128 bits (``Key`` in src/proto), so
+:func:`transfer_key` maps any id to 32 hex digits: 32 hex digits stand for themselves (kvpush router's
+ids reach the engine unchanged), anything else is hashed with BLAKE2b-128 (keyed by a fixed
+personalisation string), the same on P and D since both run this function on the same string.
+
+Pure Python with no vLLM import: tests/python/test_connector_params.py tests it without servers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Any
+
+_HEX32 = re.compile(r"^[0-9a-fA-F]{32}$")
+_PERSON = b"kvpush.transfer"
+U32_MAX = 2**32 - 1
+
+
+def transfer_key(transfer_id: str) -> str:
+    """The engine's 32-hex key of ``transfer_id``: itself (lower case) when it is 32 hex digits, else
+    its BLAKE2b-128 digest. Deterministic across processes and machines (never Python's ``hash``)."""
+    if _HEX32.match(transfer_id):
+        return transfer_id.lower()
+    data = transfer_id.encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(data, digest_size=16, person=_PERSON).hexdigest()
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A transfer as both sides name it."""
+
+    transfer_id: str  # as the router (or P) named it: what P hands back to D
+    key: str  # transfer_key(transfer_id): what the engine is given
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Producer:
+    """Where D finds its producer, from D's ``kv_transfer_params``."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    remote_block_ids: list[list[int]] | None  # pull only: P's blocks, per KV cache group
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The params cannot be used; ``reason`` says why, for the log."""
+
+    reason: str
+
+
+class _Bad(Exception):
+    """A value that fails its check (internal: turned into ``Refused`` before it leaves this module)."""
+
+
+def _present(params: dict[str, Any], key: str) -> Any:
+    """The value of ``key``, or None when it is absent or null (vLLM's toy proxy sends nulls)."""
+    return params.get(key)
+
+
+def _int(params: dict[str, Any], key: str, lo: int, hi: int, default: int | None = None) -> int:
+    v = _present(params, key)
+    if v is None:
+        if default is None:
+            raise _Bad(f"{key} is missing")
+        return default
+    # bool is an int in Python; a flag is never a count.
+    if isinstance(v, bool):
+        raise _Bad(f"{key} is {v!r}, not an integer")
+    if isinstance(v, str) and v.strip().isdigit():
+        v = int(v.strip())
+    if not isinstance(v, int):
+        raise _Bad(f"{key} is {v!r}, not an integer")
+    if not lo <= v <= hi:
+        raise _Bad(f"{key} is {v}, outside {lo}..{hi}")
+    return v
+
+
+def _str(params: dict[str, Any], key: str) -> str:
+    v = _present(params, key)
+    if v is None:
+        raise _Bad(f"{key} is missing")
+    if isinstance(v, bool) or not isinstance(v, (str, int)):
+        raise _Bad(f"{key} is {type(v).__name__} {v!r:.80}, not a string")
+    s = str(v)
+    if not s.strip():
+        raise _Bad(f"{key} is empty")
+    return s
+
+
+def _transfer_id(params: dict[str, Any], fallback_key: str | None, fallback: str | None) -> str:
+    """``transfer_id`` if present, else ``params[fallback_key]``, else ``fallback``."""
+    if _present(params, "transfer_id") is not None:
+        return _str(params, "transfer_id")
+    if fallback_key is not None and _present(params, fallback_key) is not None:
+        return _str(params, fallback_key)
+    if fallback is not None:
+        return fallback
+    raise _Bad(f"neither transfer_id nor {fallback_key} is given: nothing names the producer's transfer")
+
+
+def _block_ids(params: dict[str, Any], key: str) -> list[list[int]]:
+    """Block ids per KV cache group; a flat list of ints is one group (vLLM without the hybrid allocator)."""
+    v = _present(params, key)
+    if not isinstance(v, (list, tuple)) or not v:
+        raise _Bad(f"{key} is {v!r:.80}, not a non-empty list")
+    groups = list(v) if all(isinstance(g, (list, tuple)) for g in v) else [v]
+    out = []
+    for g in groups:
+        if not isinstance(g, (list, tuple)) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= U32_MAX for b in g
+        ):
+            raise _Bad(f"{key} has {g!r:.80}, not a list of block ids")
+        out.append([int(b) for b in g])
+    if not any(out):
+        raise _Bad(f"{key} holds no block")
+    return out
+
+
+def _attempt(params: dict[str, Any]) -> int:
+    return _int(params, "attempt", 1, U32_MAX, default=1)
+
+
+def is_producer(params: Any) -> bool:
+    """Whether the params ask this server to prefill for a remote decode (P's role)."""
+    return isinstance(params, dict) and bool(params.get("do_remote_decode"))
+
+
+def is_consumer(params: Any) -> bool:
+    """Whether the params ask this server to take its prompt's KV from a producer (D's role)."""
+    return isinstance(params, dict) and bool(params.get("do_remote_prefill"))
+
+
+def producer_transfer(params: Any, request_id: str) -> Transfer | Refused:
+    """P: the transfer of a request whose params carry ``do_remote_decode``.
+
+    Without a ``transfer_id`` the transfer is named after the vLLM request id (vLLM's proxies send
+    none; P hands the id back to D in its ``kv_transfer_params``)."""
+    if not isinstance(params, dict):
+        return Refused(f"kv_transfer_params is {type(params).__name__}, not an object")
+    try:
+        tid = _transfer_id(params, None, request_id)
+        return Transfer(tid, transfer_key(tid), _attempt(params))
+    except _Bad as e:
+        return Refused(str(e))
+
+
+def consumer_transfer(params: Any, mode: str) -> tuple[Transfer, Producer] | Refused:
+    """D: the transfer and producer of a request whose params carry ``do_remote_prefill``.
+
+    The transfer is ``transfer_id``, else ``remote_request_id`` (vLLM's convention: P's request id,
+    which P named the transfer after when no id came). ``mode`` ``pull`` needs ``remote_block_ids``."""
+    if not isinstance(params, dict):
+        return Refused(f"kv_transfer_params is {type(params).__name__}, not an object")
+    try:
+        tid = _transfer_id(params, "remote_request_id", None)
+        transfer = Transfer(tid, transfer_key(tid), _attempt(params))
+        producer = Producer(
+            engine_id=_str(params, "remote_engine_id"),
+            host=_str(params, "remote_host"),
+            port=_int(params, "remote_port", 1, 65535),
+            tp_size=_int(params, "tp_size", 1, 65535, default=1),
+            remote_block_ids=_block_ids(params, "remote_block_ids") if mode == "pull" else None,
+        )
+        return transfer, producer
+    except _Bad as e:
+        return Refused(str(e))

@@ -1,0 +1,268 @@
+"""``describe_kv_caches`` for every layout vLLM's attention backends use, without servers.
+
+Each case builds torch CPU tensors shaped and strided exactly as the backend lays out its KV cache — the
+pre-0.3 backends' ``get_kv_cache_shape`` with their stride orders (a permuted view of the physical
+allocation, as vLLM makes it), and vLLM 0.3x's pages made by vLLM's own ``create_kv_cache_views`` — and
+asserts the placement, order, block geometry and every region (base and length) the engine receives.
+Then the description goes through the native layout (``kvpush.check_layout``: the engine's own
+validation), which must agree on the bytes a block holds and each region's length; and for the layouts
+the connector cannot use, the start-up error must name the backend and the shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+lay = pytest.importorskip("kvpush._layouts", reason="the kvpush package (maturin develop)")
+kvpush = pytest.importorskip("kvpush", reason="the kvpush package (maturin develop)")
+kvi = pytest.importorskip("vllm.v1.kv_cache_interface", reason="vLLM")
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+LAYERS = 3
+HEADS = 4  # this rank's KV heads (the model's, TP 1)
+D = 8  # head size
+N = 16  # block size in tokens
+BLOCKS = 6
+DT = torch.float16
+ES = 2
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def layer_index(name: str) -> int:
+    return int(name.split(".")[2])
+
+
+def describe(caches: dict[str, Any], *, backend: str | None, block_size: int = N, mla: bool = False, **kw: Any):
+    return lay.describe_kv_caches(
+        caches,
+        [(list(caches), 0)],
+        total_layers=LAYERS,
+        total_kv_heads=HEADS,
+        head_dim=kw.pop("head_dim", D),
+        block_size=block_size,
+        layer_index=layer_index,
+        backend=backend,
+        mla=mla,
+        num_blocks=kw.pop("num_blocks", BLOCKS),
+        local_kv_heads=kw.pop("local_kv_heads", HEADS),
+    )
+
+
+def per_layer(make) -> dict[str, Any]:
+    return {n: make() for n in NAMES}
+
+
+def physical(shape: tuple[int, ...], logical_from_physical: tuple[int, ...]) -> Any:
+    """A tensor allocated in ``shape`` (memory order) and viewed permuted to vLLM's logical shape."""
+    return torch.zeros(shape, dtype=DT).permute(*logical_from_physical)
+
+
+def check_native(desc: dict[str, Any]) -> dict[str, Any]:
+    """The engine's own reading of the description: validated, same block bytes and region lengths."""
+    cfg = {k: v for k, v in desc.items() if not k.startswith("_")}
+    got = kvpush.check_layout(cfg)
+    assert got["placement"] == desc["placement"] and got["order"] == desc["order"]
+    assert got["block_stride"] == desc["block_stride"] and got["block_tokens"] == desc["block_tokens"]
+    assert got["regions"] == len(desc["region_bases"])
+    assert all(got["region_len"] == n for n in desc["region_lens"])
+    return got
+
+
+def regions_of(views: list[Any]) -> list[tuple[int, int]]:
+    return [(v.data_ptr(), v.shape[0] * v.stride(0) * ES) for v in views]
+
+
+# ---- vLLM before 0.3: get_kv_cache_shape and stride order
+
+
+@pytest.mark.parametrize("hnd", [False, True])
+def test_flash_attention_separate_k_and_v(hnd: bool) -> None:
+    # FlashAttention: (2, blocks, N, H, D); HND allocates (2, blocks, H, N, D) and permutes back.
+    caches = per_layer(lambda: physical((2, BLOCKS, HEADS, N, D), (0, 1, 3, 2, 4)) if hnd else torch.zeros((2, BLOCKS, N, HEADS, D), dtype=DT))
+    d = describe(caches, backend="FLASH_ATTN")
+    assert (d["placement"], d["order"], d["kv_kind"]) == ("separate", "hnd" if hnd else "nhd", "key_value")
+    assert (d["block_tokens"], d["num_blocks"], d["_blocks_per_block"], d["_local_heads"]) == (N, BLOCKS, 1, HEADS)
+    assert d["block_stride"] == N * HEADS * D * ES
+    want = [r for n in NAMES for r in regions_of([caches[n][0], caches[n][1]])]
+    assert list(zip(d["region_bases"], d["region_lens"])) == want
+    got = check_native(d)
+    assert got["part_bytes"] == N * HEADS * D * ES and got["regions"] == 2 * LAYERS
+
+
+@pytest.mark.parametrize(("backend", "hnd"), [("FLASHINFER", False), ("FLASHINFER", True), ("TRITON_ATTN", False)])
+def test_flashinfer_and_triton_joint_blocks(backend: str, hnd: bool) -> None:
+    # FlashInfer and Triton: (blocks, 2, N, H, D); each block holds its K part then its V part.
+    caches = per_layer(lambda: physical((BLOCKS, 2, HEADS, N, D), (0, 1, 3, 2, 4)) if hnd else torch.zeros((BLOCKS, 2, N, HEADS, D), dtype=DT))
+    d = describe(caches, backend=backend)
+    assert (d["placement"], d["order"]) == ("joint", "hnd" if hnd else "nhd")
+    assert (d["block_tokens"], d["num_blocks"], d["block_stride"]) == (N, BLOCKS, 2 * N * HEADS * D * ES)
+    assert list(zip(d["region_bases"], d["region_lens"])) == regions_of([caches[n] for n in NAMES])
+    assert check_native(d)["part_bytes"] == N * HEADS * D * ES
+
+
+def test_cpu_backend_head_joint() -> None:
+    # vLLM CPU: (blocks, H, N, 2·D); each head holds its K tokens then its V tokens.
+    caches = per_layer(lambda: torch.zeros((BLOCKS, HEADS, N, 2 * D), dtype=DT))
+    d = describe(caches, backend="CPU_ATTN")
+    assert (d["placement"], d["order"], d["block_stride"]) == ("head_joint", "hnd", HEADS * N * 2 * D * ES)
+    assert list(zip(d["region_bases"], d["region_lens"])) == regions_of([caches[n] for n in NAMES])
+    check_native(d)
+    # Without a backend name, host tensors are vLLM CPU's.
+    assert describe(caches, backend=None)["placement"] == "head_joint"
+
+
+def test_mla_latent_one_region_per_layer() -> None:
+    # MLA: (blocks, N, L), one latent vector of L = kv_lora_rank + rope dims per token.
+    latent = 576
+    caches = per_layer(lambda: torch.zeros((BLOCKS, N, latent), dtype=DT))
+    d = describe(caches, backend="FLASHMLA", mla=True, head_dim=latent, local_kv_heads=1)
+    assert (d["placement"], d["kv_kind"], d["kv_heads"], d["head_dim"]) == ("single", "latent", 1, latent)
+    assert d["block_stride"] == N * latent * ES
+    assert list(zip(d["region_bases"], d["region_lens"])) == regions_of([caches[n] for n in NAMES])
+    assert check_native(d)["regions"] == LAYERS
+
+
+def test_kernel_blocks_smaller_than_vllm_blocks() -> None:
+    # A 64-token vLLM block in 16-token kernel blocks: FlashAttention's cache has 4× the blocks.
+    caches = per_layer(lambda: torch.zeros((2, BLOCKS * 4, N, HEADS, D), dtype=DT))
+    d = describe(caches, backend="FLASH_ATTN", block_size=4 * N)
+    assert (d["block_tokens"], d["num_blocks"], d["_blocks_per_block"]) == (N, 4 * BLOCKS, 4)
+    check_native(d)
+    assert lay.expand_block_ids([[2, 0], [5]], 4) == [[8, 9, 10, 11, 0, 1, 2, 3], [20, 21, 22, 23]]
+    assert lay.expand_block_ids([[2, 0]], 1) == [[2, 0]]
+
+
+# ---- vLLM 0.3x: [blocks, H, N, K‖V] pages from vLLM's create_kv_cache_views
+
+
+def pages(layout: Any, *, mla: bool = False, kernel: int | None = None, block_size: int = N) -> dict[str, Any]:
+    if mla:
+        spec = kvi.MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=576, dtype=DT)
+    else:
+        spec = kvi.FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS, head_size=D, dtype=DT)
+    page = spec.page_size_bytes
+    compact = layout.is_layer_compact
+    t = kvi.KVCacheTensor(
+        size=page * BLOCKS * LAYERS,
+        layers=list(NAMES),
+        layer_stride=page * BLOCKS if compact else page,
+        block_stride=page if compact else page * LAYERS,
+    )
+    raw = torch.zeros(t.size, dtype=torch.int8)
+    views = kvi.create_kv_cache_views(raw, spec, BLOCKS, layout, t, kernel_block_size=kernel)
+    return dict(zip(NAMES, views))
+
+
+@pytest.mark.parametrize(("layout", "order"), [(KVCacheLayout.LBHNC, "hnd"), (KVCacheLayout.LBNHC, "nhd")])
+def test_gpu_pages_of_k_v_cells(layout: Any, order: str) -> None:
+    caches = pages(layout)
+    d = describe(caches, backend="FLASH_ATTN")
+    assert (d["placement"], d["order"], d["block_tokens"], d["num_blocks"]) == ("cell_joint", order, N, BLOCKS)
+    assert d["block_stride"] == HEADS * N * 2 * D * ES
+    assert list(zip(d["region_bases"], d["region_lens"])) == regions_of([caches[n] for n in NAMES])
+    assert check_native(d)["part_bytes"] == N * HEADS * D * ES
+
+
+def test_cpu_pages_from_vllm_are_head_joint() -> None:
+    # vLLM 0.32's CPU backend takes LBHNC pages and reads each head as K tokens then V tokens.
+    d = describe(pages(KVCacheLayout.LBHNC), backend="CPU_ATTN")
+    assert (d["placement"], d["order"]) == ("head_joint", "hnd")
+
+
+def test_gpu_pages_with_kernel_blocks() -> None:
+    caches = pages(KVCacheLayout.LBHNC, kernel=N, block_size=4 * N)
+    d = describe(caches, backend="FLASH_ATTN", block_size=4 * N)
+    assert (d["placement"], d["block_tokens"], d["num_blocks"], d["_blocks_per_block"]) == ("cell_joint", N, 4 * BLOCKS, 4)
+    assert d["block_stride"] == HEADS * N * 2 * D * ES
+    check_native(d)
+
+
+def test_mla_pages() -> None:
+    caches = pages(KVCacheLayout.LBHNC, mla=True)
+    d = describe(caches, backend="FLASHMLA", mla=True, head_dim=576, local_kv_heads=1)
+    assert (d["placement"], d["kv_kind"], d["head_dim"], d["block_stride"]) == ("single", "latent", 576, N * 576 * ES)
+    check_native(d)
+
+
+# ---- refused at start-up, naming backend and shape
+
+
+def test_block_outermost_pages_are_refused() -> None:
+    # BLHNC: every block holds all layers' pages, so the layers' regions overlap.
+    caches = pages(KVCacheLayout.BLHNC)
+    with pytest.raises(lay.LayoutUnknown, match=r"FLASH_ATTN.*\(6, 4, 16, 16\).*layers share blocks.*LBHNC"):
+        describe(caches, backend="FLASH_ATTN")
+
+
+@pytest.mark.parametrize(
+    ("make", "backend", "shape"),
+    [
+        (lambda: torch.zeros((BLOCKS, N, HEADS), dtype=DT), "FLASH_ATTN", r"\(6, 16, 4\)"),  # no head dim
+        (lambda: torch.zeros((3, BLOCKS, N, HEADS, D), dtype=DT), "FLASH_ATTN", r"\(3, 6, 16, 4, 8\)"),  # 3 parts
+        (lambda: torch.zeros((2, BLOCKS, N, HEADS, D), dtype=torch.int32), "FLASH_ATTN", "int32"),
+        # Heads outermost (LHBNC): a block is not one run of memory.
+        (lambda: physical((HEADS, BLOCKS, N, 2 * D), (1, 0, 2, 3)), "FLASH_ATTN", r"\(6, 4, 16, 16\)"),
+        # vLLM CPU with token-major pages: its kernels read head-major ones only.
+        (lambda: physical((BLOCKS, N, HEADS, 2 * D), (0, 2, 1, 3)), "CPU_ATTN", r"CPU_ATTN.*\(6, 4, 16, 16\)"),
+        # A block of 24 tokens is not 16-token blocks nor a kernel block of them.
+        (lambda: torch.zeros((2, BLOCKS, 24, HEADS, D), dtype=DT), "FLASH_ATTN", r"\(2, 6, 24, 4, 8\)"),
+    ],
+)
+def test_unknown_layouts_name_backend_and_shape(make: Any, backend: str, shape: str) -> None:
+    with pytest.raises(lay.LayoutUnknown, match=shape) as e:
+        describe(per_layer(make), backend=backend)
+    assert backend in str(e.value) and "block size 16" in str(e.value)
+
+
+def test_wrong_head_count_is_not_read_as_another_layout() -> None:
+    # 4 heads where this rank should hold 2 (TP 2 of 4 heads): refused, not guessed.
+    caches = per_layer(lambda: torch.zeros((2, BLOCKS, N, HEADS, D), dtype=DT))
+    with pytest.raises(lay.LayoutUnknown, match="no known layout"):
+        describe(caches, backend="FLASH_ATTN", local_kv_heads=2)
+
+
+# ---- the worker half hands the engine kernel block ids
+
+
+class _Recorder:
+    """Stands in for the native worker: records calls, returns canned outcomes."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.outcomes: list[tuple[Any, ...]] = []
+
+    def request_finished(self, *args: Any) -> None:
+        self.calls.append(("request_finished", *args))
+
+    def blocks_allocated(self, *args: Any) -> None:
+        self.calls.append(("blocks_allocated", *args))
+
+    def poll(self) -> list[tuple[Any, ...]]:
+        out, self.outcomes = self.outcomes, []
+        return out
+
+
+def test_worker_expands_vllm_block_ids_to_kernel_blocks_and_back() -> None:
+    kvv = pytest.importorskip("kvpush.vllm", reason="vLLM")
+    from kvpush._outcomes import OutcomeMatcher
+
+    w = object.__new__(kvv._Worker)
+    w.native, w.blocks_per_block, w.outcomes = _Recorder(), 4, OutcomeMatcher()
+    w.stats, w.load_errors, w._pending_sent, w._pending_failed = kvv.KVPushStats(), set(), set(), {}
+    p_key, d_key = "1" * 32, "2" * 32
+    meta = kvv.KVPushMetadata(
+        finished=[kvv.Finished("p-req", p_key, 1, [[2, 0]], 128)],
+        receives=[kvv.Receive("d-req", d_key, 1, "prefill-0", "10.0.0.1", 5600, 1, [[5]], 64)],
+    )
+    w.start_load_kv(meta)
+    assert w.native.calls == [
+        ("request_finished", p_key, 1, [[8, 9, 10, 11, 0, 1, 2, 3]], 128),
+        ("blocks_allocated", d_key, 1, "prefill-0", "10.0.0.1", 5600, 1, [[20, 21, 22, 23]], 64),
+    ]
+    # A failure names kernel blocks; vLLM is told its own block.
+    w.native.outcomes = [("failed", d_key, 1, "read failed", [[21, 22]])]
+    assert w.get_finished() == (set(), {"d-req"})
+    assert w.get_block_ids_with_load_errors() == {5}
