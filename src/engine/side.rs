@@ -30,8 +30,10 @@
 //! the engine before its handshake was accepted; a peer that restarted (new incarnation) inheriting
 //! the registrations of its previous process.
 //!
-//! After the handshake each connection has a reader thread (one record at a time; a record that does
-//! not verify, or a frame the engine refuses, closes the connection and is counted) and a writer
+//! After the handshake each connection has a reader thread (one `read` into a fixed buffer of one
+//! record, then every whole record in it is opened; a record that does not verify, or a frame the
+//! engine refuses, closes the connection and is counted; silence counts from the last record that
+//! verified) and a writer
 //! thread (a bounded queue of frames, and a heartbeat when idle). A peer that closes, errs or stays
 //! silent past the peer timeout is lost: the engine fails everything in flight with it.
 
@@ -359,6 +361,14 @@ impl Auth {
         }
     }
 
+    /// Noise with the pre-shared key derived from `secret`.
+    fn from_secret(secret: &[u8]) -> Auth {
+        let mut h = Sha256::new();
+        h.update(PSK_LABEL);
+        h.update(secret);
+        Auth::Psk { key: h.finalize().into(), process_local: false }
+    }
+
     /// Resolves the configured secret (see [`SideConfig::secret`]) for a listener bound to `local`.
     fn resolve(config: &SideConfig, local: SocketAddr) -> Result<Auth, SideError> {
         let fail = |reason: String| SideError::Config { listen: config.listen.clone(), reason };
@@ -373,10 +383,7 @@ impl Auth {
                 if s.len() < 16 {
                     tracing::warn!(listen = %config.listen, len = s.len(), "side-channel secret shorter than 16 bytes: a recorded handshake lets anyone guess it offline; use 32 random bytes");
                 }
-                let mut h = Sha256::new();
-                h.update(PSK_LABEL);
-                h.update(s);
-                Ok(Auth::Psk { key: h.finalize().into(), process_local: false })
+                Ok(Auth::from_secret(s))
             }
             (None, true) => {
                 tracing::warn!(listen = %config.listen, "side channel in INSECURE mode: peers are not authenticated; anyone who reaches this port can register transfers and read KV metadata");
@@ -390,6 +397,56 @@ impl Auth {
                 "no shared secret for a listener reachable from the network; set ${SECRET_ENV} (the connector's `secret`) on every engine, or set ${INSECURE_ENV}=1 (`insecure: true`) to run without authentication"
             ))),
         }
+    }
+
+    /// Runs the Noise handshake on `stream` (after the greetings) and returns the session.
+    fn authenticate(&self, wire: &mut Wire<'_>, role: Role, prologue: &[u8]) -> Result<TransportState, SideError> {
+        let peer = wire.peer.to_owned();
+        let noise_err = |e: snow::Error| SideError::Protocol { peer: peer.clone(), detail: format!("noise: {e}") };
+        let builder = match self {
+            Auth::Psk { key, .. } => {
+                snow::Builder::new(NOISE_PSK.parse().map_err(noise_err)?).psk(0, key).map_err(noise_err)?
+            }
+            Auth::Insecure => snow::Builder::new(NOISE_INSECURE.parse().map_err(noise_err)?),
+        }
+        .prologue(prologue)
+        .map_err(noise_err)?;
+        let mut hs: HandshakeState = match role {
+            Role::Dialer => builder.build_initiator(),
+            Role::Listener => builder.build_responder(),
+        }
+        .map_err(noise_err)?;
+        let mut msg = [0u8; MAX_PRE_AUTH_RECORD];
+        let mut payload = [0u8; MAX_PRE_AUTH_RECORD];
+        let hint = match self {
+            Auth::Psk { process_local: true, .. } => format!(
+                "this side has no secret configured (a per-process key, for peers in this process only): set the same ${SECRET_ENV} on both sides"
+            ),
+            _ => "the shared secrets differ (or one side is in insecure mode)".to_owned(),
+        };
+        let auth_failed = |detail: String| SideError::Auth { peer: peer.clone(), detail };
+        match role {
+            Role::Dialer => {
+                let n = hs.write_message(&[], &mut msg).map_err(noise_err)?;
+                wire.write_record(&msg[..n], "sending the first handshake message")?;
+                let r = match wire.read_record(&mut msg, MAX_PRE_AUTH_RECORD, "before authentication") {
+                    Err(SideError::Io { source, .. }) if source.kind() == std::io::ErrorKind::UnexpectedEof => {
+                        return Err(auth_failed(format!("the peer closed the connection: {hint}")))
+                    }
+                    r => r?,
+                };
+                hs.read_message(r, &mut payload)
+                    .map_err(|e| auth_failed(format!("the peer's handshake message does not verify ({e}): {hint}")))?;
+            }
+            Role::Listener => {
+                let r = wire.read_record(&mut msg, MAX_PRE_AUTH_RECORD, "before authentication")?;
+                hs.read_message(r, &mut payload)
+                    .map_err(|e| auth_failed(format!("the peer's handshake message does not verify ({e}): {hint}")))?;
+                let n = hs.write_message(&[], &mut msg).map_err(noise_err)?;
+                wire.write_record(&msg[..n], "sending the second handshake message")?;
+            }
+        }
+        hs.into_transport_mode().map_err(noise_err)
     }
 }
 
@@ -816,32 +873,99 @@ fn seal(noise: &mut TransportState, msg: &[u8], out: &mut Vec<u8>, scratch: &mut
     }
 }
 
-/// The per-connection buffers of an authenticated channel.
+/// Encrypts `frame` into `out` (cleared first) and writes it: what a connection's writer does per
+/// frame.
+fn seal_and_write(
+    writer: &mut TcpStream,
+    noise: &Mutex<TransportState>,
+    frame: &[u8],
+    out: &mut Vec<u8>,
+    scratch: &mut Vec<u8>,
+) -> Result<(), String> {
+    out.clear();
+    let sealed = seal(&mut lock(noise), frame, out, scratch);
+    match sealed {
+        Ok(()) => writer.write_all(out).map_err(|e| format!("write failed: {e}")),
+        Err(e) => Err(format!("cannot encrypt a frame: {e}")),
+    }
+}
+
+/// The per-connection buffers of an authenticated channel: bytes read and not yet opened
+/// (`inbound[start..end]`; after [`Opener::fill`] compacts them, at most one partial record), and one
+/// record's plaintext. Both are allocated once, when the peer has proven the key.
 struct Opener {
-    record: Vec<u8>,
+    inbound: Vec<u8>,
+    start: usize,
+    end: usize,
     plain: Vec<u8>,
+    /// When a record last verified: the peer's last sign of life.
+    last_record: Instant,
 }
 
 impl Opener {
     fn new() -> Self {
-        Self { record: vec![0u8; MAX_RECORD], plain: vec![0u8; MAX_RECORD] }
+        Self {
+            inbound: vec![0u8; 2 + MAX_RECORD],
+            start: 0,
+            end: 0,
+            plain: vec![0u8; MAX_RECORD],
+            last_record: Instant::now(),
+        }
     }
 
-    /// Decrypts one record (`self.record[..len]`) and appends its chunk to `msg`, refusing to grow
+    /// Reads what the socket has (one `read`) after the bytes not yet opened; `Ok(0)`: closed.
+    fn fill(&mut self, stream: &mut TcpStream) -> std::io::Result<usize> {
+        if self.start > 0 {
+            self.inbound.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        // What is left is less than one whole record (2 + MAX_RECORD bytes), so there is room.
+        let n = stream.read(&mut self.inbound[self.end..])?;
+        self.end += n;
+        Ok(n)
+    }
+
+    /// Opens the whole records already read, appending their chunks to `msg`, until a message is
+    /// complete (`true`) or no whole record is left (`false`): what a connection's reader does between
+    /// reads. One `read` usually brings a whole frame, so a frame costs one system call here.
+    fn open_buffered(
+        &mut self,
+        noise: &Mutex<TransportState>,
+        msg: &mut Vec<u8>,
+        peer: &str,
+    ) -> Result<bool, SideError> {
+        loop {
+            let avail = &self.inbound[self.start..self.end];
+            let Some(&[hi, lo]) = avail.first_chunk::<2>() else { return Ok(false) };
+            let len = usize::from(u16::from_be_bytes([hi, lo]));
+            if avail.len() < 2 + len {
+                return Ok(false);
+            }
+            let record = self.start + 2..self.start + 2 + len;
+            self.start = record.end;
+            if self.open(noise, record, msg, MAX_FRAME, peer, "in a frame")? {
+                return Ok(true);
+            }
+        }
+    }
+
+    /// Decrypts one record (`self.inbound[record]`) and appends its chunk to `msg`, refusing to grow
     /// `msg` past `max`. Returns whether the message is complete.
     fn open(
         &mut self,
         noise: &Mutex<TransportState>,
-        len: usize,
+        record: std::ops::Range<usize>,
         msg: &mut Vec<u8>,
         max: usize,
         peer: &str,
         state: &'static str,
     ) -> Result<bool, SideError> {
-        let n = lock(noise).read_message(&self.record[..len], &mut self.plain).map_err(|e| SideError::Auth {
+        let n = lock(noise).read_message(&self.inbound[record], &mut self.plain).map_err(|e| SideError::Auth {
             peer: peer.to_owned(),
             detail: format!("a record does not verify ({e}): forged, replayed, reflected or out of order"),
         })?;
+        self.last_record = Instant::now();
         let Some((&more, chunk)) = self.plain[..n].split_first() else {
             return Err(SideError::Protocol { peer: peer.to_owned(), detail: "an empty record".into() });
         };
@@ -874,8 +998,9 @@ impl Channel<'_> {
     fn recv(&mut self, max: usize, state: &'static str) -> Result<Vec<u8>, SideError> {
         let mut msg = Vec::new();
         loop {
-            let len = self.wire.read_record(&mut self.opener.record, MAX_RECORD, state)?.len();
-            if self.opener.open(&self.noise, len, &mut msg, max, self.wire.peer, state)? {
+            // Exact reads: nothing past the handshake's last record is taken from the socket here.
+            let len = self.wire.read_record(&mut self.opener.inbound, MAX_RECORD, state)?.len();
+            if self.opener.open(&self.noise, 0..len, &mut msg, max, self.wire.peer, state)? {
                 return Ok(msg);
             }
         }
@@ -906,56 +1031,6 @@ impl Inner {
         a.total += 1;
         *a.per_address.entry(ip).or_insert(0) += 1;
         Some(Slot { inner: Arc::downgrade(this), ip })
-    }
-
-    /// Runs the Noise handshake on `stream` (after the greetings) and returns the session.
-    fn authenticate(&self, wire: &mut Wire<'_>, role: Role, prologue: &[u8]) -> Result<TransportState, SideError> {
-        let peer = wire.peer.to_owned();
-        let noise_err = |e: snow::Error| SideError::Protocol { peer: peer.clone(), detail: format!("noise: {e}") };
-        let builder = match &self.auth {
-            Auth::Psk { key, .. } => {
-                snow::Builder::new(NOISE_PSK.parse().map_err(noise_err)?).psk(0, key).map_err(noise_err)?
-            }
-            Auth::Insecure => snow::Builder::new(NOISE_INSECURE.parse().map_err(noise_err)?),
-        }
-        .prologue(prologue)
-        .map_err(noise_err)?;
-        let mut hs: HandshakeState = match role {
-            Role::Dialer => builder.build_initiator(),
-            Role::Listener => builder.build_responder(),
-        }
-        .map_err(noise_err)?;
-        let mut msg = [0u8; MAX_PRE_AUTH_RECORD];
-        let mut payload = [0u8; MAX_PRE_AUTH_RECORD];
-        let hint = match &self.auth {
-            Auth::Psk { process_local: true, .. } => format!(
-                "this side has no secret configured (a per-process key, for peers in this process only): set the same ${SECRET_ENV} on both sides"
-            ),
-            _ => "the shared secrets differ (or one side is in insecure mode)".to_owned(),
-        };
-        let auth_failed = |detail: String| SideError::Auth { peer: peer.clone(), detail };
-        match role {
-            Role::Dialer => {
-                let n = hs.write_message(&[], &mut msg).map_err(noise_err)?;
-                wire.write_record(&msg[..n], "sending the first handshake message")?;
-                let r = match wire.read_record(&mut msg, MAX_PRE_AUTH_RECORD, "before authentication") {
-                    Err(SideError::Io { source, .. }) if source.kind() == std::io::ErrorKind::UnexpectedEof => {
-                        return Err(auth_failed(format!("the peer closed the connection: {hint}")))
-                    }
-                    r => r?,
-                };
-                hs.read_message(r, &mut payload)
-                    .map_err(|e| auth_failed(format!("the peer's handshake message does not verify ({e}): {hint}")))?;
-            }
-            Role::Listener => {
-                let r = wire.read_record(&mut msg, MAX_PRE_AUTH_RECORD, "before authentication")?;
-                hs.read_message(r, &mut payload)
-                    .map_err(|e| auth_failed(format!("the peer's handshake message does not verify ({e}): {hint}")))?;
-                let n = hs.write_message(&[], &mut msg).map_err(noise_err)?;
-                wire.write_record(&msg[..n], "sending the second handshake message")?;
-            }
-        }
-        hs.into_transport_mode().map_err(noise_err)
     }
 
     /// Handshakes on `stream` (greetings, Noise, hellos, verdicts) before `deadline` and, if both
@@ -1011,7 +1086,7 @@ impl Inner {
         prologue.extend_from_slice(second);
 
         // 2. Noise: both prove the key, bound to both greetings.
-        let noise = this.authenticate(&mut wire, role, &prologue)?;
+        let noise = this.auth.authenticate(&mut wire, role, &prologue)?;
         let mut ch = Channel { wire, noise: Mutex::new(noise), opener: Opener::new(), scratch: Vec::new() };
 
         // 3. Hellos. The listener reads the dialer's first (proof that the dialer holds the session
@@ -1208,13 +1283,8 @@ fn write_loop(
         if conn.closed.load(Ordering::SeqCst) {
             return;
         }
-        out.clear();
-        let sealed = seal(&mut lock(&noise), &frame, &mut out, &mut scratch);
         let sending_from = Instant::now();
-        let written = match sealed {
-            Ok(()) => writer.write_all(&out).map_err(|e| format!("write failed: {e}")),
-            Err(e) => Err(format!("cannot encrypt a frame: {e}")),
-        };
+        let written = seal_and_write(&mut writer, &noise, &frame, &mut out, &mut scratch);
         if let Err(reason) = written {
             if let Some(inner) = inner.upgrade() {
                 Inner::lost(&inner, &conn, &reason);
@@ -1238,7 +1308,6 @@ fn read_loop(
     noise: Arc<Mutex<TransportState>>,
     mut opener: Opener,
 ) {
-    let mut last_seen = Instant::now();
     let peer_name = conn.peer.to_string();
     let mut msg = Vec::new();
     loop {
@@ -1247,39 +1316,31 @@ fn read_loop(
             return;
         }
         let timeout = this.config.peer_timeout;
-        // Wait for a record's first byte, checking for silence; the rest of the record must follow
-        // within the peer timeout.
-        let mut first = [0u8; 1];
-        match stream.read(&mut first) {
-            Ok(0) => {
-                Inner::lost(&this, &conn, "connection closed");
-                return;
-            }
-            Ok(_) => {}
-            Err(e) if is_retry(&e) => {
-                if last_seen.elapsed() > timeout {
-                    Inner::lost(&this, &conn, &format!("silent for {:?}", last_seen.elapsed()));
+        match opener.open_buffered(&noise, &mut msg, &peer_name) {
+            Ok(true) => {}
+            Ok(false) => {
+                // Wait for more bytes (the socket's timeout is the heartbeat). Silence is counted
+                // from the last record that verified, so bytes trickled without completing a
+                // record do not keep a connection alive.
+                match opener.fill(&mut stream) {
+                    Ok(0) => {
+                        Inner::lost(&this, &conn, "connection closed");
+                        return;
+                    }
+                    Ok(_) => {}
+                    Err(e) if is_retry(&e) => {}
+                    Err(e) => {
+                        Inner::lost(&this, &conn, &format!("read failed: {e}"));
+                        return;
+                    }
+                }
+                let silent = opener.last_record.elapsed();
+                if silent > timeout {
+                    Inner::lost(&this, &conn, &format!("silent for {silent:?}"));
                     return;
                 }
                 continue;
             }
-            Err(e) => {
-                Inner::lost(&this, &conn, &format!("read failed: {e}"));
-                return;
-            }
-        }
-        let deadline = Instant::now() + timeout;
-        let mut wire = Wire { stream: &mut stream, deadline, timeout, peer: &peer_name };
-        let mut second = [0u8; 1];
-        let read = wire.read_exact(&mut second, "reading a record").and_then(|()| {
-            let len = usize::from(u16::from_be_bytes([first[0], second[0]]));
-            wire.read_exact(&mut opener.record[..len], "reading a record")?;
-            Ok(len)
-        });
-        let opened = read.and_then(|len| opener.open(&noise, len, &mut msg, MAX_FRAME, &peer_name, "in a frame"));
-        match opened {
-            Ok(false) => continue,
-            Ok(true) => {}
             Err(e) => {
                 let e = this.counters.count(e);
                 tracing::warn!(peer = %peer_name, error = %e, "side-channel record refused; closing the connection");
@@ -1287,7 +1348,6 @@ fn read_loop(
                 return;
             }
         }
-        last_seen = Instant::now();
         let frame = std::mem::take(&mut msg);
         this.counters.frames_in.fetch_add(1, Ordering::Relaxed);
         if frame.len() > 4 && frame[4] == codec::Kind::Heartbeat as u8 {
