@@ -1362,3 +1362,79 @@ fn read_loop(
         }
     }
 }
+
+/// One authenticated session over a loopback TCP connection, for measuring what the channel costs
+/// per frame (`benches/side_channel.rs`): the real Noise handshake with a pre-shared key, then frames
+/// sealed and written as a connection's writer thread does, read and opened as its reader thread
+/// does, both ends on the calling thread. Not a way to talk to peers.
+#[doc(hidden)]
+pub struct LoopbackSession {
+    tx: TcpStream,
+    tx_noise: Mutex<TransportState>,
+    out: Vec<u8>,
+    scratch: Vec<u8>,
+    rx: TcpStream,
+    rx_noise: Mutex<TransportState>,
+    opener: Opener,
+    msg: Vec<u8>,
+}
+
+impl fmt::Debug for LoopbackSession {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LoopbackSession").finish_non_exhaustive()
+    }
+}
+
+impl LoopbackSession {
+    /// Connects two sockets on loopback and runs the handshake between them with `secret`.
+    pub fn new(secret: &[u8]) -> Result<LoopbackSession, SideError> {
+        let timeout = Duration::from_secs(10);
+        let listener = TcpListener::bind("127.0.0.1:0").map_err(io("listening on loopback"))?;
+        let addr = listener.local_addr().map_err(io("reading the listening address"))?;
+        let mut tx = TcpStream::connect(addr).map_err(io("connecting on loopback"))?;
+        let (rx, _) = listener.accept().map_err(io("accepting on loopback"))?;
+        for s in [&tx, &rx] {
+            s.set_nodelay(true).map_err(io("setting TCP_NODELAY"))?;
+        }
+        let auth = Auth::from_secret(secret);
+        let (listener_auth, deadline) = (auth.clone(), Instant::now() + timeout);
+        let responder = std::thread::spawn(move || {
+            let mut rx = rx;
+            let mut wire = Wire { stream: &mut rx, deadline, timeout, peer: "the bench's dialer" };
+            listener_auth.authenticate(&mut wire, Role::Listener, PROLOGUE_LABEL).map(|n| (rx, n))
+        });
+        let mut wire = Wire { stream: &mut tx, deadline, timeout, peer: "the bench's listener" };
+        let tx_noise = auth.authenticate(&mut wire, Role::Dialer, PROLOGUE_LABEL)?;
+        let (rx, rx_noise) = responder.join().map_err(|_| SideError::Closed)??;
+        Ok(LoopbackSession {
+            tx,
+            tx_noise: Mutex::new(tx_noise),
+            out: Vec::new(),
+            scratch: Vec::new(),
+            rx,
+            rx_noise: Mutex::new(rx_noise),
+            opener: Opener::new(),
+            msg: Vec::new(),
+        })
+    }
+
+    /// Seals `frame` and writes it to the dialer's socket.
+    pub fn send(&mut self, frame: &[u8]) -> Result<(), SideError> {
+        seal_and_write(&mut self.tx, &self.tx_noise, frame, &mut self.out, &mut self.scratch)
+            .map_err(|detail| SideError::Protocol { peer: "the bench's listener".into(), detail })
+    }
+
+    /// Reads the next message on the listener's socket, verifies and decrypts it.
+    pub fn recv(&mut self) -> Result<&[u8], SideError> {
+        self.msg.clear();
+        while !self.opener.open_buffered(&self.rx_noise, &mut self.msg, "the bench's dialer")? {
+            if self.opener.fill(&mut self.rx).map_err(io("reading a record"))? == 0 {
+                return Err(SideError::Io {
+                    what: "reading a record".into(),
+                    source: std::io::ErrorKind::UnexpectedEof.into(),
+                });
+            }
+        }
+        Ok(&self.msg)
+    }
+}
