@@ -33,6 +33,7 @@ use crate::proto::msg::{check_block_lists, Handshake, Message, Mode, RangeError}
 use crate::proto::rendezvous::{ReleaseReason, RendezvousConfig, SourceBlocks};
 use crate::proto::{Key, Rank};
 use crate::transport::staged::{Staged, StagingConfig, StagingCounts};
+use crate::transport::trust::{DataKeys, DataPathCounts, Trusted};
 use crate::transport::{Transport, TransportError, Units};
 
 pub mod link;
@@ -319,6 +320,8 @@ pub(crate) struct Shared {
     pub(crate) shards: Vec<ShardHandle>,
     pub(crate) outbox: Outbox<Finished>,
     pub(crate) transport: Arc<dyn Transport>,
+    /// The data-path trust wrapper (under staging): which agents' notifications count.
+    pub(crate) trusted: Arc<Trusted>,
     /// The staging wrapper around the transport, where staging is on.
     pub(crate) staged: Option<Arc<Staged>>,
     pub(crate) link: Arc<dyn ControlLink>,
@@ -393,11 +396,13 @@ impl Shared {
         })
     }
 
-    /// See [`Engine::add_peer`].
+    /// See [`Engine::add_peer`]. `keys`: the data-path keys of an authenticated handshake (`None`
+    /// where the application added the peer itself).
     pub(crate) fn add_peer(
         &self,
         peer: &Handshake,
         incarnation: Option<side::Incarnation>,
+        keys: Option<DataKeys>,
     ) -> Result<PeerAddr, EngineError> {
         let mine = self.handshake()?;
         compat::check(&mine, peer)?;
@@ -428,6 +433,7 @@ impl Shared {
             self.transport.drop_peer(&gone.agent);
         }
         let agent = self.transport.load_remote(&peer.agent_metadata)?;
+        self.trusted.trust(&agent, keys);
         if let Err(e) = self.transport.prepare(Some(&agent), &units(&peer.layout)) {
             tracing::warn!(worker = %self.me, peer = %agent, error = %e, "cannot prepare the peer's descriptor list");
         }
@@ -492,8 +498,13 @@ impl side::Endpoint for Shared {
     fn local_handshake(&self) -> Result<Handshake, EngineError> {
         self.handshake()
     }
-    fn add_peer(&self, peer: &Handshake, incarnation: side::Incarnation) -> Result<PeerAddr, EngineError> {
-        Shared::add_peer(self, peer, Some(incarnation))
+    fn add_peer(
+        &self,
+        peer: &Handshake,
+        incarnation: side::Incarnation,
+        keys: DataKeys,
+    ) -> Result<PeerAddr, EngineError> {
+        Shared::add_peer(self, peer, Some(incarnation), Some(keys))
     }
     fn deliver(&self, from: &PeerAddr, incarnation: side::Incarnation, frame: &[u8]) -> Result<(), EngineError> {
         self.handle_frame(from, Some(incarnation), frame)
@@ -549,6 +560,9 @@ impl Engine {
         link: Arc<dyn ControlLink>,
     ) -> Result<Engine, EngineError> {
         layout.validate()?;
+        // Notifications are attributed below staging, so staging's own messages are covered too.
+        let trusted = Arc::new(Trusted::new(transport));
+        let transport: Arc<dyn Transport> = trusted.clone();
         // Staging wraps the transport before anything is registered, so it knows the KV regions.
         let mut staged = None;
         let transport = match config.staging.resolve(device.kind()) {
@@ -599,6 +613,7 @@ impl Engine {
             shards,
             outbox: Outbox::new(),
             transport,
+            trusted,
             staged,
             link,
             regions,
@@ -646,8 +661,10 @@ impl Engine {
 
     /// Accepts a peer worker from its handshake: checks compatibility (refusing with every differing
     /// field) and loads its transport metadata. A peer that was known already is replaced (restart).
+    /// The caller vouches for it: its notifications count by the agent name they claim (peers met
+    /// over the side channel are authenticated instead; docs/security.md).
     pub fn add_peer(&self, peer: &Handshake) -> Result<PeerAddr, EngineError> {
-        self.shared.add_peer(peer, None)
+        self.shared.add_peer(peer, None, None)
     }
 
     /// The endpoint a [`side::SideChannel`] serves for this worker (held weakly by it).
@@ -720,6 +737,12 @@ impl Engine {
     /// lost are forgotten until they handshake again).
     pub fn knows_engine(&self, engine_id: &str) -> bool {
         self.shared.any_peer_of(engine_id).is_some()
+    }
+
+    /// Notifications dropped because no authenticated peer sent them (see
+    /// [`crate::transport::trust`]).
+    pub fn data_path_counts(&self) -> DataPathCounts {
+        self.shared.trusted.counts()
     }
 
     /// What staging did (`None` where staging is off).

@@ -11,7 +11,8 @@
 //! Noise       Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s (Noise_NN_… in insecure mode), prologue =
 //!             "kvpush side channel v2" | dialer's greeting | listener's greeting;
 //!             dialer → "psk, e" ; listener → "e, ee"
-//! dialer      → hello: 16-byte incarnation | Handshake frame (agent metadata, layout) (encrypted)
+//! dialer      → hello: 16-byte incarnation | 32-byte data-path key | Handshake frame (agent
+//!               metadata, layout)                                                      (encrypted)
 //! listener    → hello                                                                  (encrypted)
 //! both        → verdict: 0, or 1 + the reason (UTF-8)                                  (encrypted)
 //! ```
@@ -24,6 +25,8 @@
 //! session to the shared secret, both roles and both engine ids: a relay that splices two handshakes
 //! or reflects one gets no session. The agent metadata travels only inside the channel, and the
 //! listener sends its own only after the dialer's hello proved the dialer holds the session keys.
+//! The data-path key in a hello is the one its sender verifies the peer's NIXL notifications with
+//! (drawn per connection; [`crate::transport::trust`]).
 //!
 //! What must never happen here: an unauthenticated peer costing more than a handshake slot, a
 //! thread and a few hundred bytes for at most the handshake deadline; a frame from a peer reaching
@@ -57,6 +60,7 @@ use crate::proto::compat;
 use crate::proto::msg::{Handshake, Heartbeat, Message, MAX_ENGINE_ID};
 use crate::proto::Rank;
 use crate::sync::lock;
+use crate::transport::trust::DataKeys;
 
 const MAGIC: &[u8; 8] = b"KVPSIDE2";
 /// Version of the side channel's framing (not the proto codec's, which the handshake checks).
@@ -77,8 +81,8 @@ const MAX_RECORD: usize = 65_535;
 const TAG_LEN: usize = 16;
 /// Plaintext per record: the record, less the tag and the continuation flag.
 const MAX_CHUNK: usize = MAX_RECORD - TAG_LEN - 1;
-/// Longest hello: incarnation and the largest Handshake frame the codec accepts.
-const MAX_HELLO: usize = 16 + HEADER_LEN + codec::MAX_HANDSHAKE_PAYLOAD as usize;
+/// Longest hello: incarnation, data-path key and the largest Handshake frame the codec accepts.
+const MAX_HELLO: usize = 16 + 32 + HEADER_LEN + codec::MAX_HANDSHAKE_PAYLOAD as usize;
 /// Longest verdict (a refusal reason is cut to fit).
 const MAX_VERDICT: usize = 4096;
 /// Longest control frame after the handshake.
@@ -93,7 +97,9 @@ pub trait Endpoint: Send + Sync {
     /// Accepts a peer whose handshake passed the checks (loads its transport metadata). A known
     /// peer that comes back with another `incarnation` restarted: what was in flight with its
     /// previous process fails.
-    fn add_peer(&self, peer: &Handshake, incarnation: Incarnation) -> Result<PeerAddr, EngineError>;
+    /// `keys` tag the peer's notifications on the data path (each side drew its receive key and sent
+    /// it in its hello).
+    fn add_peer(&self, peer: &Handshake, incarnation: Incarnation, keys: DataKeys) -> Result<PeerAddr, EngineError>;
     /// Takes one control frame from the peer's `incarnation`; refuses it if the peer has since come
     /// back as another.
     fn deliver(&self, from: &PeerAddr, incarnation: Incarnation, frame: &[u8]) -> Result<(), EngineError>;
@@ -1094,7 +1100,9 @@ impl Inner {
         let local = endpoint.local_handshake().map_err(|e| refused(e.to_string()))?;
         let frame = codec::to_vec(&Message::Handshake(Box::new(local.clone())))
             .map_err(|e| refused(format!("cannot encode our handshake: {e}")))?;
+        let recv_key = random::<32>("a data-path key")?;
         let mut hello = this.incarnation.0.to_le_bytes().to_vec();
+        hello.extend_from_slice(&recv_key);
         hello.extend_from_slice(&frame);
         let peer_hello = match role {
             Role::Dialer => {
@@ -1109,8 +1117,11 @@ impl Inner {
         };
 
         // 4. Verdicts: identity (the engine id and rank of the greeting), decoding, compatibility.
-        let verdict: Result<(Handshake, Incarnation), String> = (|| {
-            let Some((inc, frame)) = peer_hello.split_first_chunk::<16>() else {
+        let verdict: Result<(Handshake, Incarnation, DataKeys), String> = (|| {
+            let Some((inc, rest)) = peer_hello.split_first_chunk::<16>() else {
+                return Err("the peer's hello is truncated".into());
+            };
+            let Some((send_key, frame)) = rest.split_first_chunk::<32>() else {
                 return Err("the peer's hello is truncated".into());
             };
             let hs = match codec::decode(frame, None) {
@@ -1128,7 +1139,7 @@ impl Inner {
                 ));
             }
             compat::check(&local, &hs).map_err(|e| e.to_string())?;
-            Ok((hs, Incarnation(u128::from_le_bytes(*inc))))
+            Ok((hs, Incarnation(u128::from_le_bytes(*inc)), DataKeys { send: *send_key, recv: recv_key }))
         })();
         let mut v = Vec::new();
         match &verdict {
@@ -1149,7 +1160,7 @@ impl Inner {
             Some((_, reason)) => Err(format!("the peer refused: {}", String::from_utf8_lossy(reason))),
             None => Err("the peer's verdict is empty".to_owned()),
         };
-        let (hs, incarnation) = verdict.map_err(refused)?;
+        let (hs, incarnation, keys) = verdict.map_err(refused)?;
         theirs_ok.map_err(refused)?;
         let Channel { noise, opener, .. } = ch;
 
@@ -1167,7 +1178,7 @@ impl Inner {
         let known = lock(&this.conns)
             .get(&PeerAddr { engine: hs.engine_id.clone(), rank: hs.layout.parallel.rank() })
             .map(|c| c.incarnation);
-        let peer = endpoint.add_peer(&hs, incarnation).map_err(|e| refused(e.to_string()))?;
+        let peer = endpoint.add_peer(&hs, incarnation, keys).map_err(|e| refused(e.to_string()))?;
         if known.is_some_and(|k| k != incarnation) {
             this.counters.restarts.fetch_add(1, Ordering::Relaxed);
         }

@@ -620,3 +620,146 @@ fn insecure_and_authenticated_peers_do_not_mix() {
     let s: SideStats = p.side.stats();
     assert_eq!(s.handshakes, 0);
 }
+
+// ------------------------------------------------------------------------------------------------
+// The data path. NIXL's UCX backend takes a notification's sender name from the message itself
+// (docs/security.md, "Data path"), so the wire can claim any agent. `Wire` stands for that: the
+// transport an engine is given, delivering whatever the test injects under whatever name.
+
+struct Wire {
+    inner: kvpush::transport::loopback::LoopbackTransport,
+    injected: Mutex<Vec<kvpush::transport::Notification>>,
+    waker: Mutex<Option<kvpush::transport::Waker>>,
+}
+
+impl std::fmt::Debug for Wire {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Wire")
+    }
+}
+
+impl Wire {
+    /// Delivers `msg` as if agent `from` had sent it, and wakes the engine.
+    fn inject(&self, from: &str, msg: Vec<u8>) {
+        self.injected.lock().expect("lock").push(kvpush::transport::Notification { from: from.to_owned(), msg });
+        let waker = self.waker.lock().expect("lock").clone();
+        waker.expect("the engine installed its waker")();
+    }
+}
+
+impl kvpush::transport::Transport for Wire {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    unsafe fn register(&self, region: &kvpush::device::MemRegion) -> Result<(), kvpush::transport::TransportError> {
+        // SAFETY: passed on unchanged; the engine that calls this upholds `register`'s contract.
+        unsafe { self.inner.register(region) }
+    }
+    fn deregister(&self, region: &kvpush::device::MemRegion) -> Result<(), kvpush::transport::TransportError> {
+        self.inner.deregister(region)
+    }
+    fn local_metadata(&self) -> Result<Vec<u8>, kvpush::transport::TransportError> {
+        self.inner.local_metadata()
+    }
+    fn load_remote(&self, metadata: &[u8]) -> Result<String, kvpush::transport::TransportError> {
+        self.inner.load_remote(metadata)
+    }
+    fn drop_peer(&self, peer: &str) {
+        self.inner.drop_peer(peer)
+    }
+    fn post(
+        &self,
+        op: kvpush::transport::Op,
+        peer: &str,
+        descs: &[kvpush::transport::Desc],
+        notif: Option<&[u8]>,
+    ) -> Result<kvpush::transport::XferId, kvpush::transport::TransportError> {
+        self.inner.post(op, peer, descs, notif)
+    }
+    fn poll(
+        &self,
+        id: kvpush::transport::XferId,
+    ) -> Result<kvpush::transport::XferState, kvpush::transport::TransportError> {
+        self.inner.poll(id)
+    }
+    fn take_notifications(
+        &self,
+        out: &mut Vec<kvpush::transport::Notification>,
+    ) -> Result<usize, kvpush::transport::TransportError> {
+        let mut injected = std::mem::take(&mut *self.injected.lock().expect("lock"));
+        let n = injected.len() + self.inner.take_notifications(out)?;
+        out.append(&mut injected);
+        Ok(n)
+    }
+    fn send_notification(&self, peer: &str, msg: &[u8]) -> Result<(), kvpush::transport::TransportError> {
+        self.inner.send_notification(peer, msg)
+    }
+    fn set_waker(&self, waker: kvpush::transport::Waker) {
+        *self.waker.lock().expect("lock") = Some(waker.clone());
+        self.inner.set_waker(waker)
+    }
+    fn needs_polling(&self) -> bool {
+        self.inner.needs_polling()
+    }
+}
+
+#[test]
+fn a_forged_notification_does_not_complete_a_request() {
+    use kvpush::proto::codec;
+    use kvpush::proto::msg::{Completion, Message};
+    let fabric = Fabric::new();
+    let p = worker("prefill", Mode::Push, &fabric, Some(SECRET));
+    // D's worker, on the tapped wire.
+    let dev: Arc<dyn Device> = Arc::new(HostDevice::new());
+    let mut l = layouts::separate(layouts::full_model(2, 2, 16), 64, Parallel::SINGLE);
+    let buffers = layouts::allocate(&mut l, dev.as_ref()).expect("host memory");
+    let side = Arc::new(SideChannel::bind(side_config(Some(SECRET))).expect("bind"));
+    let wire = Arc::new(Wire {
+        inner: fabric.endpoint("decode").expect("endpoint"),
+        injected: Mutex::new(Vec::new()),
+        waker: Mutex::new(None),
+    });
+    let mut config = Config::new("decode", Mode::Push);
+    config.completion.timeout_us = 10_000_000;
+    // SAFETY: the regions are `buffers`, which outlive the engine (dropped first, below).
+    let engine = unsafe { Engine::new(config, l, dev, wire.clone(), side.clone()) }.expect("engine");
+    side.serve(engine.endpoint());
+    let d = Worker { engine, side, buffers };
+    d.side.connect(p.side.local_addr()).expect("handshake");
+
+    let key = Key::new(21, 1);
+    let (pb, db) = (vec![vec![7u32, 8]], vec![vec![3u32, 4]]);
+    d.engine.blocks_allocated(key, "prefill", db.clone(), 32).expect("register");
+    until("P holds the registration", || p.engine.stats().counters.registrations == 1, stats_of(&p));
+    // P's rank says its part landed: once under P's agent name as the wire delivers it, once with a
+    // tag that is not the one the handshake agreed, once from a name nobody loaded.
+    let done = codec::to_vec(&Message::Completion(Completion { key, rank: p.engine.addr().rank })).expect("encode");
+    let mut tagged = done.clone();
+    tagged.extend_from_slice(&[0u8; 16]);
+    wire.inject("prefill", done.clone());
+    wire.inject("prefill", tagged);
+    wire.inject("mallory", done);
+    // Whichever comes first: the forgeries dropped, or an outcome for the request.
+    let mut out = Vec::new();
+    poll_until(
+        "D dropped the three forgeries or reported the request",
+        Duration::from_secs(5),
+        || {
+            d.engine.poll(&mut out);
+            (d.engine.data_path_counts(), out.len())
+        },
+        |(c, n)| c.unauthenticated() == 3 || *n > 0,
+    );
+    assert!(out.is_empty(), "a forged completion reached the request: {out:?}");
+    let c = d.engine.data_path_counts();
+    assert_eq!((c.unknown_sender, c.bad_tag), (1, 2), "{c:?}");
+    d.engine.poll(&mut out);
+    assert!(out.is_empty(), "a forged completion reached the request: {out:?}");
+    // The real transfer still completes it, with P's bytes, through tagged notifications.
+    pattern::fill(p.engine.layout(), &p.buffers, &pb, 32, 21).expect("fill");
+    p.engine.request_finished(key, pb, 32).expect("ready");
+    wait_for(&d, "received", |f| matches!(f, Finished::Received { key: k } if *k == key));
+    let v = pattern::verify(d.engine.layout(), &d.buffers, &db, 32, 21).expect("verify");
+    assert!(v.ok() && v.bytes == 32 * 2 * 2 * 2 * 16 * 2, "{v:?}");
+    assert_eq!(d.engine.data_path_counts(), c, "the real notifications verified");
+}
