@@ -35,13 +35,16 @@ use crate::proto::{Key, Rank};
 use crate::transport::staged::{Staged, StagingConfig, StagingCounts};
 use crate::transport::trust::{DataKeys, DataPathCounts, Trusted};
 use crate::transport::{Transport, TransportError, Units};
+use budget::{ControlBudget, Credit};
 
+pub mod budget;
 pub mod link;
 mod sched;
 pub mod side;
 pub mod stats;
 mod writer;
 
+pub use budget::ControlLimits;
 pub use link::{ControlLink, FrameSink, LinkError, LocalHub, PeerAddr};
 pub use stats::{Stats, StatsSnapshot};
 
@@ -62,6 +65,8 @@ pub struct Config {
     pub pull_read_timeout_us: u64,
     /// Whether fragmented WRITEs go through staging slots ([`crate::transport::staged`]).
     pub staging: Staging,
+    /// Control frames and bytes peers may have queued for the writers at once ([`budget`]).
+    pub control: ControlLimits,
 }
 
 /// Whether an engine stages fragmented WRITEs through bounded slots on its device.
@@ -123,6 +128,7 @@ impl Config {
             completion: CompletionConfig::default(),
             pull_read_timeout_us: 60_000_000,
             staging: Staging::Auto,
+            control: ControlLimits::default(),
         }
     }
 }
@@ -181,6 +187,19 @@ pub enum EngineError {
     StalePeer {
         /// The sender.
         peer: PeerAddr,
+    },
+    /// Peers have more control frames queued for this engine's writers than its budget allows
+    /// ([`Config::control`]); the frame was not taken.
+    #[error("frame from {peer}: the writers are behind ({frames} frames, {bytes} bytes queued; waited {waited:?})")]
+    Overloaded {
+        /// The sender.
+        peer: PeerAddr,
+        /// Frames queued when it gave up.
+        frames: usize,
+        /// Their bytes.
+        bytes: usize,
+        /// How long it waited for room.
+        waited: std::time::Duration,
     },
     /// The engine has shut down.
     #[error("engine {0} has shut down")]
@@ -261,12 +280,14 @@ pub(crate) enum Cmd {
         key: Key,
     },
     /// `incarnation`: the sender's process, where the side channel told it. `via`: which path
-    /// carried it (only the data path may say that data landed).
+    /// carried it (only the data path may say that data landed). `credit`: its room in the control
+    /// budget (control frames), given back when the command is dropped.
     Msg {
         from: PeerAddr,
         incarnation: Option<side::Incarnation>,
         msg: Message,
         via: Via,
+        credit: Option<Credit>,
     },
     /// `incarnation`: only that process of the peer is lost (`None`: whichever is known).
     PeerLost {
@@ -326,6 +347,8 @@ pub(crate) struct Shared {
     pub(crate) staged: Option<Arc<Staged>>,
     pub(crate) link: Arc<dyn ControlLink>,
     pub(crate) regions: Vec<MemRegion>,
+    /// Control frames queued for the writers.
+    pub(crate) control: Arc<ControlBudget>,
 }
 
 impl Shared {
@@ -361,13 +384,15 @@ impl Shared {
         self.peers.read().unwrap_or_else(|p| p.into_inner()).by_addr.values().find(|p| p.addr.engine == engine).cloned()
     }
 
-    /// Routes a decoded message to the shard owning its transfer.
+    /// Routes a decoded message to the shard owning its transfer (with its control-budget credit,
+    /// which a message that is not queued gives back at once).
     pub(crate) fn route(
         &self,
         from: PeerAddr,
         incarnation: Option<side::Incarnation>,
         msg: Message,
         via: Via,
+        credit: Option<Credit>,
     ) -> Result<(), EngineError> {
         let key = match &msg {
             Message::Registration(r) => r.key(),
@@ -376,7 +401,7 @@ impl Shared {
             Message::Abort(a) => a.key,
             Message::Handshake(_) | Message::Heartbeat(_) => return Ok(()),
         };
-        self.send(key, Cmd::Msg { from, incarnation, msg, via })
+        self.send(key, Cmd::Msg { from, incarnation, msg, via, credit })
     }
 }
 
@@ -461,13 +486,24 @@ impl Shared {
         }
     }
 
-    /// Decodes a control frame from `from` against its handshake layout and routes it.
+    /// Decodes a control frame from `from` against its handshake layout and routes it, within the
+    /// control budget: `wait` (a side-channel reader) waits for room, otherwise a spent budget
+    /// refuses the frame at once.
     pub(crate) fn handle_frame(
         &self,
         from: &PeerAddr,
         incarnation: Option<side::Incarnation>,
         frame: &[u8],
+        wait: bool,
     ) -> Result<(), EngineError> {
+        // Before the peers' lock: a writer may need it to make the progress that frees room.
+        let t0 = std::time::Instant::now();
+        let credit = self.control.acquire(frame.len(), wait).map_err(|spent| EngineError::Overloaded {
+            peer: from.clone(),
+            frames: spent.frames,
+            bytes: spent.bytes,
+            waited: t0.elapsed(),
+        })?;
         // The peers' read lock is held until the frame is queued: a restart of this peer (which
         // takes the write lock to drop its previous process) then queues its failure either after
         // this frame, so it fails it too, or before the lookup, so the frame is refused as stale.
@@ -485,7 +521,7 @@ impl Shared {
             }
             EngineError::Decode { peer: from.clone(), source }
         })?;
-        let routed = self.route(from.clone(), incarnation, msg, Via::Control);
+        let routed = self.route(from.clone(), incarnation, msg, Via::Control, Some(credit));
         drop(peers);
         routed
     }
@@ -507,7 +543,7 @@ impl side::Endpoint for Shared {
         Shared::add_peer(self, peer, Some(incarnation), Some(keys))
     }
     fn deliver(&self, from: &PeerAddr, incarnation: side::Incarnation, frame: &[u8]) -> Result<(), EngineError> {
-        self.handle_frame(from, Some(incarnation), frame)
+        self.handle_frame(from, Some(incarnation), frame, true)
     }
     fn peer_lost(&self, peer: &PeerAddr, incarnation: side::Incarnation, reason: &str) {
         tracing::warn!(worker = %self.me, %peer, %reason, "peer lost");
@@ -517,7 +553,7 @@ impl side::Endpoint for Shared {
 
 impl FrameSink for Shared {
     fn deliver(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), EngineError> {
-        self.handle_frame(from, None, frame)
+        self.handle_frame(from, None, frame, false)
     }
 }
 
@@ -605,6 +641,7 @@ impl Engine {
                 stats: Arc::new(Mutex::new(Stats::default())),
             });
         }
+        let config_control = config.control;
         let shared = Arc::new(Shared {
             config,
             me,
@@ -617,6 +654,7 @@ impl Engine {
             staged,
             link,
             regions,
+            control: ControlBudget::new(config_control),
         });
         let weak = Arc::downgrade(&shared);
         shared.transport.set_waker(Arc::new(move || {
@@ -675,7 +713,7 @@ impl Engine {
 
     /// Takes one frame a peer sent over the control link.
     pub fn handle_frame(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), EngineError> {
-        self.shared.handle_frame(from, None, frame)
+        self.shared.handle_frame(from, None, frame, false)
     }
 
     /// Producer: prefill of `key` finished; its KV is in `block_ids` (per KV group) and stays there

@@ -101,7 +101,8 @@ pub trait Endpoint: Send + Sync {
     /// it in its hello).
     fn add_peer(&self, peer: &Handshake, incarnation: Incarnation, keys: DataKeys) -> Result<PeerAddr, EngineError>;
     /// Takes one control frame from the peer's `incarnation`; refuses it if the peer has since come
-    /// back as another.
+    /// back as another. May block while the engine's writers are behind (backpressure: the reader
+    /// stops reading), up to a bound after which it refuses with [`EngineError::Overloaded`].
     fn deliver(&self, from: &PeerAddr, incarnation: Incarnation, frame: &[u8]) -> Result<(), EngineError>;
     /// The connection to `incarnation` of `peer` went away: fail what is in flight with it.
     fn peer_lost(&self, peer: &PeerAddr, incarnation: Incarnation, reason: &str);
@@ -1365,8 +1366,16 @@ fn read_loop(
             continue;
         }
         let Ok(ep) = this.endpoint() else { return };
-        if let Err(e) = ep.deliver(&conn.peer, conn.incarnation, &frame) {
-            this.counters.malformed.fetch_add(1, Ordering::Relaxed);
+        let delivered = ep.deliver(&conn.peer, conn.incarnation, &frame);
+        // Time spent waiting for the engine (backpressure) is not the peer's silence.
+        opener.last_record = Instant::now();
+        if let Err(e) = delivered {
+            // Still no room after the engine's wait: the peer sends faster than this engine works.
+            let counter = match e {
+                EngineError::Overloaded { .. } => &this.counters.over_limit,
+                _ => &this.counters.malformed,
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(peer = %peer_name, error = %e, "frame refused; closing the connection");
             Inner::lost(&this, &conn, &format!("malformed frame: {e}"));
             return;

@@ -630,6 +630,8 @@ struct Wire {
     inner: kvpush::transport::loopback::LoopbackTransport,
     injected: Mutex<Vec<kvpush::transport::Notification>>,
     waker: Mutex<Option<kvpush::transport::Waker>>,
+    /// While true, the engine's writer stops in its next look at the notifications.
+    stalled: (Mutex<bool>, std::sync::Condvar),
 }
 
 impl std::fmt::Debug for Wire {
@@ -639,6 +641,11 @@ impl std::fmt::Debug for Wire {
 }
 
 impl Wire {
+    fn stall(&self, on: bool) {
+        *self.stalled.0.lock().expect("lock") = on;
+        self.stalled.1.notify_all();
+    }
+
     /// Delivers `msg` as if agent `from` had sent it, and wakes the engine.
     fn inject(&self, from: &str, msg: Vec<u8>) {
         self.injected.lock().expect("lock").push(kvpush::transport::Notification { from: from.to_owned(), msg });
@@ -686,6 +693,11 @@ impl kvpush::transport::Transport for Wire {
         &self,
         out: &mut Vec<kvpush::transport::Notification>,
     ) -> Result<usize, kvpush::transport::TransportError> {
+        let mut stalled = self.stalled.0.lock().expect("lock");
+        while *stalled {
+            stalled = self.stalled.1.wait(stalled).expect("lock");
+        }
+        drop(stalled);
         let mut injected = std::mem::take(&mut *self.injected.lock().expect("lock"));
         let n = injected.len() + self.inner.take_notifications(out)?;
         out.append(&mut injected);
@@ -703,28 +715,35 @@ impl kvpush::transport::Transport for Wire {
     }
 }
 
+/// A worker of engine `id` with a secret whose transport is a [`Wire`] on `fabric`.
+fn tapped(id: &str, fabric: &Fabric, configure: impl FnOnce(&mut Config)) -> (Worker, Arc<Wire>) {
+    let dev: Arc<dyn Device> = Arc::new(HostDevice::new());
+    let mut l = layouts::separate(layouts::full_model(2, 2, 16), 64, Parallel::SINGLE);
+    let buffers = layouts::allocate(&mut l, dev.as_ref()).expect("host memory");
+    let side = Arc::new(SideChannel::bind(side_config(Some(SECRET))).expect("bind"));
+    let wire = Arc::new(Wire {
+        inner: fabric.endpoint(id).expect("endpoint"),
+        injected: Mutex::new(Vec::new()),
+        waker: Mutex::new(None),
+        stalled: (Mutex::new(false), std::sync::Condvar::new()),
+    });
+    let mut config = Config::new(id, Mode::Push);
+    config.completion.timeout_us = 10_000_000;
+    config.rendezvous.lease_us = 10_000_000;
+    configure(&mut config);
+    // SAFETY: the regions are `buffers`, owned by the returned Worker, which drops the engine first.
+    let engine = unsafe { Engine::new(config, l, dev, wire.clone(), side.clone()) }.expect("engine");
+    side.serve(engine.endpoint());
+    (Worker { engine, side, buffers }, wire)
+}
+
 #[test]
 fn a_forged_notification_does_not_complete_a_request() {
     use kvpush::proto::codec;
     use kvpush::proto::msg::{Completion, Message};
     let fabric = Fabric::new();
     let p = worker("prefill", Mode::Push, &fabric, Some(SECRET));
-    // D's worker, on the tapped wire.
-    let dev: Arc<dyn Device> = Arc::new(HostDevice::new());
-    let mut l = layouts::separate(layouts::full_model(2, 2, 16), 64, Parallel::SINGLE);
-    let buffers = layouts::allocate(&mut l, dev.as_ref()).expect("host memory");
-    let side = Arc::new(SideChannel::bind(side_config(Some(SECRET))).expect("bind"));
-    let wire = Arc::new(Wire {
-        inner: fabric.endpoint("decode").expect("endpoint"),
-        injected: Mutex::new(Vec::new()),
-        waker: Mutex::new(None),
-    });
-    let mut config = Config::new("decode", Mode::Push);
-    config.completion.timeout_us = 10_000_000;
-    // SAFETY: the regions are `buffers`, which outlive the engine (dropped first, below).
-    let engine = unsafe { Engine::new(config, l, dev, wire.clone(), side.clone()) }.expect("engine");
-    side.serve(engine.endpoint());
-    let d = Worker { engine, side, buffers };
+    let (d, wire) = tapped("decode", &fabric, |_| {});
     d.side.connect(p.side.local_addr()).expect("handshake");
 
     let key = Key::new(21, 1);
@@ -762,4 +781,46 @@ fn a_forged_notification_does_not_complete_a_request() {
     let v = pattern::verify(d.engine.layout(), &d.buffers, &db, 32, 21).expect("verify");
     assert!(v.ok() && v.bytes == 32 * 2 * 2 * 2 * 16 * 2, "{v:?}");
     assert_eq!(d.engine.data_path_counts(), c, "the real notifications verified");
+}
+
+#[test]
+fn control_frames_wait_for_stalled_writers_instead_of_piling_up() {
+    let fabric = Fabric::new();
+    let (p, wire) = tapped("prefill", &fabric, |c| {
+        c.control = kvpush::engine::ControlLimits { frames: 2, bytes: 1 << 20, wait: Duration::from_secs(20) };
+    });
+    let d = worker("decode", Mode::Push, &fabric, Some(SECRET));
+    d.side.connect(p.side.local_addr()).expect("handshake");
+    // P's writer stops; D registers 40 requests. P's reader may take the frame the writer is
+    // handling and the two the budget holds, then must stop reading (one more frame read and
+    // waiting for room): at most 4 registrations in, whatever D sends, and a heartbeat of D's
+    // before them (frames_in counts heartbeats too).
+    let before = p.side.stats().frames_in;
+    wire.stall(true);
+    // A failed assertion must not leave the writer stalled: dropping the engine joins it.
+    struct Unstall<'a>(&'a Wire);
+    impl Drop for Unstall<'_> {
+        fn drop(&mut self) {
+            self.0.stall(false);
+        }
+    }
+    let _unstall = Unstall(&wire);
+    const N: u128 = 40;
+    for i in 0..N {
+        d.engine.blocks_allocated(Key::new(100 + i, 1), "prefill", vec![vec![i as u32]], 16).expect("register");
+    }
+    until("D sent them", || d.side.stats().frames_out >= N as u64, stats_of(&d));
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(500) {
+        let s = p.side.stats();
+        let read = s.frames_in - before;
+        assert!(read <= 5, "P read {read} frames past its budget while its writer stalled: {s:?}");
+        std::thread::yield_now();
+    }
+    assert!(p.side.stats().frames_in >= before + 3, "{:?}", p.side.stats());
+    // The writer goes on: every registration arrives, none was dropped, the connection held.
+    wire.stall(false);
+    until("P took all registrations", || p.engine.stats().counters.registrations == N as u64, stats_of(&p));
+    let s = p.side.stats();
+    assert_eq!((s.over_limit, s.peers_lost, s.malformed), (0, 0, 0), "{s:?}");
 }
