@@ -690,7 +690,7 @@ fn accept_loop(listener: TcpListener, inner: Weak<Inner>) {
         let deadline = Instant::now() + inner.config.handshake_timeout;
         let weak = Arc::downgrade(&inner);
         let peer = addr.to_string();
-        let spawned = std::thread::Builder::new().name("kvpush-side-handshake".into()).spawn(move || {
+        let spawned = std::thread::Builder::new().name(handshake_thread_name(inner.local.port())).spawn(move || {
             let _slot = slot;
             if let Some(inner) = weak.upgrade() {
                 if let Err(e) = Inner::establish(&inner, stream, &peer, Role::Listener, deadline) {
@@ -703,6 +703,12 @@ fn accept_loop(listener: TcpListener, inner: Weak<Inner>) {
             tracing::error!(error = %e, "cannot start a handshake thread");
         }
     }
+}
+
+/// The name of the handshake threads of the listener on `port` (at most 15 bytes: what Linux keeps
+/// of a thread's name, so tools and tests can count them per listener).
+pub fn handshake_thread_name(port: u16) -> String {
+    format!("kvside-hs-{port}")
 }
 
 /// Which end of the connection this side is.

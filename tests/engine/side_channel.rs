@@ -824,3 +824,39 @@ fn control_frames_wait_for_stalled_writers_instead_of_piling_up() {
     let s = p.side.stats();
     assert_eq!((s.over_limit, s.peers_lost, s.malformed), (0, 0, 0), "{s:?}");
 }
+
+/// Threads of this process whose name is `name` (Linux keeps 15 bytes of it).
+fn threads_named(name: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .expect("/proc/self/task")
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|comm| comm.trim_end() == name)
+        .count()
+}
+
+#[test]
+fn a_thousand_strangers_cost_a_bounded_number_of_threads() {
+    let fabric = Fabric::new();
+    let p = worker("prefill", Mode::Push, &fabric, Some(SECRET));
+    let name = kvpush::engine::side::handshake_thread_name(p.side.local_addr().port());
+    let limit = SideLimits::default().max_handshakes;
+    // The oracle sees handshake threads at all: one silent stranger holds one.
+    let first = TcpStream::connect(p.side.local_addr()).expect("tcp");
+    poll_until("a handshake thread for the stranger", Duration::from_secs(5), || threads_named(&name), |n| *n == 1);
+    drop(first);
+    // A thousand strangers connect and say nothing, all at once.
+    let mut max = 0;
+    let mut strangers = Vec::with_capacity(1000);
+    for _ in 0..1000 {
+        strangers.push(TcpStream::connect(p.side.local_addr()).expect("tcp"));
+        max = max.max(threads_named(&name));
+    }
+    until("P turned the rest away", || p.side.stats().over_limit >= 1000 - limit as u64, stats_of(&p));
+    max = max.max(threads_named(&name));
+    assert!(max <= limit, "{max} handshake threads for 1000 strangers (limit {limit}): {:?}", p.side.stats());
+    // They hold no thread once they are gone.
+    drop(strangers);
+    poll_until("the handshake threads ended", Duration::from_secs(10), || threads_named(&name), |n| *n == 0);
+    let d = worker("decode", Mode::Push, &fabric, Some(SECRET));
+    d.side.connect(p.side.local_addr()).expect("a peer gets through afterwards");
+}
