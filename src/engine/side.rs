@@ -129,6 +129,8 @@ pub struct SideLimits {
     pub max_handshakes_per_address: usize,
     /// Established connections (dialed and accepted; two threads each).
     pub max_connections: usize,
+    /// Established connections with one IP address.
+    pub max_connections_per_address: usize,
     /// Frames queued for sending to one peer.
     pub send_queue_frames: usize,
     /// Bytes queued for sending to one peer.
@@ -141,6 +143,7 @@ impl Default for SideLimits {
             max_handshakes: 8,
             max_handshakes_per_address: 4,
             max_connections: 64,
+            max_connections_per_address: 32,
             send_queue_frames: 4096,
             send_queue_bytes: 64 << 20,
         }
@@ -483,6 +486,8 @@ fn process_key() -> Result<&'static [u8; 32], SideError> {
 /// One handshaken connection.
 struct Conn {
     peer: PeerAddr,
+    /// The IP address the connection is with.
+    ip: IpAddr,
     incarnation: Incarnation,
     tx: Sender<Vec<u8>>,
     queued_bytes: AtomicUsize,
@@ -1030,6 +1035,29 @@ impl Inner {
             .ok_or(SideError::Closed)
     }
 
+    /// Whether a connection to `addr` at `ip` fits the connection limits (a peer that reconnects
+    /// replaces its connection, so it needs no room).
+    fn room_for(&self, addr: &PeerAddr, ip: IpAddr) -> Result<(), SideError> {
+        let limits = &self.config.limits;
+        let conns = lock(&self.conns);
+        if conns.contains_key(addr) {
+            return Ok(());
+        }
+        if conns.len() >= limits.max_connections {
+            return Err(SideError::Busy {
+                what: format!("too many connections, refusing {addr}"),
+                limit: limits.max_connections,
+            });
+        }
+        if conns.values().filter(|c| c.ip == ip).count() >= limits.max_connections_per_address {
+            return Err(SideError::Busy {
+                what: format!("too many connections with {ip}, refusing {addr}"),
+                limit: limits.max_connections_per_address,
+            });
+        }
+        Ok(())
+    }
+
     /// A handshake slot for a connection from `ip`, or `None` (counted) past the limits.
     fn admit(this: &Arc<Inner>, ip: IpAddr) -> Option<Slot> {
         let limits = &this.config.limits;
@@ -1057,6 +1085,7 @@ impl Inner {
     ) -> Result<PeerAddr, SideError> {
         let endpoint = this.endpoint()?;
         stream.set_nodelay(true).map_err(io("setting TCP_NODELAY"))?;
+        let ip = stream.peer_addr().map_err(io("reading the peer's address"))?.ip();
         let me = endpoint.me();
         let refused = |reason: String| SideError::Refused { peer: name.to_owned(), reason };
         let mut wire = Wire { stream: &mut stream, deadline, timeout: this.config.handshake_timeout, peer: name };
@@ -1146,6 +1175,9 @@ impl Inner {
                 ));
             }
             compat::check(&local, &hs).map_err(|e| e.to_string())?;
+            // Past a connection limit the peer is told why, not just closed after its verdict.
+            this.room_for(&PeerAddr { engine: hs.engine_id.clone(), rank: hs.layout.parallel.rank() }, ip)
+                .map_err(|e| e.to_string())?;
             Ok((hs, Incarnation(u128::from_le_bytes(*inc)), DataKeys { send: *send_key, recv: recv_key }))
         })();
         let mut v = Vec::new();
@@ -1171,17 +1203,9 @@ impl Inner {
         theirs_ok.map_err(refused)?;
         let Channel { noise, opener, .. } = ch;
 
-        // 5. The connection: within the limit, then the engine, then the threads.
-        {
-            let conns = lock(&this.conns);
-            let addr = PeerAddr { engine: hs.engine_id.clone(), rank: hs.layout.parallel.rank() };
-            if conns.len() >= this.config.limits.max_connections && !conns.contains_key(&addr) {
-                return Err(SideError::Busy {
-                    what: format!("too many connections, refusing {addr}"),
-                    limit: this.config.limits.max_connections,
-                });
-            }
-        }
+        // 5. The connection: within the limits (again: another handshake may have finished since
+        // the verdict), then the engine, then the threads.
+        this.room_for(&PeerAddr { engine: hs.engine_id.clone(), rank: hs.layout.parallel.rank() }, ip)?;
         let known = lock(&this.conns)
             .get(&PeerAddr { engine: hs.engine_id.clone(), rank: hs.layout.parallel.rank() })
             .map(|c| c.incarnation);
@@ -1210,6 +1234,7 @@ impl Inner {
         let (tx, rx) = bounded::<Vec<u8>>(limits.send_queue_frames.max(1));
         let conn = Arc::new(Conn {
             peer: peer.clone(),
+            ip: stream.peer_addr().map_err(io("reading the peer's address"))?.ip(),
             incarnation,
             tx,
             queued_bytes: AtomicUsize::new(0),

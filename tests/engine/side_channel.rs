@@ -860,3 +860,22 @@ fn a_thousand_strangers_cost_a_bounded_number_of_threads() {
     let d = worker("decode", Mode::Push, &fabric, Some(SECRET));
     d.side.connect(p.side.local_addr()).expect("a peer gets through afterwards");
 }
+
+#[test]
+fn established_connections_are_limited_per_address() {
+    let fabric = Fabric::new();
+    let mut c = side_config(Some(SECRET));
+    c.limits = SideLimits { max_connections_per_address: 1, ..SideLimits::default() };
+    let p = worker_with("prefill", "prefill", Mode::Push, &fabric, c);
+    let d1 = worker("decode1", Mode::Push, &fabric, Some(SECRET));
+    let d2 = worker("decode2", Mode::Push, &fabric, Some(SECRET));
+    d1.side.connect(p.side.local_addr()).expect("the first peer from 127.0.0.1");
+    // A second engine from the same address is refused in P's verdict, and told why.
+    let e = d2.side.connect(p.side.local_addr()).expect_err("one connection per address");
+    assert!(matches!(e, SideError::Refused { .. }), "{e}");
+    assert!(e.to_string().contains("too many connections with 127.0.0.1"), "{e}");
+    assert_eq!(p.side.peers().len(), 1);
+    // The first peer reconnecting replaces its own connection: it needs no room.
+    d1.side.connect(p.side.local_addr()).expect("a reconnect of the same peer");
+    until("P holds one connection", || p.side.peers().len() == 1, stats_of(&p));
+}
