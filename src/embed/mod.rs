@@ -178,6 +178,8 @@ impl FfiError {
                 EngineError::Decode { .. } | EngineError::StalePeer { .. } => status::DECODE,
                 EngineError::WrongMode { .. } => status::WRONG_MODE,
                 EngineError::Closed(_) => status::CLOSED,
+                // The control link's budget: the same family as the side channel's limits.
+                EngineError::Overloaded { .. } => status::SIDE_CHANNEL,
             },
             FfiError::Device(_) => status::DEVICE,
             FfiError::Transport(_) => status::TRANSPORT,

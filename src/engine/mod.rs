@@ -33,14 +33,18 @@ use crate::proto::msg::{check_block_lists, Handshake, Message, Mode, RangeError}
 use crate::proto::rendezvous::{ReleaseReason, RendezvousConfig, SourceBlocks};
 use crate::proto::{Key, Rank};
 use crate::transport::staged::{PathChoice, Staged, StagingConfig, StagingCounts};
+use crate::transport::trust::{DataKeys, DataPathCounts, Trusted};
 use crate::transport::{Transport, TransportError, Units};
+use budget::{ControlBudget, Credit};
 
+pub mod budget;
 pub mod link;
 mod sched;
 pub mod side;
 pub mod stats;
 mod writer;
 
+pub use budget::ControlLimits;
 pub use link::{ControlLink, FrameSink, LinkError, LocalHub, PeerAddr};
 pub use stats::{Stats, StatsSnapshot};
 
@@ -61,6 +65,8 @@ pub struct Config {
     pub pull_read_timeout_us: u64,
     /// Whether fragmented WRITEs go through staging slots ([`crate::transport::staged`]).
     pub staging: Staging,
+    /// Control frames and bytes peers may have queued for the writers at once ([`budget`]).
+    pub control: ControlLimits,
 }
 
 /// Whether an engine stages fragmented WRITEs through bounded slots on its device.
@@ -129,6 +135,7 @@ impl Config {
             completion: CompletionConfig::default(),
             pull_read_timeout_us: 60_000_000,
             staging: Staging::Auto,
+            control: ControlLimits::default(),
         }
     }
 }
@@ -187,6 +194,19 @@ pub enum EngineError {
     StalePeer {
         /// The sender.
         peer: PeerAddr,
+    },
+    /// Peers have more control frames queued for this engine's writers than its budget allows
+    /// ([`Config::control`]); the frame was not taken.
+    #[error("frame from {peer}: the writers are behind ({frames} frames, {bytes} bytes queued; waited {waited:?})")]
+    Overloaded {
+        /// The sender.
+        peer: PeerAddr,
+        /// Frames queued when it gave up.
+        frames: usize,
+        /// Their bytes.
+        bytes: usize,
+        /// How long it waited for room.
+        waited: std::time::Duration,
     },
     /// The engine has shut down.
     #[error("engine {0} has shut down")]
@@ -267,12 +287,14 @@ pub(crate) enum Cmd {
         key: Key,
     },
     /// `incarnation`: the sender's process, where the side channel told it. `via`: which path
-    /// carried it (only the data path may say that data landed).
+    /// carried it (only the data path may say that data landed). `credit`: its room in the control
+    /// budget (control frames), given back when the command is dropped.
     Msg {
         from: PeerAddr,
         incarnation: Option<side::Incarnation>,
         msg: Message,
         via: Via,
+        credit: Option<Credit>,
     },
     /// `incarnation`: only that process of the peer is lost (`None`: whichever is known).
     PeerLost {
@@ -326,10 +348,14 @@ pub(crate) struct Shared {
     pub(crate) shards: Vec<ShardHandle>,
     pub(crate) outbox: Outbox<Finished>,
     pub(crate) transport: Arc<dyn Transport>,
+    /// The data-path trust wrapper (under staging): which agents' notifications count.
+    pub(crate) trusted: Arc<Trusted>,
     /// The staging wrapper around the transport, where staging is on.
     pub(crate) staged: Option<Arc<Staged>>,
     pub(crate) link: Arc<dyn ControlLink>,
     pub(crate) regions: Vec<MemRegion>,
+    /// Control frames queued for the writers.
+    pub(crate) control: Arc<ControlBudget>,
 }
 
 impl Shared {
@@ -365,13 +391,15 @@ impl Shared {
         self.peers.read().unwrap_or_else(|p| p.into_inner()).by_addr.values().find(|p| p.addr.engine == engine).cloned()
     }
 
-    /// Routes a decoded message to the shard owning its transfer.
+    /// Routes a decoded message to the shard owning its transfer (with its control-budget credit,
+    /// which a message that is not queued gives back at once).
     pub(crate) fn route(
         &self,
         from: PeerAddr,
         incarnation: Option<side::Incarnation>,
         msg: Message,
         via: Via,
+        credit: Option<Credit>,
     ) -> Result<(), EngineError> {
         let key = match &msg {
             Message::Registration(r) => r.key(),
@@ -381,7 +409,7 @@ impl Shared {
             Message::Abort(a) => a.key,
             Message::Handshake(_) | Message::Heartbeat(_) => return Ok(()),
         };
-        self.send(key, Cmd::Msg { from, incarnation, msg, via })
+        self.send(key, Cmd::Msg { from, incarnation, msg, via, credit })
     }
 }
 
@@ -401,11 +429,13 @@ impl Shared {
         })
     }
 
-    /// See [`Engine::add_peer`].
+    /// See [`Engine::add_peer`]. `keys`: the data-path keys of an authenticated handshake (`None`
+    /// where the application added the peer itself).
     pub(crate) fn add_peer(
         &self,
         peer: &Handshake,
         incarnation: Option<side::Incarnation>,
+        keys: Option<DataKeys>,
     ) -> Result<PeerAddr, EngineError> {
         let mine = self.handshake()?;
         compat::check(&mine, peer)?;
@@ -436,6 +466,7 @@ impl Shared {
             self.transport.drop_peer(&gone.agent);
         }
         let agent = self.transport.load_remote(&peer.agent_metadata)?;
+        self.trusted.trust(&agent, keys);
         if let Err(e) = self.transport.prepare(Some(&agent), &units(&peer.layout)) {
             tracing::warn!(worker = %self.me, peer = %agent, error = %e, "cannot prepare the peer's descriptor list");
         }
@@ -463,13 +494,24 @@ impl Shared {
         }
     }
 
-    /// Decodes a control frame from `from` against its handshake layout and routes it.
+    /// Decodes a control frame from `from` against its handshake layout and routes it, within the
+    /// control budget: `wait` (a side-channel reader) waits for room, otherwise a spent budget
+    /// refuses the frame at once.
     pub(crate) fn handle_frame(
         &self,
         from: &PeerAddr,
         incarnation: Option<side::Incarnation>,
         frame: &[u8],
+        wait: bool,
     ) -> Result<(), EngineError> {
+        // Before the peers' lock: a writer may need it to make the progress that frees room.
+        let t0 = std::time::Instant::now();
+        let credit = self.control.acquire(frame.len(), wait).map_err(|spent| EngineError::Overloaded {
+            peer: from.clone(),
+            frames: spent.frames,
+            bytes: spent.bytes,
+            waited: t0.elapsed(),
+        })?;
         // The peers' read lock is held until the frame is queued: a restart of this peer (which
         // takes the write lock to drop its previous process) then queues its failure either after
         // this frame, so it fails it too, or before the lookup, so the frame is refused as stale.
@@ -487,7 +529,7 @@ impl Shared {
             }
             EngineError::Decode { peer: from.clone(), source }
         })?;
-        let routed = self.route(from.clone(), incarnation, msg, Via::Control);
+        let routed = self.route(from.clone(), incarnation, msg, Via::Control, Some(credit));
         drop(peers);
         routed
     }
@@ -500,11 +542,16 @@ impl side::Endpoint for Shared {
     fn local_handshake(&self) -> Result<Handshake, EngineError> {
         self.handshake()
     }
-    fn add_peer(&self, peer: &Handshake, incarnation: side::Incarnation) -> Result<PeerAddr, EngineError> {
-        Shared::add_peer(self, peer, Some(incarnation))
+    fn add_peer(
+        &self,
+        peer: &Handshake,
+        incarnation: side::Incarnation,
+        keys: DataKeys,
+    ) -> Result<PeerAddr, EngineError> {
+        Shared::add_peer(self, peer, Some(incarnation), Some(keys))
     }
     fn deliver(&self, from: &PeerAddr, incarnation: side::Incarnation, frame: &[u8]) -> Result<(), EngineError> {
-        self.handle_frame(from, Some(incarnation), frame)
+        self.handle_frame(from, Some(incarnation), frame, true)
     }
     fn peer_lost(&self, peer: &PeerAddr, incarnation: side::Incarnation, reason: &str) {
         tracing::warn!(worker = %self.me, %peer, %reason, "peer lost");
@@ -514,7 +561,7 @@ impl side::Endpoint for Shared {
 
 impl FrameSink for Shared {
     fn deliver(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), EngineError> {
-        self.handle_frame(from, None, frame)
+        self.handle_frame(from, None, frame, false)
     }
 }
 
@@ -557,6 +604,9 @@ impl Engine {
         link: Arc<dyn ControlLink>,
     ) -> Result<Engine, EngineError> {
         layout.validate()?;
+        // Notifications are attributed below staging, so staging's own messages are covered too.
+        let trusted = Arc::new(Trusted::new(transport));
+        let transport: Arc<dyn Transport> = trusted.clone();
         // Staging wraps the transport before anything is registered, so it knows the KV regions.
         let mut staged = None;
         let transport = match config.staging.resolve(device.kind()) {
@@ -599,6 +649,7 @@ impl Engine {
                 stats: Arc::new(Mutex::new(Stats::default())),
             });
         }
+        let config_control = config.control;
         let shared = Arc::new(Shared {
             config,
             me,
@@ -607,9 +658,11 @@ impl Engine {
             shards,
             outbox: Outbox::new(),
             transport,
+            trusted,
             staged,
             link,
             regions,
+            control: ControlBudget::new(config_control),
         });
         let weak = Arc::downgrade(&shared);
         shared.transport.set_waker(Arc::new(move || {
@@ -654,8 +707,10 @@ impl Engine {
 
     /// Accepts a peer worker from its handshake: checks compatibility (refusing with every differing
     /// field) and loads its transport metadata. A peer that was known already is replaced (restart).
+    /// The caller vouches for it: its notifications count by the agent name they claim (peers met
+    /// over the side channel are authenticated instead; docs/security.md).
     pub fn add_peer(&self, peer: &Handshake) -> Result<PeerAddr, EngineError> {
-        self.shared.add_peer(peer, None)
+        self.shared.add_peer(peer, None, None)
     }
 
     /// The endpoint a [`side::SideChannel`] serves for this worker (held weakly by it).
@@ -666,7 +721,7 @@ impl Engine {
 
     /// Takes one frame a peer sent over the control link.
     pub fn handle_frame(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), EngineError> {
-        self.shared.handle_frame(from, None, frame)
+        self.shared.handle_frame(from, None, frame, false)
     }
 
     /// Producer: prefill of `key` finished; its KV is in `block_ids` (per KV group) and stays there
@@ -728,6 +783,12 @@ impl Engine {
     /// lost are forgotten until they handshake again).
     pub fn knows_engine(&self, engine_id: &str) -> bool {
         self.shared.any_peer_of(engine_id).is_some()
+    }
+
+    /// Notifications dropped because no authenticated peer sent them (see
+    /// [`crate::transport::trust`]).
+    pub fn data_path_counts(&self) -> DataPathCounts {
+        self.shared.trusted.counts()
     }
 
     /// What staging did (`None` where staging is off).

@@ -11,7 +11,8 @@
 //! Noise       Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s (Noise_NN_… in insecure mode), prologue =
 //!             "kvpush side channel v2" | dialer's greeting | listener's greeting;
 //!             dialer → "psk, e" ; listener → "e, ee"
-//! dialer      → hello: 16-byte incarnation | Handshake frame (agent metadata, layout) (encrypted)
+//! dialer      → hello: 16-byte incarnation | 32-byte data-path key | Handshake frame (agent
+//!               metadata, layout)                                                      (encrypted)
 //! listener    → hello                                                                  (encrypted)
 //! both        → verdict: 0, or 1 + the reason (UTF-8)                                  (encrypted)
 //! ```
@@ -24,14 +25,18 @@
 //! session to the shared secret, both roles and both engine ids: a relay that splices two handshakes
 //! or reflects one gets no session. The agent metadata travels only inside the channel, and the
 //! listener sends its own only after the dialer's hello proved the dialer holds the session keys.
+//! The data-path key in a hello is the one its sender verifies the peer's NIXL notifications with
+//! (drawn per connection; [`crate::transport::trust`]).
 //!
 //! What must never happen here: an unauthenticated peer costing more than a handshake slot, a
 //! thread and a few hundred bytes for at most the handshake deadline; a frame from a peer reaching
 //! the engine before its handshake was accepted; a peer that restarted (new incarnation) inheriting
 //! the registrations of its previous process.
 //!
-//! After the handshake each connection has a reader thread (one record at a time; a record that does
-//! not verify, or a frame the engine refuses, closes the connection and is counted) and a writer
+//! After the handshake each connection has a reader thread (one `read` into a fixed buffer of one
+//! record, then every whole record in it is opened; a record that does not verify, or a frame the
+//! engine refuses, closes the connection and is counted; silence counts from the last record that
+//! verified) and a writer
 //! thread (a bounded queue of frames, and a heartbeat when idle). A peer that closes, errs or stays
 //! silent past the peer timeout is lost: the engine fails everything in flight with it.
 
@@ -55,6 +60,7 @@ use crate::proto::compat;
 use crate::proto::msg::{Handshake, Heartbeat, Message, MAX_ENGINE_ID};
 use crate::proto::Rank;
 use crate::sync::lock;
+use crate::transport::trust::DataKeys;
 
 const MAGIC: &[u8; 8] = b"KVPSIDE2";
 /// Version of the side channel's framing (not the proto codec's, which the handshake checks).
@@ -75,8 +81,8 @@ const MAX_RECORD: usize = 65_535;
 const TAG_LEN: usize = 16;
 /// Plaintext per record: the record, less the tag and the continuation flag.
 const MAX_CHUNK: usize = MAX_RECORD - TAG_LEN - 1;
-/// Longest hello: incarnation and the largest Handshake frame the codec accepts.
-const MAX_HELLO: usize = 16 + HEADER_LEN + codec::MAX_HANDSHAKE_PAYLOAD as usize;
+/// Longest hello: incarnation, data-path key and the largest Handshake frame the codec accepts.
+const MAX_HELLO: usize = 16 + 32 + HEADER_LEN + codec::MAX_HANDSHAKE_PAYLOAD as usize;
 /// Longest verdict (a refusal reason is cut to fit).
 const MAX_VERDICT: usize = 4096;
 /// Longest control frame after the handshake.
@@ -91,9 +97,12 @@ pub trait Endpoint: Send + Sync {
     /// Accepts a peer whose handshake passed the checks (loads its transport metadata). A known
     /// peer that comes back with another `incarnation` restarted: what was in flight with its
     /// previous process fails.
-    fn add_peer(&self, peer: &Handshake, incarnation: Incarnation) -> Result<PeerAddr, EngineError>;
+    /// `keys` tag the peer's notifications on the data path (each side drew its receive key and sent
+    /// it in its hello).
+    fn add_peer(&self, peer: &Handshake, incarnation: Incarnation, keys: DataKeys) -> Result<PeerAddr, EngineError>;
     /// Takes one control frame from the peer's `incarnation`; refuses it if the peer has since come
-    /// back as another.
+    /// back as another. May block while the engine's writers are behind (backpressure: the reader
+    /// stops reading), up to a bound after which it refuses with [`EngineError::Overloaded`].
     fn deliver(&self, from: &PeerAddr, incarnation: Incarnation, frame: &[u8]) -> Result<(), EngineError>;
     /// The connection to `incarnation` of `peer` went away: fail what is in flight with it.
     fn peer_lost(&self, peer: &PeerAddr, incarnation: Incarnation, reason: &str);
@@ -120,6 +129,8 @@ pub struct SideLimits {
     pub max_handshakes_per_address: usize,
     /// Established connections (dialed and accepted; two threads each).
     pub max_connections: usize,
+    /// Established connections with one IP address.
+    pub max_connections_per_address: usize,
     /// Frames queued for sending to one peer.
     pub send_queue_frames: usize,
     /// Bytes queued for sending to one peer.
@@ -132,6 +143,7 @@ impl Default for SideLimits {
             max_handshakes: 8,
             max_handshakes_per_address: 4,
             max_connections: 64,
+            max_connections_per_address: 32,
             send_queue_frames: 4096,
             send_queue_bytes: 64 << 20,
         }
@@ -359,6 +371,14 @@ impl Auth {
         }
     }
 
+    /// Noise with the pre-shared key derived from `secret`.
+    fn from_secret(secret: &[u8]) -> Auth {
+        let mut h = Sha256::new();
+        h.update(PSK_LABEL);
+        h.update(secret);
+        Auth::Psk { key: h.finalize().into(), process_local: false }
+    }
+
     /// Resolves the configured secret (see [`SideConfig::secret`]) for a listener bound to `local`.
     fn resolve(config: &SideConfig, local: SocketAddr) -> Result<Auth, SideError> {
         let fail = |reason: String| SideError::Config { listen: config.listen.clone(), reason };
@@ -373,10 +393,7 @@ impl Auth {
                 if s.len() < 16 {
                     tracing::warn!(listen = %config.listen, len = s.len(), "side-channel secret shorter than 16 bytes: a recorded handshake lets anyone guess it offline; use 32 random bytes");
                 }
-                let mut h = Sha256::new();
-                h.update(PSK_LABEL);
-                h.update(s);
-                Ok(Auth::Psk { key: h.finalize().into(), process_local: false })
+                Ok(Auth::from_secret(s))
             }
             (None, true) => {
                 tracing::warn!(listen = %config.listen, "side channel in INSECURE mode: peers are not authenticated; anyone who reaches this port can register transfers and read KV metadata");
@@ -390,6 +407,56 @@ impl Auth {
                 "no shared secret for a listener reachable from the network; set ${SECRET_ENV} (the connector's `secret`) on every engine, or set ${INSECURE_ENV}=1 (`insecure: true`) to run without authentication"
             ))),
         }
+    }
+
+    /// Runs the Noise handshake on `stream` (after the greetings) and returns the session.
+    fn authenticate(&self, wire: &mut Wire<'_>, role: Role, prologue: &[u8]) -> Result<TransportState, SideError> {
+        let peer = wire.peer.to_owned();
+        let noise_err = |e: snow::Error| SideError::Protocol { peer: peer.clone(), detail: format!("noise: {e}") };
+        let builder = match self {
+            Auth::Psk { key, .. } => {
+                snow::Builder::new(NOISE_PSK.parse().map_err(noise_err)?).psk(0, key).map_err(noise_err)?
+            }
+            Auth::Insecure => snow::Builder::new(NOISE_INSECURE.parse().map_err(noise_err)?),
+        }
+        .prologue(prologue)
+        .map_err(noise_err)?;
+        let mut hs: HandshakeState = match role {
+            Role::Dialer => builder.build_initiator(),
+            Role::Listener => builder.build_responder(),
+        }
+        .map_err(noise_err)?;
+        let mut msg = [0u8; MAX_PRE_AUTH_RECORD];
+        let mut payload = [0u8; MAX_PRE_AUTH_RECORD];
+        let hint = match self {
+            Auth::Psk { process_local: true, .. } => format!(
+                "this side has no secret configured (a per-process key, for peers in this process only): set the same ${SECRET_ENV} on both sides"
+            ),
+            _ => "the shared secrets differ (or one side is in insecure mode)".to_owned(),
+        };
+        let auth_failed = |detail: String| SideError::Auth { peer: peer.clone(), detail };
+        match role {
+            Role::Dialer => {
+                let n = hs.write_message(&[], &mut msg).map_err(noise_err)?;
+                wire.write_record(&msg[..n], "sending the first handshake message")?;
+                let r = match wire.read_record(&mut msg, MAX_PRE_AUTH_RECORD, "before authentication") {
+                    Err(SideError::Io { source, .. }) if source.kind() == std::io::ErrorKind::UnexpectedEof => {
+                        return Err(auth_failed(format!("the peer closed the connection: {hint}")))
+                    }
+                    r => r?,
+                };
+                hs.read_message(r, &mut payload)
+                    .map_err(|e| auth_failed(format!("the peer's handshake message does not verify ({e}): {hint}")))?;
+            }
+            Role::Listener => {
+                let r = wire.read_record(&mut msg, MAX_PRE_AUTH_RECORD, "before authentication")?;
+                hs.read_message(r, &mut payload)
+                    .map_err(|e| auth_failed(format!("the peer's handshake message does not verify ({e}): {hint}")))?;
+                let n = hs.write_message(&[], &mut msg).map_err(noise_err)?;
+                wire.write_record(&msg[..n], "sending the second handshake message")?;
+            }
+        }
+        hs.into_transport_mode().map_err(noise_err)
     }
 }
 
@@ -419,6 +486,8 @@ fn process_key() -> Result<&'static [u8; 32], SideError> {
 /// One handshaken connection.
 struct Conn {
     peer: PeerAddr,
+    /// The IP address the connection is with.
+    ip: IpAddr,
     incarnation: Incarnation,
     tx: Sender<Vec<u8>>,
     queued_bytes: AtomicUsize,
@@ -626,7 +695,7 @@ fn accept_loop(listener: TcpListener, inner: Weak<Inner>) {
         let deadline = Instant::now() + inner.config.handshake_timeout;
         let weak = Arc::downgrade(&inner);
         let peer = addr.to_string();
-        let spawned = std::thread::Builder::new().name("kvpush-side-handshake".into()).spawn(move || {
+        let spawned = std::thread::Builder::new().name(handshake_thread_name(inner.local.port())).spawn(move || {
             let _slot = slot;
             if let Some(inner) = weak.upgrade() {
                 if let Err(e) = Inner::establish(&inner, stream, &peer, Role::Listener, deadline) {
@@ -639,6 +708,12 @@ fn accept_loop(listener: TcpListener, inner: Weak<Inner>) {
             tracing::error!(error = %e, "cannot start a handshake thread");
         }
     }
+}
+
+/// The name of the handshake threads of the listener on `port` (at most 15 bytes: what Linux keeps
+/// of a thread's name, so tools and tests can count them per listener).
+pub fn handshake_thread_name(port: u16) -> String {
+    format!("kvside-hs-{port}")
 }
 
 /// Which end of the connection this side is.
@@ -816,32 +891,99 @@ fn seal(noise: &mut TransportState, msg: &[u8], out: &mut Vec<u8>, scratch: &mut
     }
 }
 
-/// The per-connection buffers of an authenticated channel.
+/// Encrypts `frame` into `out` (cleared first) and writes it: what a connection's writer does per
+/// frame.
+fn seal_and_write(
+    writer: &mut TcpStream,
+    noise: &Mutex<TransportState>,
+    frame: &[u8],
+    out: &mut Vec<u8>,
+    scratch: &mut Vec<u8>,
+) -> Result<(), String> {
+    out.clear();
+    let sealed = seal(&mut lock(noise), frame, out, scratch);
+    match sealed {
+        Ok(()) => writer.write_all(out).map_err(|e| format!("write failed: {e}")),
+        Err(e) => Err(format!("cannot encrypt a frame: {e}")),
+    }
+}
+
+/// The per-connection buffers of an authenticated channel: bytes read and not yet opened
+/// (`inbound[start..end]`; after [`Opener::fill`] compacts them, at most one partial record), and one
+/// record's plaintext. Both are allocated once, when the peer has proven the key.
 struct Opener {
-    record: Vec<u8>,
+    inbound: Vec<u8>,
+    start: usize,
+    end: usize,
     plain: Vec<u8>,
+    /// When a record last verified: the peer's last sign of life.
+    last_record: Instant,
 }
 
 impl Opener {
     fn new() -> Self {
-        Self { record: vec![0u8; MAX_RECORD], plain: vec![0u8; MAX_RECORD] }
+        Self {
+            inbound: vec![0u8; 2 + MAX_RECORD],
+            start: 0,
+            end: 0,
+            plain: vec![0u8; MAX_RECORD],
+            last_record: Instant::now(),
+        }
     }
 
-    /// Decrypts one record (`self.record[..len]`) and appends its chunk to `msg`, refusing to grow
+    /// Reads what the socket has (one `read`) after the bytes not yet opened; `Ok(0)`: closed.
+    fn fill(&mut self, stream: &mut TcpStream) -> std::io::Result<usize> {
+        if self.start > 0 {
+            self.inbound.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        // What is left is less than one whole record (2 + MAX_RECORD bytes), so there is room.
+        let n = stream.read(&mut self.inbound[self.end..])?;
+        self.end += n;
+        Ok(n)
+    }
+
+    /// Opens the whole records already read, appending their chunks to `msg`, until a message is
+    /// complete (`true`) or no whole record is left (`false`): what a connection's reader does between
+    /// reads. One `read` usually brings a whole frame, so a frame costs one system call here.
+    fn open_buffered(
+        &mut self,
+        noise: &Mutex<TransportState>,
+        msg: &mut Vec<u8>,
+        peer: &str,
+    ) -> Result<bool, SideError> {
+        loop {
+            let avail = &self.inbound[self.start..self.end];
+            let Some(&[hi, lo]) = avail.first_chunk::<2>() else { return Ok(false) };
+            let len = usize::from(u16::from_be_bytes([hi, lo]));
+            if avail.len() < 2 + len {
+                return Ok(false);
+            }
+            let record = self.start + 2..self.start + 2 + len;
+            self.start = record.end;
+            if self.open(noise, record, msg, MAX_FRAME, peer, "in a frame")? {
+                return Ok(true);
+            }
+        }
+    }
+
+    /// Decrypts one record (`self.inbound[record]`) and appends its chunk to `msg`, refusing to grow
     /// `msg` past `max`. Returns whether the message is complete.
     fn open(
         &mut self,
         noise: &Mutex<TransportState>,
-        len: usize,
+        record: std::ops::Range<usize>,
         msg: &mut Vec<u8>,
         max: usize,
         peer: &str,
         state: &'static str,
     ) -> Result<bool, SideError> {
-        let n = lock(noise).read_message(&self.record[..len], &mut self.plain).map_err(|e| SideError::Auth {
+        let n = lock(noise).read_message(&self.inbound[record], &mut self.plain).map_err(|e| SideError::Auth {
             peer: peer.to_owned(),
             detail: format!("a record does not verify ({e}): forged, replayed, reflected or out of order"),
         })?;
+        self.last_record = Instant::now();
         let Some((&more, chunk)) = self.plain[..n].split_first() else {
             return Err(SideError::Protocol { peer: peer.to_owned(), detail: "an empty record".into() });
         };
@@ -874,8 +1016,9 @@ impl Channel<'_> {
     fn recv(&mut self, max: usize, state: &'static str) -> Result<Vec<u8>, SideError> {
         let mut msg = Vec::new();
         loop {
-            let len = self.wire.read_record(&mut self.opener.record, MAX_RECORD, state)?.len();
-            if self.opener.open(&self.noise, len, &mut msg, max, self.wire.peer, state)? {
+            // Exact reads: nothing past the handshake's last record is taken from the socket here.
+            let len = self.wire.read_record(&mut self.opener.inbound, MAX_RECORD, state)?.len();
+            if self.opener.open(&self.noise, 0..len, &mut msg, max, self.wire.peer, state)? {
                 return Ok(msg);
             }
         }
@@ -890,6 +1033,29 @@ impl Inner {
             .as_ref()
             .and_then(Weak::upgrade)
             .ok_or(SideError::Closed)
+    }
+
+    /// Whether a connection to `addr` at `ip` fits the connection limits (a peer that reconnects
+    /// replaces its connection, so it needs no room).
+    fn room_for(&self, addr: &PeerAddr, ip: IpAddr) -> Result<(), SideError> {
+        let limits = &self.config.limits;
+        let conns = lock(&self.conns);
+        if conns.contains_key(addr) {
+            return Ok(());
+        }
+        if conns.len() >= limits.max_connections {
+            return Err(SideError::Busy {
+                what: format!("too many connections, refusing {addr}"),
+                limit: limits.max_connections,
+            });
+        }
+        if conns.values().filter(|c| c.ip == ip).count() >= limits.max_connections_per_address {
+            return Err(SideError::Busy {
+                what: format!("too many connections with {ip}, refusing {addr}"),
+                limit: limits.max_connections_per_address,
+            });
+        }
+        Ok(())
     }
 
     /// A handshake slot for a connection from `ip`, or `None` (counted) past the limits.
@@ -908,56 +1074,6 @@ impl Inner {
         Some(Slot { inner: Arc::downgrade(this), ip })
     }
 
-    /// Runs the Noise handshake on `stream` (after the greetings) and returns the session.
-    fn authenticate(&self, wire: &mut Wire<'_>, role: Role, prologue: &[u8]) -> Result<TransportState, SideError> {
-        let peer = wire.peer.to_owned();
-        let noise_err = |e: snow::Error| SideError::Protocol { peer: peer.clone(), detail: format!("noise: {e}") };
-        let builder = match &self.auth {
-            Auth::Psk { key, .. } => {
-                snow::Builder::new(NOISE_PSK.parse().map_err(noise_err)?).psk(0, key).map_err(noise_err)?
-            }
-            Auth::Insecure => snow::Builder::new(NOISE_INSECURE.parse().map_err(noise_err)?),
-        }
-        .prologue(prologue)
-        .map_err(noise_err)?;
-        let mut hs: HandshakeState = match role {
-            Role::Dialer => builder.build_initiator(),
-            Role::Listener => builder.build_responder(),
-        }
-        .map_err(noise_err)?;
-        let mut msg = [0u8; MAX_PRE_AUTH_RECORD];
-        let mut payload = [0u8; MAX_PRE_AUTH_RECORD];
-        let hint = match &self.auth {
-            Auth::Psk { process_local: true, .. } => format!(
-                "this side has no secret configured (a per-process key, for peers in this process only): set the same ${SECRET_ENV} on both sides"
-            ),
-            _ => "the shared secrets differ (or one side is in insecure mode)".to_owned(),
-        };
-        let auth_failed = |detail: String| SideError::Auth { peer: peer.clone(), detail };
-        match role {
-            Role::Dialer => {
-                let n = hs.write_message(&[], &mut msg).map_err(noise_err)?;
-                wire.write_record(&msg[..n], "sending the first handshake message")?;
-                let r = match wire.read_record(&mut msg, MAX_PRE_AUTH_RECORD, "before authentication") {
-                    Err(SideError::Io { source, .. }) if source.kind() == std::io::ErrorKind::UnexpectedEof => {
-                        return Err(auth_failed(format!("the peer closed the connection: {hint}")))
-                    }
-                    r => r?,
-                };
-                hs.read_message(r, &mut payload)
-                    .map_err(|e| auth_failed(format!("the peer's handshake message does not verify ({e}): {hint}")))?;
-            }
-            Role::Listener => {
-                let r = wire.read_record(&mut msg, MAX_PRE_AUTH_RECORD, "before authentication")?;
-                hs.read_message(r, &mut payload)
-                    .map_err(|e| auth_failed(format!("the peer's handshake message does not verify ({e}): {hint}")))?;
-                let n = hs.write_message(&[], &mut msg).map_err(noise_err)?;
-                wire.write_record(&msg[..n], "sending the second handshake message")?;
-            }
-        }
-        hs.into_transport_mode().map_err(noise_err)
-    }
-
     /// Handshakes on `stream` (greetings, Noise, hellos, verdicts) before `deadline` and, if both
     /// sides accept, starts the connection's threads.
     fn establish(
@@ -969,6 +1085,7 @@ impl Inner {
     ) -> Result<PeerAddr, SideError> {
         let endpoint = this.endpoint()?;
         stream.set_nodelay(true).map_err(io("setting TCP_NODELAY"))?;
+        let ip = stream.peer_addr().map_err(io("reading the peer's address"))?.ip();
         let me = endpoint.me();
         let refused = |reason: String| SideError::Refused { peer: name.to_owned(), reason };
         let mut wire = Wire { stream: &mut stream, deadline, timeout: this.config.handshake_timeout, peer: name };
@@ -1011,7 +1128,7 @@ impl Inner {
         prologue.extend_from_slice(second);
 
         // 2. Noise: both prove the key, bound to both greetings.
-        let noise = this.authenticate(&mut wire, role, &prologue)?;
+        let noise = this.auth.authenticate(&mut wire, role, &prologue)?;
         let mut ch = Channel { wire, noise: Mutex::new(noise), opener: Opener::new(), scratch: Vec::new() };
 
         // 3. Hellos. The listener reads the dialer's first (proof that the dialer holds the session
@@ -1019,7 +1136,9 @@ impl Inner {
         let local = endpoint.local_handshake().map_err(|e| refused(e.to_string()))?;
         let frame = codec::to_vec(&Message::Handshake(Box::new(local.clone())))
             .map_err(|e| refused(format!("cannot encode our handshake: {e}")))?;
+        let recv_key = random::<32>("a data-path key")?;
         let mut hello = this.incarnation.0.to_le_bytes().to_vec();
+        hello.extend_from_slice(&recv_key);
         hello.extend_from_slice(&frame);
         let peer_hello = match role {
             Role::Dialer => {
@@ -1034,8 +1153,11 @@ impl Inner {
         };
 
         // 4. Verdicts: identity (the engine id and rank of the greeting), decoding, compatibility.
-        let verdict: Result<(Handshake, Incarnation), String> = (|| {
-            let Some((inc, frame)) = peer_hello.split_first_chunk::<16>() else {
+        let verdict: Result<(Handshake, Incarnation, DataKeys), String> = (|| {
+            let Some((inc, rest)) = peer_hello.split_first_chunk::<16>() else {
+                return Err("the peer's hello is truncated".into());
+            };
+            let Some((send_key, frame)) = rest.split_first_chunk::<32>() else {
                 return Err("the peer's hello is truncated".into());
             };
             let hs = match codec::decode(frame, None) {
@@ -1053,7 +1175,10 @@ impl Inner {
                 ));
             }
             compat::check(&local, &hs).map_err(|e| e.to_string())?;
-            Ok((hs, Incarnation(u128::from_le_bytes(*inc))))
+            // Past a connection limit the peer is told why, not just closed after its verdict.
+            this.room_for(&PeerAddr { engine: hs.engine_id.clone(), rank: hs.layout.parallel.rank() }, ip)
+                .map_err(|e| e.to_string())?;
+            Ok((hs, Incarnation(u128::from_le_bytes(*inc)), DataKeys { send: *send_key, recv: recv_key }))
         })();
         let mut v = Vec::new();
         match &verdict {
@@ -1074,25 +1199,17 @@ impl Inner {
             Some((_, reason)) => Err(format!("the peer refused: {}", String::from_utf8_lossy(reason))),
             None => Err("the peer's verdict is empty".to_owned()),
         };
-        let (hs, incarnation) = verdict.map_err(refused)?;
+        let (hs, incarnation, keys) = verdict.map_err(refused)?;
         theirs_ok.map_err(refused)?;
         let Channel { noise, opener, .. } = ch;
 
-        // 5. The connection: within the limit, then the engine, then the threads.
-        {
-            let conns = lock(&this.conns);
-            let addr = PeerAddr { engine: hs.engine_id.clone(), rank: hs.layout.parallel.rank() };
-            if conns.len() >= this.config.limits.max_connections && !conns.contains_key(&addr) {
-                return Err(SideError::Busy {
-                    what: format!("too many connections, refusing {addr}"),
-                    limit: this.config.limits.max_connections,
-                });
-            }
-        }
+        // 5. The connection: within the limits (again: another handshake may have finished since
+        // the verdict), then the engine, then the threads.
+        this.room_for(&PeerAddr { engine: hs.engine_id.clone(), rank: hs.layout.parallel.rank() }, ip)?;
         let known = lock(&this.conns)
             .get(&PeerAddr { engine: hs.engine_id.clone(), rank: hs.layout.parallel.rank() })
             .map(|c| c.incarnation);
-        let peer = endpoint.add_peer(&hs, incarnation).map_err(|e| refused(e.to_string()))?;
+        let peer = endpoint.add_peer(&hs, incarnation, keys).map_err(|e| refused(e.to_string()))?;
         if known.is_some_and(|k| k != incarnation) {
             this.counters.restarts.fetch_add(1, Ordering::Relaxed);
         }
@@ -1117,6 +1234,7 @@ impl Inner {
         let (tx, rx) = bounded::<Vec<u8>>(limits.send_queue_frames.max(1));
         let conn = Arc::new(Conn {
             peer: peer.clone(),
+            ip: stream.peer_addr().map_err(io("reading the peer's address"))?.ip(),
             incarnation,
             tx,
             queued_bytes: AtomicUsize::new(0),
@@ -1208,13 +1326,8 @@ fn write_loop(
         if conn.closed.load(Ordering::SeqCst) {
             return;
         }
-        out.clear();
-        let sealed = seal(&mut lock(&noise), &frame, &mut out, &mut scratch);
         let sending_from = Instant::now();
-        let written = match sealed {
-            Ok(()) => writer.write_all(&out).map_err(|e| format!("write failed: {e}")),
-            Err(e) => Err(format!("cannot encrypt a frame: {e}")),
-        };
+        let written = seal_and_write(&mut writer, &noise, &frame, &mut out, &mut scratch);
         if let Err(reason) = written {
             if let Some(inner) = inner.upgrade() {
                 Inner::lost(&inner, &conn, &reason);
@@ -1238,7 +1351,6 @@ fn read_loop(
     noise: Arc<Mutex<TransportState>>,
     mut opener: Opener,
 ) {
-    let mut last_seen = Instant::now();
     let peer_name = conn.peer.to_string();
     let mut msg = Vec::new();
     loop {
@@ -1247,39 +1359,31 @@ fn read_loop(
             return;
         }
         let timeout = this.config.peer_timeout;
-        // Wait for a record's first byte, checking for silence; the rest of the record must follow
-        // within the peer timeout.
-        let mut first = [0u8; 1];
-        match stream.read(&mut first) {
-            Ok(0) => {
-                Inner::lost(&this, &conn, "connection closed");
-                return;
-            }
-            Ok(_) => {}
-            Err(e) if is_retry(&e) => {
-                if last_seen.elapsed() > timeout {
-                    Inner::lost(&this, &conn, &format!("silent for {:?}", last_seen.elapsed()));
+        match opener.open_buffered(&noise, &mut msg, &peer_name) {
+            Ok(true) => {}
+            Ok(false) => {
+                // Wait for more bytes (the socket's timeout is the heartbeat). Silence is counted
+                // from the last record that verified, so bytes trickled without completing a
+                // record do not keep a connection alive.
+                match opener.fill(&mut stream) {
+                    Ok(0) => {
+                        Inner::lost(&this, &conn, "connection closed");
+                        return;
+                    }
+                    Ok(_) => {}
+                    Err(e) if is_retry(&e) => {}
+                    Err(e) => {
+                        Inner::lost(&this, &conn, &format!("read failed: {e}"));
+                        return;
+                    }
+                }
+                let silent = opener.last_record.elapsed();
+                if silent > timeout {
+                    Inner::lost(&this, &conn, &format!("silent for {silent:?}"));
                     return;
                 }
                 continue;
             }
-            Err(e) => {
-                Inner::lost(&this, &conn, &format!("read failed: {e}"));
-                return;
-            }
-        }
-        let deadline = Instant::now() + timeout;
-        let mut wire = Wire { stream: &mut stream, deadline, timeout, peer: &peer_name };
-        let mut second = [0u8; 1];
-        let read = wire.read_exact(&mut second, "reading a record").and_then(|()| {
-            let len = usize::from(u16::from_be_bytes([first[0], second[0]]));
-            wire.read_exact(&mut opener.record[..len], "reading a record")?;
-            Ok(len)
-        });
-        let opened = read.and_then(|len| opener.open(&noise, len, &mut msg, MAX_FRAME, &peer_name, "in a frame"));
-        match opened {
-            Ok(false) => continue,
-            Ok(true) => {}
             Err(e) => {
                 let e = this.counters.count(e);
                 tracing::warn!(peer = %peer_name, error = %e, "side-channel record refused; closing the connection");
@@ -1287,18 +1391,101 @@ fn read_loop(
                 return;
             }
         }
-        last_seen = Instant::now();
         let frame = std::mem::take(&mut msg);
         this.counters.frames_in.fetch_add(1, Ordering::Relaxed);
         if frame.len() > 4 && frame[4] == codec::Kind::Heartbeat as u8 {
             continue;
         }
         let Ok(ep) = this.endpoint() else { return };
-        if let Err(e) = ep.deliver(&conn.peer, conn.incarnation, &frame) {
-            this.counters.malformed.fetch_add(1, Ordering::Relaxed);
+        let delivered = ep.deliver(&conn.peer, conn.incarnation, &frame);
+        // Time spent waiting for the engine (backpressure) is not the peer's silence.
+        opener.last_record = Instant::now();
+        if let Err(e) = delivered {
+            // Still no room after the engine's wait: the peer sends faster than this engine works.
+            let counter = match e {
+                EngineError::Overloaded { .. } => &this.counters.over_limit,
+                _ => &this.counters.malformed,
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(peer = %peer_name, error = %e, "frame refused; closing the connection");
             Inner::lost(&this, &conn, &format!("malformed frame: {e}"));
             return;
         }
+    }
+}
+
+/// One authenticated session over a loopback TCP connection, for measuring what the channel costs
+/// per frame (`benches/side_channel.rs`): the real Noise handshake with a pre-shared key, then frames
+/// sealed and written as a connection's writer thread does, read and opened as its reader thread
+/// does, both ends on the calling thread. Not a way to talk to peers.
+#[doc(hidden)]
+pub struct LoopbackSession {
+    tx: TcpStream,
+    tx_noise: Mutex<TransportState>,
+    out: Vec<u8>,
+    scratch: Vec<u8>,
+    rx: TcpStream,
+    rx_noise: Mutex<TransportState>,
+    opener: Opener,
+    msg: Vec<u8>,
+}
+
+impl fmt::Debug for LoopbackSession {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LoopbackSession").finish_non_exhaustive()
+    }
+}
+
+impl LoopbackSession {
+    /// Connects two sockets on loopback and runs the handshake between them with `secret`.
+    pub fn new(secret: &[u8]) -> Result<LoopbackSession, SideError> {
+        let timeout = Duration::from_secs(10);
+        let listener = TcpListener::bind("127.0.0.1:0").map_err(io("listening on loopback"))?;
+        let addr = listener.local_addr().map_err(io("reading the listening address"))?;
+        let mut tx = TcpStream::connect(addr).map_err(io("connecting on loopback"))?;
+        let (rx, _) = listener.accept().map_err(io("accepting on loopback"))?;
+        for s in [&tx, &rx] {
+            s.set_nodelay(true).map_err(io("setting TCP_NODELAY"))?;
+        }
+        let auth = Auth::from_secret(secret);
+        let (listener_auth, deadline) = (auth.clone(), Instant::now() + timeout);
+        let responder = std::thread::spawn(move || {
+            let mut rx = rx;
+            let mut wire = Wire { stream: &mut rx, deadline, timeout, peer: "the bench's dialer" };
+            listener_auth.authenticate(&mut wire, Role::Listener, PROLOGUE_LABEL).map(|n| (rx, n))
+        });
+        let mut wire = Wire { stream: &mut tx, deadline, timeout, peer: "the bench's listener" };
+        let tx_noise = auth.authenticate(&mut wire, Role::Dialer, PROLOGUE_LABEL)?;
+        let (rx, rx_noise) = responder.join().map_err(|_| SideError::Closed)??;
+        Ok(LoopbackSession {
+            tx,
+            tx_noise: Mutex::new(tx_noise),
+            out: Vec::new(),
+            scratch: Vec::new(),
+            rx,
+            rx_noise: Mutex::new(rx_noise),
+            opener: Opener::new(),
+            msg: Vec::new(),
+        })
+    }
+
+    /// Seals `frame` and writes it to the dialer's socket.
+    pub fn send(&mut self, frame: &[u8]) -> Result<(), SideError> {
+        seal_and_write(&mut self.tx, &self.tx_noise, frame, &mut self.out, &mut self.scratch)
+            .map_err(|detail| SideError::Protocol { peer: "the bench's listener".into(), detail })
+    }
+
+    /// Reads the next message on the listener's socket, verifies and decrypts it.
+    pub fn recv(&mut self) -> Result<&[u8], SideError> {
+        self.msg.clear();
+        while !self.opener.open_buffered(&self.rx_noise, &mut self.msg, "the bench's dialer")? {
+            if self.opener.fill(&mut self.rx).map_err(io("reading a record"))? == 0 {
+                return Err(SideError::Io {
+                    what: "reading a record".into(),
+                    source: std::io::ErrorKind::UnexpectedEof.into(),
+                });
+            }
+        }
+        Ok(&self.msg)
     }
 }

@@ -393,7 +393,11 @@ impl Writer {
                 self.register(now, key, producer, ids, num_tokens);
             }
             Cmd::Abort { key } => self.abort(now, key),
-            Cmd::Msg { from, incarnation, msg, via } => self.message(now, from, incarnation, msg, via),
+            Cmd::Msg { from, incarnation, msg, via, credit } => {
+                // Taken off the queue: its room in the control budget is free again.
+                drop(credit);
+                self.message(now, from, incarnation, msg, via)
+            }
             Cmd::PeerLost { peer, incarnation, reason } => self.peer_lost(now, &peer, incarnation, &reason),
             Cmd::Wake | Cmd::Stop => {}
         }
@@ -742,7 +746,7 @@ impl Writer {
                             let now = self.now();
                             self.message(now, peer.addr.clone(), peer.incarnation, msg, Via::Data);
                         } else {
-                            let _ = self.shared.route(peer.addr.clone(), peer.incarnation, msg, Via::Data);
+                            let _ = self.shared.route(peer.addr.clone(), peer.incarnation, msg, Via::Data, None);
                         }
                     }
                 }

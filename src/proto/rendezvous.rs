@@ -20,7 +20,10 @@
 //!   never while a transfer reading them is in flight;
 //! * every registration that will not be served is answered by an [`Action::Fail`], so the consumer
 //!   fails at once instead of waiting for its timeout;
-//! * the number of live transfer ids never exceeds [`RendezvousConfig::max_pending`] (over it: refusal).
+//! * the number of live transfer ids never exceeds [`RendezvousConfig::max_pending`] (over it: refusal);
+//! * the registrations one consumer engine has waiting for prefill never cost more than
+//!   [`RendezvousConfig::max_waiting_bytes_per_engine`] (over it: that registration is refused), so
+//!   one peer cannot hold the producer's memory for everyone ([`registration_cost`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -42,6 +45,9 @@ pub struct RendezvousConfig {
     pub tombstone_us: u64,
     /// Most remembered finished transfer ids.
     pub max_tombstones: usize,
+    /// Most bytes ([`registration_cost`]) of one consumer engine's registrations waiting for
+    /// prefill at once.
+    pub max_waiting_bytes_per_engine: usize,
 }
 
 impl Default for RendezvousConfig {
@@ -52,8 +58,16 @@ impl Default for RendezvousConfig {
             max_pending: 65_536,
             tombstone_us: 60_000_000,
             max_tombstones: 65_536,
+            max_waiting_bytes_per_engine: 64 << 20,
         }
     }
+}
+
+/// What a registration waiting for prefill costs the producer, in bytes: the registration, its
+/// engine id and its block ids as held in memory.
+pub fn registration_cost(r: &Registration) -> usize {
+    let ids: usize = r.block_ids().iter().map(|g| 24 + 4 * g.len()).sum();
+    std::mem::size_of::<(Registration, Instant)>() + r.engine_id().len() + ids
 }
 
 /// The producer's blocks of one request: block ids per KV group and the token count.
@@ -162,6 +176,9 @@ pub struct RendezvousStats {
     pub aborted: u64,
     /// Events refused because `max_pending` was reached.
     pub refused: u64,
+    /// Registrations refused because their engine's waiting registrations were at
+    /// `max_waiting_bytes_per_engine`.
+    pub over_budget: u64,
     /// Transfers that finished with an error.
     pub transfer_failures: u64,
     /// Registrations refused because another consumer engine had registered the key first.
@@ -244,6 +261,8 @@ pub struct Rendezvous {
     tomb_order: VecDeque<(Instant, TransferId, u32)>,
     actions: VecDeque<Action>,
     stats: RendezvousStats,
+    /// Bytes of registrations waiting for prefill, per consumer engine (no entry: none).
+    waiting_bytes: HashMap<EngineId, usize>,
 }
 
 impl Rendezvous {
@@ -258,6 +277,7 @@ impl Rendezvous {
             tomb_order: VecDeque::new(),
             actions: VecDeque::new(),
             stats: RendezvousStats::default(),
+            waiting_bytes: HashMap::new(),
         }
     }
 
@@ -362,6 +382,7 @@ impl Rendezvous {
                     failed: false,
                 };
                 for (reg, at) in w.registrations {
+                    self.refund(&reg);
                     self.start(key, &mut active, reg, Order::RegistrationFirst, now.micros_since(at));
                 }
                 if usize::from(active.fan_out) > active.started.len() {
@@ -409,6 +430,12 @@ impl Rendezvous {
                 self.actions.push_back(Action::Fail { key, target, kind: FailureKind::Refused });
                 return;
             }
+            if !self.charge(&registration) {
+                // As for `max_pending`: remembered, so this attempt's blocks come back at once.
+                self.bury(now, key, FailureKind::Refused);
+                self.actions.push_back(Action::Fail { key, target, kind: FailureKind::Refused });
+                return;
+            }
             let deadline = now.plus_micros(self.config.registration_timeout_us);
             self.arm(deadline, key);
             let slot =
@@ -438,7 +465,7 @@ impl Rendezvous {
                     // (a stale router's choice, a confused peer) never receives its KV.
                     self.stats.foreign += 1;
                     self.actions.push_back(Action::Fail { key, target, kind: FailureKind::Refused });
-                } else if w.registrations.len() >= usize::from(w.fan_out) {
+                } else if w.registrations.len() >= usize::from(w.fan_out) || !self.charge(&registration) {
                     self.actions.push_back(Action::Fail { key, target, kind: FailureKind::Refused });
                 } else {
                     w.registrations.push((registration, now));
@@ -570,6 +597,35 @@ impl Rendezvous {
         self.draining.get(&key).map(|d| (d.kind, served(&d.served)))
     }
 
+    /// Charges `r` to its engine's waiting bytes; `false` (counted, nothing charged) past the budget.
+    fn charge(&mut self, r: &Registration) -> bool {
+        let cost = registration_cost(r);
+        let limit = self.config.max_waiting_bytes_per_engine;
+        let held = self.waiting_bytes.get(r.engine_id()).copied().unwrap_or(0);
+        if held.saturating_add(cost) > limit {
+            self.stats.over_budget += 1;
+            return false;
+        }
+        *self.waiting_bytes.entry(r.engine_id().to_owned()).or_insert(0) += cost;
+        true
+    }
+
+    /// Gives back what [`Rendezvous::charge`] took for `r` (it stopped waiting).
+    fn refund(&mut self, r: &Registration) {
+        let cost = registration_cost(r);
+        if let Some(held) = self.waiting_bytes.get_mut(r.engine_id()) {
+            *held = held.saturating_sub(cost);
+            if *held == 0 {
+                self.waiting_bytes.remove(r.engine_id());
+            }
+        }
+    }
+
+    /// Bytes of `engine`'s registrations waiting for prefill.
+    pub fn waiting_bytes(&self, engine: &str) -> usize {
+        self.waiting_bytes.get(engine).copied().unwrap_or(0)
+    }
+
     /// Ends the live attempt `key`: fails registrations still waiting, releases blocks (or hands
     /// them to `draining` while transfers read them), and remembers the outcome.
     fn end(&mut self, now: Instant, key: Key, reason: ReleaseReason, kind: FailureKind) {
@@ -579,6 +635,7 @@ impl Rendezvous {
             Slot::AwaitingRegistration(w) => self.release(key, w.blocks, reason),
             Slot::AwaitingBlocks(w) => {
                 for (r, _) in w.registrations {
+                    self.refund(&r);
                     let target = Target { engine: r.engine_id().to_owned(), rank: r.rank() };
                     self.actions.push_back(Action::Fail { key, target, kind });
                 }
@@ -664,6 +721,7 @@ mod tests {
             max_pending,
             tombstone_us: TOMB,
             max_tombstones: 16,
+            max_waiting_bytes_per_engine: usize::MAX,
         }
     }
 
@@ -1068,6 +1126,47 @@ mod tests {
         r.handle_blocks_ready(t(5), Key::new(15, 1), blocks(300));
         expect_release(&mut r, Key::new(15, 1), ReleaseReason::Stale);
         assert_eq!(r.pending(), 0);
+    }
+
+    #[test]
+    fn one_engine_waiting_registrations_stay_within_its_byte_budget() {
+        // Room for exactly two waiting registrations of engine "d" (costs computed independently:
+        // the registration and its instant, the id "d", two groups of 3 and 1 block ids).
+        let one = std::mem::size_of::<(Registration, Instant)>() + 1 + (24 + 4 * 3) + (24 + 4);
+        assert_eq!(registration_cost(&reg(1, 1)), one);
+        let mut r = Rendezvous::new(RendezvousConfig { max_waiting_bytes_per_engine: 2 * one, ..config(8) });
+        r.handle_registration(t(0), reg(1, 1), 1);
+        r.handle_registration(t(0), reg(2, 1), 1);
+        assert!(drain(&mut r).is_empty());
+        assert_eq!(r.waiting_bytes("d"), 2 * one);
+        // The third is refused at once and never held; another engine has its own budget.
+        r.handle_registration(t(0), reg(3, 1), 1);
+        let k3 = Key::new(3, 1);
+        assert_eq!(drain(&mut r), vec![Action::Fail { key: k3, target: target(0), kind: FailureKind::Refused }]);
+        assert!(r.slot(TransferId(3)).is_none());
+        assert_eq!((r.stats().over_budget, r.waiting_bytes("d")), (1, 2 * one));
+        let l = layout(0, 1);
+        let other =
+            Registration::new(Key::new(4, 1), "e".into(), l.parallel.rank(), 40, vec![vec![1, 2, 3], vec![4]], &l)
+                .expect("fits");
+        r.handle_registration(t(0), other, 1);
+        assert!(drain(&mut r).is_empty());
+        assert_eq!(r.waiting_bytes("e"), one);
+        // Refused prefill blocks of attempt 3 come back at once, as for `max_pending`.
+        r.handle_blocks_ready(t(1), k3, blocks(30));
+        assert!(
+            matches!(drain(&mut r)[..], [Action::Release { key, reason: ReleaseReason::Refused, .. }] if key == k3)
+        );
+        // A registration that stops waiting gives its bytes back: matched with its blocks, or
+        // expired.
+        r.handle_blocks_ready(t(1), Key::new(1, 1), blocks(10));
+        drain(&mut r);
+        assert_eq!(r.waiting_bytes("d"), one);
+        r.handle_timeout(t(REG_TIMEOUT));
+        drain(&mut r);
+        assert_eq!(r.waiting_bytes("d"), 0);
+        r.handle_registration(t(REG_TIMEOUT), reg(5, 1), 1);
+        assert!(drain(&mut r).is_empty(), "room again");
     }
 
     #[test]

@@ -20,6 +20,7 @@ use crate::proto::plan::Grid;
 pub mod loopback;
 pub mod nixl;
 pub mod staged;
+pub mod trust;
 
 /// Direction of a transfer, seen from the side that posts it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -620,3 +620,262 @@ fn insecure_and_authenticated_peers_do_not_mix() {
     let s: SideStats = p.side.stats();
     assert_eq!(s.handshakes, 0);
 }
+
+// ------------------------------------------------------------------------------------------------
+// The data path. NIXL's UCX backend takes a notification's sender name from the message itself
+// (docs/security.md, "Data path"), so the wire can claim any agent. `Wire` stands for that: the
+// transport an engine is given, delivering whatever the test injects under whatever name.
+
+struct Wire {
+    inner: kvpush::transport::loopback::LoopbackTransport,
+    injected: Mutex<Vec<kvpush::transport::Notification>>,
+    waker: Mutex<Option<kvpush::transport::Waker>>,
+    /// While true, the engine's writer stops in its next look at the notifications.
+    stalled: (Mutex<bool>, std::sync::Condvar),
+}
+
+impl std::fmt::Debug for Wire {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Wire")
+    }
+}
+
+impl Wire {
+    fn stall(&self, on: bool) {
+        *self.stalled.0.lock().expect("lock") = on;
+        self.stalled.1.notify_all();
+    }
+
+    /// Delivers `msg` as if agent `from` had sent it, and wakes the engine.
+    fn inject(&self, from: &str, msg: Vec<u8>) {
+        self.injected.lock().expect("lock").push(kvpush::transport::Notification { from: from.to_owned(), msg });
+        let waker = self.waker.lock().expect("lock").clone();
+        waker.expect("the engine installed its waker")();
+    }
+}
+
+impl kvpush::transport::Transport for Wire {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    unsafe fn register(&self, region: &kvpush::device::MemRegion) -> Result<(), kvpush::transport::TransportError> {
+        // SAFETY: passed on unchanged; the engine that calls this upholds `register`'s contract.
+        unsafe { self.inner.register(region) }
+    }
+    fn deregister(&self, region: &kvpush::device::MemRegion) -> Result<(), kvpush::transport::TransportError> {
+        self.inner.deregister(region)
+    }
+    fn local_metadata(&self) -> Result<Vec<u8>, kvpush::transport::TransportError> {
+        self.inner.local_metadata()
+    }
+    fn load_remote(&self, metadata: &[u8]) -> Result<String, kvpush::transport::TransportError> {
+        self.inner.load_remote(metadata)
+    }
+    fn drop_peer(&self, peer: &str) {
+        self.inner.drop_peer(peer)
+    }
+    fn post(
+        &self,
+        op: kvpush::transport::Op,
+        peer: &str,
+        descs: &[kvpush::transport::Desc],
+        notif: Option<&[u8]>,
+    ) -> Result<kvpush::transport::XferId, kvpush::transport::TransportError> {
+        self.inner.post(op, peer, descs, notif)
+    }
+    fn poll(
+        &self,
+        id: kvpush::transport::XferId,
+    ) -> Result<kvpush::transport::XferState, kvpush::transport::TransportError> {
+        self.inner.poll(id)
+    }
+    fn take_notifications(
+        &self,
+        out: &mut Vec<kvpush::transport::Notification>,
+    ) -> Result<usize, kvpush::transport::TransportError> {
+        let mut stalled = self.stalled.0.lock().expect("lock");
+        while *stalled {
+            stalled = self.stalled.1.wait(stalled).expect("lock");
+        }
+        drop(stalled);
+        let mut injected = std::mem::take(&mut *self.injected.lock().expect("lock"));
+        let n = injected.len() + self.inner.take_notifications(out)?;
+        out.append(&mut injected);
+        Ok(n)
+    }
+    fn send_notification(&self, peer: &str, msg: &[u8]) -> Result<(), kvpush::transport::TransportError> {
+        self.inner.send_notification(peer, msg)
+    }
+    fn set_waker(&self, waker: kvpush::transport::Waker) {
+        *self.waker.lock().expect("lock") = Some(waker.clone());
+        self.inner.set_waker(waker)
+    }
+    fn needs_polling(&self) -> bool {
+        self.inner.needs_polling()
+    }
+}
+
+/// A worker of engine `id` with a secret whose transport is a [`Wire`] on `fabric`.
+fn tapped(id: &str, fabric: &Fabric, configure: impl FnOnce(&mut Config)) -> (Worker, Arc<Wire>) {
+    let dev: Arc<dyn Device> = Arc::new(HostDevice::new());
+    let mut l = layouts::separate(layouts::full_model(2, 2, 16), 64, Parallel::SINGLE);
+    let buffers = layouts::allocate(&mut l, dev.as_ref()).expect("host memory");
+    let side = Arc::new(SideChannel::bind(side_config(Some(SECRET))).expect("bind"));
+    let wire = Arc::new(Wire {
+        inner: fabric.endpoint(id).expect("endpoint"),
+        injected: Mutex::new(Vec::new()),
+        waker: Mutex::new(None),
+        stalled: (Mutex::new(false), std::sync::Condvar::new()),
+    });
+    let mut config = Config::new(id, Mode::Push);
+    config.completion.timeout_us = 10_000_000;
+    config.rendezvous.lease_us = 10_000_000;
+    configure(&mut config);
+    // SAFETY: the regions are `buffers`, owned by the returned Worker, which drops the engine first.
+    let engine = unsafe { Engine::new(config, l, dev, wire.clone(), side.clone()) }.expect("engine");
+    side.serve(engine.endpoint());
+    (Worker { engine, side, buffers }, wire)
+}
+
+#[test]
+fn a_forged_notification_does_not_complete_a_request() {
+    use kvpush::proto::codec;
+    use kvpush::proto::msg::{Completion, Message};
+    let fabric = Fabric::new();
+    let p = worker("prefill", Mode::Push, &fabric, Some(SECRET));
+    let (d, wire) = tapped("decode", &fabric, |_| {});
+    d.side.connect(p.side.local_addr()).expect("handshake");
+
+    let key = Key::new(21, 1);
+    let (pb, db) = (vec![vec![7u32, 8]], vec![vec![3u32, 4]]);
+    d.engine.blocks_allocated(key, "prefill", db.clone(), 32).expect("register");
+    until("P holds the registration", || p.engine.stats().counters.registrations == 1, stats_of(&p));
+    // P's rank says its part landed: once under P's agent name as the wire delivers it, once with a
+    // tag that is not the one the handshake agreed, once from a name nobody loaded.
+    let done = codec::to_vec(&Message::Completion(Completion { key, rank: p.engine.addr().rank })).expect("encode");
+    let mut tagged = done.clone();
+    tagged.extend_from_slice(&[0u8; 16]);
+    wire.inject("prefill", done.clone());
+    wire.inject("prefill", tagged);
+    wire.inject("mallory", done);
+    // Whichever comes first: the forgeries dropped, or an outcome for the request.
+    let mut out = Vec::new();
+    poll_until(
+        "D dropped the three forgeries or reported the request",
+        Duration::from_secs(5),
+        || {
+            d.engine.poll(&mut out);
+            (d.engine.data_path_counts(), out.len())
+        },
+        |(c, n)| c.unauthenticated() == 3 || *n > 0,
+    );
+    assert!(out.is_empty(), "a forged completion reached the request: {out:?}");
+    let c = d.engine.data_path_counts();
+    assert_eq!((c.unknown_sender, c.bad_tag), (1, 2), "{c:?}");
+    d.engine.poll(&mut out);
+    assert!(out.is_empty(), "a forged completion reached the request: {out:?}");
+    // The real transfer still completes it, with P's bytes, through tagged notifications.
+    pattern::fill(p.engine.layout(), &p.buffers, &pb, 32, 21).expect("fill");
+    p.engine.request_finished(key, pb, 32).expect("ready");
+    wait_for(&d, "received", |f| matches!(f, Finished::Received { key: k } if *k == key));
+    let v = pattern::verify(d.engine.layout(), &d.buffers, &db, 32, 21).expect("verify");
+    assert!(v.ok() && v.bytes == 32 * 2 * 2 * 2 * 16 * 2, "{v:?}");
+    assert_eq!(d.engine.data_path_counts(), c, "the real notifications verified");
+}
+
+#[test]
+fn control_frames_wait_for_stalled_writers_instead_of_piling_up() {
+    let fabric = Fabric::new();
+    let (p, wire) = tapped("prefill", &fabric, |c| {
+        c.control = kvpush::engine::ControlLimits { frames: 2, bytes: 1 << 20, wait: Duration::from_secs(20) };
+    });
+    let d = worker("decode", Mode::Push, &fabric, Some(SECRET));
+    d.side.connect(p.side.local_addr()).expect("handshake");
+    // P's writer stops; D registers 40 requests. P's reader may take the frame the writer is
+    // handling and the two the budget holds, then must stop reading (one more frame read and
+    // waiting for room): at most 4 registrations in, whatever D sends, and a heartbeat of D's
+    // before them (frames_in counts heartbeats too).
+    let before = p.side.stats().frames_in;
+    wire.stall(true);
+    // A failed assertion must not leave the writer stalled: dropping the engine joins it.
+    struct Unstall<'a>(&'a Wire);
+    impl Drop for Unstall<'_> {
+        fn drop(&mut self) {
+            self.0.stall(false);
+        }
+    }
+    let _unstall = Unstall(&wire);
+    const N: u128 = 40;
+    for i in 0..N {
+        d.engine.blocks_allocated(Key::new(100 + i, 1), "prefill", vec![vec![i as u32]], 16).expect("register");
+    }
+    until("D sent them", || d.side.stats().frames_out >= N as u64, stats_of(&d));
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(500) {
+        let s = p.side.stats();
+        let read = s.frames_in - before;
+        assert!(read <= 5, "P read {read} frames past its budget while its writer stalled: {s:?}");
+        std::thread::yield_now();
+    }
+    assert!(p.side.stats().frames_in >= before + 3, "{:?}", p.side.stats());
+    // The writer goes on: every registration arrives, none was dropped, the connection held.
+    wire.stall(false);
+    until("P took all registrations", || p.engine.stats().counters.registrations == N as u64, stats_of(&p));
+    let s = p.side.stats();
+    assert_eq!((s.over_limit, s.peers_lost, s.malformed), (0, 0, 0), "{s:?}");
+}
+
+/// Threads of this process whose name is `name` (Linux keeps 15 bytes of it).
+fn threads_named(name: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .expect("/proc/self/task")
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|comm| comm.trim_end() == name)
+        .count()
+}
+
+#[test]
+fn a_thousand_strangers_cost_a_bounded_number_of_threads() {
+    let fabric = Fabric::new();
+    let p = worker("prefill", Mode::Push, &fabric, Some(SECRET));
+    let name = kvpush::engine::side::handshake_thread_name(p.side.local_addr().port());
+    let limit = SideLimits::default().max_handshakes;
+    // The oracle sees handshake threads at all: one silent stranger holds one.
+    let first = TcpStream::connect(p.side.local_addr()).expect("tcp");
+    poll_until("a handshake thread for the stranger", Duration::from_secs(5), || threads_named(&name), |n| *n == 1);
+    drop(first);
+    // A thousand strangers connect and say nothing, all at once.
+    let mut max = 0;
+    let mut strangers = Vec::with_capacity(1000);
+    for _ in 0..1000 {
+        strangers.push(TcpStream::connect(p.side.local_addr()).expect("tcp"));
+        max = max.max(threads_named(&name));
+    }
+    until("P turned the rest away", || p.side.stats().over_limit >= 1000 - limit as u64, stats_of(&p));
+    max = max.max(threads_named(&name));
+    assert!(max <= limit, "{max} handshake threads for 1000 strangers (limit {limit}): {:?}", p.side.stats());
+    // They hold no thread once they are gone.
+    drop(strangers);
+    poll_until("the handshake threads ended", Duration::from_secs(10), || threads_named(&name), |n| *n == 0);
+    let d = worker("decode", Mode::Push, &fabric, Some(SECRET));
+    d.side.connect(p.side.local_addr()).expect("a peer gets through afterwards");
+}
+
+#[test]
+fn established_connections_are_limited_per_address() {
+    let fabric = Fabric::new();
+    let mut c = side_config(Some(SECRET));
+    c.limits = SideLimits { max_connections_per_address: 1, ..SideLimits::default() };
+    let p = worker_with("prefill", "prefill", Mode::Push, &fabric, c);
+    let d1 = worker("decode1", Mode::Push, &fabric, Some(SECRET));
+    let d2 = worker("decode2", Mode::Push, &fabric, Some(SECRET));
+    d1.side.connect(p.side.local_addr()).expect("the first peer from 127.0.0.1");
+    // A second engine from the same address is refused in P's verdict, and told why.
+    let e = d2.side.connect(p.side.local_addr()).expect_err("one connection per address");
+    assert!(matches!(e, SideError::Refused { .. }), "{e}");
+    assert!(e.to_string().contains("too many connections with 127.0.0.1"), "{e}");
+    assert_eq!(p.side.peers().len(), 1);
+    // The first peer reconnecting replaces its own connection: it needs no room.
+    d1.side.connect(p.side.local_addr()).expect("a reconnect of the same peer");
+    until("P holds one connection", || p.side.peers().len() == 1, stats_of(&p));
+}
