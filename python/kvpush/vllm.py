@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.logger import init_logger
 
+from kvpush import _timeline as timeline
 from kvpush._outcomes import OutcomeMatcher
 
 if TYPE_CHECKING:
@@ -207,6 +208,7 @@ class _Scheduler:
         self.sending: dict[str, tuple[str, int]] = {}
         # D: req_id -> transfer (waiting for the KV, or aborted and draining).
         self.receiving: dict[str, tuple[str, int]] = {}
+        self.timeline = timeline.SchedulerTrack()
 
     def _whole_blocks(self, request: Request) -> tuple[int, int]:
         """The tokens to move, rounded up to whole blocks, and the blocks per group.
@@ -220,6 +222,8 @@ class _Scheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
+        if self.timeline.on:
+            timeline.scheduler_saw(params)
         if params and params.get("do_remote_prefill") and _transfer(params):
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
@@ -256,6 +260,7 @@ class _Scheduler:
             )
         )
         self.receiving[request.request_id] = transfer
+        timeline.record("d_alloc", tid, attempt)
         # Registered once: a re-entry (preemption, reschedule) must not register again.
         params["do_remote_prefill"] = False
 
@@ -264,6 +269,7 @@ class _Scheduler:
 
         params = request.kv_transfer_params
         rid = request.request_id
+        self.timeline.forget(rid)
         if rid in self.receiving:
             # D: a request still waiting for its KV can only finish by being aborted. Peers may still
             # be writing into its blocks: they are freed when the workers report the transfer over.
@@ -285,6 +291,7 @@ class _Scheduler:
         if not any(groups):
             return False, None
         self.meta.finished.append(Finished(rid, tid, attempt, groups, num_tokens))
+        timeline.record("p_finished", tid, attempt)
         self.sending[rid] = transfer
         return True, {
             "do_remote_prefill": True,
@@ -303,13 +310,14 @@ class _Scheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
         meta, self.meta = self.meta, KVPushMetadata()
+        self.timeline.step(scheduler_output)
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_sending or ():
             self.sending.pop(rid, None)
         for rid in output.finished_recving or ():
-            self.receiving.pop(rid, None)
+            self.timeline.kv_ready(rid, self.receiving.pop(rid, None))
 
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping while P holds blocks for D or D waits: outcomes arrive only
@@ -534,6 +542,7 @@ class _Worker:
                 logger.debug("kvpush: abort of %s: %s", a.transfer_id, e)
         for f in meta.finished:
             self.outcomes.expect(f.transfer_id, f.attempt, f.req_id, "p")
+            timeline.record("p_release", f.transfer_id, f.attempt)
             try:
                 n.request_finished(f.transfer_id, f.attempt, f.block_ids, f.num_tokens)
             except Exception as e:
@@ -541,6 +550,7 @@ class _Worker:
                 self._pending_sent.add(f.req_id)
         for r in meta.receives:
             self.outcomes.expect(r.transfer_id, r.attempt, r.req_id, "d")
+            timeline.record("d_register", r.transfer_id, r.attempt)
             try:
                 if r.remote_block_ids is None:
                     n.blocks_allocated(
@@ -579,6 +589,7 @@ class _Worker:
                 logger.debug("kvpush: outcome %s for unknown transfer %s attempt %s", kind, tid, attempt)
                 continue
             rid, role = owner
+            timeline.record(f"{role}_reported", tid, attempt)
             if role == "p":
                 sending.add(rid)
                 self.stats.record("requests_sent", 1)

@@ -21,6 +21,7 @@ use tokio::time::Sleep;
 use tracing::warn;
 
 use super::metrics::ErrorKind;
+use super::timeline;
 use super::upstream::{Lease, LegError};
 use super::Shared;
 
@@ -133,6 +134,8 @@ pub(crate) struct Relay {
     /// The body ended (normally or with an error already counted): dropping it is no disconnect.
     finished: bool,
     flight: Option<InFlight>,
+    /// The transfer id, where the request timeline is on (its first byte to the client is recorded).
+    pub(crate) timeline_id: Option<String>,
 }
 
 impl Relay {
@@ -163,6 +166,7 @@ impl Relay {
             state: State::Streaming,
             finished: false,
             flight: None,
+            timeline_id: None,
         }
     }
 
@@ -194,6 +198,9 @@ impl Relay {
                     if !data.is_empty() && !self.first_byte {
                         self.first_byte = true;
                         self.shared.metrics.ttft.observe(self.received.elapsed());
+                        if let Some(tid) = &self.timeline_id {
+                            timeline::record("router_first_byte", tid);
+                        }
                     }
                 }
                 return Poll::Ready(Some(Ok(frame)));

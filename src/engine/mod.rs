@@ -39,6 +39,7 @@ pub mod link;
 mod sched;
 pub mod side;
 pub mod stats;
+pub mod timeline;
 mod writer;
 
 pub use link::{ControlLink, FrameSink, LinkError, LocalHub, PeerAddr};
