@@ -17,7 +17,9 @@ Events recorded here (the scheduler's and the worker's halves of the connector):
 - ``d_kv_ready``: D's scheduler learns the KV landed (``update_connector_output``);
 - ``d_scheduled``: D schedules the request's remaining prompt token (the step that samples the first
   token);
-- ``d_token_step``: D schedules the request's next step: the first token has left the engine core.
+- ``d_token_step``: D schedules the request's next step (its second token; with vLLM's asynchronous
+  scheduling this can precede the first token's way out of the engine core: ``router_first_byte`` is
+  when the client gets it).
 """
 
 from __future__ import annotations

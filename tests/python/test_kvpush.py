@@ -129,7 +129,9 @@ def test_push_matches_single_engine_and_d_computes_nothing(push_pair, reference)
 # Every event of a push request, in an order each must respect (kvpush/_timeline.py names them).
 PUSH_EVENTS_IN_ORDER = [
     ["router_recv", "router_d_sent", "d_sched", "d_alloc", "d_register", "eng_register_sent"],
-    ["router_recv", "router_p_sent", "p_sched", "p_finished", "p_release", "eng_blocks_ready"],
+    # P hands the blocks to the engine when the prefill's forward pass ends, before vLLM finishes it.
+    ["router_recv", "router_p_sent", "p_sched", "p_release", "eng_blocks_ready"],
+    ["p_release", "p_finished"],
     ["eng_register_sent", "eng_registration_recv", "eng_rendezvous"],
     ["eng_blocks_ready", "eng_rendezvous", "eng_write_post", "eng_write_done", "eng_released", "p_reported"],
     ["eng_write_post", "eng_notified", "eng_received", "d_reported", "d_kv_ready", "d_scheduled", "router_first_byte"],
