@@ -446,7 +446,8 @@ def run_ttft(args: argparse.Namespace) -> int:
             reqs = tl.load([timeline_dir / mode])
             seq = {t: e for t, e in reqs.items() if t_measured_ns <= min(e.values()) < t_rate_ns}
             result["timeline"][mode] = tl.summarize(seq)
-            print(f"[ttft] {mode} timeline, sequential requests:\n" + "\n".join(tl.summary_lines(result["timeline"][mode])))
+            lines = tl.summary_lines(result["timeline"][mode])
+            print(f"[ttft] {mode} timeline, sequential requests:\n" + "\n".join(lines))
     finally:
         for s in reversed(started):
             s.stop()
@@ -474,7 +475,8 @@ def plot_ttft(result_path: Path) -> Path:
     fig, (ax, *gantt) = plt.subplots(1, 3, figsize=(18, 6.5), gridspec_kw={"width_ratios": [1.1, 1, 1]})
     for k, recs in data["records"].items():
         xs = [r["input_tokens"] for r in recs]
-        ax.scatter(xs, [r["ttft_s"] * 1000 for r in recs], s=12, label=f"{k} (p50 {data['sequential'][k]['ttft_p50_s'] * 1000:.1f} ms)")
+        p50 = data["sequential"][k]["ttft_p50_s"] * 1000
+        ax.scatter(xs, [r["ttft_s"] * 1000 for r in recs], s=12, label=f"{k} (p50 {p50:.1f} ms)")
     ax.set_xlabel("input length (tokens)")
     ax.set_ylabel("TTFT (ms)")
     ax.set_title("TTFT per request, sequential, interleaved")
@@ -579,7 +581,8 @@ def main() -> int:
     args.lengths_given = "--lengths" in sys.argv
 
     if args.plot:
-        print(plot_ttft(args.plot) if json.loads(args.plot.read_text()).get("bench") == "vllm_pd --ttft" else plot(args.plot))
+        ttft_run = json.loads(args.plot.read_text()).get("bench") == "vllm_pd --ttft"
+        print(plot_ttft(args.plot) if ttft_run else plot(args.plot))
         return 0
     table = setups(json.loads(args.kvpush_extra))
     if args.list:
