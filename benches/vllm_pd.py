@@ -382,6 +382,7 @@ def run_ttft(args: argparse.Namespace) -> int:
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "started_at": started_at,
         "params": {"lengths": lengths, "rounds": args.ttft_rounds, "max_tokens": args.max_tokens,
+                   "pause_s": args.ttft_pause_s,
                    "rate_qps": args.ttft_rate, "streaming": True, "greedy": True,
                    "kvpush_extra": json.loads(args.kvpush_extra),
                    "model": json.loads((model_dir / "params.json").read_text())},  # fmt: skip
@@ -404,6 +405,9 @@ def run_ttft(args: argparse.Namespace) -> int:
             order = setups_[i % 3 :] + setups_[: i % 3]
             got: dict[str, srv.Completion] = {}
             for k in order:
+                # Let the other servers go idle first: vLLM's worker and engine-core processes busy-poll
+                # their queues for 1 s after each message (SpinCondition) and would take the cores.
+                time.sleep(args.ttft_pause_s)
                 c = srv.complete(urls[k], prompt, args.max_tokens, stream=True, timeout_s=300, session=sessions[k])
                 got[k] = c
                 records[k].append({"input_tokens": len(prompt), "ttft_s": c.ttft_s, "latency_s": c.latency_s})
@@ -586,6 +590,8 @@ def main() -> int:
     ap.add_argument("--ttft-rounds", type=int, default=2, help="--ttft: rounds over the lengths")
     ap.add_argument("--ttft-rate", type=float, default=0.0, help="--ttft: then this many QPS per setup (0: none)")
     ap.add_argument("--timeline-dir", default=None, help="--ttft: where the timelines go (default under /tmp)")
+    ap.add_argument("--ttft-pause-s", type=float, default=1.5,
+                    help="--ttft: pause before each sequential request (vLLM's queues spin for 1 s after use)")
     args = ap.parse_args()
     args.lengths_given = "--lengths" in sys.argv
 
