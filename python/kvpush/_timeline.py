@@ -20,6 +20,14 @@ Events recorded here (the scheduler's and the worker's halves of the connector):
 - ``d_token_step``: D schedules the request's next step (its second token; with vLLM's asynchronous
   scheduling this can precede the first token's way out of the engine core: ``router_first_byte`` is
   when the client gets it).
+
+The router's (router/src/timeline.rs): ``router_recv``, ``router_p_sent``, ``router_d_sent``,
+``router_d_head`` (D's response head), ``router_p_done`` (P's whole answer), ``router_first_byte`` (D's
+first data relayed to the client). The engine's (src/engine/timeline.rs, recorded by its writer threads
+unless named otherwise): ``eng_register_sent`` (D), ``eng_registration_read`` (P's side-channel reader
+decoded it), ``eng_registration_recv``, ``eng_blocks_ready``, ``eng_rendezvous`` (P), ``eng_write_post`` /
+``eng_read_post``, ``eng_write_done`` / ``eng_read_done``, ``eng_grant_recv`` (D, pull),
+``eng_notified`` (D, push), ``eng_received`` (D), ``eng_released`` (P).
 """
 
 from __future__ import annotations

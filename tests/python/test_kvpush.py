@@ -132,7 +132,7 @@ PUSH_EVENTS_IN_ORDER = [
     # P hands the blocks to the engine when the prefill's forward pass ends, before vLLM finishes it.
     ["router_recv", "router_p_sent", "p_sched", "p_release", "eng_blocks_ready"],
     ["p_release", "p_finished"],
-    ["eng_register_sent", "eng_registration_recv", "eng_rendezvous"],
+    ["eng_register_sent", "eng_registration_read", "eng_registration_recv", "eng_rendezvous"],
     ["eng_blocks_ready", "eng_rendezvous", "eng_write_post", "eng_write_done", "eng_released", "p_reported"],
     ["eng_write_post", "eng_notified", "eng_received", "d_reported", "d_kv_ready", "d_scheduled", "router_first_byte"],
     ["d_scheduled", "d_token_step"],
