@@ -29,6 +29,16 @@ Setups (vLLM 0.32's own connectors, "as shipped" and with the NIXL progress thre
     . scripts/python.sh && cargo build --release
     python benches/vllm_pd.py --quick                      # smoke run: 2 lengths, 1 rate, 3 requests
     python benches/vllm_pd.py --setups vllm-push,vllm-pull,vllm-push-noprog,vllm-pull-noprog
+
+``--ttft`` is a different run (issue #18): one vLLM engine alone, kvpush push and kvpush pull (each P/D
+pair behind its own router) all up at once, the same prompts sent to each in turn, one request at a
+time, interleaved (the order rotates per prompt), so a busy machine slows all three alike; then
+optionally ``--ttft-rate`` QPS per setup. It reports TTFT p50/p99 per setup, the ratios P/D ÷ alone
+(``ttft_ratio_push_median``, ``ttft_ratio_pull_median`` at the top of the JSON), whether every output
+equals the engine alone's, and the request timeline's gap medians (``KVPUSH_TIMELINE``, ``python -m
+kvpush.timeline``) of each P/D setup; the plot has TTFT per prompt and the median timelines:
+
+    python benches/vllm_pd.py --ttft                         # ttft-<UTC time>.json and .png
 """
 
 from __future__ import annotations
@@ -312,6 +322,207 @@ def run_setup(setup: Setup, args: argparse.Namespace, model_dir: Path, prompt_se
     return out
 
 
+TTFT_LENGTHS = [20, 48, 96, 127, 160, 200, 256, 285, 320, 384, 448, 512, 576, 640, 720, 800]
+
+
+def _ttft_targets(
+    model_dir: Path, extra: dict[str, Any], timeline_dir: Path
+) -> tuple[dict[str, str], list[srv.Server]]:
+    """Starts the engine alone and a push and a pull P/D pair, each pair behind its router (every P/D
+    process writes its timeline under ``timeline_dir/<mode>``). Returns each setup's URL and the servers."""
+    started: list[srv.Server] = []
+    ports = srv.free_ports(4)
+
+    def pair(mode: str, p_port: int, d_port: int) -> tuple[srv.Server, srv.Server]:
+        env = {"KVPUSH_TIMELINE": str(timeline_dir / mode)}
+        cfg = {r: kvpush_config(r, mode, f"ttft-{mode}-{r}", extra) for r in ("prefill", "decode")}
+        cfg["prefill"]["kv_connector_extra_config"]["side_channel_port"] = p_port
+        cfg["decode"]["kv_connector_extra_config"]["side_channel_port"] = d_port
+        p = srv.start_vllm(f"ttft-{mode}-P", model_dir, kv_transfer_config=cfg["prefill"], extra_env=env,
+                           side_channel_port=p_port)  # fmt: skip
+        started.append(p)
+        d = srv.start_vllm(f"ttft-{mode}-D", model_dir, kv_transfer_config=cfg["decode"], extra_env=env,
+                           side_channel_port=d_port)  # fmt: skip
+        started.append(d)
+        return p, d
+
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            alone_f = pool.submit(srv.start_vllm, "ttft-alone", model_dir, prefix_caching=False)
+            push_f = pool.submit(pair, "push", ports[0], ports[1])
+            pull_f = pool.submit(pair, "pull", ports[2], ports[3])
+            alone = alone_f.result()
+            started.append(alone)
+            urls = {"alone": alone.url}
+            for mode, f in (("push", push_f), ("pull", pull_f)):
+                p, d = f.result()
+                env = {"KVPUSH_TIMELINE": str(timeline_dir / mode)}
+                router = srv.start_router(mode, [p], [d], name=f"ttft-{mode}-router", extra_env=env)
+                started.append(router)
+                urls[mode] = router.url
+    except BaseException:
+        for s in reversed(started):
+            s.stop()
+        raise
+    return urls, started
+
+
+def run_ttft(args: argparse.Namespace) -> int:
+    """The --ttft run (module docs): alone vs P/D push and pull, interleaved, with the timelines."""
+    import requests
+
+    from kvpush import timeline as tl
+
+    started_at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    stamp = started_at.replace(":", "").replace("-", "")
+    out_path = args.out or RESULTS / f"ttft-{stamp}.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    timeline_dir = Path(args.timeline_dir or f"/tmp/kvpush-ttft-{stamp}")
+    model_dir = tiny_model.model_dir()
+    lengths = args.lengths if args.lengths_given else TTFT_LENGTHS
+    prompts = tiny_model.make_prompts(lengths * args.ttft_rounds, seed=18)
+    setups_ = ["alone", "push", "pull"]
+    result: dict[str, Any] = {
+        "bench": "vllm_pd --ttft",
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "started_at": started_at,
+        "params": {"lengths": lengths, "rounds": args.ttft_rounds, "max_tokens": args.max_tokens,
+                   "pause_s": args.ttft_pause_s,
+                   "rate_qps": args.ttft_rate, "streaming": True, "greedy": True,
+                   "kvpush_extra": json.loads(args.kvpush_extra),
+                   "model": json.loads((model_dir / "params.json").read_text())},  # fmt: skip
+        "versions": versions(),
+        "machine": machine(),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "timeline_dir": str(timeline_dir),
+    }
+    urls, started = _ttft_targets(model_dir, json.loads(args.kvpush_extra), timeline_dir)
+    try:
+        sessions = {k: requests.Session() for k in setups_}
+        for w in tiny_model.make_prompts([64, 300, 64, 300], seed=999):
+            for k in setups_:
+                srv.complete(urls[k], w, 4, stream=True, timeout_s=args.warmup_timeout_s, session=sessions[k])
+        t_measured_ns = time.time_ns()
+        records: dict[str, list[dict[str, Any]]] = {k: [] for k in setups_}
+        mismatches: list[str] = []
+        worst_logprob_gap = 0.0
+        for i, prompt in enumerate(prompts):
+            order = setups_[i % 3 :] + setups_[: i % 3]
+            got: dict[str, srv.Completion] = {}
+            for k in order:
+                # Let the other servers go idle first: vLLM's worker and engine-core processes busy-poll
+                # their queues for 1 s after each message (SpinCondition) and would take the cores.
+                time.sleep(args.ttft_pause_s)
+                c = srv.complete(urls[k], prompt, args.max_tokens, stream=True, timeout_s=300, session=sessions[k])
+                got[k] = c
+                records[k].append({"input_tokens": len(prompt), "ttft_s": c.ttft_s, "latency_s": c.latency_s})
+            for k in ("push", "pull"):
+                try:
+                    gap = srv.assert_same_output(got[k], got["alone"], f"{k}, prompt {i} ({len(prompt)} tokens)")
+                    worst_logprob_gap = max(worst_logprob_gap, gap)
+                except AssertionError as e:
+                    mismatches.append(str(e)[:300])
+            print(f"[ttft] {i + 1}/{len(prompts)} {len(prompt):4d} tokens: "
+                  + ", ".join(f"{k} {got[k].ttft_s * 1000:.1f} ms" for k in setups_), flush=True)  # fmt: skip
+        t_rate_ns = time.time_ns()
+        summary: dict[str, Any] = {}
+        for k in setups_:
+            ttft = [r["ttft_s"] for r in records[k] if r["ttft_s"] is not None]
+            summary[k] = {"requests": len(records[k]), "ttft_p50_s": percentile(ttft, 50),
+                          "ttft_p99_s": percentile(ttft, 99), "ttft_mean_s": statistics.fmean(ttft)}  # fmt: skip
+        alone = summary["alone"]["ttft_p50_s"]
+        for k, factor in (("push", 1.1), ("pull", 1.2)):
+            s_ = summary[k]
+            s_["ratio_median"] = s_["ttft_p50_s"] / alone
+            s_["ratio_p99"] = s_["ttft_p99_s"] / summary["alone"]["ttft_p99_s"]
+            s_["target_s"] = factor * alone + 0.002
+            s_["meets_target"] = s_["ttft_p50_s"] <= s_["target_s"]
+            # Paired per prompt (each P/D request ran next to the alone one, under the same load): the
+            # median of the per-prompt ratios and differences moves less with a busy machine.
+            pairs = [(a["ttft_s"], b["ttft_s"]) for a, b in zip(records["alone"], records[k])]
+            s_["paired_ratio_median"] = statistics.median(b / a for a, b in pairs)
+            s_["paired_diff_median_s"] = statistics.median(b - a for a, b in pairs)
+        result["ttft_ratio_push_median"] = summary["push"]["ratio_median"]
+        result["ttft_ratio_pull_median"] = summary["pull"]["ratio_median"]
+        result["sequential"] = summary
+        result["outputs_equal"] = not mismatches
+        result["mismatches"] = mismatches
+        result["worst_logprob_gap"] = worst_logprob_gap
+        result["records"] = records
+        if args.ttft_rate > 0:
+            result["rate"] = {}
+            rate_prompts = tiny_model.make_prompts(lengths, seed=1818)
+            for k in setups_:
+                cell = run_cell(urls[k], rate_prompts, args.ttft_rate, args.max_tokens, 18)
+                result["rate"][k] = {**summarize(cell), "records": cell}
+        result["timeline"] = {}
+        for mode in ("push", "pull"):
+            reqs = tl.load([timeline_dir / mode])
+            seq = {t: e for t, e in reqs.items() if t_measured_ns <= min(e.values()) < t_rate_ns}
+            result["timeline"][mode] = tl.summarize(seq)
+            lines = tl.summary_lines(result["timeline"][mode])
+            print(f"[ttft] {mode} timeline, sequential requests:\n" + "\n".join(lines))
+    finally:
+        for s in reversed(started):
+            s.stop()
+    result["finished_at"] = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    out_path.write_text(json.dumps(result, indent=1) + "\n")
+    for k in setups_:
+        s_ = result["sequential"][k]
+        extra_s = ""
+        if k != "alone":
+            verdict = "met" if s_["meets_target"] else "missed"
+            extra_s = (f", ratio {s_['ratio_median']:.2f} (target {s_['target_s'] * 1000:.1f} ms: {verdict}), "
+                       f"per prompt: ratio {s_['paired_ratio_median']:.2f}, "
+                       f"+{s_['paired_diff_median_s'] * 1000:.1f} ms")  # fmt: skip
+        print(f"[ttft] {k:5s} TTFT p50 {s_['ttft_p50_s'] * 1000:.1f} ms, p99 {s_['ttft_p99_s'] * 1000:.1f} ms{extra_s}")
+    print(f"[ttft] outputs equal to the engine alone: {result['outputs_equal']}")
+    print(f"wrote {out_path}")
+    print(f"wrote {plot_ttft(out_path)}")
+    return 0 if result["outputs_equal"] else 1
+
+
+def plot_ttft(result_path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(result_path.read_text())
+    fig, (ax, *gantt) = plt.subplots(1, 3, figsize=(18, 6.5), gridspec_kw={"width_ratios": [1.1, 1, 1]})
+    for k, recs in data["records"].items():
+        xs = [r["input_tokens"] for r in recs]
+        p50 = data["sequential"][k]["ttft_p50_s"] * 1000
+        ax.scatter(xs, [r["ttft_s"] * 1000 for r in recs], s=12, label=f"{k} (p50 {p50:.1f} ms)")
+    ax.set_xlabel("input length (tokens)")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title("TTFT per request, sequential, interleaved")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    for bx, mode in zip(gantt, ("push", "pull")):
+        # One row per event, in order of its median time: a bar from the previous event's median time.
+        events = data["timeline"][mode]["events"]
+        prev = 0.0
+        for row, e in enumerate(events):
+            bx.barh(row, max(e["at_ms"] - prev, 0.05), left=prev, height=0.7)
+            bx.text(e["at_ms"], row, f" {e['at_ms']:.1f}", va="center", fontsize=6)
+            prev = e["at_ms"]
+        bx.set_yticks(range(len(events)), [e["event"] for e in events], fontsize=7)
+        bx.invert_yaxis()
+        bx.set_xlabel("median time from the request's first event (ms)")
+        bx.set_title(f"{mode}: median timeline (python -m kvpush.timeline)")
+        bx.grid(True, axis="x", alpha=0.3)
+    fig.suptitle(f"ttft: alone vs kvpush P/D, tiny Llama, {data['machine']['cpus']} CPUs, {data['started_at']}; "
+                 f"push/alone {data['ttft_ratio_push_median']:.2f}, pull/alone {data['ttft_ratio_pull_median']:.2f}",
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    out = result_path.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot(result_path: Path) -> Path:
     import matplotlib
 
@@ -380,10 +591,18 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: lengths 128,512, rate 1, 3 requests")
     ap.add_argument("--out", type=Path, default=None, help="result JSON (default benches/results/vllm-pd-<time>.json)")
     ap.add_argument("--plot", type=Path, default=None, help="only redraw the plot of this result JSON")
+    ap.add_argument("--ttft", action="store_true", help="the alone vs push vs pull TTFT run (module docs)")
+    ap.add_argument("--ttft-rounds", type=int, default=2, help="--ttft: rounds over the lengths")
+    ap.add_argument("--ttft-rate", type=float, default=0.0, help="--ttft: then this many QPS per setup (0: none)")
+    ap.add_argument("--timeline-dir", default=None, help="--ttft: where the timelines go (default under /tmp)")
+    ap.add_argument("--ttft-pause-s", type=float, default=1.5,
+                    help="--ttft: pause before each sequential request (vLLM's queues spin for 1 s after use)")
     args = ap.parse_args()
+    args.lengths_given = "--lengths" in sys.argv
 
     if args.plot:
-        print(plot(args.plot))
+        ttft_run = json.loads(args.plot.read_text()).get("bench") == "vllm_pd --ttft"
+        print(plot_ttft(args.plot) if ttft_run else plot(args.plot))
         return 0
     table = setups(json.loads(args.kvpush_extra))
     if args.list:
@@ -394,6 +613,10 @@ def main() -> int:
         args.lengths, args.rates, args.requests, args.idle_s = "128,512", "1", 3, 3.0
     args.lengths = [int(x) for x in str(args.lengths).split(",")]
     args.rates = [float(x) for x in str(args.rates).split(",")]
+    if args.ttft:
+        if "--max-tokens" not in sys.argv:
+            args.max_tokens = 8
+        return run_ttft(args)
     names = [n.strip() for n in args.setups.split(",") if n.strip()]
     unknown = [n for n in names if n not in table]
     if unknown:

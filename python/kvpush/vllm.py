@@ -41,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.logger import init_logger
 
 from kvpush._layouts import describe_kv_caches, expand_block_ids
+from kvpush import _timeline as timeline
 from kvpush._outcomes import OutcomeMatcher
 from kvpush._transfer import (
     Producer,
@@ -191,6 +192,9 @@ class Abort:
 @dataclass
 class KVPushMetadata(KVConnectorMetadata):
     finished: list[Finished] = field(default_factory=list)
+    # P: prefills that end in this step (one output token): handed to the engine right after the
+    # forward pass (``wait_for_save``), before vLLM has even seen the sampled token.
+    prefilled: list[Finished] = field(default_factory=list)
     receives: list[Receive] = field(default_factory=list)
     aborts: list[Abort] = field(default_factory=list)
 
@@ -216,15 +220,24 @@ class _Scheduler:
         self.sending: dict[str, tuple[str, int]] = {}
         # D: req_id -> transfer (waiting for the KV, or aborted and draining).
         self.receiving: dict[str, tuple[str, int]] = {}
+        # P: requests with a transfer id, from scheduling until their prefill is scheduled.
+        self.producing: dict[str, Transfer] = {}
+        # P: requests handed to the engine at the end of their prefill step that vLLM has not yet
+        # finished (``request_finished``): their blocks must not be preempted meanwhile.
+        self.released_early: set[str] = set()
+        self.timeline = timeline.SchedulerTrack()
 
     def _whole_blocks(self, request: Request) -> tuple[int, int]:
+        return self._whole_blocks_of(len(request.prompt_token_ids or ()))
+
+    def _whole_blocks_of(self, prompt_tokens: int) -> tuple[int, int]:
         """The tokens to move, rounded up to whole blocks, and the blocks per group.
 
         Whole blocks move: the bytes of a block's unused tail slots are copied too (D overwrites them
         as it appends). Attention backends may pack tokens inside a block (vLLM CPU's ISA-specific
         layouts do), so a partial-block copy could miss or garble the tokens that matter.
         """
-        blocks = _cdiv(len(request.prompt_token_ids or ()), self.block_size)
+        blocks = _cdiv(prompt_tokens, self.block_size)
         return blocks * self.block_size, blocks
 
     def _consumer(self, request: Request) -> tuple[Transfer, Producer] | None:
@@ -245,6 +258,13 @@ class _Scheduler:
         return parsed
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if self.timeline.on:
+            timeline.scheduler_saw(params)
+        if is_producer(params):
+            produced = producer_transfer(params, request.request_id)
+            if not isinstance(produced, Refused):  # request_finished says why
+                self.producing[request.request_id] = produced
         if self._consumer(request) is not None:
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
@@ -275,6 +295,7 @@ class _Scheduler:
             )
         )
         self.receiving[request.request_id] = (transfer.key, transfer.attempt)
+        timeline.record("d_alloc", transfer.key, transfer.attempt)
         # Registered once: a re-entry (preemption, reschedule) must not register again.
         request.kv_transfer_params["do_remote_prefill"] = False
 
@@ -283,6 +304,7 @@ class _Scheduler:
 
         params = request.kv_transfer_params
         rid = request.request_id
+        self.timeline.forget(rid)
         if rid in self.receiving:
             # D: a request still waiting for its KV can only finish by being aborted. Peers may still
             # be writing into its blocks: they are freed when the workers report the transfer over.
@@ -297,6 +319,17 @@ class _Scheduler:
             logger.warning("kvpush: request %s: kv_transfer_params unusable (%s); not sent", rid, transfer.reason)
             return False, None
         tid, attempt = transfer.key, transfer.attempt
+        self.producing.pop(rid, None)
+        if rid in self.released_early:
+            # The engine has had its blocks since the end of the prefill step: they stay held until it
+            # reports them sent, whatever the outcome; an abort only tells the engine (and so D).
+            self.released_early.discard(rid)
+            num_tokens, needed = self._whole_blocks(request)
+            if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+                self.meta.aborts.append(Abort(rid, tid, attempt))
+                return True, None
+            timeline.record("p_finished", tid, attempt)
+            return True, self._decode_params(transfer, [list(g)[:needed] for g in block_ids], num_tokens)
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             # P: aborted before its KV was complete; D is told and fails or recomputes at once.
             self.meta.aborts.append(Abort(rid, tid, attempt))
@@ -306,8 +339,13 @@ class _Scheduler:
         if not any(groups):
             return False, None
         self.meta.finished.append(Finished(rid, tid, attempt, groups, num_tokens))
+        timeline.record("p_finished", tid, attempt)
         self.sending[rid] = (tid, attempt)
-        return True, {
+        return True, self._decode_params(transfer, groups, num_tokens)
+
+    def _decode_params(self, transfer: Transfer, groups: list[list[int]], num_tokens: int) -> dict[str, Any]:
+        """The ``kv_transfer_params`` P's response carries to D."""
+        return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             # D maps the id to the same key. vLLM's push proxy relays only remote_request_id (in vLLM's
@@ -315,7 +353,7 @@ class _Scheduler:
             # both carry the transfer id.
             "transfer_id": transfer.transfer_id,
             "remote_request_id": transfer.transfer_id,
-            "attempt": attempt,
+            "attempt": transfer.attempt,
             "remote_engine_id": self.engine_id,
             "remote_host": self.cfg.side_channel_host,
             "remote_port": self.cfg.side_channel_port,
@@ -328,13 +366,44 @@ class _Scheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
         meta, self.meta = self.meta, KVPushMetadata()
+        if self.producing:
+            self._release_prefilled(scheduler_output, meta)
+        self.timeline.step(scheduler_output)
         return meta
+
+    def _release_prefilled(self, scheduler_output: SchedulerOutput, meta: KVPushMetadata) -> None:
+        """P: a request whose whole prompt this step computes and that asks for one token (the
+        router's prefill leg) is finished as soon as this step's forward pass ends. Its blocks go to
+        the engine then (``wait_for_save``), a step or two before vLLM calls ``request_finished``:
+        until then ``has_pending_block_frees`` keeps vLLM from preempting it (its blocks are the
+        engine's to read), and ``request_finished`` holds them until the engine reports them sent."""
+        for new in scheduler_output.scheduled_new_reqs:
+            transfer = self.producing.pop(new.req_id, None)
+            if transfer is None:
+                continue
+            prompt = len(new.prompt_token_ids or ())
+            scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            sp = new.sampling_params
+            if sp is None or sp.max_tokens != 1 or prompt == 0 or new.num_computed_tokens + scheduled < prompt:
+                continue
+            num_tokens, needed = self._whole_blocks_of(prompt)
+            groups = [list(g)[:needed] for g in new.block_ids]
+            if not any(groups):
+                continue
+            meta.prefilled.append(Finished(new.req_id, transfer.key, transfer.attempt, groups, num_tokens))
+            self.sending[new.req_id] = (transfer.key, transfer.attempt)
+            self.released_early.add(new.req_id)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_sending or ():
             self.sending.pop(rid, None)
         for rid in output.finished_recving or ():
-            self.receiving.pop(rid, None)
+            self.timeline.kv_ready(rid, self.receiving.pop(rid, None))
+
+    def has_pending_block_frees(self) -> bool:
+        # While the engine may be reading blocks of a request vLLM still runs, vLLM must wait for
+        # free blocks instead of preempting (which would hand those blocks to another request).
+        return bool(self.released_early)
 
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping while P holds blocks for D or D waits: outcomes arrive only
@@ -435,6 +504,7 @@ class _Worker:
         # Requests the engine refused outright: reported at the next get_finished.
         self._pending_sent: set[str] = set()
         self._pending_failed: dict[str, list[int]] = {}
+        self.on_cuda = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
@@ -464,6 +534,7 @@ class _Worker:
         )
         device = layout.pop("_device")
         _check_buffer_device(self.cfg.kv_buffer_device, device)
+        self.on_cuda = device.startswith("cuda")
         layout.pop("_local_heads")
         self.blocks_per_block = layout.pop("_blocks_per_block")
         if self.blocks_per_block > 1 and self.cfg.mode == "pull":
@@ -519,16 +590,10 @@ class _Worker:
                 n.abort(a.transfer_id, a.attempt)
             except Exception as e:  # the engine may not know it (never registered): nothing to stop
                 logger.debug("kvpush: abort of %s: %s", a.transfer_id, e)
-        for f in meta.finished:
-            self.outcomes.expect(f.transfer_id, f.attempt, f.req_id, "p")
-            try:
-                blocks = expand_block_ids(f.block_ids, self.blocks_per_block)
-                n.request_finished(f.transfer_id, f.attempt, blocks, f.num_tokens)
-            except Exception as e:
-                logger.error("kvpush: request %s (transfer %s) not sent: %s", f.req_id, f.transfer_id, e)
-                self._pending_sent.add(f.req_id)
+        self._release(meta.finished)
         for r in meta.receives:
             self.outcomes.expect(r.transfer_id, r.attempt, r.req_id, "d")
+            timeline.record("d_register", r.transfer_id, r.attempt)
             try:
                 if r.remote_block_ids is None:
                     blocks = expand_block_ids(r.block_ids, self.blocks_per_block)
@@ -552,6 +617,30 @@ class _Worker:
                 logger.error("kvpush: request %s (transfer %s) cannot receive: %s", r.req_id, r.transfer_id, e)
                 self._pending_failed[r.req_id] = [b for g in r.block_ids for b in g]
 
+    def _release(self, finished: list[Finished]) -> None:
+        n = self.native
+        if n is None:
+            return
+        for f in finished:
+            self.outcomes.expect(f.transfer_id, f.attempt, f.req_id, "p")
+            timeline.record("p_release", f.transfer_id, f.attempt)
+            try:
+                blocks = expand_block_ids(f.block_ids, self.blocks_per_block)
+                n.request_finished(f.transfer_id, f.attempt, blocks, f.num_tokens)
+            except Exception as e:
+                logger.error("kvpush: request %s (transfer %s) not sent: %s", f.req_id, f.transfer_id, e)
+                self._pending_sent.add(f.req_id)
+
+    def wait_for_save(self, meta: KVPushMetadata) -> None:
+        """After the forward pass: the prefills it completed go to the engine now."""
+        if not meta.prefilled:
+            return
+        if self.on_cuda:
+            # The forward pass may still be running on the GPU: its KV must be written before a WRITE
+            # reads it.
+            torch.cuda.current_stream().synchronize()
+        self._release(meta.prefilled)
+
     def get_finished(self) -> tuple[set[str], set[str]]:
         sending: set[str] = set(self._pending_sent)
         recving: set[str] = set()
@@ -568,6 +657,7 @@ class _Worker:
                 logger.debug("kvpush: outcome %s for unknown transfer %s attempt %s", kind, tid, attempt)
                 continue
             rid, role = owner
+            timeline.record(f"{role}_reported", tid, attempt)
             if role == "p":
                 sending.add(rid)
                 self.stats.record("requests_sent", 1)
@@ -696,6 +786,9 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_block_frees()
+
     # ---- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
@@ -714,7 +807,10 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         return
 
     def wait_for_save(self) -> None:
-        return
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPushMetadata)
+        self._worker.wait_for_save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None

@@ -21,6 +21,7 @@ use tokio::time::Sleep;
 use tracing::warn;
 
 use super::metrics::ErrorKind;
+use super::timeline;
 use super::upstream::{Lease, LegError};
 use super::Shared;
 
@@ -144,6 +145,8 @@ pub(crate) struct Relay {
     flight: Option<InFlight>,
     /// Hides the transfer id from the client.
     mask: Option<IdMask>,
+    /// The transfer id, where the request timeline is on (its first byte to the client is recorded).
+    pub(crate) timeline_id: Option<String>,
 }
 
 impl Relay {
@@ -175,6 +178,7 @@ impl Relay {
             finished: false,
             flight: None,
             mask: None,
+            timeline_id: None,
         }
     }
 
@@ -214,6 +218,9 @@ impl Relay {
                     if !data.is_empty() && !self.first_byte {
                         self.first_byte = true;
                         self.shared.metrics.ttft.observe(self.received.elapsed());
+                        if let Some(tid) = &self.timeline_id {
+                            timeline::record("router_first_byte", tid);
+                        }
                     }
                 }
                 return Poll::Ready(Some(Ok(frame)));

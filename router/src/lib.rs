@@ -16,6 +16,7 @@ mod body;
 pub mod config;
 mod metrics;
 mod proxy;
+mod timeline;
 mod upstream;
 
 use std::net::SocketAddr;

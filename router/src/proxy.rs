@@ -25,6 +25,7 @@ use tracing::debug;
 use super::body::{IdMask, InFlight, PrefillResult, ProxyBody, Relay};
 use super::config::TransferMode;
 use super::metrics::{Endpoint, ErrorKind};
+use super::timeline;
 use super::upstream::{self, Lease, LegError, LegRequest, PushTarget, MAX_UPSTREAM_JSON};
 use super::Shared;
 
@@ -331,6 +332,7 @@ async fn prefill_leg(
     let timeout = shared.config.prefill_timeout;
     let fut = async {
         let leg = LegRequest { method: Method::POST, path, headers: &headers, request_id: &tid, body };
+        timeline::record("router_p_sent", &tid);
         let resp = upstream::send(&shared.client, &inst, leg, timeout).await?;
         let status = resp.status();
         let content_type = resp.headers().get(CONTENT_TYPE).cloned();
@@ -353,6 +355,7 @@ async fn prefill_leg(
             Err(LegError::Timeout { url: format!("{}{path}", inst.base), after: timeout })
         }
     };
+    timeline::record("router_p_done", &tid);
     match &result {
         Ok(_) => shared.metrics.prefill_leg.observe(started.elapsed()),
         Err(e) => shared.metrics.error(leg_error_kind(Leg::Prefill, e)),
@@ -365,6 +368,7 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
     let Proxied { path, headers, request, received } = proxied;
     let p_lease = or_reject!(pick(shared, Leg::Prefill));
     let d_lease = or_reject!(pick(shared, Leg::Decode));
+    timeline::record_at("router_recv", tid, received);
     let Some(target) = p_lease.instance().push_target() else {
         // Admission guarantees an engine id for an in-rotation push-mode P; be explicit anyway.
         shared.metrics.error(ErrorKind::Internal);
@@ -387,6 +391,7 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
     let decode_sent = Instant::now();
     let timeout = shared.config.decode_timeout;
     let d_leg = LegRequest { method: Method::POST, path, headers, request_id: tid, body: d_body };
+    timeline::record("router_d_sent", tid);
     let d_fut = upstream::send(&shared.client, &d_inst, d_leg, timeout);
     tokio::pin!(d_fut);
 
@@ -415,6 +420,7 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
             }
         }
         Ok(resp) => {
+            timeline::record("router_d_head", &tid);
             let status = resp.status();
             let prefill = if status.is_success() {
                 p_task.take()
@@ -423,7 +429,7 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
                 shared.metrics.error(ErrorKind::DecodeStatus);
                 None
             };
-            Outcome::Response(relay(shared, resp, received, decode_sent, prefill, d_lease))
+            Outcome::Response(relay(shared, resp, &tid, received, decode_sent, prefill, d_lease))
         }
     }
 }
@@ -431,6 +437,7 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
 async fn pull(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome {
     let Proxied { path, headers, request, received } = proxied;
     let p_lease = or_reject!(pick(shared, Leg::Prefill));
+    timeline::record_at("router_recv", tid, received);
     let p_body = to_bytes(&prefill_body(request, tid));
     let p_url = format!("{}{path}", p_lease.instance().base);
     // Run inline: a client that goes away drops this future, and with it P's request.
@@ -462,12 +469,14 @@ async fn pull(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
         let decode_sent = Instant::now();
         let timeout = shared.config.decode_timeout;
         let d_leg = LegRequest { method: Method::POST, path, headers, request_id: tid, body: d_body.clone() };
+        timeline::record("router_d_sent", tid);
         match upstream::send(&shared.client, &d_inst, d_leg, timeout).await {
             Ok(resp) => {
+                timeline::record("router_d_head", &tid);
                 if !resp.status().is_success() {
                     shared.metrics.error(ErrorKind::DecodeStatus);
                 }
-                return Outcome::Response(relay(shared, resp, received, decode_sent, None, d_lease));
+                return Outcome::Response(relay(shared, resp, &tid, received, decode_sent, None, d_lease));
             }
             Err(e) => {
                 shared.metrics.error(leg_error_kind(Leg::Decode, &e));
@@ -507,6 +516,7 @@ fn hide_transfer_id(mut resp: Response<ProxyBody>, tid: &str, public: &str) -> R
 fn relay(
     shared: &Arc<Shared>,
     resp: Response<Incoming>,
+    tid: &str,
     received: Instant,
     decode_sent: Instant,
     prefill: Option<tokio::task::JoinHandle<PrefillResult>>,
@@ -519,7 +529,10 @@ fn relay(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
     let success = parts.status.is_success();
-    let relay = Relay::new(Arc::clone(shared), body, sse, received, decode_sent, prefill, lease, success);
+    let mut relay = Relay::new(Arc::clone(shared), body, sse, received, decode_sent, prefill, lease, success);
+    if timeline::enabled() {
+        relay.timeline_id = Some(tid.to_owned());
+    }
     let mut out = Response::new(ProxyBody::relay(relay));
     *out.status_mut() = parts.status;
     *out.headers_mut() = upstream::forwardable_response_headers(&parts.headers);

@@ -42,6 +42,7 @@ pub mod link;
 mod sched;
 pub mod side;
 pub mod stats;
+pub mod timeline;
 mod writer;
 
 pub use budget::ControlLimits;
@@ -529,6 +530,10 @@ impl Shared {
             }
             EngineError::Decode { peer: from.clone(), source }
         })?;
+        if let Message::Registration(r) = &msg {
+            // The side channel's reader has it; `eng_registration_recv` is when the writer does.
+            timeline::record("eng_registration_read", r.key());
+        }
         let routed = self.route(from.clone(), incarnation, msg, Via::Control, Some(credit));
         drop(peers);
         routed

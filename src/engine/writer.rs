@@ -13,6 +13,7 @@ use std::time::{Duration, Instant as StdInstant};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use super::side::Incarnation;
+use super::timeline;
 use super::{addr_of, fan_out, producer_ranks, target_of, Cmd, Finished, PeerAddr, Shared, Stats, Via};
 use crate::pool::handoff::Inbox;
 use crate::proto::codec;
@@ -377,6 +378,7 @@ impl Writer {
         let now = self.now();
         match cmd {
             Cmd::BlocksReady { key, blocks } => {
+                timeline::record("eng_blocks_ready", key);
                 self.rdv.handle_blocks_ready(now, key, blocks);
                 if self.feeds_no_consumer() {
                     // With more TP ranks than KV heads some ranks write nothing into any known
@@ -469,6 +471,7 @@ impl Writer {
                 self.comp.handle_failure(now, &f);
             }
         }
+        timeline::record("eng_register_sent", key);
     }
 
     /// A peer worker went away: everything in flight with it fails now, on this side.
@@ -568,6 +571,7 @@ impl Writer {
         }
         match msg {
             Message::Registration(reg) => {
+                timeline::record("eng_registration_recv", reg.key());
                 self.stats().counters.registrations += 1;
                 let Some(peer) = self.shared.peer_by_addr(&from) else {
                     self.stats().failures.unknown_peer += 1;
@@ -592,6 +596,7 @@ impl Writer {
                     self.stats().failures.malformed += 1;
                     tracing::warn!(worker = %self.shared.me, peer = %from, key = %c.key, "pull completion for no granted read refused");
                 } else if via == Via::Data {
+                    timeline::record("eng_notified", c.key);
                     self.comp.handle_completion(now, &c);
                 } else {
                     // Push: a completion on the control link says nothing about the data path (the
@@ -716,6 +721,7 @@ impl Writer {
                         Err(FailureKind::TransferFailed { status: e.status() })
                     }
                 };
+                timeline::record(if f.op == Op::Write { "eng_write_done" } else { "eng_read_done" }, f.key);
                 match f.op {
                     Op::Write => self.rdv.handle_transfer_done(now, f.key, &target_of(&f.peer), result),
                     Op::Read => self.read_finished(now, f.key, f.peer, result),
@@ -776,6 +782,7 @@ impl Writer {
 
     /// Consumer, pull mode: producer worker `from` granted the read of `key`.
     fn post_read(&mut self, now: Instant, key: Key, from: PeerAddr) {
+        timeline::record("eng_grant_recv", key);
         let Some(peer) = self.shared.peer_by_addr(&from) else { return };
         let Some(req) = self.pulls.get(&key) else { return };
         // The producer's lists are whole (from token 0) and each side rounded the request up to its
@@ -901,6 +908,7 @@ impl Writer {
             self.grid.for_each(|c| descs.push(Desc { local: c.src_addr, remote: c.dst_addr, len: c.len }));
             transport.post(op, agent, &self.descs, Some(&self.frame)).map(Some)
         };
+        timeline::record(if op == Op::Write { "eng_write_post" } else { "eng_read_post" }, key);
         let mut st = self.stats();
         st.post.record(started.elapsed().as_micros() as u64);
         match result {
@@ -952,6 +960,7 @@ impl Writer {
                 let now = self.now();
                 match action {
                     Action::Transfer { key, registration, blocks, order, waited_us } => {
+                        timeline::record("eng_rendezvous", key);
                         {
                             let mut st = self.stats();
                             st.counters.matches += 1;
@@ -981,6 +990,7 @@ impl Writer {
                     Action::Release { key, reason, .. } => {
                         self.registered_by.remove(&key);
                         self.stats().counters.released += 1;
+                        timeline::record("eng_released", key);
                         self.shared.outbox.push(Finished::Sent { key, reason });
                     }
                     Action::Fail { key, target, kind } => {
@@ -1010,6 +1020,7 @@ impl Writer {
                         st.counters.received += 1;
                         st.receive.record(waited_us);
                         drop(st);
+                        timeline::record("eng_received", key);
                         self.shared.outbox.push(Finished::Received { key });
                     }
                     Event::Draining { key } => {

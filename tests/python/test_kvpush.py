@@ -11,6 +11,8 @@ differently by a few 1e-6):
   - 8 concurrent clients over the same prompts, equal again;
   - a client that disconnects mid-stream leaves no KV blocks held on either server;
   - pull: the same 20 prompts and 8 clients, equal;
+  - the push pair runs with the request timeline on (``KVPUSH_TIMELINE``): one request's timeline has
+    every event of the router, both connectors and both engines, in causal order;
   - a mode mismatch (P pull, D push) is refused at the handshake with proto's message on D, and both
     servers keep serving.
 """
@@ -46,21 +48,24 @@ def reference(servers: "object", vllm_ready: str) -> list[srv.Completion]:
         servers.stop(s)
 
 
-def start_pair(servers: "object", tag: str, p_mode: str, d_mode: str) -> tuple[srv.VllmServer, srv.VllmServer]:
+def start_pair(
+    servers: "object", tag: str, p_mode: str, d_mode: str, env: dict[str, str] | None = None
+) -> tuple[srv.VllmServer, srv.VllmServer]:
     # Each config is a function of the side-channel port start_vllm picks (it picks again if the port
     # was taken before the server bound it).
+    env = {"KVPUSH_LOG": os.environ.get("KVPUSH_TEST_LOG", "info"), **(env or {})}
     with ThreadPoolExecutor(2) as pool:
         p = pool.submit(
             servers.vllm,
             f"{tag}-P",
             kv_transfer_config=functools.partial(kvpush_config, "prefill", p_mode, f"{tag}-prefill"),
-            extra_env={"KVPUSH_LOG": os.environ.get("KVPUSH_TEST_LOG", "info")},
+            extra_env=env,
         )
         d = pool.submit(
             servers.vllm,
             f"{tag}-D",
             kv_transfer_config=functools.partial(kvpush_config, "decode", d_mode, f"{tag}-decode"),
-            extra_env={"KVPUSH_LOG": os.environ.get("KVPUSH_TEST_LOG", "info")},
+            extra_env=env,
         )
         return p.result(), d.result()
 
@@ -69,9 +74,10 @@ wait_idle = srv.wait_idle
 
 
 @pytest.fixture(scope="module")
-def push_pair(servers: "object", reference: list[srv.Completion]):
-    p, d = start_pair(servers, "kvp-push", "push", "push")
-    router = servers.router("push", [p], [d], name="router-kvp-push")
+def push_pair(servers: "object", reference: list[srv.Completion], tmp_path_factory: pytest.TempPathFactory):
+    env = {"KVPUSH_TIMELINE": str(tmp_path_factory.mktemp("timeline"))}
+    p, d = start_pair(servers, "kvp-push", "push", "push", env)
+    router = servers.router("push", [p], [d], name="router-kvp-push", extra_env=env)
     yield p, d, router
     for s in (router, d, p):
         servers.stop(s)
@@ -93,6 +99,44 @@ def test_push_matches_single_engine_and_d_computes_nothing(push_pair, reference)
     print(f"  D's prompt tokens by source: {delta}")
     assert delta.get("local_compute", 0) <= len(PROMPTS), delta
     assert delta.get("external_kv_transfer", 0) >= sum(LENGTHS) - len(PROMPTS), delta
+
+
+# Every event of a push request, in an order each must respect (kvpush/_timeline.py names them).
+PUSH_EVENTS_IN_ORDER = [
+    ["router_recv", "router_d_sent", "d_sched", "d_alloc", "d_register", "eng_register_sent"],
+    # P hands the blocks to the engine when the prefill's forward pass ends, before vLLM finishes it.
+    ["router_recv", "router_p_sent", "p_sched", "p_release", "eng_blocks_ready"],
+    ["p_release", "p_finished"],
+    ["eng_register_sent", "eng_registration_read", "eng_registration_recv", "eng_rendezvous"],
+    ["eng_blocks_ready", "eng_rendezvous", "eng_write_post", "eng_write_done", "eng_released", "p_reported"],
+    ["eng_write_post", "eng_notified", "eng_received", "d_reported", "d_kv_ready", "d_scheduled", "router_first_byte"],
+    ["d_scheduled", "d_token_step"],
+    ["router_d_sent", "router_d_head", "router_first_byte"],
+    ["router_p_sent", "router_p_done"],
+]
+
+
+def test_push_timeline_records_every_event(push_pair) -> None:
+    from kvpush import timeline
+
+    p, d, router = push_pair
+    folder = p.env["KVPUSH_TIMELINE"]
+    before = set(timeline.load([folder]))
+    srv.complete(router.url, PROMPTS[4], 4, stream=True)
+    deadline = time.monotonic() + 10  # P's release and D's next step come after the client's last byte
+    while True:
+        new = {t: e for t, e in timeline.load([folder]).items() if t not in before}
+        events = next(iter(new.values())) if len(new) == 1 else {}
+        if all(ev in events for chain in PUSH_EVENTS_IN_ORDER for ev in chain) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert len(new) == 1, f"one request, timelines of {len(new)} transfers"
+    print("\n" + "\n".join(timeline.request_lines(events)))
+    for chain in PUSH_EVENTS_IN_ORDER:
+        missing = [ev for ev in chain if ev not in events]
+        assert not missing, f"events {missing} not recorded; got {sorted(events)}"
+        times = [events[ev] for ev in chain]
+        assert times == sorted(times), f"out of order: {list(zip(chain, times))}"
 
 
 def test_negative_control_wrong_kv_changes_the_output(push_pair, reference) -> None:
