@@ -420,7 +420,7 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
             }
         }
         Ok(resp) => {
-            timeline::record("router_d_head", &tid);
+            timeline::record("router_d_head", tid);
             let status = resp.status();
             let prefill = if status.is_success() {
                 p_task.take()
@@ -429,7 +429,7 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
                 shared.metrics.error(ErrorKind::DecodeStatus);
                 None
             };
-            Outcome::Response(relay(shared, resp, &tid, received, decode_sent, prefill, d_lease))
+            Outcome::Response(relay(shared, resp, tid, received, decode_sent, prefill, d_lease))
         }
     }
 }
@@ -472,11 +472,11 @@ async fn pull(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
         timeline::record("router_d_sent", tid);
         match upstream::send(&shared.client, &d_inst, d_leg, timeout).await {
             Ok(resp) => {
-                timeline::record("router_d_head", &tid);
+                timeline::record("router_d_head", tid);
                 if !resp.status().is_success() {
                     shared.metrics.error(ErrorKind::DecodeStatus);
                 }
-                return Outcome::Response(relay(shared, resp, &tid, received, decode_sent, None, d_lease));
+                return Outcome::Response(relay(shared, resp, tid, received, decode_sent, None, d_lease));
             }
             Err(e) => {
                 shared.metrics.error(leg_error_kind(Leg::Decode, &e));
