@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
