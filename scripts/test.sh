@@ -10,6 +10,13 @@ started=$(date +%s)
 
 step "toolchain: $(cargo --version)"
 
+if [[ "${CI:-}" == "true" ]]; then
+    # A CI runner's disk is shared and small: line tables instead of full debug info and no
+    # incremental caches keep the debug target under half its size; backtraces still name lines.
+    export CARGO_INCREMENTAL=0 CARGO_PROFILE_DEV_DEBUG=line-tables-only
+    echo "CI: CARGO_INCREMENTAL=0, dev profile debug=line-tables-only"
+fi
+
 step "NIXL (libclang for bindgen, the nixl-cu12 wheel's libraries; cached in .cache/)"
 # shellcheck source=scripts/nixl.sh
 . scripts/nixl.sh
