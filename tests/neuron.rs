@@ -10,7 +10,7 @@
 //! Covered: loading (explicit path, the default search and its error), symbol probing (optional
 //! missing: "not supported"; required missing: named), runtime ownership (own: one init, one close;
 //! attach: none), tensor allocation and frees (no leak), `describe` (inside, outside, other core,
-//! registered framework tensors), the device-address check (NEURON_RT_MAP_HBM), the dma-buf path and
+//! registered framework tensors), telling a running runtime without nrt_init, the device-address check (NEURON_RT_MAP_HBM), the dma-buf path and
 //! its failure, selection through `KVPUSH_DEVICE`, loopback transfers between two fake tensors, and
 //! the demo's engines on fake Neuron memory. Registering Neuron memory with NIXL is not covered: UCX
 //! on this CPU machine has no Neuron memory type (see neuron/README.md).
@@ -323,6 +323,32 @@ fn attach_mode_never_inits_or_closes() {
     // After the framework closed the runtime, attaching says so.
     let err = fake.open(RuntimeMode::Attach).unwrap_err();
     assert!(err.to_string().contains("NRT_CLOSED (14)"), "{err}");
+}
+
+/// Own mode never relies on a second `nrt_init` failing (unverified on the real runtime): here the
+/// fake's second `nrt_init` succeeds, and only the probe's status decides.
+#[test]
+fn own_mode_tells_a_running_runtime_without_nrt_init() {
+    let fake = Fake::new(Variant::Full);
+    fake.set("FAKE_NRT_REINIT_OK", 1);
+    let framework = Runtime::init(Lib::open_path(&fake.path).unwrap()).unwrap();
+    let err = fake.open(RuntimeMode::Own).unwrap_err();
+    assert!(matches!(err, NeuronError::FrameworkOwnsRuntime { .. }), "{err:?}");
+    assert_eq!(fake.get("init_calls"), 1);
+    // A running runtime that refuses the probe (out of device memory) is not "stopped": kvpush
+    // cannot tell, says so, and still does not call nrt_init.
+    fake.set("FAKE_NRT_FAIL_ALLOCS", 1);
+    let err = fake.open(RuntimeMode::Own).unwrap_err();
+    assert!(matches!(err, NeuronError::Init { .. }), "{err:?}");
+    let msg = err.to_string();
+    assert!(msg.contains("cannot tell whether the runtime already runs") && msg.contains("NRT_RESOURCE (4)"), "{msg}");
+    assert_eq!((fake.get("init_calls"), fake.get("FAKE_NRT_FAIL_ALLOCS")), (1, 0), "one probe, no nrt_init");
+    // Closed by the framework: NRT_CLOSED means stopped, and own mode starts it.
+    drop(framework);
+    let dev = fake.open(RuntimeMode::Own).unwrap();
+    assert_eq!((dev.mode(), fake.get("init_calls")), (RuntimeMode::Own, 2));
+    drop(dev);
+    assert_eq!((fake.get("close_calls"), fake.get("live_tensors")), (2, 0));
 }
 
 #[test]

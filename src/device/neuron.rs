@@ -322,8 +322,21 @@ impl NeuronDevice {
             RuntimeMode::Attach => Runtime::attach(Arc::clone(&lib)),
             RuntimeMode::Own => {
                 // Never rely on a second nrt_init failing: ask the runtime whether it already runs.
-                if runtime_running(&lib, cfg.core) {
-                    return Err(NeuronError::FrameworkOwnsRuntime { library: lib.path().to_owned() });
+                match runtime_state(&lib, cfg.core) {
+                    RuntimeState::Stopped => {}
+                    RuntimeState::Running => {
+                        return Err(NeuronError::FrameworkOwnsRuntime { library: lib.path().to_owned() })
+                    }
+                    RuntimeState::Unknown(reason) => {
+                        return Err(NeuronError::Init {
+                            library: lib.path().to_owned(),
+                            reason: format!(
+                                "cannot tell whether the runtime already runs, so nrt_init is not called: \
+                                 the probe allocation answered {reason} (neither a tensor nor \
+                                 NRT_UNINITIALIZED/NRT_CLOSED)"
+                            ),
+                        })
+                    }
                 }
                 Runtime::init(Arc::clone(&lib))
                     .map_err(|e| NeuronError::Init { library: lib.path().to_owned(), reason: e.to_string() })?
@@ -581,11 +594,31 @@ impl fmt::Debug for NeuronDevice {
     }
 }
 
-/// Whether the runtime of `lib` already runs in this process, asked without `nrt_init`: a one-byte
-/// device allocation through an attached handle succeeds only on a running runtime (before
-/// `nrt_init`, or after `nrt_close`, libnrt answers with a status, and nothing is allocated).
-fn runtime_running(lib: &Arc<Lib>, core: u32) -> bool {
-    Runtime::attach(Arc::clone(lib)).allocate(Placement::Device, core, 1, "kvpush-running?").is_ok()
+/// Whether the runtime of a library runs in this process, as [`runtime_state`] tells.
+#[derive(Debug)]
+enum RuntimeState {
+    /// A device allocation succeeded: someone (a framework, another owner) started it.
+    Running,
+    /// libnrt answered `NRT_UNINITIALIZED` or `NRT_CLOSED`: nobody started it, or it was closed.
+    Stopped,
+    /// Any other answer (`NRT_RESOURCE`, `NRT_INVALID`, ...): a running runtime that refused this
+    /// allocation, or a library kvpush does not understand; either way not a reason to call `nrt_init`.
+    Unknown(String),
+}
+
+/// Asks the runtime of `lib` whether it already runs in this process, without `nrt_init` and
+/// without relying on a second `nrt_init` failing (whether it does on the real runtime is
+/// unverified): a one-byte device allocation through an attached handle. libnrt's status header
+/// reserves `NRT_UNINITIALIZED` (13) and `NRT_CLOSED` (14) for calls made outside
+/// `nrt_init`..`nrt_close`, so those two, and only those, mean "not running".
+fn runtime_state(lib: &Arc<Lib>, core: u32) -> RuntimeState {
+    match Runtime::attach(Arc::clone(lib)).allocate(Placement::Device, core, 1, "kvpush-running?") {
+        Ok(_) => RuntimeState::Running,
+        Err(neuron_sys::Error::Status { status, .. }) if neuron_sys::safe::is_not_running(status) => {
+            RuntimeState::Stopped
+        }
+        Err(e) => RuntimeState::Unknown(e.to_string()),
+    }
 }
 
 /// Opens the backend for [`super::select`]: a machine without libnrt or without a Neuron device is
