@@ -267,6 +267,8 @@ pub struct NeuronInfo {
     pub visible_cores: u32,
     /// The library's version, where it can tell.
     pub version: Option<String>,
+    /// The runtime's major and minor version numbers, where it can tell (`nrt_get_version`).
+    pub version_number: Option<(u64, u64)>,
     /// Optional libnrt functions this library lacks.
     pub missing_optional: Vec<&'static str>,
 }
@@ -426,13 +428,15 @@ impl NeuronDevice {
     /// Facts about the device and library.
     pub fn info(&self) -> NeuronInfo {
         let lib = self.rt.lib();
+        let version = lib.version().ok();
         NeuronInfo {
             library: lib.path().to_owned(),
             mode: self.mode(),
             core: self.core,
             total_cores: self.total,
             visible_cores: self.visible,
-            version: lib.version().ok().map(|v| v.to_string()),
+            version: version.as_ref().map(|v| v.to_string()),
+            version_number: version.as_ref().map(|v| (v.major, v.minor)),
             missing_optional: lib.missing_optional(),
         }
     }
@@ -522,6 +526,23 @@ impl NeuronDevice {
     pub fn dmabuf_fd(&self, addr: u64, len: u64) -> Result<OwnedFd, NeuronError> {
         self.describe(addr, len).map_err(|e| NeuronError::Range { addr, len, reason: e.to_string() })?;
         self.rt.dmabuf_fd(addr, len).map_err(nrt_error)
+    }
+
+    /// The EFA device (PCI address) attached to the Neuron device of each visible NeuronCore, as
+    /// libnrt names it for a small probe tensor on that core (`nrt_get_attached_efa_bdf`): NIXL's
+    /// LIBFABRIC backend registers each Neuron device's memory on that NIC (`kvpush doctor` checks
+    /// one per device).
+    pub fn efa_per_core(&self) -> Vec<(u32, Result<String, NeuronError>)> {
+        (0..self.visible)
+            .map(|core| {
+                let efa = self
+                    .rt
+                    .allocate(Placement::Device, core, PROBE_BYTES, "kvpush-efa?")
+                    .and_then(|probe| probe.attached_efa_bdf())
+                    .map_err(nrt_error);
+                (core, efa)
+            })
+            .collect()
     }
 
     /// The PCI address of the EFA device attached to the Neuron device holding `addr`
