@@ -45,13 +45,15 @@ pub fn source_dir() -> PathBuf {
 }
 
 /// Compiles `variant` into `dir/libfake_nrt-<tag>.so` and returns that path. Written under a name
-/// unique to this process and renamed into place, so processes building into one directory never
-/// load a half-written file.
+/// unique to this call and renamed into place, so threads and processes building into one directory
+/// never load a half-written file.
 pub fn build(dir: &Path, variant: Variant) -> PathBuf {
     std::fs::create_dir_all(dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
     let root = source_dir();
     let out = dir.join(format!("libfake_nrt-{}.so", variant.tag()));
-    let tmp = dir.join(format!("libfake_nrt-{}.so.{}", variant.tag(), std::process::id()));
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!("libfake_nrt-{}.so.{}-{n}", variant.tag(), std::process::id()));
     let cc = std::env::var("CC").ok().filter(|s| !s.is_empty()).unwrap_or_else(|| "cc".into());
     let mut cmd = Command::new(&cc);
     cmd.args(["-shared", "-fPIC", "-O1", "-std=c11", "-Wall", "-Wextra", "-Werror", "-I"])

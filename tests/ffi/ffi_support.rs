@@ -110,7 +110,12 @@ fn build_with(dir: &Path, name: &str, source: &Path, archives: &[&str], extra: &
 /// the fake (the program plays a framework linked with libnrt). Returns the executable and the
 /// fake's staged path, which the program hands kvpush as `KVPUSH_LIBNRT`: one library, one runtime.
 pub fn build_neuron(name: &str, source: &str, files: &[PathBuf], archives: &[&str]) -> (PathBuf, PathBuf) {
-    let fake = neuron_fake::build(&Path::new(env!("CARGO_TARGET_TMPDIR")).join("ffi-neuron-fake"), Variant::Full);
+    static FAKE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    let fake = FAKE
+        .get_or_init(|| {
+            neuron_fake::build(&Path::new(env!("CARGO_TARGET_TMPDIR")).join("ffi-neuron-fake"), Variant::Full)
+        })
+        .clone();
     let lib = fake.file_name().expect("a file name").to_owned();
     let dir = stage(name, &[files, &[fake]].concat());
     let include = neuron_fake::source_dir().join("include");
