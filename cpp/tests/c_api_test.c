@@ -560,6 +560,16 @@ static void run_neuron(const char *libnrt) {
   destroy(&d);
   destroy(&p);
   pull_request(hub, &NEURON);
+
+  /* Trainium P, host-memory D (the shape of Trainium P -> GPU D through host memory): P's KV in
+   * Neuron device memory, D's in host memory, every byte verified on D. */
+  create_loopback(&p, "prefill-trn", KVPUSH_MODE_PUSH, hub, &NEURON);
+  create_loopback(&d, "decode-host", KVPUSH_MODE_PUSH, hub, &HOST);
+  exchange_handshakes(&p, &d);
+  push_requests(&p, &d, "prefill-trn", 4, 0x7E4);
+  destroy(&d);
+  destroy(&p);
+  printf("mixed ok: Neuron P, host D\n");
   CHECK(kvpush_hub_destroy(hub));
   nrt_close();
   printf("all C API Neuron checks passed\n");

@@ -70,6 +70,8 @@ fn neuron_framework_memory_push_and_pull() {
     assert!(out.contains("push ok: 6 requests"), "{out}");
     assert!(out.contains("pull ok:"), "{out}");
     assert_eq!(out.matches("error ok: KVPUSH_ERR_DEVICE").count(), 3, "{out}");
+    // Neuron P, host-memory D (Trainium P -> GPU D's shape through host memory): every byte on D.
+    assert!(out.contains("push ok: 4 requests") && out.contains("mixed ok: Neuron P, host D"), "{out}");
 }
 
 #[test]
