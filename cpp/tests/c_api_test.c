@@ -515,6 +515,17 @@ static void free_neuron(worker *w) {
 
 static const memory NEURON = {"neuron", alloc_neuron, free_neuron};
 
+/* Pushes `count` requests from a fresh P on `pm` to a fresh D on `dm`, every byte verified. */
+static void push_pair(kvpush_hub *hub, const memory *pm, const memory *dm, int count, uint64_t id_hi) {
+  worker p, d;
+  create_loopback(&p, "prefill", KVPUSH_MODE_PUSH, hub, pm);
+  create_loopback(&d, "decode", KVPUSH_MODE_PUSH, hub, dm);
+  exchange_handshakes(&p, &d);
+  push_requests(&p, &d, "prefill", count, id_hi);
+  destroy(&d);
+  destroy(&p);
+}
+
 static void run_neuron(const char *libnrt) {
   EXPECT(setenv("NEURON_RT_VISIBLE_CORES", "0", 1) == 0);
   EXPECT(setenv("NEURON_RT_MAP_HBM", "1", 1) == 0);
@@ -552,23 +563,11 @@ static void run_neuron(const char *libnrt) {
   EXPECT_ERR(kvpush_engine_create(&cfg, &own.layout, &own.engine), KVPUSH_ERR_DEVICE, "libnrt does not map it");
   free_neuron(&own);
 
-  worker p, d;
-  create_loopback(&p, "prefill", KVPUSH_MODE_PUSH, hub, &NEURON);
-  create_loopback(&d, "decode", KVPUSH_MODE_PUSH, hub, &NEURON);
-  exchange_handshakes(&p, &d);
-  push_requests(&p, &d, "prefill", 6, 0x4E52);
-  destroy(&d);
-  destroy(&p);
+  push_pair(hub, &NEURON, &NEURON, 6, 0x4E52);
   pull_request(hub, &NEURON);
-
   /* Trainium P, host-memory D (the shape of Trainium P -> GPU D through host memory): P's KV in
    * Neuron device memory, D's in host memory, every byte verified on D. */
-  create_loopback(&p, "prefill-trn", KVPUSH_MODE_PUSH, hub, &NEURON);
-  create_loopback(&d, "decode-host", KVPUSH_MODE_PUSH, hub, &HOST);
-  exchange_handshakes(&p, &d);
-  push_requests(&p, &d, "prefill-trn", 4, 0x7E4);
-  destroy(&d);
-  destroy(&p);
+  push_pair(hub, &NEURON, &HOST, 4, 0x7E4);
   printf("mixed ok: Neuron P, host D\n");
   CHECK(kvpush_hub_destroy(hub));
   nrt_close();
