@@ -1,5 +1,6 @@
 //! The Neuron backend and neuron-sys against a fake libnrt (tests/neuron_fake/fake_nrt.c), which
-//! this test builds with the C compiler (`$CC`, else `cc`) into cargo's temporary directory.
+//! this test builds with the C compiler (`kvpush_testkit::neuron_fake`) into cargo's temporary
+//! directory.
 //!
 //! Every test loads its own copy of the fake (a distinct file is a distinct library, so each test
 //! has its own "runtime" and counters), controls it with `fake_nrt_set` and reads its counters with
@@ -10,7 +11,7 @@
 //! Covered: loading (explicit path, the default search and its error), symbol probing (optional
 //! missing: "not supported"; required missing: named), runtime ownership (own: one init, one close;
 //! attach: none), tensor allocation and frees (no leak), `describe` (inside, outside, other core,
-//! registered framework tensors), the device-address check (NEURON_RT_MAP_HBM), the dma-buf path and
+//! registered framework tensors), telling a running runtime without nrt_init, the device-address check (NEURON_RT_MAP_HBM), the dma-buf path and
 //! its failure, selection through `KVPUSH_DEVICE`, loopback transfers between two fake tensors, and
 //! the demo's engines on fake Neuron memory. Registering Neuron memory with NIXL is not covered: UCX
 //! on this CPU machine has no Neuron memory type (see neuron/README.md).
@@ -30,38 +31,10 @@ use kvpush::device::neuron::{NeuronConfig, NeuronDevice, NeuronError, RuntimeMod
 use kvpush::device::{select, Buffer, Device, DeviceError, DeviceKind, MemKind};
 use kvpush::transport::loopback::Fabric;
 use kvpush::transport::{Desc, Op, Transport, XferState};
+use kvpush_testkit::neuron_fake::{self, Variant};
 use neuron_sys::{Lib, Placement, Runtime};
 
 // ---- the fake ----
-
-/// Which build of the fake.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Variant {
-    /// Every symbol.
-    Full,
-    /// Without `nrt_get_dmabuf_fd` (optional).
-    NoDmabuf,
-    /// Without `nrt_tensor_free` (required).
-    NoTensorFree,
-}
-
-impl Variant {
-    fn tag(self) -> &'static str {
-        match self {
-            Variant::Full => "full",
-            Variant::NoDmabuf => "no-dmabuf",
-            Variant::NoTensorFree => "no-tensor-free",
-        }
-    }
-
-    fn define(self) -> Option<&'static str> {
-        match self {
-            Variant::Full => None,
-            Variant::NoDmabuf => Some("-DFAKE_NRT_NO_DMABUF"),
-            Variant::NoTensorFree => Some("-DFAKE_NRT_NO_TENSOR_FREE"),
-        }
-    }
-}
 
 /// Where fakes are built and copied (shared by test processes: every file name written here is
 /// either unique to this process or replaced atomically).
@@ -74,29 +47,7 @@ fn work_dir() -> PathBuf {
 /// Compiles `variant` once per process; a missing or failing compiler fails the test.
 fn built(variant: Variant) -> &'static Path {
     static BUILT: [OnceLock<PathBuf>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
-    let slot = &BUILT[variant as usize];
-    slot.get_or_init(|| {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/neuron_fake");
-        let out = work_dir().join(format!("libfake_nrt-{}.so", variant.tag()));
-        let tmp = work_dir().join(format!("libfake_nrt-{}.so.{}", variant.tag(), std::process::id()));
-        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-        let mut cmd = Command::new(&cc);
-        cmd.args(["-shared", "-fPIC", "-O1", "-std=c11", "-Wall", "-Wextra", "-Werror", "-I"])
-            .arg(root.join("include"))
-            .args(variant.define())
-            .arg(root.join("fake_nrt.c"))
-            .arg("-o")
-            .arg(&tmp)
-            .arg("-lpthread");
-        let res = cmd.output().unwrap_or_else(|e| panic!("cannot run the C compiler {cc:?} (set CC): {e}"));
-        assert!(
-            res.status.success(),
-            "building the fake libnrt failed: {cmd:?}\n{}",
-            String::from_utf8_lossy(&res.stderr)
-        );
-        std::fs::rename(&tmp, &out).unwrap();
-        out
-    })
+    BUILT[variant as usize].get_or_init(|| neuron_fake::build(&work_dir(), variant))
 }
 
 /// A private copy of the fake, with a handle on its test controls. A copy made by [`Fake::new`] is
@@ -323,6 +274,32 @@ fn attach_mode_never_inits_or_closes() {
     // After the framework closed the runtime, attaching says so.
     let err = fake.open(RuntimeMode::Attach).unwrap_err();
     assert!(err.to_string().contains("NRT_CLOSED (14)"), "{err}");
+}
+
+/// Own mode never relies on a second `nrt_init` failing (unverified on the real runtime): here the
+/// fake's second `nrt_init` succeeds, and only the probe's status decides.
+#[test]
+fn own_mode_tells_a_running_runtime_without_nrt_init() {
+    let fake = Fake::new(Variant::Full);
+    fake.set("FAKE_NRT_REINIT_OK", 1);
+    let framework = Runtime::init(Lib::open_path(&fake.path).unwrap()).unwrap();
+    let err = fake.open(RuntimeMode::Own).unwrap_err();
+    assert!(matches!(err, NeuronError::FrameworkOwnsRuntime { .. }), "{err:?}");
+    assert_eq!(fake.get("init_calls"), 1);
+    // A running runtime that refuses the probe (out of device memory) is not "stopped": kvpush
+    // cannot tell, says so, and still does not call nrt_init.
+    fake.set("FAKE_NRT_FAIL_ALLOCS", 1);
+    let err = fake.open(RuntimeMode::Own).unwrap_err();
+    assert!(matches!(err, NeuronError::Init { .. }), "{err:?}");
+    let msg = err.to_string();
+    assert!(msg.contains("cannot tell whether the runtime already runs") && msg.contains("NRT_RESOURCE (4)"), "{msg}");
+    assert_eq!((fake.get("init_calls"), fake.get("FAKE_NRT_FAIL_ALLOCS")), (1, 0), "one probe, no nrt_init");
+    // Closed by the framework: NRT_CLOSED means stopped, and own mode starts it.
+    drop(framework);
+    let dev = fake.open(RuntimeMode::Own).unwrap();
+    assert_eq!((dev.mode(), fake.get("init_calls")), (RuntimeMode::Own, 2));
+    drop(dev);
+    assert_eq!((fake.get("close_calls"), fake.get("live_tensors")), (2, 0));
 }
 
 #[test]

@@ -94,7 +94,8 @@ Servers:
                           e.g. '"lease_ms": 30000, "writers": 2' (keys: docs/vllm.md)
   --peer-timeout-ms N     kvpush's peer_timeout_ms (default 15000)
   --vllm-kv-buffer-device cuda|cpu
-                          kv_buffer_device of vLLM's own connectors (default cuda on p5en, cpu on trn)
+                          kv_buffer_device of vLLM's own connectors (default cuda: device memory,
+                          which on trn is Neuron HBM; vllm-neuron 0.24 refuses cpu)
   --server-timeout-s N    how long a server may take to answer /health (default 2400)
   --skip-checks           do not run the prerequisite checks first
   --dry-run               print every command instead of running it
@@ -194,7 +195,7 @@ validate_common() {
     is_uint "${!v}" || die "$(tr '[:upper:]_' '[:lower:]-' <<<"--$v") must be a whole number, not '${!v}'"
   done
   [ "$TP" -ge 1 ] || die "--tp must be at least 1"
-  [ -n "$VLLM_KV_BUFFER_DEVICE" ] || { [ "$PLATFORM" = p5en ] && VLLM_KV_BUFFER_DEVICE=cuda; } || VLLM_KV_BUFFER_DEVICE=cpu
+  [ -n "$VLLM_KV_BUFFER_DEVICE" ] || VLLM_KV_BUFFER_DEVICE=cuda
   case $VLLM_KV_BUFFER_DEVICE in
     cuda | cpu) ;;
     *) die "--vllm-kv-buffer-device must be cuda or cpu, not '$VLLM_KV_BUFFER_DEVICE'" ;;
@@ -310,8 +311,9 @@ kv_config() {
   fi
   case $setup in
     kvpush-*)
-      # Keys: docs/vllm.md, "kv_connector_extra_config keys" (python/kvpush/vllm.py DEFAULTS).
-      printf '{"kv_connector": "KVPushConnector", "kv_connector_module_path": "kvpush.vllm", "kv_role": "%s", "engine_id": "%s", "kv_connector_extra_config": {"mode": "%s", "side_channel_host": "%s", "side_channel_port": %s, "nixl_backend": "%s", "device": "%s", "peer_timeout_ms": %s%s}}' \
+      # Keys: docs/vllm.md, "kv_connector_extra_config keys" (python/kvpush/vllm.py DEFAULTS). The KV cache
+      # is device memory on both platforms: kv_buffer_device cuda (python/kvpush/_neuron.py for trn).
+      printf '{"kv_connector": "KVPushConnector", "kv_connector_module_path": "kvpush.vllm", "kv_role": "%s", "kv_buffer_device": "cuda", "engine_id": "%s", "kv_connector_extra_config": {"mode": "%s", "side_channel_host": "%s", "side_channel_port": %s, "nixl_backend": "%s", "device": "%s", "peer_timeout_ms": %s%s}}' \
         "$kv_role" "$(engine_id "$role")" "$(setup_mode "$setup")" "$addr" "$side" "$NIXL_BACKEND" \
         "$(kvpush_device)" "$PEER_TIMEOUT_MS" "${KVPUSH_EXTRA:+, $KVPUSH_EXTRA}"
       ;;
@@ -341,6 +343,9 @@ server_env() {
       echo "VLLM_NIXL_SIDE_CHANNEL_PORT=$side"
       ;;
   esac
+  # P and D on one trn host: libfabric's EFA provider must not hand their transfers to its
+  # shared-memory path, which does not carry Neuron device memory.
+  [ "$PLATFORM" = trn ] && [ "$P_ADDR" = "$D_ADDR" ] && echo "FI_EFA_ENABLE_SHM_TRANSFER=0"
   local e
   for e in "${SERVER_ENVS[@]+"${SERVER_ENVS[@]}"}"; do echo "$e"; done
 }

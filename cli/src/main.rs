@@ -72,6 +72,9 @@ struct DoctorArgs {
     /// Print the findings as JSON.
     #[arg(long)]
     json: bool,
+    /// The other side of the P/D pair (its host or address): checks what a pair on one host needs.
+    #[arg(long)]
+    peer: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
@@ -200,7 +203,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Router(a) => kvpush_router::run(a),
         Command::Doctor(a) => {
-            let opts = doctor::DoctorOptions { host: a.host, port: a.port, backends: a.backends };
+            let opts = doctor::DoctorOptions { host: a.host, port: a.port, backends: a.backends, peer: a.peer };
             let findings = doctor::run(&opts);
             if a.json {
                 match serde_json::to_string_pretty(&findings) {

@@ -5,6 +5,9 @@
  *                         process (loopback transport), every byte verified; aborts; error paths
  *   c_api_test nixl       push transfers over real NIXL (UCX) and the TCP side channel
  *   c_api_test bench [N]  engine-thread time per request through the C ABI (see run_bench)
+ *   c_api_test neuron LIB push and pull between engines whose KV regions are framework memory of
+ *                         the libnrt LIB (built with -DKVPUSH_TEST_NEURON, linked with LIB: the fake
+ *                         libnrt of tests/neuron_fake), every byte verified (see run_neuron)
  *
  * Prints one line per check; exits 0 when all passed, 1 at the first failure (with the library's
  * error message).
@@ -19,6 +22,9 @@
 #include <time.h>
 
 #include "kvpush.h"
+#ifdef KVPUSH_TEST_NEURON
+#include "nrt/nrt.h"
+#endif
 
 #define LAYERS 4
 #define HEADS 2
@@ -63,13 +69,25 @@ static void fail(const char *file, int line, const char *what, int rc) {
     printf("error ok: %s: %s\n", kvpush_status_name(rc_), kvpush_last_error());                   \
   } while (0)
 
-typedef struct worker {
+typedef struct worker worker;
+
+/* Where a worker's KV regions live: the kvpush device that describes them, and how the test (in
+ * the role of the serving framework) allocates them, filled with 0xEE, and frees them. */
+typedef struct memory {
+  const char *device;
+  void (*alloc)(worker *w, const char *name);
+  void (*release)(worker *w);
+} memory;
+
+struct worker {
   kvpush_engine *engine;
+  const memory *mem;
   uint8_t *regions[REGIONS];
+  void *handles[REGIONS]; /* the framework's handle of each region, where it has one */
   uint64_t bases[REGIONS];
   uint64_t lens[REGIONS];
   kvpush_layout layout;
-} worker;
+};
 
 static void sleep_us(long us) {
   struct timespec ts = {us / 1000000, (us % 1000000) * 1000L};
@@ -78,14 +96,15 @@ static void sleep_us(long us) {
 
 static void sleep_ms(long ms) { sleep_us(ms * 1000); }
 
-static void alloc_regions(worker *w, uint8_t fill) {
-  for (int r = 0; r < REGIONS; r++) {
-    w->regions[r] = aligned_alloc(4096, REGION_BYTES);
-    EXPECT(w->regions[r] != NULL);
-    memset(w->regions[r], fill, REGION_BYTES);
-    w->bases[r] = (uint64_t)(uintptr_t)w->regions[r];
-    w->lens[r] = REGION_BYTES;
-  }
+/* Records region `r` at `mem`, filled with 0xEE, and describes the regions in the layout once the
+ * last one is in. */
+static void set_region(worker *w, int r, uint8_t *mem) {
+  EXPECT(mem != NULL);
+  memset(mem, 0xEE, REGION_BYTES);
+  w->regions[r] = mem;
+  w->bases[r] = (uint64_t)(uintptr_t)mem;
+  w->lens[r] = REGION_BYTES;
+  if (r + 1 < REGIONS) return;
   CHECK(kvpush_layout_init(&w->layout));
   w->layout.total_layers = LAYERS;
   w->layout.kv_heads = HEADS;
@@ -101,21 +120,34 @@ static void alloc_regions(worker *w, uint8_t fill) {
   w->layout.region_lens = w->lens;
 }
 
-static void create_loopback(worker *w, const char *id, uint32_t mode, kvpush_hub *hub) {
-  alloc_regions(w, 0xEE);
+static void alloc_host(worker *w, const char *name) {
+  (void)name;
+  for (int r = 0; r < REGIONS; r++) set_region(w, r, aligned_alloc(4096, REGION_BYTES));
+}
+
+static void free_host(worker *w) {
+  for (int r = 0; r < REGIONS; r++) free(w->regions[r]);
+}
+
+static const memory HOST = {"host", alloc_host, free_host};
+
+static void create_loopback(worker *w, const char *id, uint32_t mode, kvpush_hub *hub, const memory *mem) {
+  w->mem = mem;
+  mem->alloc(w, id);
   kvpush_engine_config cfg;
   CHECK(kvpush_engine_config_init(&cfg));
   cfg.engine_id = id;
   cfg.mode = mode;
   cfg.transport = KVPUSH_TRANSPORT_LOOPBACK;
   cfg.hub = hub;
-  cfg.device = "host";
+  cfg.device = mem->device;
   cfg.timeout_ms = 20000;
   CHECK(kvpush_engine_create(&cfg, &w->layout, &w->engine));
 }
 
 static void create_nixl(worker *w, const char *id) {
-  alloc_regions(w, 0xEE);
+  w->mem = &HOST;
+  alloc_host(w, id);
   kvpush_engine_config cfg;
   CHECK(kvpush_engine_config_init(&cfg));
   cfg.engine_id = id;
@@ -128,7 +160,7 @@ static void create_nixl(worker *w, const char *id) {
 
 static void destroy(worker *w) {
   CHECK(kvpush_engine_destroy(w->engine));
-  for (int r = 0; r < REGIONS; r++) free(w->regions[r]);
+  w->mem->release(w);
 }
 
 /* Byte `o` of block part number `i` of request `req` in region `g`. */
@@ -257,10 +289,10 @@ static void push_requests(worker *p, worker *d, const char *producer, int count,
          (unsigned long long)ps->descriptors_unmerged);
 }
 
-static void pull_request(kvpush_hub *hub) {
+static void pull_request(kvpush_hub *hub, const memory *mem) {
   worker p, d;
-  create_loopback(&p, "prefill-pull", KVPUSH_MODE_PULL, hub);
-  create_loopback(&d, "decode-pull", KVPUSH_MODE_PULL, hub);
+  create_loopback(&p, "prefill-pull", KVPUSH_MODE_PULL, hub, mem);
+  create_loopback(&d, "decode-pull", KVPUSH_MODE_PULL, hub, mem);
   CHECK(kvpush_engine_connect(d.engine, p.engine));
   request rq = {{0, 0xBEEF, 2}, 48, {10, 11, 12}, {3, 7, 5}, 3};
   prefill(&p, &rq, 9);
@@ -362,7 +394,7 @@ static void error_paths(kvpush_hub *hub, worker *p, worker *d) {
   uint8_t garbage[16] = "not a handshake";
   EXPECT_ERR(kvpush_engine_add_peer(d->engine, garbage, sizeof garbage), KVPUSH_ERR_DECODE, "handshake");
   worker pull;
-  create_loopback(&pull, "prefill-pull-mode", KVPUSH_MODE_PULL, hub);
+  create_loopback(&pull, "prefill-pull-mode", KVPUSH_MODE_PULL, hub, &HOST);
   len = 0;
   EXPECT(kvpush_engine_handshake(pull.engine, NULL, 0, &len) == KVPUSH_ERR_BUFFER_TOO_SMALL && len > 0);
   uint8_t *hs = malloc(len);
@@ -384,31 +416,35 @@ static void error_paths(kvpush_hub *hub, worker *p, worker *d) {
   EXPECT(n == 0);
 }
 
+/* Connects p and d through handshake bytes, as engines in different address spaces would. */
+static void exchange_handshakes(worker *p, worker *d) {
+  size_t len = 0;
+  EXPECT(kvpush_engine_handshake(p->engine, NULL, 0, &len) == KVPUSH_ERR_BUFFER_TOO_SMALL);
+  uint8_t *hp = malloc(len);
+  CHECK(kvpush_engine_handshake(p->engine, hp, len, &len));
+  CHECK(kvpush_engine_add_peer(d->engine, hp, len));
+  free(hp);
+  EXPECT(kvpush_engine_handshake(d->engine, NULL, 0, &len) == KVPUSH_ERR_BUFFER_TOO_SMALL);
+  uint8_t *hd = malloc(len);
+  CHECK(kvpush_engine_handshake(d->engine, hd, len, &len));
+  CHECK(kvpush_engine_add_peer(p->engine, hd, len));
+  free(hd);
+}
+
 static void run_loopback(void) {
   EXPECT(kvpush_abi_version() == KVPUSH_ABI_VERSION);
   printf("kvpush %s, ABI %u\n", kvpush_version(), kvpush_abi_version());
   kvpush_hub *hub = NULL;
   CHECK(kvpush_hub_create(&hub));
   worker p, d;
-  create_loopback(&p, "prefill", KVPUSH_MODE_PUSH, hub);
-  create_loopback(&d, "decode", KVPUSH_MODE_PUSH, hub);
-  /* Connect through handshake bytes, as engines in different address spaces would. */
-  size_t len = 0;
-  EXPECT(kvpush_engine_handshake(p.engine, NULL, 0, &len) == KVPUSH_ERR_BUFFER_TOO_SMALL);
-  uint8_t *hp = malloc(len);
-  CHECK(kvpush_engine_handshake(p.engine, hp, len, &len));
-  CHECK(kvpush_engine_add_peer(d.engine, hp, len));
-  free(hp);
-  EXPECT(kvpush_engine_handshake(d.engine, NULL, 0, &len) == KVPUSH_ERR_BUFFER_TOO_SMALL);
-  uint8_t *hd = malloc(len);
-  CHECK(kvpush_engine_handshake(d.engine, hd, len, &len));
-  CHECK(kvpush_engine_add_peer(p.engine, hd, len));
-  free(hd);
+  create_loopback(&p, "prefill", KVPUSH_MODE_PUSH, hub, &HOST);
+  create_loopback(&d, "decode", KVPUSH_MODE_PUSH, hub, &HOST);
+  exchange_handshakes(&p, &d);
 
   push_requests(&p, &d, "prefill", 6, 0xC0FFEE);
   aborts(&p, &d);
   error_paths(hub, &p, &d);
-  pull_request(hub);
+  pull_request(hub, &HOST);
 
   /* Statistics as JSON. */
   size_t jlen = 0;
@@ -451,6 +487,93 @@ static void run_nixl(void) {
   destroy(&p);
   printf("all NIXL checks passed (side channel port %u)\n", port);
 }
+
+#ifdef KVPUSH_TEST_NEURON
+/* ---- neuron: framework memory -------------------------------------------------------------------
+ * The test plays the serving framework as vllm-neuron's worker does: it sets NEURON_RT_VISIBLE_CORES
+ * and NEURON_RT_MAP_HBM=1, starts the runtime (nrt_init) before kvpush exists, and allocates one
+ * device tensor per KV region with libnrt; kvpush gets only the tensors' device addresses (never an
+ * nrt_tensor_t*), through KVPUSH_LIBNRT the same library, attached to the framework's runtime. */
+
+static void alloc_neuron(worker *w, const char *name) {
+  for (int r = 0; r < REGIONS; r++) {
+    char tensor_name[96];
+    snprintf(tensor_name, sizeof tensor_name, "%s.model.layers.%d.self_attn.attn.%c", name, r / 2, r % 2 ? 'v' : 'k');
+    nrt_tensor_t *t = NULL;
+    EXPECT(nrt_tensor_allocate(NRT_TENSOR_PLACEMENT_DEVICE, 0, REGION_BYTES, tensor_name, &t) == NRT_SUCCESS);
+    w->handles[r] = t;
+    set_region(w, r, nrt_tensor_get_va(t)); /* the mapping NEURON_RT_MAP_HBM=1 asks for */
+  }
+}
+
+static void free_neuron(worker *w) {
+  for (int r = 0; r < REGIONS; r++) {
+    nrt_tensor_t *t = w->handles[r];
+    if (t != NULL) nrt_tensor_free(&t);
+  }
+}
+
+static const memory NEURON = {"neuron", alloc_neuron, free_neuron};
+
+/* Pushes `count` requests from a fresh P on `pm` to a fresh D on `dm`, every byte verified. */
+static void push_pair(kvpush_hub *hub, const memory *pm, const memory *dm, int count, uint64_t id_hi) {
+  worker p, d;
+  create_loopback(&p, "prefill", KVPUSH_MODE_PUSH, hub, pm);
+  create_loopback(&d, "decode", KVPUSH_MODE_PUSH, hub, dm);
+  exchange_handshakes(&p, &d);
+  push_requests(&p, &d, "prefill", count, id_hi);
+  destroy(&d);
+  destroy(&p);
+}
+
+static void run_neuron(const char *libnrt) {
+  EXPECT(setenv("NEURON_RT_VISIBLE_CORES", "0", 1) == 0);
+  EXPECT(setenv("NEURON_RT_MAP_HBM", "1", 1) == 0);
+  EXPECT(setenv("KVPUSH_LIBNRT", libnrt, 1) == 0);
+  EXPECT(nrt_init(NRT_FRAMEWORK_TYPE_PYTORCH, "2.8", "") == NRT_SUCCESS);
+  kvpush_hub *hub = NULL;
+  CHECK(kvpush_hub_create(&hub));
+
+  /* kvpush owning the runtime is refused: the framework started it. */
+  worker own;
+  EXPECT(setenv("KVPUSH_NEURON_RUNTIME", "own", 1) == 0);
+  own.mem = &NEURON;
+  alloc_neuron(&own, "own");
+  kvpush_engine_config cfg;
+  CHECK(kvpush_engine_config_init(&cfg));
+  cfg.engine_id = "own";
+  cfg.transport = KVPUSH_TRANSPORT_LOOPBACK;
+  cfg.hub = hub;
+  cfg.device = "neuron";
+  EXPECT_ERR(kvpush_engine_create(&cfg, &own.layout, &own.engine), KVPUSH_ERR_DEVICE, "KVPUSH_NEURON_RUNTIME=attach");
+  EXPECT(unsetenv("KVPUSH_NEURON_RUNTIME") == 0);
+  /* Memory the framework never allocated on the device: refused before anything is registered. */
+  uint8_t *host = aligned_alloc(4096, REGION_BYTES);
+  EXPECT(host != NULL);
+  uint64_t saved = own.bases[REGIONS - 1];
+  own.bases[REGIONS - 1] = (uint64_t)(uintptr_t)host;
+  EXPECT_ERR(kvpush_engine_create(&cfg, &own.layout, &own.engine), KVPUSH_ERR_DEVICE,
+             "libnrt does not map it as Neuron device memory");
+  free(host);
+  /* A tensor the framework freed: no longer mapped, refused too. */
+  own.bases[REGIONS - 1] = saved;
+  nrt_tensor_t *last = own.handles[REGIONS - 1];
+  nrt_tensor_free(&last);
+  own.handles[REGIONS - 1] = last; /* NULL now: free_neuron skips it */
+  EXPECT_ERR(kvpush_engine_create(&cfg, &own.layout, &own.engine), KVPUSH_ERR_DEVICE, "libnrt does not map it");
+  free_neuron(&own);
+
+  push_pair(hub, &NEURON, &NEURON, 6, 0x4E52);
+  pull_request(hub, &NEURON);
+  /* Trainium P, host-memory D (the shape of Trainium P -> GPU D through host memory): P's KV in
+   * Neuron device memory, D's in host memory, every byte verified on D. */
+  push_pair(hub, &NEURON, &HOST, 4, 0x7E4);
+  printf("mixed ok: Neuron P, host D\n");
+  CHECK(kvpush_hub_destroy(hub));
+  nrt_close();
+  printf("all C API Neuron checks passed\n");
+}
+#endif
 
 /* ---- bench: engine-thread time per request through the C ABI ------------------------------------
  * The same workload as `cargo bench --bench engine_thread` (16 layers, 1 KV head of 128, bf16,
@@ -592,10 +715,14 @@ int main(int argc, char **argv) {
     run_loopback();
   } else if (strcmp(mode, "nixl") == 0) {
     run_nixl();
+#ifdef KVPUSH_TEST_NEURON
+  } else if (strcmp(mode, "neuron") == 0 && argc > 2) {
+    run_neuron(argv[2]);
+#endif
   } else if (strcmp(mode, "bench") == 0) {
     run_bench(argc > 2 ? (size_t)strtoul(argv[2], NULL, 10) : 5000);
   } else {
-    fprintf(stderr, "usage: %s [loopback|nixl|bench [N]]\n", argv[0]);
+    fprintf(stderr, "usage: %s [loopback|nixl|bench [N]|neuron LIBNRT]\n", argv[0]);
     return 2;
   }
   return 0;

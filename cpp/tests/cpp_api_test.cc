@@ -5,6 +5,9 @@
 //   cpp_api_test loopback   push transfers between a producer and a consumer in this process, every
 //                           byte verified; an abort; errors thrown as kvpush::Error with their status
 //   cpp_api_test nixl       push transfers over real NIXL (UCX) and the TCP side channel
+//   cpp_api_test neuron LIB push transfers between engines whose regions are framework memory of
+//                           the libnrt LIB (built with -DKVPUSH_TEST_NEURON and linked with LIB, the
+//                           fake libnrt of tests/neuron_fake), every byte verified
 //
 // Prints one line per check; exits 0 when all passed, 1 at the first failure.
 #include <algorithm>
@@ -18,6 +21,9 @@
 #include <vector>
 
 #include "kvpush.hpp"
+#ifdef KVPUSH_TEST_NEURON
+#include "nrt/nrt.h"
+#endif
 
 namespace {
 
@@ -48,13 +54,38 @@ void expect_error(const char *what, kvpush::Status status, const char *needle, F
   die(std::string(what) + ": no exception");
 }
 
-// One worker: its memory (K and V regions per layer) and its engine.
+// Device tensors the framework allocated (device "neuron"), freed after the engine that uses them.
+struct Tensors {
+  std::vector<void *> handles;
+  Tensors() = default;
+  Tensors(const Tensors &) = delete;
+  Tensors &operator=(const Tensors &) = delete;
+  ~Tensors() {
+#ifdef KVPUSH_TEST_NEURON
+    for (void *h : handles) {
+      nrt_tensor_t *t = static_cast<nrt_tensor_t *>(h);
+      nrt_tensor_free(&t);
+    }
+#endif
+  }
+};
+
+// One worker: its memory (K and V regions per layer, on `device`) and its engine; members are
+// destroyed in reverse order, so the engine goes before the memory.
 struct Worker {
-  std::vector<std::vector<std::uint8_t>> regions;
+  std::vector<std::vector<std::uint8_t>> host;  // the regions on device "host"
+  Tensors tensors;                              // the regions on device "neuron"
+  std::vector<std::uint8_t *> regions;
   kvpush::Layout layout;
   kvpush::Engine engine;
 
-  static kvpush::Layout make_layout(std::vector<std::vector<std::uint8_t>> &regions) {
+  static kvpush::Layout make_layout(std::vector<std::vector<std::uint8_t>> &mem) {
+    std::vector<std::uint8_t *> ptrs;
+    for (auto &r : mem) ptrs.push_back(r.data());
+    return make_layout(ptrs, mem.empty() ? 0 : mem[0].size());
+  }
+
+  static kvpush::Layout make_layout(const std::vector<std::uint8_t *> &regions, std::size_t len) {
     kvpush::Layout l;
     l.total_layers = kLayers;
     l.kv_heads = kHeads;
@@ -63,23 +94,48 @@ struct Worker {
     l.block_tokens = kBlock;
     l.num_blocks = kBlocks;
     l.order = kvpush::BlockOrder::NHD;
-    for (auto &r : regions) {
-      l.region_bases.push_back(reinterpret_cast<std::uintptr_t>(r.data()));
-      l.region_lens.push_back(r.size());
+    for (auto *r : regions) {
+      l.region_bases.push_back(reinterpret_cast<std::uintptr_t>(r));
+      l.region_lens.push_back(len);
     }
     return l;
   }
 
-  Worker(const std::string &id, const kvpush::Hub *hub)
-      : regions(2 * kLayers, std::vector<std::uint8_t>(kRegion, 0xEE)),
-        layout(make_layout(regions)),
-        engine(hub ? kvpush::Engine(config(id, false), layout, *hub)
+  Worker(const std::string &id, const kvpush::Hub *hub, const std::string &device = "host")
+      : regions(allocate(id, device)),
+        layout(make_layout(regions, kRegion)),
+        engine(hub ? kvpush::Engine(config(id, false, device), layout, *hub)
                    : kvpush::Engine::nixl(config(id, true), layout)) {}
 
-  static kvpush::EngineConfig config(const std::string &id, bool nixl) {
+  // The regions, each filled with 0xEE: host vectors, or (as vllm-neuron's worker allocates its KV
+  // cache) one device tensor per layer and part through libnrt, of which kvpush sees the address.
+  std::vector<std::uint8_t *> allocate([[maybe_unused]] const std::string &id, const std::string &device) {
+    std::vector<std::uint8_t *> out;
+    for (std::uint32_t r = 0; r < 2 * kLayers; r++) {
+      std::uint8_t *mem = nullptr;
+      if (device == "host") {
+        host.emplace_back(kRegion);
+        mem = host.back().data();
+#ifdef KVPUSH_TEST_NEURON
+      } else if (device == "neuron") {
+        std::string name = id + ".model.layers." + std::to_string(r / 2) + (r % 2 ? ".v" : ".k");
+        nrt_tensor_t *t = nullptr;
+        EXPECT(nrt_tensor_allocate(NRT_TENSOR_PLACEMENT_DEVICE, 0, kRegion, name.c_str(), &t) == NRT_SUCCESS);
+        tensors.handles.push_back(t);
+        mem = static_cast<std::uint8_t *>(nrt_tensor_get_va(t));
+#endif
+      }
+      if (mem == nullptr) die("no memory for region " + std::to_string(r) + " on device " + device);
+      std::memset(mem, 0xEE, kRegion);
+      out.push_back(mem);
+    }
+    return out;
+  }
+
+  static kvpush::EngineConfig config(const std::string &id, bool nixl, const std::string &device = "host") {
     kvpush::EngineConfig c;
     c.engine_id = id;
-    c.device = "host";
+    c.device = device;
     c.timeout_ms = 20000;
     if (nixl) c.listen = "127.0.0.1:0";
     return c;
@@ -199,7 +255,7 @@ void errors(const kvpush::Hub &hub, Worker &p, Worker &d) {
     (void)d.engine.listen_port();
   });
   expect_error("moved-from engine", Status::UnknownHandle, "moved", [&] {
-    kvpush::Engine e(Worker::config("moved", false), Worker::make_layout(p.regions), hub);
+    kvpush::Engine e(Worker::config("moved", false), Worker::make_layout(p.regions, kRegion), hub);
     kvpush::Engine taken = std::move(e);
     e.abort(kvpush::Key{});
   });
@@ -237,6 +293,30 @@ int run_nixl() {
   return 0;
 }
 
+#ifdef KVPUSH_TEST_NEURON
+// The framework's side as vllm-neuron's worker plays it: NEURON_RT_VISIBLE_CORES and
+// NEURON_RT_MAP_HBM=1 set and the runtime started before kvpush exists; kvpush (KVPUSH_LIBNRT: the
+// same library) attaches to it and accepts the tensors by their addresses alone.
+int run_neuron(const char *libnrt) {
+  EXPECT(setenv("NEURON_RT_VISIBLE_CORES", "0", 1) == 0 && setenv("NEURON_RT_MAP_HBM", "1", 1) == 0);
+  EXPECT(setenv("KVPUSH_LIBNRT", libnrt, 1) == 0);
+  EXPECT(nrt_init(NRT_FRAMEWORK_TYPE_PYTORCH, "2.8", "") == NRT_SUCCESS);
+  {
+    kvpush::Hub hub;
+    Worker p("prefill", &hub, "neuron"), d("decode", &hub, "neuron");
+    d.engine.connect(p.engine);
+    push(p, d, "prefill", 4, 0x4E52);
+    expect_error("host memory on device neuron", kvpush::Status::Device, "does not map it", [&] {
+      std::vector<std::vector<std::uint8_t>> mem(2 * kLayers, std::vector<std::uint8_t>(kRegion));
+      kvpush::Engine e(Worker::config("host-on-neuron", false, "neuron"), Worker::make_layout(mem), hub);
+    });
+  }
+  nrt_close();
+  std::printf("all C++ Neuron checks passed\n");
+  return 0;
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -244,9 +324,12 @@ int main(int argc, char **argv) {
   try {
     if (mode == "loopback") return run_loopback();
     if (mode == "nixl") return run_nixl();
+#ifdef KVPUSH_TEST_NEURON
+    if (mode == "neuron" && argc > 2) return run_neuron(argv[2]);
+#endif
   } catch (const kvpush::Error &e) {
     die(std::string("unexpected kvpush::Error (status ") + std::to_string(int(e.status())) + "): " + e.what());
   }
-  std::fprintf(stderr, "usage: %s [loopback|nixl]\n", argv[0]);
+  std::fprintf(stderr, "usage: %s [loopback|nixl|neuron LIBNRT]\n", argv[0]);
   return 2;
 }

@@ -32,6 +32,8 @@ from typing import Any, Callable
 
 import torch
 
+from kvpush._neuron import tensor_device
+
 _TORCH_DTYPES = {
     torch.float16: "float16",
     torch.bfloat16: "bfloat16",
@@ -242,8 +244,9 @@ def describe_kv_caches(
         "groups": groups,
         "_local_heads": int(f.heads),
         "_blocks_per_block": int(ratio),
-        # The GPU this rank's KV cache is on (each TP rank has its own): the engine opens that one.
-        "_device": f"cuda:{first.device.index}" if first.is_cuda else "host",
+        # The GPU this rank's KV cache is on (each TP rank has its own; the engine opens that one),
+        # "neuron" for a cache in Neuron device memory, else "host".
+        "_device": tensor_device(first),
     }
 
 

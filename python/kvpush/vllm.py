@@ -41,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.logger import init_logger
 
 from kvpush._layouts import describe_kv_caches, expand_block_ids
+from kvpush import _neuron
 from kvpush import _timeline as timeline
 from kvpush._outcomes import OutcomeMatcher
 from kvpush._transfer import (
@@ -73,7 +74,8 @@ DEFAULTS: dict[str, Any] = {
     "side_channel_host": "127.0.0.1",
     "side_channel_listen": "0.0.0.0",
     "side_channel_port": 5600,
-    "nixl_backend": "UCX",
+    # None: LIBFABRIC where the KV cache is on Neuron, UCX elsewhere (_neuron.backend).
+    "nixl_backend": None,
     "lease_ms": 0,
     "timeout_ms": 0,
     "peer_timeout_ms": 15000,
@@ -92,7 +94,7 @@ class KVPushConfig:
     side_channel_host: str
     side_channel_listen: str
     side_channel_port: int
-    nixl_backend: str
+    nixl_backend: str | None
     lease_ms: int
     timeout_ms: int
     peer_timeout_ms: int
@@ -135,7 +137,7 @@ class KVPushConfig:
             side_channel_host=str(values["side_channel_host"]),
             side_channel_listen=str(values["side_channel_listen"]),
             side_channel_port=int(values["side_channel_port"]),
-            nixl_backend=str(values["nixl_backend"]),
+            nixl_backend=None if values["nixl_backend"] is None else str(values["nixl_backend"]),
             lease_ms=int(values["lease_ms"]),
             timeout_ms=int(values["timeout_ms"]),
             peer_timeout_ms=int(values["peer_timeout_ms"]),
@@ -451,6 +453,9 @@ def _check_buffer_device(kv_buffer_device: str, from_tensors: str) -> None:
     the cache is in (registered as device memory), ``cpu`` host memory (vLLM's CPU build). A GPU cache
     moved through host buffers (vLLM's host-buffer contract, for hosts without GPUDirect) is not
     implemented: refused at start-up rather than read as host memory."""
+    if from_tensors == _neuron.DEVICE:
+        _neuron.check_buffer_device(kv_buffer_device)
+        return
     on_gpu = from_tensors.startswith("cuda")
     if kv_buffer_device == "cuda" and not on_gpu:
         raise ValueError(
@@ -554,7 +559,7 @@ class _Worker:
             pp_size=int(pc.pipeline_parallel_size),
             side_channel_host=self.cfg.side_channel_listen,
             side_channel_port=self.cfg.side_channel_port,
-            nixl_backend=self.cfg.nixl_backend,
+            nixl_backend=_neuron.backend(self.cfg.nixl_backend, device),
             lease_ms=self.cfg.lease_ms,
             timeout_ms=self.cfg.timeout_ms,
             peer_timeout_ms=self.cfg.peer_timeout_ms,

@@ -267,6 +267,8 @@ pub struct NeuronInfo {
     pub visible_cores: u32,
     /// The library's version, where it can tell.
     pub version: Option<String>,
+    /// The runtime's major and minor version numbers, where it can tell (`nrt_get_version`).
+    pub version_number: Option<(u64, u64)>,
     /// Optional libnrt functions this library lacks.
     pub missing_optional: Vec<&'static str>,
 }
@@ -322,8 +324,21 @@ impl NeuronDevice {
             RuntimeMode::Attach => Runtime::attach(Arc::clone(&lib)),
             RuntimeMode::Own => {
                 // Never rely on a second nrt_init failing: ask the runtime whether it already runs.
-                if runtime_running(&lib, cfg.core) {
-                    return Err(NeuronError::FrameworkOwnsRuntime { library: lib.path().to_owned() });
+                match runtime_state(&lib, cfg.core) {
+                    RuntimeState::Stopped => {}
+                    RuntimeState::Running => {
+                        return Err(NeuronError::FrameworkOwnsRuntime { library: lib.path().to_owned() })
+                    }
+                    RuntimeState::Unknown(reason) => {
+                        return Err(NeuronError::Init {
+                            library: lib.path().to_owned(),
+                            reason: format!(
+                                "cannot tell whether the runtime already runs, so nrt_init is not called: \
+                                 the probe allocation answered {reason} (neither a tensor nor \
+                                 NRT_UNINITIALIZED/NRT_CLOSED)"
+                            ),
+                        })
+                    }
                 }
                 Runtime::init(Arc::clone(&lib))
                     .map_err(|e| NeuronError::Init { library: lib.path().to_owned(), reason: e.to_string() })?
@@ -413,13 +428,15 @@ impl NeuronDevice {
     /// Facts about the device and library.
     pub fn info(&self) -> NeuronInfo {
         let lib = self.rt.lib();
+        let version = lib.version().ok();
         NeuronInfo {
             library: lib.path().to_owned(),
             mode: self.mode(),
             core: self.core,
             total_cores: self.total,
             visible_cores: self.visible,
-            version: lib.version().ok().map(|v| v.to_string()),
+            version: version.as_ref().map(|v| v.to_string()),
+            version_number: version.as_ref().map(|v| (v.major, v.minor)),
             missing_optional: lib.missing_optional(),
         }
     }
@@ -511,6 +528,23 @@ impl NeuronDevice {
         self.rt.dmabuf_fd(addr, len).map_err(nrt_error)
     }
 
+    /// The EFA device (PCI address) attached to the Neuron device of each visible NeuronCore, as
+    /// libnrt names it for a small probe tensor on that core (`nrt_get_attached_efa_bdf`): NIXL's
+    /// LIBFABRIC backend registers each Neuron device's memory on that NIC (`kvpush doctor` checks
+    /// one per device).
+    pub fn efa_per_core(&self) -> Vec<(u32, Result<String, NeuronError>)> {
+        (0..self.visible)
+            .map(|core| {
+                let efa = self
+                    .rt
+                    .allocate(Placement::Device, core, PROBE_BYTES, "kvpush-efa?")
+                    .and_then(|probe| probe.attached_efa_bdf())
+                    .map_err(nrt_error);
+                (core, efa)
+            })
+            .collect()
+    }
+
     /// The PCI address of the EFA device attached to the Neuron device holding `addr`
     /// (`nrt_get_attached_efa_bdf`); `addr` must be known to this device.
     pub fn attached_efa_bdf(&self, addr: u64) -> Result<String, NeuronError> {
@@ -581,11 +615,31 @@ impl fmt::Debug for NeuronDevice {
     }
 }
 
-/// Whether the runtime of `lib` already runs in this process, asked without `nrt_init`: a one-byte
-/// device allocation through an attached handle succeeds only on a running runtime (before
-/// `nrt_init`, or after `nrt_close`, libnrt answers with a status, and nothing is allocated).
-fn runtime_running(lib: &Arc<Lib>, core: u32) -> bool {
-    Runtime::attach(Arc::clone(lib)).allocate(Placement::Device, core, 1, "kvpush-running?").is_ok()
+/// Whether the runtime of a library runs in this process, as [`runtime_state`] tells.
+#[derive(Debug)]
+enum RuntimeState {
+    /// A device allocation succeeded: someone (a framework, another owner) started it.
+    Running,
+    /// libnrt answered `NRT_UNINITIALIZED` or `NRT_CLOSED`: nobody started it, or it was closed.
+    Stopped,
+    /// Any other answer (`NRT_RESOURCE`, `NRT_INVALID`, ...): a running runtime that refused this
+    /// allocation, or a library kvpush does not understand; either way not a reason to call `nrt_init`.
+    Unknown(String),
+}
+
+/// Asks the runtime of `lib` whether it already runs in this process, without `nrt_init` and
+/// without relying on a second `nrt_init` failing (whether it does on the real runtime is
+/// unverified): a one-byte device allocation through an attached handle. libnrt's status header
+/// reserves `NRT_UNINITIALIZED` (13) and `NRT_CLOSED` (14) for calls made outside
+/// `nrt_init`..`nrt_close`, so those two, and only those, mean "not running".
+fn runtime_state(lib: &Arc<Lib>, core: u32) -> RuntimeState {
+    match Runtime::attach(Arc::clone(lib)).allocate(Placement::Device, core, 1, "kvpush-running?") {
+        Ok(_) => RuntimeState::Running,
+        Err(neuron_sys::Error::Status { status, .. }) if neuron_sys::safe::is_not_running(status) => {
+            RuntimeState::Stopped
+        }
+        Err(e) => RuntimeState::Unknown(e.to_string()),
+    }
 }
 
 /// Opens the backend for [`super::select`]: a machine without libnrt or without a Neuron device is

@@ -10,6 +10,8 @@
 //! `remote_port`): the first request for a producer dials it on a background thread, so no call here
 //! waits on the network; requests for a producer still being dialed wait in order and go out once the
 //! handshake is done (or fail, reported by `poll`, if it is refused). Every call releases the GIL.
+//! For tests, `transport: "loopback"` with a `hub` name puts workers of one process on the loopback
+//! transport instead ([`Worker::connect`] joins two), with everything else as over NIXL.
 //! Errors become exceptions of a small hierarchy rooted at `kvpush.KvpushError`; no panic reaches
 //! Python (PyO3 turns one into `PanicException`, and the engine never panics on bad input).
 
@@ -148,6 +150,11 @@ impl Inner {
             }
             // Handshaken once, lost since (connection or heartbeat): dial it afresh below.
             Some(ProducerState::Ready) => {}
+            // Connected in-process (`connect`, loopback): nothing to dial.
+            None if self.engine.engine().knows_engine(producer) => {
+                drop(producers);
+                return self.submit(producer, q).map_err(py_err);
+            }
             Some(ProducerState::Dialing(waiting)) => {
                 waiting.push(q);
                 return Ok(());
@@ -289,16 +296,36 @@ fn specs(d: &Bound<'_, PyDict>) -> PyResult<(EngineSpec, LayoutSpec)> {
             Some(s) => crate::engine::Staging::parse(&s).map_err(|e| ConfigError::new_err(e.to_string()))?,
             None => crate::engine::Staging::Auto,
         },
-        transport: TransportSpec::Nixl {
-            agent_name: get(d, "agent_name")?,
-            backend: get(d, "nixl_backend")?,
-            listen: Some(listen),
-            secret: get::<String>(d, "secret")?.map(String::into_bytes),
-            insecure: get::<bool>(d, "insecure")?.unwrap_or(false),
-            peer_timeout_ms: get(d, "peer_timeout_ms")?.unwrap_or(0),
+        transport: match get::<String>(d, "transport")?.as_deref() {
+            None | Some("nixl") => TransportSpec::Nixl {
+                agent_name: get(d, "agent_name")?,
+                backend: get(d, "nixl_backend")?,
+                listen: Some(listen),
+                secret: get::<String>(d, "secret")?.map(String::into_bytes),
+                insecure: get::<bool>(d, "insecure")?.unwrap_or(false),
+                peer_timeout_ms: get(d, "peer_timeout_ms")?.unwrap_or(0),
+            },
+            Some("loopback") => TransportSpec::Loopback(loopback_hub(&need::<String>(d, "hub")?)),
+            Some(other) => {
+                return Err(ConfigError::new_err(format!("transport {other:?} is not one of nixl, loopback")))
+            }
         },
     };
     Ok((spec, layout))
+}
+
+/// The in-process hub named `name` (`transport: "loopback"`): workers of one process that name the
+/// same hub reach each other through it once [`Worker::connect`]ed. Kept while a worker uses it.
+fn loopback_hub(name: &str) -> Arc<embed::Hub> {
+    static HUBS: Mutex<Vec<(String, std::sync::Weak<embed::Hub>)>> = Mutex::new(Vec::new());
+    let mut hubs = lock(&HUBS);
+    hubs.retain(|(_, w)| w.strong_count() > 0);
+    if let Some(hub) = hubs.iter().find(|(n, _)| n == name).and_then(|(_, w)| w.upgrade()) {
+        return hub;
+    }
+    let hub = embed::Hub::new();
+    hubs.push((name.to_owned(), Arc::downgrade(&hub)));
+    hub
 }
 
 /// One engine worker (one rank) over NIXL. See the module docs.
@@ -350,6 +377,13 @@ impl Worker {
     #[getter]
     fn side_channel_port(&self) -> Option<u16> {
         self.inner.engine.listen_port()
+    }
+
+    /// Loopback transport (`transport: "loopback"`, P and D in one process, for tests): connects this
+    /// worker and `other` (same hub) both ways, as a side-channel handshake would; requests for
+    /// `other`'s engine then go to it without dialing.
+    fn connect(&self, py: Python<'_>, other: &Worker) -> PyResult<()> {
+        py.detach(|| self.inner.engine.connect(&other.inner.engine)).map_err(py_err)
     }
 
     /// Producer: prefill of the transfer finished; its KV sits in `block_ids` (per KV group) until

@@ -3,7 +3,8 @@
 //! runs it: push and pull transfers between a producer and a consumer in one process over the
 //! loopback transport with every byte verified, aborts, and every error path the header promises
 //! (bad layouts, null and non-UTF-8 arguments, unknown handles, incompatible peers); the same push
-//! over real NIXL and the TCP side channel.
+//! over real NIXL and the TCP side channel; and push and pull between engines whose regions are
+//! framework memory of the fake libnrt (tests/neuron_fake), every byte verified.
 //!
 //! The ABI checks take the header as their oracle: they read every struct and every status code of
 //! `cpp/include/kvpush.h`, compile a generated C program that prints each struct's size and each
@@ -26,7 +27,7 @@ use kvpush::ffi::status;
 use serde::Serialize;
 
 use crate::ffi_support;
-use ffi_support::{build, cdylib, root, run_nixl_ok, run_ok, stage};
+use ffi_support::{build, build_neuron, cdylib, root, run_nixl_ok, run_ok, stage};
 
 /// The test program, built once per test binary.
 fn program() -> &'static PathBuf {
@@ -50,6 +51,27 @@ fn loopback_push_pull_aborts_and_error_paths() {
 fn nixl_push_through_the_side_channel() {
     let Some(out) = run_nixl_ok(program, "all NIXL checks passed") else { return };
     assert!(out.contains("push ok: 4 requests"), "{out}");
+}
+
+/// The test program built with its Neuron mode and linked with the fake libnrt, and the library.
+fn neuron_program() -> &'static (PathBuf, PathBuf) {
+    static EXE: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+    EXE.get_or_init(|| build_neuron("ffi-c-neuron", "cpp/tests/c_api_test.c", &[cdylib()], &[]))
+}
+
+/// Framework memory through the C API: the program starts the (fake) Neuron runtime and allocates
+/// every KV region as a device tensor, as vllm-neuron does; kvpush, attached to that runtime, must
+/// accept the regions by their addresses alone, move every byte by push and by pull, and refuse
+/// host memory, a freed tensor, and owning a runtime the framework started.
+#[test]
+fn neuron_framework_memory_push_and_pull() {
+    let (exe, lib) = neuron_program();
+    let out = run_ok(exe, &["neuron", lib.to_str().unwrap()], "all C API Neuron checks passed");
+    assert!(out.contains("push ok: 6 requests"), "{out}");
+    assert!(out.contains("pull ok:"), "{out}");
+    assert_eq!(out.matches("error ok: KVPUSH_ERR_DEVICE").count(), 3, "{out}");
+    // Neuron P, host-memory D (Trainium P -> GPU D's shape through host memory): every byte on D.
+    assert!(out.contains("push ok: 4 requests") && out.contains("mixed ok: Neuron P, host D"), "{out}");
 }
 
 #[test]

@@ -6,8 +6,11 @@
 //! A missing compiler is a failure, never a skip: CI has gcc and g++, and so must a developer
 //! machine (or set `CC` / `CXX`).
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
+
+use kvpush_testkit::neuron_fake::{self, Variant};
 use std::time::{Duration, Instant};
 
 /// The repository root.
@@ -83,17 +86,44 @@ const CXX: Compiler =
 /// Compiles `source` (C for `.c`, else C++) against the headers of `cpp/include` into `dir/name`, linked
 /// with the static libraries `archives` (file names in `dir`) and then the `libkvpush.so` that
 /// [`stage`] put in `dir` (found there at run time through an rpath). Returns the executable.
+/// An archive may be a shared library too (the fake libnrt), linked by its path.
 pub fn build(dir: &Path, name: &str, source: &Path, archives: &[&str]) -> PathBuf {
+    build_with(dir, name, source, archives, &[])
+}
+
+/// [`build`] with `extra` compiler arguments before the source (defines, include directories).
+fn build_with(dir: &Path, name: &str, source: &Path, archives: &[&str], extra: &[OsString]) -> PathBuf {
     let compiler = if source.extension().is_some_and(|e| e == "c") { C } else { CXX };
     let exe = dir.join(name);
     let mut cmd = Command::new(tool(compiler.var, compiler.default));
-    cmd.args(compiler.flags).arg("-I").arg(root().join("cpp/include")).arg(source);
+    cmd.args(compiler.flags).arg("-I").arg(root().join("cpp/include")).args(extra).arg(source);
     for a in archives {
         cmd.arg(dir.join(a));
     }
     cmd.arg("-L").arg(dir).arg("-lkvpush").arg(format!("-Wl,-rpath,{}", dir.display())).arg("-o").arg(&exe);
     compile(cmd, &source.display().to_string());
     exe
+}
+
+/// Builds `source` with its Neuron mode (`-DKVPUSH_TEST_NEURON`, the fake's `nrt/nrt.h`) into a
+/// directory staged as `name` holding `files` and the fake libnrt, linked with `archives` and then
+/// the fake (the program plays a framework linked with libnrt). Returns the executable and the
+/// fake's staged path, which the program hands kvpush as `KVPUSH_LIBNRT`: one library, one runtime.
+pub fn build_neuron(name: &str, source: &str, files: &[PathBuf], archives: &[&str]) -> (PathBuf, PathBuf) {
+    static FAKE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    let fake = FAKE
+        .get_or_init(|| {
+            neuron_fake::build(&Path::new(env!("CARGO_TARGET_TMPDIR")).join("ffi-neuron-fake"), Variant::Full)
+        })
+        .clone();
+    let lib = fake.file_name().expect("a file name").to_owned();
+    let dir = stage(name, &[files, &[fake]].concat());
+    let include = neuron_fake::source_dir().join("include");
+    let extra = ["-DKVPUSH_TEST_NEURON".into(), "-I".into(), include.into_os_string()];
+    let lib_name = lib.to_str().expect("a UTF-8 name");
+    let archives = [archives, &[lib_name]].concat();
+    let exe = build_with(&dir, &format!("{name}-test"), &root().join(source), &archives, &extra);
+    (exe, dir.join(lib))
 }
 
 /// The compiler named by `var` (e.g. `CC`), else `default`.

@@ -14,6 +14,8 @@
  * Knobs (integers): read from the environment when the library is loaded, and settable at run time
  * with fake_nrt_set(name, value):
  *   FAKE_NRT_FAIL_INIT=1      nrt_init fails with NRT_FAILURE
+ *   FAKE_NRT_REINIT_OK=1      a second nrt_init without a close succeeds (whether the real runtime's
+ *                             does is unverified; kvpush must not rely on it failing)
  *   FAKE_NRT_FAIL_DMABUF=1    nrt_get_dmabuf_fd fails with NRT_FAILURE
  *   FAKE_NRT_NO_MAP_HBM=1     nrt_tensor_get_va returns NULL for device tensors
  *   FAKE_NRT_FAIL_ALLOCS=n    the next n device allocations fail with NRT_RESOURCE
@@ -53,7 +55,7 @@ struct nrt_tensor {
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static struct nrt_tensor *tensors; /* every live tensor */
 
-static long knob_fail_init, knob_fail_dmabuf, knob_no_map_hbm, knob_fail_allocs;
+static long knob_fail_init, knob_reinit_ok, knob_fail_dmabuf, knob_no_map_hbm, knob_fail_allocs;
 static long knob_nc_count = 2, knob_visible_nc = -1;
 
 static long init_calls, close_calls, initialized, ever_closed;
@@ -67,6 +69,7 @@ static long env_long(const char *name, long fallback) {
 
 __attribute__((constructor)) static void fake_nrt_load(void) {
     knob_fail_init = env_long("FAKE_NRT_FAIL_INIT", 0);
+    knob_reinit_ok = env_long("FAKE_NRT_REINIT_OK", 0);
     knob_fail_dmabuf = env_long("FAKE_NRT_FAIL_DMABUF", 0);
     knob_no_map_hbm = env_long("FAKE_NRT_NO_MAP_HBM", 0);
     knob_fail_allocs = env_long("FAKE_NRT_FAIL_ALLOCS", 0);
@@ -78,6 +81,7 @@ __attribute__((constructor)) static void fake_nrt_load(void) {
 
 static long *knob(const char *name) {
     if (strcmp(name, "FAKE_NRT_FAIL_INIT") == 0) return &knob_fail_init;
+    if (strcmp(name, "FAKE_NRT_REINIT_OK") == 0) return &knob_reinit_ok;
     if (strcmp(name, "FAKE_NRT_FAIL_DMABUF") == 0) return &knob_fail_dmabuf;
     if (strcmp(name, "FAKE_NRT_NO_MAP_HBM") == 0) return &knob_no_map_hbm;
     if (strcmp(name, "FAKE_NRT_FAIL_ALLOCS") == 0) return &knob_fail_allocs;
@@ -151,7 +155,7 @@ EXPORT NRT_STATUS nrt_init(nrt_framework_type_t framework, const char *fw_versio
     NRT_STATUS s = NRT_SUCCESS;
     pthread_mutex_lock(&lock);
     init_calls++;
-    if (knob_fail_init || initialized || framework == NRT_FRAMEWORK_TYPE_INVALID) s = NRT_FAILURE;
+    if (knob_fail_init || (initialized && !knob_reinit_ok) || framework == NRT_FRAMEWORK_TYPE_INVALID) s = NRT_FAILURE;
     else initialized = 1;
     pthread_mutex_unlock(&lock);
     return s;

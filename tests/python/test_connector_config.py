@@ -49,3 +49,15 @@ def test_kv_buffer_device_must_be_where_the_kv_cache_is() -> None:
         kv._check_buffer_device("cuda", "host")
     with pytest.raises(ValueError, match="kv_buffer_device is 'cpu' but the KV cache is on cuda:0"):
         kv._check_buffer_device("cpu", "cuda:0")
+
+
+def test_neuron_kv_cache_means_device_memory_and_libfabric() -> None:
+    from kvpush import _neuron
+
+    kv._check_buffer_device("cuda", "neuron")  # vLLM's "cuda": device memory, which Neuron HBM is
+    with pytest.raises(ValueError, match="kv_buffer_device is 'cpu' but the KV cache is in Neuron device memory"):
+        kv._check_buffer_device("cpu", "neuron")
+    assert _neuron.backend(None, "neuron") == "LIBFABRIC"
+    assert _neuron.backend(None, "cuda:0") == _neuron.backend(None, "host") == "UCX"
+    assert _neuron.backend(" UCX ", "neuron") == "UCX", "a configured backend is kept"
+    assert kv.KVPushConfig.from_vllm(_vllm_config("cuda")).nixl_backend is None, "unset: decided by the device"

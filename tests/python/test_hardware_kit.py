@@ -223,9 +223,13 @@ def test_sweep_dry_run_trn(trap_path: tuple[dict[str, str], Path], tmp_path: Pat
             assert extra == {"mode": mode, "side_channel_host": addr, "side_channel_port": 5600,
                              "nixl_backend": "LIBFABRIC", "device": "neuron", "peer_timeout_ms": 15000}  # fmt: skip
             assert env_vars == {"KVPUSH_DEVICE": "neuron", "NEURON_RT_MAP_HBM": "1"}
+            # What the connector accepts for a KV cache on device neuron (vllm-neuron 0.24).
+            assert cfg["kv_buffer_device"] == "cuda"
+            neuron_accepts(cfg["kv_buffer_device"], extra["nixl_backend"])
         else:
             assert cfg["kv_connector"] == {"push": "NixlPushConnector", "pull": "NixlConnector"}[mode]
-            assert cfg["kv_buffer_device"] == "cpu"
+            # vllm-neuron 0.24's NixlConnector: "cuda" is Neuron HBM, "cpu" is refused.
+            assert cfg["kv_buffer_device"] == "cuda"
             assert cfg["kv_connector_extra_config"] == {"backends": ["LIBFABRIC"]}
             assert env_vars == {"VLLM_NIXL_SIDE_CHANNEL_HOST": addr, "VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"}
 
@@ -258,6 +262,32 @@ def test_sweep_dry_run_trn(trap_path: tuple[dict[str, str], Path], tmp_path: Pat
         else:
             running.remove(name)
     assert not running
+
+
+def neuron_accepts(kv_buffer_device: str, nixl_backend: str) -> None:
+    """The kvpush connector's own checks for a KV cache on Neuron, on the kit's values."""
+    try:
+        import kvpush.vllm as kvv
+        from kvpush import _neuron
+    except ImportError as e:
+        if os.environ.get("CI", "").lower() in ("true", "1"):
+            raise
+        pytest.skip(f"the kvpush package and vLLM: {e}")
+    kvv._check_buffer_device(kv_buffer_device, _neuron.DEVICE)
+    assert _neuron.backend(nixl_backend, _neuron.DEVICE) == _neuron.backend(None, _neuron.DEVICE) == nixl_backend
+
+
+def test_sweep_dry_run_trn_one_host(trap_path: tuple[dict[str, str], Path], tmp_path: Path) -> None:
+    """P and D on one trn host: every server gets FI_EFA_ENABLE_SHM_TRANSFER=0; on two hosts none does."""
+    env, _ = trap_path
+    r = run_kit("sweep.sh", "--platform", "trn", "--p-host", "ubuntu@10.0.1.5", "--d-host", "ubuntu@10.0.1.5",
+                "--d-port", "8200", "--d-side-port", "5700", "--python", "/opt/venv/bin/python", "--kvpush-bin",
+                "/opt/kvpush/kvpush", "--out", str(tmp_path / "run.json"), "--dry-run", "--skip-checks", env=env)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    starts = [w for role in ("P", "D") for w in host_lines(r.stdout, role) if w[0] == "kit_start"]
+    assert starts and all(env_of(w).get("FI_EFA_ENABLE_SHM_TRANSFER") == "0" for w in starts), starts
+    two_hosts = dry_sweep(env, tmp_path, "--platform", "trn", "--skip-checks")
+    assert "FI_EFA_ENABLE_SHM_TRANSFER" not in two_hosts
 
 
 def test_sweep_dry_run_p5en_ucx(trap_path: tuple[dict[str, str], Path], tmp_path: Path) -> None:
