@@ -807,6 +807,7 @@ fn kind_name(m: &Message) -> &'static str {
         Message::Abort(_) => "abort",
         Message::Heartbeat(_) => "heartbeat",
         Message::Grant(_) => "grant",
+        Message::Layers(_) => "layers",
     }
 }
 

@@ -405,6 +405,7 @@ impl Shared {
         let key = match &msg {
             Message::Registration(r) => r.key(),
             Message::Completion(c) => c.key,
+            Message::Layers(c) => c.key,
             Message::Grant(g) => g.key,
             Message::Failure(f) => f.key,
             Message::Abort(a) => a.key,

@@ -19,6 +19,7 @@ use crate::pool::handoff::Inbox;
 use crate::proto::codec;
 use crate::proto::completion::{Completions, Event, FailReason};
 use crate::proto::ids::Instant;
+use crate::proto::layerwise::{part_layers, LayerCompletion};
 use crate::proto::msg::{
     clip_block_lists, common_tokens, Abort, Completion, Failure, FailureKind, Grant, Message, Mode, Registration,
 };
@@ -676,8 +677,22 @@ impl Writer {
                     self.comp.handle_failure(now, &f);
                 }
             }
+            Message::Layers(c) => self.layers_landed(now, &from, c, via),
             Message::Handshake(_) | Message::Heartbeat(_) => {}
         }
+    }
+
+    /// Consumer, layer-wise push: a producer rank's layers landed. Counted only from the data path
+    /// (like a whole-request completion) and only when it names the part that rank writes here.
+    fn layers_landed(&mut self, now: Instant, from: &PeerAddr, c: LayerCompletion, via: Via) {
+        let part = self.shared.peer_by_addr(from).map(|p| part_layers(&p.layout, &self.shared.layout));
+        if self.shared.config.mode != Mode::Push || via != Via::Data || part.as_ref() != Some(&c.part) {
+            self.stats().failures.malformed += 1;
+            tracing::warn!(worker = %self.shared.me, peer = %from, key = %c.key, layers = ?c.layers, part = ?c.part, "layer notification refused");
+            return;
+        }
+        timeline::record("eng_layers_notified", c.key);
+        self.comp.handle_layers(now, &c);
     }
 
     /// Producer, pull mode: a granted read ended.
@@ -742,6 +757,7 @@ impl Writer {
                 Ok(msg) => {
                     let key = match &msg {
                         Message::Completion(c) => Some(c.key),
+                        Message::Layers(c) => Some(c.key),
                         Message::Failure(f) => Some(f.key),
                         Message::Abort(a) => Some(a.key),
                         Message::Registration(r) => Some(r.key()),
