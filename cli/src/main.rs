@@ -336,6 +336,7 @@ fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         staging_slot_bytes: a.staging_slot_kib << 10,
         allocator: a.allocator,
         whole_blocks: false,
+        layerwise: demo::LayerwiseFlag::Auto,
     };
     let work = Workload {
         requests: a.requests,
@@ -345,6 +346,7 @@ fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         prefill_ns_per_token: a.prefill_ns_per_token,
         relay_us: a.relay_us,
         seed: a.seed,
+        ..Workload::default()
     };
     let modes = match a.mode {
         ModeArg::Push => vec![Mode::Push],

@@ -32,6 +32,7 @@ fn workload(seed: u64) -> Workload {
         prefill_ns_per_token: 1000,
         relay_us: 100,
         seed,
+        ..Workload::default()
     }
 }
 

@@ -71,6 +71,16 @@ pub(crate) trait Side {
     }
 }
 
+/// Transfers the engine of `role` posted (WRITEs and READs; a layer-wise push posts one per
+/// range).
+fn posts<S: Side>(side: &mut S, role: Role) -> Result<u64, S::Error> {
+    side.send(role, &Command::Stats)?;
+    side.expect(role, "stats", Duration::from_secs(30), |ev| match ev {
+        Event::Stats { engine, .. } => Some(engine.posts),
+        _ => None,
+    })
+}
+
 /// A request as the driver tracks it.
 struct Tracked {
     key: Key,
@@ -132,8 +142,14 @@ pub(crate) fn play<S: Side>(
             let key = Key::new(u128::from(rng.next()) << 64 | next as u128, 1);
             let seed = rng.next();
             p_free -= p_need;
-            let delay_ns = Some(tokens * w.prefill_ns_per_token);
-            side.send(Role::Prefill, &Command::Prefill { req: next as u64, key, tokens, seed, delay_ns })?;
+            let delay_ns = tokens * w.prefill_ns_per_token;
+            let cmd = if w.prefill_ns_per_layer > 0 {
+                let (layer_ns, layerwise) = (w.prefill_ns_per_layer, w.layerwise);
+                Command::PrefillLayers { req: next as u64, key, tokens, seed, delay_ns, layer_ns, layerwise }
+            } else {
+                Command::Prefill { req: next as u64, key, tokens, seed, delay_ns: Some(delay_ns) }
+            };
+            side.send(Role::Prefill, &cmd)?;
             if d_now {
                 d_free -= d_need;
                 let cmd =
@@ -267,6 +283,7 @@ pub(crate) fn play<S: Side>(
     }
     let mut report = ModeReport::new(specs.len() as u64, verified_bytes, verified, failed, wall, counters);
     report.summarize(latencies, reqs.iter().map(|r| r.engine_ns));
+    report.producer_posts = posts(side, Role::Prefill)?;
     Ok(report)
 }
 
