@@ -46,6 +46,8 @@ fn workload(layerwise: bool) -> Workload {
         layerwise,
         relay_us: 100,
         seed: 21,
+        // Half registration-first, half blocks-first (D registers after P's last layer).
+        registration_first: false,
     }
 }
 

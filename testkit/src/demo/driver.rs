@@ -90,6 +90,8 @@ struct Tracked {
     p_need: usize,
     d_need: usize,
     ready_us: Option<u64>,
+    /// D's received time, until the latency is taken (P's ready event may come after it).
+    received_us: Option<u64>,
     p_blocks: Option<BlockLists>,
     engine_ns: u64,
     sent: bool,
@@ -118,6 +120,7 @@ pub(crate) fn play<S: Side>(
     let mut due: BinaryHeap<std::cmp::Reverse<(Instant, usize)>> = BinaryHeap::new();
     let (mut next, mut in_flight, mut finished) = (0usize, 0usize, 0usize);
     let mut latencies = Vec::with_capacity(specs.len());
+    let mut exposed = Vec::with_capacity(specs.len());
     let (mut verified_bytes, mut verified, mut failed) = (0u64, 0u64, 0u64);
     let mut last_progress = Instant::now();
     let started = Instant::now();
@@ -126,6 +129,7 @@ pub(crate) fn play<S: Side>(
         // Admit.
         while next < specs.len() && in_flight < w.concurrency {
             let (tokens, registration_first) = specs[next];
+            let registration_first = registration_first || w.registration_first;
             let p_need = blocks_for(tokens, t.p_block) as usize * groups;
             let d_need = blocks_for(tokens, t.d_block) as usize * groups;
             let d_now = mode == Mode::Push && registration_first;
@@ -164,6 +168,7 @@ pub(crate) fn play<S: Side>(
                 p_need,
                 d_need,
                 ready_us: None,
+                received_us: None,
                 p_blocks: None,
                 engine_ns: 0,
                 sent: false,
@@ -243,9 +248,7 @@ pub(crate) fn play<S: Side>(
                 }
                 Event::Received { at_us, verified_bytes: v, ok, detail, engine_ns, .. } => {
                     r.engine_ns += engine_ns;
-                    if let Some(ready) = r.ready_us {
-                        latencies.push(at_us.saturating_sub(ready));
-                    }
+                    r.received_us = Some(at_us);
                     if ok {
                         verified_bytes += v;
                         verified += 1;
@@ -264,6 +267,15 @@ pub(crate) fn play<S: Side>(
                     d_free += r.d_need;
                 }
                 _ => {}
+            }
+            // The two engines report separately: P's ready may reach the driver after D's received
+            // (layer by layer, D can have the request just after P's last layer).
+            if let (Some(ready), Some(at_us)) = (r.ready_us, r.received_us) {
+                r.received_us = None;
+                latencies.push(at_us.saturating_sub(ready));
+                if !r.failed {
+                    exposed.push((i, r.tokens, at_us.saturating_sub(ready)));
+                }
             }
             if r.sent && r.d_done && !r.done {
                 r.done = true;
@@ -284,6 +296,7 @@ pub(crate) fn play<S: Side>(
     let mut report = ModeReport::new(specs.len() as u64, verified_bytes, verified, failed, wall, counters);
     report.summarize(latencies, reqs.iter().map(|r| r.engine_ns));
     report.producer_posts = posts(side, Role::Prefill)?;
+    report.exposed = exposed;
     Ok(report)
 }
 

@@ -29,6 +29,7 @@ use kvpush::transport::loopback::Fabric;
 pub(crate) use crate::rng::Rng;
 
 pub(crate) mod driver;
+pub mod layerwise;
 pub mod pattern;
 pub mod procs;
 
@@ -215,6 +216,9 @@ pub struct Workload {
     /// P reports each layer as it is final ([`kvpush::engine::Engine::layers_ready`]; the engine's
     /// [`Topology::layerwise`] decides how it goes) rather than the whole request after the last.
     pub layerwise: bool,
+    /// Every push request registration-first (D registers when the request is admitted, as a push
+    /// router sends both legs at once), instead of half of them blocks-first.
+    pub registration_first: bool,
 }
 
 impl Default for Workload {
@@ -229,6 +233,7 @@ impl Default for Workload {
             seed: 0x6b76_7075_7368,
             prefill_ns_per_layer: 0,
             layerwise: false,
+            registration_first: false,
         }
     }
 }
@@ -290,6 +295,10 @@ pub struct ModeReport {
     /// Each push round's staged pieces (one WRITE each; 0 where staging is off).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub push_pieces_rounds: Vec<u64>,
+    /// Per received request: `(request index, tokens, latency µs)` (what [`layerwise::compare`]
+    /// pairs; not in the JSON).
+    #[serde(skip)]
+    pub exposed: Vec<(usize, u64, u64)>,
 }
 
 /// Results of the demo: one report per mode played.
@@ -301,6 +310,9 @@ pub struct Report {
     /// Pull mode.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pull: Option<ModeReport>,
+    /// `--layerwise compare`: the push run (layer by layer) against the same requests pushed whole.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layerwise: Option<layerwise::LayerwiseReport>,
 }
 
 /// What can stop the demo.
