@@ -89,6 +89,7 @@ fn engine_spec(s: &EngineSpec, transport: TransportSpec) -> crate::embed::Engine
         timeout_ms: s.timeout_ms,
         transport,
         staging: crate::engine::Staging::Auto,
+        layerwise: crate::engine::Layerwise::AUTO,
     }
 }
 
