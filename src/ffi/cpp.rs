@@ -217,6 +217,21 @@ impl RustEngine {
         })
     }
 
+    pub(super) fn layers_ready(
+        &self,
+        k: &Key,
+        block_ids: &[u32],
+        group_lens: &[usize],
+        num_tokens: u64,
+        first_layer: u32,
+        end_layer: u32,
+    ) -> Result<(), BridgeError> {
+        run("Engine::layers_ready", || {
+            let lists = lists("block_ids", block_ids, group_lens)?;
+            self.0.layers_ready(key(k), lists, num_tokens, first_layer..end_layer)
+        })
+    }
+
     pub(super) fn blocks_allocated(
         &self,
         k: &Key,
