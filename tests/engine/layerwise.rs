@@ -10,6 +10,7 @@ use std::time::Duration;
 use kvpush::device::{self, Device};
 use kvpush::engine::{Config, Finished, Layerwise, LocalHub};
 use kvpush::proto::layout::tp_targets;
+use kvpush::proto::rendezvous::ReleaseReason;
 use kvpush::proto::{Key, Mode};
 use kvpush::transport::loopback::Fabric;
 use kvpush_testkit::demo::{self, pattern, LayerwiseFlag, ModeReport, Topology, Workload};
@@ -170,4 +171,37 @@ fn an_abort_between_layers_ends_the_push_and_releases_both_sides() {
     p.engine.layers_ready(key, src, tokens, 2..8).expect("late layers are accepted and dropped");
     std::thread::sleep(Duration::from_millis(20));
     assert_eq!(posts(&p), 1, "nothing posted after the abort");
+}
+
+#[test]
+fn whole_mode_collects_layers_and_an_abort_before_the_last_releases_at_once() {
+    let dev: Arc<dyn Device> = device::from_env().expect("device");
+    let (fabric, hub) = (Fabric::new(), LocalHub::new());
+    let layout = layouts::separate(layouts::full_model(8, 2, 16), 64, layouts::tp(0, 1));
+    let mut c = Config::new("prefill", Mode::Push);
+    c.layerwise = Layerwise::Off;
+    // SAFETY: nothing reads or writes the blocks of this test's requests.
+    let p = unsafe { engines::loopback_worker(c, layout.clone(), &dev, &fabric, "p", &hub) };
+    let mut c = Config::new("decode", Mode::Push);
+    c.layerwise = Layerwise::Off;
+    // SAFETY: as above.
+    let d = unsafe { engines::loopback_worker(c, layout, &dev, &fabric, "d", &hub) };
+    engines::connect(&p.engine, &d.engine);
+    let limit = Duration::from_secs(10);
+    // Off: layers are collected; nothing goes before the last, then the request goes whole.
+    let (key, tokens, src) = (Key::new(0x23, 1), 60, vec![vec![0, 1, 2, 3]]);
+    d.engine.blocks_allocated(key, "prefill", vec![vec![9, 10, 11, 12]], tokens).expect("register");
+    poll_until("P got the registration", limit, || p.engine.stats().counters.registrations, |&n| n == 1);
+    p.engine.layers_ready(key, src.clone(), tokens, 0..7).expect("layers 0..7");
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(posts(&p), 0, "off: nothing before the last layer");
+    p.engine.layers_ready(key, src.clone(), tokens, 7..8).expect("layer 7");
+    wait_for(&d.engine, "received", limit, |f| matches!(f, Finished::Received { key: k } if *k == key));
+    assert_eq!(posts(&p), 1, "off: one WRITE for the whole request");
+    // Aborted before its last layer: the blocks never reached the rendezvous and come back at once.
+    let other = Key::new(0x24, 1);
+    p.engine.layers_ready(other, src, tokens, 0..3).expect("layers 0..3");
+    p.engine.abort(other).expect("abort");
+    let f = wait_for(&p.engine, "released", limit, |f| matches!(f, Finished::Sent { key: k, .. } if *k == other));
+    assert!(matches!(f, Finished::Sent { reason: ReleaseReason::Aborted, .. }), "{f:?}");
 }
