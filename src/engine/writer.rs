@@ -422,7 +422,10 @@ impl Writer {
             Cmd::BlocksReady { key, blocks } if self.layered.contains_key(&key) => {
                 self.layers_ready(now, key, blocks, 0..u32::MAX, true)
             }
-            Cmd::BlocksReady { key, blocks } => self.blocks_ready(now, key, blocks),
+            Cmd::BlocksReady { key, blocks } => {
+                self.supersede_unstarted(key);
+                self.blocks_ready(now, key, blocks)
+            }
             Cmd::LayersReady { key, blocks, layers, layerwise } => {
                 self.layers_ready(now, key, blocks, layers, layerwise)
             }
@@ -466,6 +469,7 @@ impl Writer {
     /// layer of this worker is final.
     fn layers_ready(&mut self, now: Instant, key: Key, blocks: SourceBlocks, layers: Range<u32>, layerwise: bool) {
         timeline::record("eng_layers_ready", key);
+        self.supersede_unstarted(key);
         let mine = self.shared.layout.layer_range();
         let l = self.layered.entry(key).or_insert_with(|| Layered {
             blocks: Some(blocks),
@@ -500,6 +504,22 @@ impl Writer {
             self.layered.remove(&key);
             self.stats().counters.released += 1;
             self.shared.outbox.push(Finished::Sent { key, reason: ReleaseReason::Aborted });
+        }
+    }
+
+    /// Producer: an older attempt of `key`'s transfer whose blocks never reached the rendezvous
+    /// (collected whole, its last layer not yet final) is superseded by `key`: its blocks come back.
+    fn supersede_unstarted(&mut self, key: Key) {
+        let older: Vec<Key> = self
+            .layered
+            .iter()
+            .filter(|(k, l)| k.transfer_id == key.transfer_id && k.attempt.0 < key.attempt.0 && l.blocks.is_some())
+            .map(|(k, _)| *k)
+            .collect();
+        for k in older {
+            self.layered.remove(&k);
+            self.stats().counters.released += 1;
+            self.shared.outbox.push(Finished::Sent { key: k, reason: ReleaseReason::Superseded });
         }
     }
 

@@ -204,4 +204,12 @@ fn whole_mode_collects_layers_and_an_abort_before_the_last_releases_at_once() {
     p.engine.abort(other).expect("abort");
     let f = wait_for(&p.engine, "released", limit, |f| matches!(f, Finished::Sent { key: k, .. } if *k == other));
     assert!(matches!(f, Finished::Sent { reason: ReleaseReason::Aborted, .. }), "{f:?}");
+    // A newer attempt supersedes one still collecting its layers: the older blocks come back.
+    let (old, new) = (Key::new(0x25, 1), Key::new(0x25, 2));
+    p.engine.layers_ready(old, vec![vec![20, 21, 22, 23]], tokens, 0..4).expect("old layers 0..4");
+    p.engine.layers_ready(new, vec![vec![30, 31, 32, 33]], tokens, 0..2).expect("new layers 0..2");
+    let f = wait_for(&p.engine, "superseded", limit, |f| matches!(f, Finished::Sent { key: k, .. } if *k == old));
+    assert!(matches!(f, Finished::Sent { reason: ReleaseReason::Superseded, .. }), "{f:?}");
+    p.engine.abort(new).expect("abort the newer attempt");
+    wait_for(&p.engine, "released", limit, |f| matches!(f, Finished::Sent { key: k, .. } if *k == new));
 }
