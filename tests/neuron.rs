@@ -719,6 +719,7 @@ fn child_demo() {
         prefill_ns_per_token: 1000,
         relay_us: 100,
         seed: 11,
+        ..Workload::default()
     };
     let report = demo::run(&t, &w, &[Mode::Push, Mode::Pull], &|| {}).unwrap();
     for (name, m) in [("push", report.push.as_ref().unwrap()), ("pull", report.pull.as_ref().unwrap())] {

@@ -92,6 +92,20 @@ enum TransportArg {
     Nixl,
 }
 
+/// `--layerwise`: how P hands its requests to the engine when it computes layer by layer.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+enum LayerwiseArg {
+    /// The whole request after its last layer (`request_finished`).
+    Off,
+    /// Each layer as it is computed (`layers_ready`); the engine pushes every request layer by layer.
+    On,
+    /// Each layer as it is computed; the engine pushes small requests whole.
+    Auto,
+    /// The same requests twice: whole, then each layer as it is computed (engine setting
+    /// `--layerwise-engine`); the JSON gains a `layerwise` comparison.
+    Compare,
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 enum OrderArg {
     Hnd,
@@ -182,6 +196,20 @@ struct DemoArgs {
     /// queue like vLLM's (scattered ids after churn: one descriptor per block per layer).
     #[arg(long, value_enum, default_value = "runs")]
     allocator: kvpush_testkit::demo::AllocatorFlag,
+    /// Simulated prefill compute per layer, in microseconds (after the per-token time): P's layer `l`
+    /// is final `(l + 1) x N` µs into prefill. 0: no per-layer compute (needed by --layerwise).
+    #[arg(long, default_value_t = 0)]
+    prefill_us_per_layer: u64,
+    /// Layer-wise push: how P reports its layers (needs --prefill-us-per-layer).
+    #[arg(long, value_enum, default_value = "off")]
+    layerwise: LayerwiseArg,
+    /// Push every request registration-first (D registers at admission, as a push router sends both
+    /// legs at once) instead of half of them blocks-first (D registers after P's prefill).
+    #[arg(long)]
+    registration_first: bool,
+    /// The engine's layer-wise setting in the layer-wise pass of --layerwise compare.
+    #[arg(long, value_enum, default_value = "auto")]
+    layerwise_engine: kvpush_testkit::demo::LayerwiseFlag,
     /// Write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -339,7 +367,22 @@ fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         staging_slot_bytes: a.staging_slot_kib << 10,
         allocator: a.allocator,
         whole_blocks: false,
+        layerwise: match a.layerwise {
+            LayerwiseArg::Off => demo::LayerwiseFlag::Off,
+            LayerwiseArg::On => demo::LayerwiseFlag::On,
+            LayerwiseArg::Auto => demo::LayerwiseFlag::Auto,
+            LayerwiseArg::Compare => a.layerwise_engine,
+        },
     };
+    if a.layerwise != LayerwiseArg::Off && a.prefill_us_per_layer == 0 {
+        return Err("--layerwise needs --prefill-us-per-layer N: without per-layer compute there is nothing to \
+                    overlap"
+            .into());
+    }
+    let compare = a.layerwise == LayerwiseArg::Compare;
+    if compare && a.mode != ModeArg::Push {
+        return Err("--layerwise compare runs push only: add --mode push".into());
+    }
     let work = Workload {
         requests: a.requests,
         min_tokens: a.min_tokens,
@@ -348,27 +391,47 @@ fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         prefill_ns_per_token: a.prefill_ns_per_token,
         relay_us: a.relay_us,
         seed: a.seed,
+        prefill_ns_per_layer: a.prefill_us_per_layer * 1000,
+        layerwise: a.layerwise != LayerwiseArg::Off,
+        registration_first: a.registration_first,
     };
     let modes = match a.mode {
         ModeArg::Push => vec![Mode::Push],
         ModeArg::Pull => vec![Mode::Pull],
         ModeArg::Both => vec![Mode::Push, Mode::Pull],
     };
-    let bar = if a.quiet { ProgressBar::hidden() } else { ProgressBar::new((a.requests * modes.len()) as u64) };
+    let runs = modes.len() * if compare { 2 } else { 1 };
+    let bar = if a.quiet { ProgressBar::hidden() } else { ProgressBar::new((a.requests * runs) as u64) };
     bar.set_style(
         ProgressStyle::with_template("{spinner} {msg} [{bar:40}] {pos}/{len} requests ({elapsed})")
             .map_err(|e| e.to_string())?
             .progress_chars("=> "),
     );
     bar.set_message("push/pull demo");
-    let report = if processes == 2 {
-        let mut opts = demo::procs::Options::new()?;
-        opts.backend = a.nixl_backend.clone();
-        let b = bar.clone();
-        opts.log = Some(std::sync::Arc::new(move |line: &str| b.suspend(|| eprintln!("{line}"))));
-        demo::procs::run(&topo, &work, &modes, &opts, &|| bar.inc(1))?
+    let play = |work: &Workload| -> Result<demo::Report, Box<dyn std::error::Error>> {
+        Ok(if processes == 2 {
+            let mut opts = demo::procs::Options::new()?;
+            opts.backend = a.nixl_backend.clone();
+            // The comparison is about latency; the bandwidth references would double the run.
+            opts.references = !compare;
+            let b = bar.clone();
+            opts.log = Some(std::sync::Arc::new(move |line: &str| b.suspend(|| eprintln!("{line}"))));
+            demo::procs::run(&topo, work, &modes, &opts, &|| bar.inc(1))?
+        } else {
+            demo::run(&topo, work, &modes, &|| bar.inc(1))?
+        })
+    };
+    let mut whole_failed = 0;
+    let report = if compare {
+        let whole = play(&Workload { layerwise: false, ..work.clone() })?;
+        let mut layered = play(&work)?;
+        if let (Some(w), Some(l)) = (&whole.push, &layered.push) {
+            whole_failed = w.failed;
+            layered.layerwise = Some(demo::layerwise::compare(w, l));
+        }
+        layered
     } else {
-        demo::run(&topo, &work, &modes, &|| bar.inc(1))?
+        play(&work)?
     };
     bar.finish_and_clear();
     let how = if processes == 2 {
@@ -381,12 +444,36 @@ fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         a.requests, a.min_tokens, a.max_tokens, a.layers, a.kv_heads, a.head_dim, a.p_tp, a.d_tp, a.p_block, a.d_block
     );
     print!("{}", demo::table(&report));
+    if let Some(l) = &report.layerwise {
+        let ratio = l.ratio_p50.map_or("-".to_string(), |r| format!("{r:.3}"));
+        println!(
+            "layer-wise vs whole, P's last layer to D having the request: p50 {} vs {} µs, p99 {} vs {} µs, \
+             ratio of medians at {}+ tokens {ratio} ({} requests)",
+            l.exposed_us_p50,
+            l.whole_exposed_us_p50,
+            l.exposed_us_p99,
+            l.whole_exposed_us_p99,
+            demo::layerwise::LARGE_TOKENS,
+            l.requests
+        );
+        println!(
+            "  cost: P posted {} vs {} transfers; engine-thread time per request p50 {:.1} vs {:.1} µs",
+            l.producer_posts, l.whole_producer_posts, l.engine_us_p50, l.whole_engine_us_p50
+        );
+        for b in &l.by_tokens {
+            let r = b.ratio_p50.map_or("-".to_string(), |r| format!("{r:.3}"));
+            println!(
+                "  {:>6}..{:<6} tokens: {:>4} requests, p50 {:>7} vs {:>7} µs, ratio {r}",
+                b.min_tokens, b.max_tokens, b.requests, b.exposed_us_p50, b.whole_exposed_us_p50
+            );
+        }
+    }
     if let Some(path) = a.json {
         std::fs::write(&path, serde_json::to_string_pretty(&report)?)
             .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
         println!("results written to {}", path.display());
     }
-    let failed = report.push.iter().chain(report.pull.iter()).map(|m| m.failed).sum::<u64>();
+    let failed = report.push.iter().chain(report.pull.iter()).map(|m| m.failed).sum::<u64>() + whole_failed;
     if failed > 0 {
         eprintln!("kvpush demo: {failed} requests failed or arrived wrong");
         return Ok(ExitCode::FAILURE);

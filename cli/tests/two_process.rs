@@ -129,6 +129,43 @@ fn heterogeneous_tp_across_processes() {
     assert_verified(&v, "push", 120, bytes);
 }
 
+#[test]
+fn layerwise_compare_across_processes_every_byte_verified() {
+    let Some(_serial) = nixl_or_skip("layerwise_compare_across_processes_every_byte_verified") else { return };
+    // The same 40 requests pushed whole and then layer by layer (every request: engine `on`), P TP 2
+    // -> D TP 1, P computing 4 layers of 500 µs each; both runs verify every byte on D.
+    let args = [
+        "--mode",
+        "push",
+        "--p-tp",
+        "2",
+        "--requests",
+        "40",
+        "--max-tokens",
+        "512",
+        "--concurrency",
+        "8",
+        "--prefill-us-per-layer",
+        "500",
+        "--layerwise",
+        "compare",
+        "--layerwise-engine",
+        "on",
+    ];
+    let v = demo("layerwise", &args);
+    assert_verified(&v, "push", 40, expected_bytes(40, 32, 512));
+    let l = &v["layerwise"];
+    // Paired from both runs' received requests: a failed or missing request of either run is missing.
+    assert_eq!(l["requests"].as_u64(), Some(40), "{v}");
+    let buckets = l["by_tokens"].as_array().expect("by_tokens");
+    assert_eq!(buckets.iter().filter_map(|b| b["requests"].as_u64()).sum::<u64>(), 40, "{v}");
+    // At most 512 tokens: no request large enough for the headline ratio.
+    assert!(l["ratio_p50"].is_null(), "{v}");
+    // Whole, each P rank posts one WRITE per request; layer by layer at least that (more where the
+    // registration came before the last layers were computed, which depends on scheduling).
+    assert!(num(&v, "push", "producer_posts") >= 80.0, "{v}");
+}
+
 /// Two children driven directly, and their events.
 struct Pair {
     p: WorkerProc,

@@ -272,6 +272,12 @@ int kvpush_engine_listen_port(const kvpush_engine *engine, uint16_t *port);
 /* Producer: prefill of `key` finished; its KV is in `groups` (block ids per KV group). */
 int kvpush_request_finished(kvpush_engine *engine, kvpush_key key, const kvpush_block_list *groups,
                             size_t num_groups, uint64_t num_tokens);
+/* Producer, push mode: layers [first_layer, end_layer) of `key` are final in `groups` (the whole
+ * prompt's block ids, the same on every call). The first call holds the blocks until SENT; each range
+ * is written into the consumer once its registration is there (layer by layer from 512 tokens, whole
+ * below). Call it as the last prefill chunk computes each layer; earlier chunks call nothing. */
+int kvpush_layers_ready(kvpush_engine *engine, kvpush_key key, const kvpush_block_list *groups,
+                        size_t num_groups, uint64_t num_tokens, uint32_t first_layer, uint32_t end_layer);
 /* Consumer, push mode: blocks for `key` are allocated; registers them with every worker of engine
  * `producer` that writes into this one. RECEIVED or FAILED follows. */
 int kvpush_blocks_allocated(kvpush_engine *engine, kvpush_key key, const char *producer,

@@ -184,6 +184,12 @@ class Engine {
 
   // Producer: prefill of `key` finished; its KV is in `blocks`.
   void request_finished(const Key &key, const BlockLists &blocks, std::uint64_t num_tokens);
+  // Producer, push mode: layers [first_layer, end_layer) of `key` are final in `blocks` (the whole
+  // prompt's blocks, the same on every call; the first call holds them until Sent). Each range is
+  // written into the consumer once its registration is there (layer by layer from 512 tokens, whole
+  // below). Call it as the last prefill chunk computes each layer.
+  void layers_ready(const Key &key, const BlockLists &blocks, std::uint64_t num_tokens, std::uint32_t first_layer,
+                    std::uint32_t end_layer);
   // Consumer, push mode: blocks for `key` are allocated; registers them with engine `producer`.
   void blocks_allocated(const Key &key, const std::string &producer, const BlockLists &blocks,
                         std::uint64_t num_tokens);

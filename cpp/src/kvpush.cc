@@ -163,6 +163,14 @@ void Engine::request_finished(const Key &key, const BlockLists &blocks, std::uin
   call([&] { impl().engine->request_finished(to_bridge(key), f.id_slice(), f.len_slice(), num_tokens); });
 }
 
+void Engine::layers_ready(const Key &key, const BlockLists &blocks, std::uint64_t num_tokens,
+                          std::uint32_t first_layer, std::uint32_t end_layer) {
+  Flat f(blocks);
+  call([&] {
+    impl().engine->layers_ready(to_bridge(key), f.id_slice(), f.len_slice(), num_tokens, first_layer, end_layer);
+  });
+}
+
 void Engine::blocks_allocated(const Key &key, const std::string &producer, const BlockLists &blocks,
                               std::uint64_t num_tokens) {
   Flat f(blocks);

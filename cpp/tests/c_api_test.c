@@ -311,6 +311,33 @@ static void pull_request(kvpush_hub *hub, const memory *mem) {
   destroy(&p);
 }
 
+/* Layer by layer: the producer reports each layer as it is final (a 48-token request is below the
+ * engines' layer-wise threshold, so it goes whole once the last layer is final); every byte verified. */
+static void layers_request(kvpush_hub *hub) {
+  worker p, d;
+  create_loopback(&p, "prefill-layers", KVPUSH_MODE_PUSH, hub, &HOST);
+  create_loopback(&d, "decode-layers", KVPUSH_MODE_PUSH, hub, &HOST);
+  CHECK(kvpush_engine_connect(d.engine, p.engine));
+  request rq = {{0, 0x1A7E, 1}, 48, {10, 11, 12}, {3, 7, 5}, 3};
+  prefill(&p, &rq, 21);
+  kvpush_block_list pg = one_group(rq.p_ids, rq.nblocks), dg = one_group(rq.d_ids, rq.nblocks);
+  CHECK(kvpush_blocks_allocated(d.engine, rq.key, "prefill-layers", &dg, 1, rq.tokens));
+  EXPECT_ERR(kvpush_layers_ready(p.engine, rq.key, &pg, 1, rq.tokens, 3, 1), KVPUSH_ERR_INVALID_ARGUMENT,
+             "ends before it starts");
+  EXPECT_ERR(kvpush_layers_ready(p.engine, rq.key, NULL, 1, rq.tokens, 0, 1), KVPUSH_ERR_NULL, "groups");
+  for (uint32_t layer = 0; layer < LAYERS; layer++) {
+    CHECK(kvpush_layers_ready(p.engine, rq.key, &pg, 1, rq.tokens, layer, layer + 1));
+  }
+  kvpush_completion pc[1], dc[1];
+  poll_until(&d, dc, 0, 1);
+  poll_until(&p, pc, 0, 1);
+  EXPECT(dc[0].outcome == KVPUSH_OUTCOME_RECEIVED && dc[0].key.id_lo == 0x1A7E);
+  EXPECT(pc[0].outcome == KVPUSH_OUTCOME_SENT && pc[0].release == KVPUSH_RELEASE_SENT);
+  printf("layers ok: %zu bytes verified\n", verify(&d, &rq, 21));
+  destroy(&d);
+  destroy(&p);
+}
+
 static void aborts(worker *p, worker *d) {
   /* Consumer registers, then aborts before any prefill: it ends without data. */
   uint32_t d_ids[2] = {40, 41}, p_ids[2] = {50, 51};
@@ -445,6 +472,7 @@ static void run_loopback(void) {
   aborts(&p, &d);
   error_paths(hub, &p, &d);
   pull_request(hub, &HOST);
+  layers_request(hub);
 
   /* Statistics as JSON. */
   size_t jlen = 0;

@@ -177,7 +177,14 @@ void push(Worker &p, Worker &d, const std::string &producer, int count, std::uin
     p_ids.push_back(pb);
     d_ids.push_back(db);
     d.engine.blocks_allocated(keys[r], producer, {db}, tokens[r]);
-    p.engine.request_finished(keys[r], {pb}, tokens[r]);
+    if (r % 2 == 0) {
+      p.engine.request_finished(keys[r], {pb}, tokens[r]);
+    } else {
+      // Layer by layer (issue #21): the request is sent once its last layer is final.
+      for (std::uint32_t layer = 0; layer < kLayers; layer++) {
+        p.engine.layers_ready(keys[r], {pb}, tokens[r], layer, layer + 1);
+      }
+    }
   }
   auto sent = wait_for(p.engine, count);
   auto received = wait_for(d.engine, count);

@@ -19,6 +19,15 @@ class Worker:
     def request_finished(
         self, transfer_id: str, attempt: int, block_ids: list[list[int]], num_tokens: int
     ) -> None: ...
+    def layers_ready(
+        self,
+        transfer_id: str,
+        attempt: int,
+        block_ids: list[list[int]],
+        num_tokens: int,
+        first_layer: int,
+        end_layer: int,
+    ) -> None: ...
     def blocks_allocated(
         self,
         transfer_id: str,

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use crate::device::{self, DeviceError};
 use crate::engine::side::{SideChannel, SideConfig, SideError};
-use crate::engine::{Config, Engine, EngineError, Finished, LocalHub, Staging, StatsSnapshot};
+use crate::engine::{Config, Engine, EngineError, Finished, Layerwise, LocalHub, Staging, StatsSnapshot};
 use crate::proto::codec::{self, DecodeError, EncodeError};
 use crate::proto::layout::{
     BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, LayoutError, ModelShape, Parallel,
@@ -515,6 +515,8 @@ pub struct EngineSpec {
     pub transport: TransportSpec,
     /// Staging of fragmented WRITEs ([`Staging::Auto`]: on for GPU memory).
     pub staging: Staging,
+    /// How [`FfiEngine::layers_ready`] pushes ([`Layerwise::AUTO`]: layer by layer above a size).
+    pub layerwise: Layerwise,
 }
 
 /// In-process medium for loopback engines: the transport fabric and the control-link hub.
@@ -587,6 +589,7 @@ impl FfiEngine {
         let mut config = Config::new(spec.engine_id.clone(), mode);
         config.writers = (spec.writers as usize).max(1);
         config.staging = spec.staging;
+        config.layerwise = spec.layerwise;
         if spec.lease_ms > 0 {
             config.rendezvous.lease_us = spec.lease_ms.saturating_mul(1000);
         }
@@ -727,6 +730,20 @@ impl FfiEngine {
         Ok(self.engine.request_finished(key, block_ids, num_tokens)?)
     }
 
+    /// See [`Engine::layers_ready`].
+    pub fn layers_ready(
+        &self,
+        key: Key,
+        block_ids: Vec<Vec<u32>>,
+        num_tokens: u64,
+        layers: std::ops::Range<u32>,
+    ) -> Result<(), FfiError> {
+        if layers.start > layers.end {
+            return Err(FfiError::invalid("layers", format!("{}..{} ends before it starts", layers.start, layers.end)));
+        }
+        Ok(self.engine.layers_ready(key, block_ids, num_tokens, layers)?)
+    }
+
     /// See [`Engine::blocks_allocated`].
     pub fn blocks_allocated(
         &self,
@@ -807,6 +824,7 @@ fn kind_name(m: &Message) -> &'static str {
         Message::Abort(_) => "abort",
         Message::Heartbeat(_) => "heartbeat",
         Message::Grant(_) => "grant",
+        Message::Layers(_) => "layers",
     }
 }
 

@@ -68,6 +68,54 @@ pub struct Config {
     pub staging: Staging,
     /// Control frames and bytes peers may have queued for the writers at once ([`budget`]).
     pub control: ControlLimits,
+    /// Whether [`Engine::layers_ready`] pushes each layer range as it becomes final.
+    pub layerwise: Layerwise,
+}
+
+/// Whether a producer pushes a request layer by layer ([`Engine::layers_ready`]) or whole.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layerwise {
+    /// Layer by layer for requests of at least this many tokens, whole below (where one WRITE
+    /// after the last layer costs less than one per range). [`Layerwise::AUTO`] is the default.
+    Auto {
+        /// Smallest request (tokens) pushed layer by layer.
+        min_tokens: u64,
+    },
+    /// Every request layer by layer.
+    On,
+    /// Every request whole: [`Engine::layers_ready`] only collects layers, and the request goes
+    /// once all of this rank's layers are final.
+    Off,
+}
+
+/// A layer-wise setting that is none of `auto`, `on` or `off`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("layerwise {0:?}: expected auto, on or off")]
+pub struct ParseLayerwiseError(pub String);
+
+impl Layerwise {
+    /// `auto` with the default threshold: below it one WRITE after the last layer is not slower.
+    /// A constant for now (docs/benchmarks.md, layer-wise push, has the measurement to set it by).
+    pub const AUTO: Layerwise = Layerwise::Auto { min_tokens: 512 };
+
+    /// Parses `auto`, `on` or `off`.
+    pub fn parse(s: &str) -> Result<Layerwise, ParseLayerwiseError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" | "" => Ok(Layerwise::AUTO),
+            "on" | "1" | "true" => Ok(Layerwise::On),
+            "off" | "0" | "false" => Ok(Layerwise::Off),
+            other => Err(ParseLayerwiseError(other.to_owned())),
+        }
+    }
+
+    /// Whether a request of `num_tokens` goes layer by layer.
+    pub fn applies(self, num_tokens: u64) -> bool {
+        match self {
+            Layerwise::Auto { min_tokens } => num_tokens >= min_tokens,
+            Layerwise::On => true,
+            Layerwise::Off => false,
+        }
+    }
 }
 
 /// Whether an engine stages fragmented WRITEs through bounded slots on its device.
@@ -137,6 +185,7 @@ impl Config {
             pull_read_timeout_us: 60_000_000,
             staging: Staging::Auto,
             control: ControlLimits::default(),
+            layerwise: Layerwise::AUTO,
         }
     }
 }
@@ -270,6 +319,14 @@ pub(crate) enum Cmd {
     BlocksReady {
         key: Key,
         blocks: SourceBlocks,
+    },
+    /// Producer: layers `layers` of `key` are final in `blocks`; `layerwise`: push them now (else
+    /// only once every layer of this rank is).
+    LayersReady {
+        key: Key,
+        blocks: SourceBlocks,
+        layers: std::ops::Range<u32>,
+        layerwise: bool,
     },
     Register {
         key: Key,
@@ -405,6 +462,7 @@ impl Shared {
         let key = match &msg {
             Message::Registration(r) => r.key(),
             Message::Completion(c) => c.key,
+            Message::Layers(c) => c.key,
             Message::Grant(g) => g.key,
             Message::Failure(f) => f.key,
             Message::Abort(a) => a.key,
@@ -735,6 +793,34 @@ impl Engine {
         check_block_lists(&block_ids, num_tokens, &self.shared.layout)
             .map_err(|source| EngineError::Blocks { key, source })?;
         self.shared.send_local(key, Cmd::BlocksReady { key, blocks: SourceBlocks { block_ids, num_tokens } })
+    }
+
+    /// Producer, push mode: layers `layers` (global layer numbers, end exclusive; layers this worker
+    /// does not hold are ignored) of `key` are final in `block_ids` (per KV group, the whole
+    /// prompt's blocks) for `num_tokens` tokens. Call it as prefill's last chunk computes each layer
+    /// (or range), with the same blocks and token count each time; the first call holds the
+    /// blocks as [`Engine::request_finished`] does, until [`Finished::Sent`]. With chunked prefill,
+    /// earlier chunks call nothing: only the last chunk's layers make the request's layers final.
+    ///
+    /// Per [`Config::layerwise`], each range is written into the consumer at once (when its
+    /// registration is there; otherwise everything final goes in one batch when it comes), or the
+    /// request goes whole once every layer this worker holds is final. Until [`Finished::Sent`]
+    /// the caller must not write the blocks (of the layers already reported or not).
+    pub fn layers_ready(
+        &self,
+        key: Key,
+        block_ids: Vec<Vec<u32>>,
+        num_tokens: u64,
+        layers: std::ops::Range<u32>,
+    ) -> Result<(), EngineError> {
+        if self.shared.config.mode != Mode::Push {
+            return Err(EngineError::WrongMode { call: "layers_ready", mode: self.shared.config.mode });
+        }
+        check_block_lists(&block_ids, num_tokens, &self.shared.layout)
+            .map_err(|source| EngineError::Blocks { key, source })?;
+        let layerwise = self.shared.config.layerwise.applies(num_tokens);
+        let blocks = SourceBlocks { block_ids, num_tokens };
+        self.shared.send_local(key, Cmd::LayersReady { key, blocks, layers, layerwise })
     }
 
     /// Consumer, push mode: blocks for `key` are allocated; registers them with every worker of

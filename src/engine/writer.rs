@@ -6,7 +6,8 @@
 //! machines' actions and events into posts, control frames and [`Finished`] results. It never spins:
 //! with nothing in flight it sleeps on its queue until the next deadline.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant as StdInstant};
 
@@ -19,11 +20,12 @@ use crate::pool::handoff::Inbox;
 use crate::proto::codec;
 use crate::proto::completion::{Completions, Event, FailReason};
 use crate::proto::ids::Instant;
+use crate::proto::layerwise::{part_layers, restrict_grid, LayerCompletion, LayerSend, LayerSet};
 use crate::proto::msg::{
     clip_block_lists, common_tokens, Abort, Completion, Failure, FailureKind, Grant, Message, Mode, Registration,
 };
 use crate::proto::plan::{Grid, PlanInput, PlanStats, Planner};
-use crate::proto::rendezvous::{Action, Order, ReleaseReason, Rendezvous, SourceBlocks};
+use crate::proto::rendezvous::{Action, Order, ReleaseReason, Rendezvous, Slot, SourceBlocks};
 use crate::proto::{Copy, Key};
 use crate::transport::{Desc, Notification, Op, XferId, XferState};
 
@@ -56,6 +58,29 @@ struct InFlight {
     orphaned: bool,
 }
 
+/// Producer: a request reported with [`super::Engine::layers_ready`].
+#[derive(Debug)]
+struct Layered {
+    /// Its blocks, until they are handed to the rendezvous (layer-wise: at the first call; whole:
+    /// once every layer of this worker is final).
+    blocks: Option<SourceBlocks>,
+    /// Layers of this worker final so far.
+    final_layers: LayerSet,
+    /// Pushed range by range (else whole).
+    layerwise: bool,
+    /// Layer-wise pushes under way, per consumer worker.
+    pushes: HashMap<PeerAddr, LayerPush>,
+}
+
+/// Producer: the layer-wise push of one request into one consumer worker.
+#[derive(Debug)]
+struct LayerPush {
+    send: LayerSend,
+    /// The whole request's plan, cut per range when it is posted.
+    grid: Grid,
+    agent: String,
+}
+
 /// Consumer, pull mode: a read waiting for grants from its producer ranks.
 #[derive(Debug)]
 struct PullReq {
@@ -86,6 +111,8 @@ pub(super) struct Writer {
     pulls: HashMap<Key, PullReq>,
     /// Consumer: which producer engine each waiting request reads from (for aborts).
     producers: HashMap<Key, String>,
+    /// Producer: requests reported layer by layer ([`super::Engine::layers_ready`]).
+    layered: HashMap<Key, Layered>,
     /// Producer: which consumer workers registered each live request (for peer loss).
     registered_by: HashMap<Key, Vec<(PeerAddr, Option<Incarnation>)>>,
     poll_interval: Duration,
@@ -120,6 +147,7 @@ impl Writer {
             grants: HashMap::new(),
             pulls: HashMap::new(),
             producers: HashMap::new(),
+            layered: HashMap::new(),
             registered_by: HashMap::new(),
             poll_interval: POLL_MIN,
             last_active: StdInstant::now(),
@@ -244,6 +272,13 @@ impl Writer {
         for key in self.rdv.held() {
             owed.push(Finished::Sent { key, reason: ReleaseReason::Failed });
         }
+        // Requests reported layer by layer whose blocks never reached the rendezvous.
+        for (key, l) in &self.layered {
+            if l.blocks.is_some() {
+                owed.push(Finished::Sent { key: *key, reason: ReleaseReason::Failed });
+            }
+        }
+        let mut layered: HashSet<Key> = self.layered.keys().copied().collect();
         // Consumers that registered (with P's blocks or still without) are told at once rather than
         // left to their own timeout.
         let registered: Vec<Key> = self.registered_by.keys().copied().collect();
@@ -286,6 +321,12 @@ impl Writer {
                         return;
                     }
                     Cmd::BlocksReady { key, .. } => owed.push(Finished::Sent { key, reason: ReleaseReason::Failed }),
+                    // Once per request: its first report holds the blocks, later ones add layers.
+                    Cmd::LayersReady { key, .. } => {
+                        if layered.insert(key) {
+                            owed.push(Finished::Sent { key, reason: ReleaseReason::Failed });
+                        }
+                    }
                     Cmd::Register { key, block_ids: invalid_blocks, .. }
                     | Cmd::Pull { key, local_blocks: invalid_blocks, .. } => {
                         owed.push(Finished::Failed { key, reason: reason.clone(), invalid_blocks })
@@ -377,14 +418,16 @@ impl Writer {
     fn handle(&mut self, cmd: Cmd) {
         let now = self.now();
         match cmd {
+            // A request reported layer by layer and then finished as a whole: every layer is final.
+            Cmd::BlocksReady { key, blocks } if self.layered.contains_key(&key) => {
+                self.layers_ready(now, key, blocks, 0..u32::MAX, true)
+            }
             Cmd::BlocksReady { key, blocks } => {
-                timeline::record("eng_blocks_ready", key);
-                self.rdv.handle_blocks_ready(now, key, blocks);
-                if self.feeds_no_consumer() {
-                    // With more TP ranks than KV heads some ranks write nothing into any known
-                    // consumer: release at once instead of holding the blocks for the lease.
-                    self.rdv.handle_abort(now, key);
-                }
+                self.supersede_unstarted(key);
+                self.blocks_ready(now, key, blocks)
+            }
+            Cmd::LayersReady { key, blocks, layers, layerwise } => {
+                self.layers_ready(now, key, blocks, layers, layerwise)
             }
             Cmd::Register { key, producer, block_ids, num_tokens } => {
                 self.register(now, key, producer, block_ids, num_tokens)
@@ -394,7 +437,10 @@ impl Writer {
                 self.pulls.insert(key, PullReq { remote_blocks, local_blocks, num_tokens });
                 self.register(now, key, producer, ids, num_tokens);
             }
-            Cmd::Abort { key } => self.abort(now, key),
+            Cmd::Abort { key } => {
+                self.forget_unstarted(key);
+                self.abort(now, key)
+            }
             Cmd::Msg { from, incarnation, msg, via, credit } => {
                 // Taken off the queue: its room in the control budget is free again.
                 drop(credit);
@@ -404,6 +450,140 @@ impl Writer {
             Cmd::Wake | Cmd::Stop => {}
         }
         self.drain_outputs();
+    }
+
+    /// Producer: prefill of `key` finished (or, layer-wise, started): its blocks go to the rendezvous.
+    fn blocks_ready(&mut self, now: Instant, key: Key, blocks: SourceBlocks) {
+        timeline::record("eng_blocks_ready", key);
+        self.rdv.handle_blocks_ready(now, key, blocks);
+        if self.feeds_no_consumer() {
+            // With more TP ranks than KV heads some ranks write nothing into any known
+            // consumer: release at once instead of holding the blocks for the lease.
+            self.rdv.handle_abort(now, key);
+        }
+    }
+
+    /// Producer: layers `layers` of `key` are final. Layer-wise, the first call hands the blocks to
+    /// the rendezvous and every call posts what became final to the consumers already matched
+    /// (the rest is posted when they match, in [`Writer::push`]); whole, the blocks go once every
+    /// layer of this worker is final.
+    fn layers_ready(&mut self, now: Instant, key: Key, blocks: SourceBlocks, layers: Range<u32>, layerwise: bool) {
+        timeline::record("eng_layers_ready", key);
+        self.supersede_unstarted(key);
+        let mine = self.shared.layout.layer_range();
+        let l = self.layered.entry(key).or_insert_with(|| Layered {
+            blocks: Some(blocks),
+            final_layers: LayerSet::new(mine),
+            layerwise,
+            pushes: HashMap::new(),
+        });
+        let added = l.final_layers.insert(layers.clone());
+        let start = l.blocks.is_some() && (l.layerwise || l.final_layers.is_full());
+        if start {
+            if let Some(b) = l.blocks.take() {
+                self.blocks_ready(now, key, b);
+            }
+            return;
+        }
+        if added == 0 {
+            return;
+        }
+        let peers: Vec<PeerAddr> = l.pushes.keys().cloned().collect();
+        for peer in peers {
+            if let Some(p) = self.layered.get_mut(&key).and_then(|l| l.pushes.get_mut(&peer)) {
+                p.send.handle_final(layers.clone());
+            }
+            self.post_layers(now, key, &peer);
+        }
+    }
+
+    /// Producer: a request reported whole-by-layers whose blocks never reached the rendezvous is
+    /// aborted: its blocks are released here.
+    fn forget_unstarted(&mut self, key: Key) {
+        if self.layered.get(&key).is_some_and(|l| l.blocks.is_some()) {
+            self.layered.remove(&key);
+            self.stats().counters.released += 1;
+            self.shared.outbox.push(Finished::Sent { key, reason: ReleaseReason::Aborted });
+        }
+    }
+
+    /// Producer: an older attempt of `key`'s transfer whose blocks never reached the rendezvous
+    /// (collected whole, its last layer not yet final) is superseded by `key`: its blocks come back.
+    fn supersede_unstarted(&mut self, key: Key) {
+        let older: Vec<Key> = self
+            .layered
+            .iter()
+            .filter(|(k, l)| k.transfer_id == key.transfer_id && k.attempt.0 < key.attempt.0 && l.blocks.is_some())
+            .map(|(k, _)| *k)
+            .collect();
+        for k in older {
+            self.layered.remove(&k);
+            self.stats().counters.released += 1;
+            self.shared.outbox.push(Finished::Sent { key: k, reason: ReleaseReason::Superseded });
+        }
+    }
+
+    /// Producer, layer-wise: posts the ranges of `key` final and not yet posted into `to`, one
+    /// WRITE (and one Layers notification) per range.
+    fn post_layers(&mut self, now: Instant, key: Key, to: &PeerAddr) {
+        let Some(p) = self.layered.get_mut(&key).and_then(|l| l.pushes.get_mut(to)) else { return };
+        let ranges = p.send.poll_ranges();
+        let started = StdInstant::now();
+        for layers in ranges {
+            let Some(p) = self.layered.get(&key).and_then(|l| l.pushes.get(to)) else { return };
+            if let Some(kind) = p.send.failed() {
+                // An earlier range failed: this one is not posted and ends here.
+                self.write_done(now, key, to.clone(), Err(kind));
+                continue;
+            }
+            let (part, agent) = (p.send.part(), p.agent.clone());
+            let stats = restrict_grid(&p.grid, &self.shared.layout, layers.clone(), &mut self.grid);
+            self.descs.clear();
+            let notif = Message::Layers(LayerCompletion { key, rank: self.shared.me.rank, layers, part });
+            self.post(now, key, &agent, to.clone(), Op::Write, &notif, stats, started);
+        }
+    }
+
+    /// Producer: a WRITE of `key` into `peer` ended (or will not be posted). A layer-wise push ends
+    /// in the rendezvous only once its last range has.
+    fn write_done(&mut self, now: Instant, key: Key, peer: PeerAddr, result: Result<(), FailureKind>) {
+        match self.layered.get_mut(&key).and_then(|l| l.pushes.get_mut(&peer)) {
+            Some(p) => {
+                p.send.handle_done(result);
+                self.finish_layers(now, key, &peer);
+            }
+            None => self.rdv.handle_transfer_done(now, key, &target_of(&peer), result),
+        }
+    }
+
+    /// Producer, layer-wise: reports the push of `key` into `peer` to the rendezvous once it ended.
+    fn finish_layers(&mut self, now: Instant, key: Key, peer: &PeerAddr) {
+        let outcome = self.layered.get(&key).and_then(|l| l.pushes.get(peer)).and_then(|p| p.send.outcome());
+        if let Some(result) = outcome {
+            if let Some(l) = self.layered.get_mut(&key) {
+                l.pushes.remove(peer);
+            }
+            self.rdv.handle_transfer_done(now, key, &target_of(peer), result);
+        }
+    }
+
+    /// Producer, layer-wise: pushes whose attempt is no longer active in the rendezvous (aborted,
+    /// lease expired, superseded) post nothing more, and end once their WRITEs in flight have.
+    fn stop_ended_layers(&mut self, now: Instant) {
+        let ended: Vec<(Key, PeerAddr)> = self
+            .layered
+            .iter()
+            .filter(
+                |(key, _)| !matches!(self.rdv.slot(key.transfer_id), Some((a, Slot::Active(_))) if a == key.attempt.0),
+            )
+            .flat_map(|(key, l)| l.pushes.keys().map(|p| (*key, p.clone())))
+            .collect();
+        for (key, peer) in ended {
+            if let Some(p) = self.layered.get_mut(&key).and_then(|l| l.pushes.get_mut(&peer)) {
+                p.send.stop();
+            }
+            self.finish_layers(now, key, &peer);
+        }
     }
 
     /// Whether this worker is known to write into no consumer worker at all (every known peer
@@ -511,7 +691,7 @@ impl Writer {
                 f.orphaned = true;
             }
             match op {
-                Op::Write => self.rdv.handle_transfer_done(now, key, &target_of(peer), Err(FailureKind::PeerLost)),
+                Op::Write => self.write_done(now, key, peer.clone(), Err(FailureKind::PeerLost)),
                 Op::Read => self.read_finished(now, key, peer.clone(), Err(FailureKind::PeerLost)),
             }
         }
@@ -676,8 +856,22 @@ impl Writer {
                     self.comp.handle_failure(now, &f);
                 }
             }
+            Message::Layers(c) => self.layers_landed(now, &from, c, via),
             Message::Handshake(_) | Message::Heartbeat(_) => {}
         }
+    }
+
+    /// Consumer, layer-wise push: a producer rank's layers landed. Counted only from the data path
+    /// (like a whole-request completion) and only when it names the part that rank writes here.
+    fn layers_landed(&mut self, now: Instant, from: &PeerAddr, c: LayerCompletion, via: Via) {
+        let part = self.shared.peer_by_addr(from).map(|p| part_layers(&p.layout, &self.shared.layout));
+        if self.shared.config.mode != Mode::Push || via != Via::Data || part.as_ref() != Some(&c.part) {
+            self.stats().failures.malformed += 1;
+            tracing::warn!(worker = %self.shared.me, peer = %from, key = %c.key, layers = ?c.layers, part = ?c.part, "layer notification refused");
+            return;
+        }
+        timeline::record("eng_layers_notified", c.key);
+        self.comp.handle_layers(now, &c);
     }
 
     /// Producer, pull mode: a granted read ended.
@@ -723,7 +917,7 @@ impl Writer {
                 };
                 timeline::record(if f.op == Op::Write { "eng_write_done" } else { "eng_read_done" }, f.key);
                 match f.op {
-                    Op::Write => self.rdv.handle_transfer_done(now, f.key, &target_of(&f.peer), result),
+                    Op::Write => self.write_done(now, f.key, f.peer, result),
                     Op::Read => self.read_finished(now, f.key, f.peer, result),
                 }
             }
@@ -742,6 +936,7 @@ impl Writer {
                 Ok(msg) => {
                     let key = match &msg {
                         Message::Completion(c) => Some(c.key),
+                        Message::Layers(c) => Some(c.key),
                         Message::Failure(f) => Some(f.key),
                         Message::Abort(a) => Some(a.key),
                         Message::Registration(r) => Some(r.key()),
@@ -872,6 +1067,20 @@ impl Writer {
         };
         self.descs.clear();
         tracing::trace!(%key, descs = stats.merged, us = started.elapsed().as_micros() as u64, "push planned");
+        if self.layered.get(&key).is_some_and(|l| l.layerwise) {
+            // Layer-wise: what is final goes now, in one batch; the rest as it becomes final.
+            self.stats().counters.descriptors_unmerged += stats.unmerged;
+            let grid = std::mem::take(&mut self.grid);
+            if let Some(l) = self.layered.get_mut(&key) {
+                let mut send = LayerSend::new(part_layers(&self.shared.layout, &peer.layout));
+                for r in l.final_layers.runs() {
+                    send.handle_final(r);
+                }
+                l.pushes.insert(to.clone(), LayerPush { send, grid, agent: peer.agent.clone() });
+            }
+            self.post_layers(now, key, &to);
+            return;
+        }
         let notif = Message::Completion(Completion { key, rank: self.shared.me.rank });
         self.post(now, key, &peer.agent, to, Op::Write, &notif, stats, started);
     }
@@ -922,7 +1131,7 @@ impl Writer {
                     Some(id) => {
                         self.inflight.insert(id, InFlight { key, peer, op, posted_at: now, orphaned: false });
                     }
-                    None if op == Op::Write => self.rdv.handle_transfer_done(now, key, &target_of(&peer), Ok(())),
+                    None if op == Op::Write => self.write_done(now, key, peer, Ok(())),
                     None => self.read_finished(now, key, peer, Ok(())),
                 }
             }
@@ -932,7 +1141,7 @@ impl Writer {
                 tracing::warn!(worker = %self.shared.me, %key, %peer, error = %e, "post failed");
                 let kind = FailureKind::TransferFailed { status: e.status() };
                 match op {
-                    Op::Write => self.rdv.handle_transfer_done(now, key, &target_of(&peer), Err(kind)),
+                    Op::Write => self.write_done(now, key, peer, Err(kind)),
                     Op::Read => self.read_finished(now, key, peer, Err(kind)),
                 }
             }
@@ -955,6 +1164,10 @@ impl Writer {
     fn drain_outputs(&mut self) {
         loop {
             let mut did = false;
+            if !self.layered.is_empty() {
+                let now = self.now();
+                self.stop_ended_layers(now);
+            }
             while let Some(action) = self.rdv.poll_action() {
                 did = true;
                 let now = self.now();
@@ -989,6 +1202,7 @@ impl Writer {
                     }
                     Action::Release { key, reason, .. } => {
                         self.registered_by.remove(&key);
+                        self.layered.remove(&key);
                         self.stats().counters.released += 1;
                         timeline::record("eng_released", key);
                         self.shared.outbox.push(Finished::Sent { key, reason });

@@ -823,6 +823,7 @@ pub unsafe extern "C" fn kvpush_engine_create(
             timeout_ms: c.timeout_ms,
             transport,
             staging: crate::engine::Staging::Auto,
+            layerwise: crate::engine::Layerwise::AUTO,
         };
         // SAFETY: the caller's contract (1) for the layout's arrays.
         let layout = unsafe { layout_spec(l) }?;
@@ -970,6 +971,33 @@ pub unsafe extern "C" fn kvpush_request_finished(
         // SAFETY: the caller's contract (1).
         let blocks = unsafe { block_lists("groups", groups, num_groups) }?;
         e.request_finished(key.key(), blocks, num_tokens)
+    })
+}
+
+/// Producer, push mode: layers `first_layer..end_layer` (global layer numbers) of `key` are final in
+/// `groups` (the whole prompt's block ids per KV group, the same on every call); the first call holds
+/// the blocks until the request's `KVPUSH_OUTCOME_SENT`, as [`kvpush_request_finished`] does. Each
+/// range is written into the consumer as soon as its registration is there (engines created through
+/// this API push layer by layer from 512 tokens, whole below).
+///
+/// # Safety
+///
+/// 1. `groups` is null or points to `num_groups` lists, each valid for its `len` ids.
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_layers_ready(
+    engine: *mut kvpush_engine,
+    key: kvpush_key,
+    groups: *const kvpush_block_list,
+    num_groups: usize,
+    num_tokens: u64,
+    first_layer: u32,
+    end_layer: u32,
+) -> c_int {
+    guard("kvpush_layers_ready", || {
+        let e = engine_of(engine)?;
+        // SAFETY: the caller's contract (1).
+        let blocks = unsafe { block_lists("groups", groups, num_groups) }?;
+        e.layers_ready(key.key(), blocks, num_tokens, first_layer..end_layer)
     })
 }
 

@@ -89,6 +89,7 @@ fn engine_spec(s: &EngineSpec, transport: TransportSpec) -> crate::embed::Engine
         timeout_ms: s.timeout_ms,
         transport,
         staging: crate::engine::Staging::Auto,
+        layerwise: crate::engine::Layerwise::AUTO,
     }
 }
 
@@ -213,6 +214,21 @@ impl RustEngine {
     ) -> Result<(), BridgeError> {
         run("Engine::request_finished", || {
             self.0.request_finished(key(k), lists("block_ids", block_ids, group_lens)?, num_tokens)
+        })
+    }
+
+    pub(super) fn layers_ready(
+        &self,
+        k: &Key,
+        block_ids: &[u32],
+        group_lens: &[usize],
+        num_tokens: u64,
+        first_layer: u32,
+        end_layer: u32,
+    ) -> Result<(), BridgeError> {
+        run("Engine::layers_ready", || {
+            let lists = lists("block_ids", block_ids, group_lens)?;
+            self.0.layers_ready(key(k), lists, num_tokens, first_layer..end_layer)
         })
     }
 

@@ -125,6 +125,15 @@ mod bridge {
             group_lens: &[usize],
             num_tokens: u64,
         ) -> Result<()>;
+        fn layers_ready(
+            self: &RustEngine,
+            key: &Key,
+            block_ids: &[u32],
+            group_lens: &[usize],
+            num_tokens: u64,
+            first_layer: u32,
+            end_layer: u32,
+        ) -> Result<()>;
         fn blocks_allocated(
             self: &RustEngine,
             key: &Key,

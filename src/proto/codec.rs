@@ -19,6 +19,7 @@
 
 use super::compat::compat_hash;
 use super::ids::Rank;
+use super::layerwise::LayerCompletion;
 use super::layout::KvLayout;
 use super::msg::{
     check_block_lists, check_len, Abort, Completion, Failure, Grant, Handshake, Heartbeat, Message, RangeError,
@@ -54,6 +55,8 @@ pub enum Kind {
     Heartbeat = 6,
     /// [`Grant`].
     Grant = 7,
+    /// [`LayerCompletion`].
+    Layers = 8,
 }
 
 impl Kind {
@@ -66,6 +69,7 @@ impl Kind {
             5 => Kind::Abort,
             6 => Kind::Heartbeat,
             7 => Kind::Grant,
+            8 => Kind::Layers,
             _ => return None,
         })
     }
@@ -87,6 +91,7 @@ impl Kind {
             Kind::Abort => "abort",
             Kind::Heartbeat => "heartbeat",
             Kind::Grant => "grant",
+            Kind::Layers => "layers",
         }
     }
 }
@@ -210,6 +215,7 @@ fn kind_of(msg: &Message) -> Kind {
         Message::Abort(_) => Kind::Abort,
         Message::Heartbeat(_) => Kind::Heartbeat,
         Message::Grant(_) => Kind::Grant,
+        Message::Layers(_) => Kind::Layers,
     }
 }
 
@@ -223,7 +229,11 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         Message::Handshake(h) => check_handshake_fields(h).map_err(range)?,
         Message::Failure(f) => check_len("detail", f.detail.len(), MAX_DETAIL).map_err(range)?,
         Message::Abort(a) => check_len("reason", a.reason.len(), MAX_DETAIL).map_err(range)?,
-        Message::Registration(_) | Message::Completion(_) | Message::Heartbeat(_) | Message::Grant(_) => {}
+        Message::Registration(_)
+        | Message::Completion(_)
+        | Message::Heartbeat(_)
+        | Message::Grant(_)
+        | Message::Layers(_) => {}
     }
     let payload = match msg {
         Message::Handshake(h) => postcard::to_allocvec(h.as_ref()),
@@ -233,6 +243,7 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         Message::Abort(a) => postcard::to_allocvec(a),
         Message::Heartbeat(h) => postcard::to_allocvec(h),
         Message::Grant(g) => postcard::to_allocvec(g),
+        Message::Layers(c) => postcard::to_allocvec(c),
     }
     .map_err(|e| EncodeError::Serialize { kind: name, reason: e.to_string() })?;
     let max = kind.max_payload();
@@ -372,6 +383,13 @@ pub fn decode(bytes: &[u8], peer: Option<&KvLayout>) -> Result<Message, DecodeEr
             check_rank(g.rank, layout).map_err(range)?;
             check_block_lists(&g.block_ids, g.num_tokens, layout).map_err(range)?;
             Message::Grant(g)
+        }
+        Kind::Layers => {
+            let layout = need_peer()?;
+            let c: LayerCompletion = parse(kind, payload)?;
+            check_rank(c.rank, layout).map_err(range)?;
+            c.check(layout).map_err(|e| range(e.into()))?;
+            Message::Layers(c)
         }
     })
 }

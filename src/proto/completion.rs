@@ -26,6 +26,7 @@ use std::collections::{HashMap, VecDeque};
 
 use super::deadlines::Deadlines;
 use super::ids::{Instant, Key, Rank, TransferId};
+use super::layerwise::{Landed, LayerCompletion, LayerStats, LayerTracker};
 use super::msg::{Completion, Failure, FailureKind, Registration};
 
 /// Limits and durations of completion counting.
@@ -184,6 +185,8 @@ pub struct Completions {
     deadlines: Deadlines,
     events: VecDeque<Event>,
     stats: CompletionStats,
+    /// Layer-wise push: layers landed per (key, producer rank) until the rank's part is complete.
+    layers: LayerTracker,
 }
 
 impl Completions {
@@ -196,6 +199,7 @@ impl Completions {
             deadlines: Deadlines::default(),
             events: VecDeque::new(),
             stats: CompletionStats::default(),
+            layers: LayerTracker::default(),
         }
     }
 
@@ -247,9 +251,27 @@ impl Completions {
 
     // ---- outputs ----
 
+    /// Counters of layer-wise notifications so far.
+    pub fn layer_stats(&self) -> LayerStats {
+        self.layers.stats()
+    }
+
+    /// Keys with layers landed and no outcome polled yet (memory held by layer-wise counting).
+    pub fn layer_keys(&self) -> usize {
+        self.layers.keys()
+    }
+
     /// The next event, in order.
     pub fn poll_event(&mut self) -> Option<Event> {
-        self.events.pop_front()
+        let event = self.events.pop_front()?;
+        match &event {
+            Event::Draining { .. } => {}
+            Event::Received { key, .. }
+            | Event::Failed { key, .. }
+            | Event::Aborted { key }
+            | Event::Superseded { key, .. } => self.layers.forget(*key),
+        }
+        Some(event)
     }
 
     /// The earliest time [`Completions::handle_timeout`] has something to do.
@@ -319,6 +341,26 @@ impl Completions {
             self.waiting.remove(&c.key.transfer_id);
             self.stats.received += 1;
             self.events.push_back(Event::Received { key: c.key, waited_us });
+        }
+    }
+
+    /// A producer rank's layer notification arrived (layer-wise push; the caller checked its ranges
+    /// against the producer's layout and that `part` is what the producer rank writes into this
+    /// rank). The rank counts as a [`Completion`] once every layer of its part has landed; until then
+    /// it has not given its final word, so a draining request keeps waiting for it.
+    pub fn handle_layers(&mut self, now: Instant, c: &LayerCompletion) {
+        let whole = Completion { key: c.key, rank: c.rank };
+        let known = self.draining.contains_key(&c.key)
+            || self.waiting.get(&c.key.transfer_id).is_some_and(|w| w.attempt == c.key.attempt.0);
+        if !known {
+            // Counted as stale or unknown, like a whole-request notification.
+            self.handle_completion(now, &whole);
+            return;
+        }
+        match self.layers.add(c) {
+            Landed::Complete => self.handle_completion(now, &whole),
+            Landed::Partial | Landed::Conflict => {}
+            Landed::Duplicate => self.stats.duplicates += 1,
         }
     }
 

@@ -17,6 +17,7 @@ pub mod compat;
 pub mod completion;
 mod deadlines;
 pub mod ids;
+pub mod layerwise;
 pub mod layout;
 pub mod merge;
 pub mod msg;

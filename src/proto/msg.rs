@@ -8,6 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::ids::{EngineId, Key, Rank};
+use super::layerwise::{LayerCompletion, LayerRangeError};
 use super::layout::{KvLayout, LayoutError};
 
 /// Largest engine id, in bytes.
@@ -133,6 +134,9 @@ pub enum RangeError {
     /// The layout itself is invalid.
     #[error("invalid layout: {0}")]
     Layout(#[from] LayoutError),
+    /// A layer notification's ranges do not fit the sender's layers.
+    #[error("{0}")]
+    Layers(#[from] LayerRangeError),
 }
 
 pub(crate) fn check_len(field: &'static str, len: usize, max: usize) -> Result<(), RangeError> {
@@ -354,6 +358,8 @@ pub enum Message {
     Abort(Abort),
     /// See [`Heartbeat`].
     Heartbeat(Heartbeat),
+    /// See [`LayerCompletion`] (layer-wise push).
+    Layers(LayerCompletion),
 }
 
 /// Wire form of [`Registration`]; only the codec turns it into a checked value.

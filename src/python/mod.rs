@@ -296,6 +296,10 @@ fn specs(d: &Bound<'_, PyDict>) -> PyResult<(EngineSpec, LayoutSpec)> {
             Some(s) => crate::engine::Staging::parse(&s).map_err(|e| ConfigError::new_err(e.to_string()))?,
             None => crate::engine::Staging::Auto,
         },
+        layerwise: match get::<String>(d, "layerwise")? {
+            Some(s) => crate::engine::Layerwise::parse(&s).map_err(|e| ConfigError::new_err(e.to_string()))?,
+            None => crate::engine::Layerwise::AUTO,
+        },
         transport: match get::<String>(d, "transport")?.as_deref() {
             None | Some("nixl") => TransportSpec::Nixl {
                 agent_name: get(d, "agent_name")?,
@@ -398,6 +402,25 @@ impl Worker {
     ) -> PyResult<()> {
         let key = key_of(transfer_id, attempt)?;
         py.detach(|| self.inner.engine.request_finished(key, block_ids, num_tokens)).map_err(py_err)
+    }
+
+    /// Producer, push: layers `first_layer..end_layer` of the transfer are final in `block_ids` (the
+    /// whole prompt's blocks, the same on every call); the first call holds them until `poll`
+    /// reports it `sent`. Per the config's `layerwise` (auto, on, off), each range is written at once
+    /// or the request goes whole once every layer is final.
+    #[allow(clippy::too_many_arguments)]
+    fn layers_ready(
+        &self,
+        py: Python<'_>,
+        transfer_id: &str,
+        attempt: u32,
+        block_ids: Vec<Vec<u32>>,
+        num_tokens: u64,
+        first_layer: u32,
+        end_layer: u32,
+    ) -> PyResult<()> {
+        let key = key_of(transfer_id, attempt)?;
+        py.detach(|| self.inner.engine.layers_ready(key, block_ids, num_tokens, first_layer..end_layer)).map_err(py_err)
     }
 
     /// Consumer, push: blocks are allocated; registers them with the producer ranks that write into

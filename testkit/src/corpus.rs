@@ -10,6 +10,7 @@
 
 use kvpush::proto::codec::{to_vec, DecodeError};
 use kvpush::proto::ids::{Key, Rank};
+use kvpush::proto::layerwise::LayerCompletion;
 use kvpush::proto::layout::{KvLayout, LayoutError};
 use kvpush::proto::msg::{
     Abort, Completion, Failure, FailureKind, Handshake, Heartbeat, Message, Mode, RangeError, Registration,
@@ -63,6 +64,7 @@ pub fn valid_messages() -> Vec<(&'static str, Message)> {
         ),
         ("abort", Message::Abort(Abort { key: KEY, rank, reason: "client went away".into() })),
         ("heartbeat", Message::Heartbeat(Heartbeat { seq: 42 })),
+        ("layers", Message::Layers(LayerCompletion { key: KEY, rank, layers: 1..3, part: 0..4 })),
     ]
 }
 
@@ -122,6 +124,7 @@ fn range_detail(e: &RangeError) -> String {
         RangeError::Rank { .. } => "Rank".into(),
         RangeError::TooLong { field, .. } => format!("TooLong:{field}"),
         RangeError::Layout(l) => format!("Layout:{}", layout_detail(l)),
+        RangeError::Layers(_) => "Layers".into(),
         _ => format!("Unknown:{e:?}"),
     }
 }

@@ -32,24 +32,8 @@ fn workload(seed: u64) -> Workload {
         prefill_ns_per_token: 1000,
         relay_us: 100,
         seed,
+        ..Workload::default()
     }
-}
-
-/// The bytes D must hold for the workload of `seed`, from the topology alone: every token of the
-/// full-attention layers and the last `window_tokens` tokens of the sliding-window layers, K and V of
-/// every head.
-fn expected_bytes(t: &Topology, seed: u64) -> u64 {
-    let per_token_layer = 2 * u64::from(t.kv_heads) * u64::from(t.head_dim) * 2; // K and V, bf16
-    let window_layers =
-        (0..t.layers).filter(|l| t.window_every > 0 && l % t.window_every == t.window_every - 1).count();
-    let full_layers = t.layers as usize - window_layers;
-    demo::requests(&workload(seed))
-        .iter()
-        .map(|&(n, _)| {
-            let window = n.min(u64::from(t.window_tokens));
-            per_token_layer * (full_layers as u64 * n + window_layers as u64 * window)
-        })
-        .sum()
 }
 
 fn check(t: &Topology, modes: &[Mode], seed: u64) {
@@ -59,7 +43,7 @@ fn check(t: &Topology, modes: &[Mode], seed: u64) {
         let ctx = format!("{name} P TP {} -> D TP {}, blocks {}/{}", t.p_tp, t.d_tp, t.p_block, t.d_block);
         assert_eq!(m.verified, 12, "{ctx}: {m:?}");
         assert_eq!(m.failed, 0, "{ctx}: {m:?}");
-        assert_eq!(m.verified_bytes, expected_bytes(t, seed), "{ctx}: {m:?}");
+        assert_eq!(m.verified_bytes, demo::expected_bytes(t, &workload(seed)), "{ctx}: {m:?}");
         assert!(m.descriptors_posted > 0 && m.descriptors_posted <= m.descriptors_unmerged, "{ctx}: {m:?}");
     }
 }

@@ -5,4 +5,5 @@
 mod engine_matrix;
 mod engine_stress;
 mod fail_closed;
+mod layerwise;
 mod side_channel;

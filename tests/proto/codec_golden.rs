@@ -13,11 +13,12 @@
 
 use kvpush::proto::codec::{decode, frame_len, to_vec, DecodeError, HEADER_LEN};
 use kvpush::proto::ids::{Key, Rank};
+use kvpush::proto::layerwise::LayerCompletion;
 use kvpush::proto::layout::{
     BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, ModelShape, Parallel,
 };
 use kvpush::proto::msg::{
-    Abort, Completion, Failure, FailureKind, Grant, Handshake, Heartbeat, Message, Mode, Registration,
+    Abort, Completion, Failure, FailureKind, Grant, Handshake, Heartbeat, Message, Mode, RangeError, Registration,
 };
 
 /// Parses hex bytes; on each line, `--` starts a comment (the field the bytes encode).
@@ -171,6 +172,16 @@ fn goldens() -> Vec<Golden> {
             peer: true,
         },
         Golden {
+            name: "layers",
+            bytes: hex("4b 50 01 00 08 09 00 00 00  -- kind 8 (Layers), length 9
+                 b4 24 02  -- key 0x1234#2
+                 00 00  -- rank tp0/pp0 (P's)
+                 01 02  -- layers 1..2 (start, end)
+                 00 02  -- part 0..2 (start, end)"),
+            msg: Message::Layers(LayerCompletion { key: Key::new(0x1234, 2), rank, layers: 1..2, part: 0..2 }),
+            peer: true,
+        },
+        Golden {
             name: "grant",
             bytes: hex("4b 50 01 00 07 0f 00 00 00  -- kind 7 (Grant), length 15
                  b4 24 02  -- key 0x1234#2
@@ -283,6 +294,30 @@ fn every_documented_frame_decodes_to_its_message() {
             assert!(matches!(decode(&g.bytes, None), Err(DecodeError::NoPeerLayout { .. })), "{}", g.name);
         }
     }
+}
+
+#[test]
+fn layer_notifications_outside_the_senders_layers_are_refused() {
+    // Written from docs/protocol.md §2 (Layers): `layers` non-empty and inside `part`, `part` inside
+    // the sender's layers (the golden layout holds 0..2).
+    let l = layout();
+    for (what, body) in [
+        ("empty layers 1..1", "b4 24 02 00 00 01 01 00 02"),
+        ("layers 0..2 outside part 1..2", "b4 24 02 00 00 00 02 01 02"),
+        ("part 0..3 past the sender's 2 layers", "b4 24 02 00 00 00 01 00 03"),
+        ("reversed layers 2..1", "b4 24 02 00 00 02 01 00 02"),
+    ] {
+        let mut frame = hex("4b 50 01 00 08 09 00 00 00");
+        frame.extend(hex(body));
+        let got = decode(&frame, Some(&l));
+        assert!(
+            matches!(got, Err(DecodeError::Range { kind: "layers", source: RangeError::Layers(_) })),
+            "{what}: {got:?}"
+        );
+    }
+    // Another rank than the connection's.
+    let frame = hex("4b 50 01 00 08 09 00 00 00 b4 24 02 01 00 00 01 00 02");
+    assert!(matches!(decode(&frame, Some(&l)), Err(DecodeError::Range { source: RangeError::Rank { .. }, .. })));
 }
 
 #[test]

@@ -6,3 +6,4 @@ mod codec_corpus;
 mod codec_golden;
 mod plan_props;
 mod sim;
+mod sim_layerwise;

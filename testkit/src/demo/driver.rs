@@ -71,6 +71,16 @@ pub(crate) trait Side {
     }
 }
 
+/// Transfers the engine of `role` posted (WRITEs and READs; a layer-wise push posts one per
+/// range).
+fn posts<S: Side>(side: &mut S, role: Role) -> Result<u64, S::Error> {
+    side.send(role, &Command::Stats)?;
+    side.expect(role, "stats", Duration::from_secs(30), |ev| match ev {
+        Event::Stats { engine, .. } => Some(engine.posts),
+        _ => None,
+    })
+}
+
 /// A request as the driver tracks it.
 struct Tracked {
     key: Key,
@@ -80,6 +90,8 @@ struct Tracked {
     p_need: usize,
     d_need: usize,
     ready_us: Option<u64>,
+    /// D's received time, until the latency is taken (P's ready event may come after it).
+    received_us: Option<u64>,
     p_blocks: Option<BlockLists>,
     engine_ns: u64,
     sent: bool,
@@ -108,6 +120,7 @@ pub(crate) fn play<S: Side>(
     let mut due: BinaryHeap<std::cmp::Reverse<(Instant, usize)>> = BinaryHeap::new();
     let (mut next, mut in_flight, mut finished) = (0usize, 0usize, 0usize);
     let mut latencies = Vec::with_capacity(specs.len());
+    let mut exposed = Vec::with_capacity(specs.len());
     let (mut verified_bytes, mut verified, mut failed) = (0u64, 0u64, 0u64);
     let mut last_progress = Instant::now();
     let started = Instant::now();
@@ -116,6 +129,7 @@ pub(crate) fn play<S: Side>(
         // Admit.
         while next < specs.len() && in_flight < w.concurrency {
             let (tokens, registration_first) = specs[next];
+            let registration_first = registration_first || w.registration_first;
             let p_need = blocks_for(tokens, t.p_block) as usize * groups;
             let d_need = blocks_for(tokens, t.d_block) as usize * groups;
             let d_now = mode == Mode::Push && registration_first;
@@ -132,8 +146,14 @@ pub(crate) fn play<S: Side>(
             let key = Key::new(u128::from(rng.next()) << 64 | next as u128, 1);
             let seed = rng.next();
             p_free -= p_need;
-            let delay_ns = Some(tokens * w.prefill_ns_per_token);
-            side.send(Role::Prefill, &Command::Prefill { req: next as u64, key, tokens, seed, delay_ns })?;
+            let delay_ns = tokens * w.prefill_ns_per_token;
+            let cmd = if w.prefill_ns_per_layer > 0 {
+                let (layer_ns, layerwise) = (w.prefill_ns_per_layer, w.layerwise);
+                Command::PrefillLayers { req: next as u64, key, tokens, seed, delay_ns, layer_ns, layerwise }
+            } else {
+                Command::Prefill { req: next as u64, key, tokens, seed, delay_ns: Some(delay_ns) }
+            };
+            side.send(Role::Prefill, &cmd)?;
             if d_now {
                 d_free -= d_need;
                 let cmd =
@@ -148,6 +168,7 @@ pub(crate) fn play<S: Side>(
                 p_need,
                 d_need,
                 ready_us: None,
+                received_us: None,
                 p_blocks: None,
                 engine_ns: 0,
                 sent: false,
@@ -227,9 +248,7 @@ pub(crate) fn play<S: Side>(
                 }
                 Event::Received { at_us, verified_bytes: v, ok, detail, engine_ns, .. } => {
                     r.engine_ns += engine_ns;
-                    if let Some(ready) = r.ready_us {
-                        latencies.push(at_us.saturating_sub(ready));
-                    }
+                    r.received_us = Some(at_us);
                     if ok {
                         verified_bytes += v;
                         verified += 1;
@@ -249,6 +268,15 @@ pub(crate) fn play<S: Side>(
                 }
                 _ => {}
             }
+            // The two engines report separately: P's ready may reach the driver after D's received
+            // (layer by layer, D can have the request just after P's last layer).
+            if let (Some(ready), Some(at_us)) = (r.ready_us, r.received_us) {
+                r.received_us = None;
+                latencies.push(at_us.saturating_sub(ready));
+                if !r.failed {
+                    exposed.push((i, r.tokens, at_us.saturating_sub(ready)));
+                }
+            }
             if r.sent && r.d_done && !r.done {
                 r.done = true;
                 failed += u64::from(r.failed);
@@ -267,6 +295,8 @@ pub(crate) fn play<S: Side>(
     }
     let mut report = ModeReport::new(specs.len() as u64, verified_bytes, verified, failed, wall, counters);
     report.summarize(latencies, reqs.iter().map(|r| r.engine_ns));
+    report.producer_posts = posts(side, Role::Prefill)?;
+    report.exposed = exposed;
     Ok(report)
 }
 

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use kvpush::device::{self, Buffer, Device};
-use kvpush::engine::{Config, Engine, EngineError, LocalHub, Staging};
+use kvpush::engine::{Config, Engine, EngineError, Layerwise, LocalHub, Staging};
 use kvpush::proto::layout::{
     BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, ModelShape, Parallel,
 };
@@ -29,6 +29,7 @@ use kvpush::transport::loopback::Fabric;
 pub(crate) use crate::rng::Rng;
 
 pub(crate) mod driver;
+pub mod layerwise;
 pub mod pattern;
 pub mod procs;
 
@@ -72,6 +73,41 @@ pub struct Topology {
     /// Each side hands its engine the request's tokens rounded up to its own whole blocks (what the
     /// vLLM connector does), rather than the exact count.
     pub whole_blocks: bool,
+    /// P's engine setting for requests reported layer by layer ([`Workload::prefill_ns_per_layer`]).
+    pub layerwise: LayerwiseFlag,
+}
+
+/// `--layerwise` of an engine: [`Layerwise`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LayerwiseFlag {
+    /// Layer by layer above the engine's size threshold, whole below.
+    #[default]
+    Auto,
+    /// Always layer by layer.
+    On,
+    /// Always whole.
+    Off,
+}
+
+impl LayerwiseFlag {
+    /// The engine setting.
+    pub fn engine(self) -> Layerwise {
+        match self {
+            LayerwiseFlag::Auto => Layerwise::AUTO,
+            LayerwiseFlag::On => Layerwise::On,
+            LayerwiseFlag::Off => Layerwise::Off,
+        }
+    }
+
+    /// The flag's value on a command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LayerwiseFlag::Auto => "auto",
+            LayerwiseFlag::On => "on",
+            LayerwiseFlag::Off => "off",
+        }
+    }
 }
 
 /// `--staging`: whether the engines stage fragmented WRITEs ([`Staging`]).
@@ -141,6 +177,7 @@ impl Default for Topology {
             staging_slot_bytes: 0,
             allocator: AllocatorFlag::Runs,
             whole_blocks: false,
+            layerwise: LayerwiseFlag::Auto,
         }
     }
 }
@@ -173,6 +210,15 @@ pub struct Workload {
     pub relay_us: u64,
     /// Seed of lengths, orders and contents.
     pub seed: u64,
+    /// P's simulated compute per layer (ns), after the per-token time: layer `l` is final
+    /// `(l + 1) ×` this after it. 0: no per-layer compute (the request is finished at once).
+    pub prefill_ns_per_layer: u64,
+    /// P reports each layer as it is final ([`kvpush::engine::Engine::layers_ready`]; the engine's
+    /// [`Topology::layerwise`] decides how it goes) rather than the whole request after the last.
+    pub layerwise: bool,
+    /// Every push request registration-first (D registers when the request is admitted, as a push
+    /// router sends both legs at once), instead of half of them blocks-first.
+    pub registration_first: bool,
 }
 
 impl Default for Workload {
@@ -185,6 +231,9 @@ impl Default for Workload {
             prefill_ns_per_token: 250,
             relay_us: 200,
             seed: 0x6b76_7075_7368,
+            prefill_ns_per_layer: 0,
+            layerwise: false,
+            registration_first: false,
         }
     }
 }
@@ -207,7 +256,12 @@ pub struct ModeReport {
     pub descriptors_unmerged: u64,
     /// Descriptors posted.
     pub descriptors_posted: u64,
+    /// Transfers P's engine posted (one WRITE per rank pair and request; layer-wise, per range).
+    pub producer_posts: u64,
     /// Median time from blocks-ready on P to received on D (µs).
+    ///
+    /// With per-layer compute ([`Workload::prefill_ns_per_layer`]) blocks-ready is P's last layer
+    /// computed, so this is the time the transfer adds after prefill (its "exposed" time).
     pub latency_us_p50: u64,
     /// 99th percentile of the same (µs).
     pub latency_us_p99: u64,
@@ -241,6 +295,10 @@ pub struct ModeReport {
     /// Each push round's staged pieces (one WRITE each; 0 where staging is off).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub push_pieces_rounds: Vec<u64>,
+    /// Per received request: `(request index, tokens, latency µs)` (what [`layerwise::compare`]
+    /// pairs; not in the JSON).
+    #[serde(skip)]
+    pub exposed: Vec<(usize, u64, u64)>,
 }
 
 /// Results of the demo: one report per mode played.
@@ -252,6 +310,9 @@ pub struct Report {
     /// Pull mode.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pull: Option<ModeReport>,
+    /// `--layerwise compare`: the push run (layer by layer) against the same requests pushed whole.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layerwise: Option<layerwise::LayerwiseReport>,
 }
 
 /// What can stop the demo.
@@ -283,7 +344,8 @@ pub enum DemoError {
     Stuck(String),
 }
 
-pub(crate) fn model(t: &Topology) -> ModelShape {
+/// The model shape of topology `t`: every `window_every`-th layer a sliding-window layer.
+pub fn model(t: &Topology) -> ModelShape {
     let (mut full, mut window) = (Vec::new(), Vec::new());
     for l in 0..t.layers {
         if t.window_every > 0 && l % t.window_every == t.window_every - 1 {
@@ -484,6 +546,23 @@ pub(crate) fn median(values: &[f64]) -> Option<f64> {
     Some(if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
 }
 
+/// The bytes D must hold after workload `w` on topology `t`, from the two alone: every token of the
+/// full-attention layers and the last `window_tokens` tokens of the sliding-window layers, K and V of
+/// every head, in bf16.
+pub fn expected_bytes(t: &Topology, w: &Workload) -> u64 {
+    let per_token_layer = 2 * u64::from(t.kv_heads) * u64::from(t.head_dim) * 2; // K and V, bf16
+    let window_layers =
+        (0..t.layers).filter(|l| t.window_every > 0 && l % t.window_every == t.window_every - 1).count() as u64;
+    let full_layers = u64::from(t.layers) - window_layers;
+    requests(w)
+        .iter()
+        .map(|&(n, _)| {
+            let window = n.min(u64::from(t.window_tokens));
+            per_token_layer * (full_layers * n + window_layers * window)
+        })
+        .sum()
+}
+
 /// Runs the demo: each mode in `modes` on the same workload. `tick` is called once per finished
 /// request (for a progress bar).
 pub fn run(t: &Topology, w: &Workload, modes: &[Mode], tick: &dyn Fn()) -> Result<Report, DemoError> {
@@ -530,6 +609,7 @@ fn build(
         let mut config = Config::new(engine_id, mode);
         config.writers = t.writers;
         config.staging = t.staging.engine(t.staging_slots, t.staging_slot_bytes);
+        config.layerwise = t.layerwise.engine();
         // SAFETY: the regions are `buffers`, allocated just above and owned by the same `Worker`
         // as the engine; `Worker` drops its engine before its buffers. The engine's host
         // (`WorkerState`) follows the block ownership rules: P's blocks return to the pool only

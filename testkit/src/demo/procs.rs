@@ -193,6 +193,9 @@ pub struct WorkerSpec {
     /// ([`Topology::whole_blocks`]).
     #[arg(long)]
     pub whole_blocks: bool,
+    /// P's engine setting for requests reported layer by layer ([`Topology::layerwise`]).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub layerwise: super::LayerwiseFlag,
 }
 
 impl WorkerSpec {
@@ -224,6 +227,7 @@ impl WorkerSpec {
             staging_slot_kib: t.staging_slot_bytes >> 10,
             allocator: t.allocator,
             whole_blocks: t.whole_blocks,
+            layerwise: t.layerwise,
             lease_ms: 30_000,
             timeout_ms: 120_000,
             heartbeat_ms: 1_000,
@@ -266,6 +270,7 @@ impl WorkerSpec {
             staging_slot_bytes: self.staging_slot_kib << 10,
             allocator: self.allocator,
             whole_blocks: self.whole_blocks,
+            layerwise: self.layerwise,
         }
     }
 
@@ -307,6 +312,7 @@ impl WorkerSpec {
         if self.whole_blocks {
             v.push("--whole-blocks".into());
         }
+        flag(&mut v, "layerwise", self.layerwise.as_str().into());
         v
     }
 }
@@ -341,6 +347,27 @@ pub enum Command {
         seed: u64,
         /// Simulated prefill time after the fill (ns).
         delay_ns: Option<u64>,
+    },
+    /// P: as [`Command::Prefill`], then simulate `layer_ns` of compute per layer: layer `l` is final
+    /// `delay_ns + (l + 1) · layer_ns` after the fill. `layerwise`: report each layer as it is final
+    /// (`layers_ready`); else finish the request after the last. [`Event::Ready`] comes at the last
+    /// layer either way.
+    PrefillLayers {
+        /// The router's index of the request.
+        req: u64,
+        /// Its key (`"<transfer id, 32 hex digits>#<attempt>"`).
+        #[serde(with = "key_text")]
+        key: Key,
+        /// Prompt tokens.
+        tokens: u64,
+        /// Seed of its contents.
+        seed: u64,
+        /// Simulated prefill time after the fill, before the first layer (ns).
+        delay_ns: u64,
+        /// Simulated compute per layer (ns).
+        layer_ns: u64,
+        /// Report layer by layer.
+        layerwise: bool,
     },
     /// P: once the engine received `registrations` registrations in all (or at the limit), call
     /// `request_finished` for every held request, back to back.
@@ -1100,6 +1127,8 @@ struct Req {
     seed: u64,
     blocks: BlockLists,
     delay_ns: Option<u64>,
+    /// P: simulated compute per layer (ns) and whether each layer is reported as it is final.
+    layers: Option<(u64, bool)>,
     /// Engine-thread time not reported yet.
     engine_ns: u64,
     /// P: workers that released the blocks.
@@ -1123,6 +1152,7 @@ impl Req {
             seed,
             blocks,
             delay_ns: None,
+            layers: None,
             engine_ns: 0,
             released: 0,
             expected: 0,
@@ -1178,6 +1208,8 @@ pub(super) struct WorkerState {
     reqs: HashMap<u64, Req>,
     by_key: HashMap<Key, u64>,
     due: BinaryHeap<std::cmp::Reverse<(Instant, u64)>>,
+    /// P: layers of requests with simulated per-layer compute, when each is final.
+    layer_due: BinaryHeap<std::cmp::Reverse<(Instant, u64, u32)>>,
     held: Vec<u64>,
     /// D: hold-verify requests without an outcome, and those received waiting for the wave.
     hold_open: usize,
@@ -1287,6 +1319,7 @@ fn nixl_workers(spec: &WorkerSpec, dev: &Arc<dyn Device>) -> Result<Vec<Worker>,
         let mut config = Config::new(engine_id, mode);
         config.writers = t.writers;
         config.staging = t.staging.engine(t.staging_slots, t.staging_slot_bytes);
+        config.layerwise = t.layerwise.engine();
         config.rendezvous.lease_us = spec.lease_ms * 1000;
         config.completion.timeout_us = spec.timeout_ms * 1000;
         // SAFETY: the regions are `buffers`, allocated just above and owned by the same `Worker`
@@ -1366,6 +1399,7 @@ impl WorkerState {
             reqs: HashMap::new(),
             by_key: HashMap::new(),
             due: BinaryHeap::new(),
+            layer_due: BinaryHeap::new(),
             held: Vec::new(),
             hold_open: 0,
             hold_done: Vec::new(),
@@ -1389,6 +1423,9 @@ impl WorkerState {
             let busy = !self.reqs.is_empty() || self.ceiling.as_ref().is_some_and(|c| c.serving);
             let mut wait = if busy { Duration::from_micros(20) } else { Duration::from_millis(50) };
             if let Some(std::cmp::Reverse((at, _))) = self.due.peek() {
+                wait = wait.min(at.saturating_duration_since(Instant::now()));
+            }
+            if let Some(std::cmp::Reverse((at, _, _))) = self.layer_due.peek() {
                 wait = wait.min(at.saturating_duration_since(Instant::now()));
             }
             let mut next = match cmds.recv_timeout(wait) {
@@ -1427,6 +1464,12 @@ impl WorkerState {
                 self.out.emit(&Event::Peers { peers });
             }
             Command::Prefill { req, key, tokens, seed, delay_ns } => self.prefill(req, key, tokens, seed, delay_ns),
+            Command::PrefillLayers { req, key, tokens, seed, delay_ns, layer_ns, layerwise } => {
+                self.prefill(req, key, tokens, seed, Some(delay_ns));
+                if let Some(r) = self.reqs.get_mut(&req) {
+                    r.layers = Some((layer_ns, layerwise));
+                }
+            }
             Command::Go { registrations, timeout_ms } => self.go(registrations, timeout_ms),
             Command::Decode { req, key, tokens, seed, remote_blocks, hold_verify } => {
                 self.decode(req, key, tokens, seed, remote_blocks, hold_verify)
@@ -1602,6 +1645,24 @@ impl WorkerState {
 
     /// P: `request_finished` on every worker; returns the ready timestamp.
     fn finish(&mut self, req: u64) -> Option<Event> {
+        self.hand_over(req, None, true)
+    }
+
+    /// P: layer `layer` of request `req` is computed. Layer by layer, `layers_ready` on every
+    /// worker; the last layer reports [`Event::Ready`] (whole: `request_finished` first).
+    fn layer_final(&mut self, req: u64, layer: u32) -> Option<Event> {
+        let last = layer + 1 == self.spec.layers;
+        let (_, layerwise) = self.reqs.get(&req)?.layers?;
+        match (layerwise, last) {
+            (true, _) => self.hand_over(req, Some(layer), last),
+            (false, true) => self.finish(req),
+            (false, false) => None,
+        }
+    }
+
+    /// P: `request_finished` (`layer` `None`) or `layers_ready` of `layer` on every worker; the
+    /// ready event (timestamped just before the calls) when `ready`.
+    fn hand_over(&mut self, req: u64, layer: Option<u32>, ready: bool) -> Option<Event> {
         let r = self.reqs.get_mut(&req)?;
         // The lists are built before the clock starts: an engine hands over lists it owns.
         let lists: Vec<BlockLists> = self.workers.iter().map(|_| r.blocks.clone()).collect();
@@ -1610,18 +1671,24 @@ impl WorkerState {
         let t0 = Instant::now();
         let mut err = None;
         for (w, ids) in self.workers.iter().zip(lists) {
-            if let Err(e) = w.engine.request_finished(r.key, ids, tokens) {
-                err = Some(format!("request {req}: request_finished: {e}"));
+            let (call, result) = match layer {
+                None => ("request_finished", w.engine.request_finished(r.key, ids, tokens)),
+                Some(l) => ("layers_ready", w.engine.layers_ready(r.key, ids, tokens, l..l + 1)),
+            };
+            if let Err(e) = result {
+                err = Some(format!("request {req}: {call}: {e}"));
             }
         }
         r.engine_ns += t0.elapsed().as_nanos() as u64;
-        let engine_ns = std::mem::take(&mut r.engine_ns);
-        let blocks = r.blocks.clone();
         if let Some(e) = err {
             self.error(e);
             return None;
         }
-        Some(Event::Ready { req, at_us, engine_ns, blocks })
+        if !ready {
+            return None;
+        }
+        let engine_ns = std::mem::take(&mut r.engine_ns);
+        Some(Event::Ready { req, at_us, engine_ns, blocks: r.blocks.clone() })
     }
 
     fn go(&mut self, registrations: u64, timeout_ms: u64) {
@@ -1777,7 +1844,29 @@ impl WorkerState {
                 break;
             }
             self.due.pop();
-            if let Some(ev) = self.finish(req) {
+            match self.reqs.get(&req).and_then(|r| r.layers) {
+                // Per-layer compute starts now.
+                Some((ns, _)) => {
+                    let start = Instant::now();
+                    for l in 0..self.spec.layers {
+                        let at = start + Duration::from_nanos(ns * u64::from(l + 1));
+                        self.layer_due.push(std::cmp::Reverse((at, req, l)));
+                    }
+                }
+                None => {
+                    if let Some(ev) = self.finish(req) {
+                        self.out.emit(&ev);
+                    }
+                }
+            }
+        }
+        // Layers whose compute is done.
+        while let Some(std::cmp::Reverse((at, req, layer))) = self.layer_due.peek().copied() {
+            if at > Instant::now() {
+                break;
+            }
+            self.layer_due.pop();
+            if let Some(ev) = self.layer_final(req, layer) {
                 self.out.emit(&ev);
             }
         }
