@@ -298,10 +298,19 @@ pub(crate) enum Cmd {
         credit: Option<Credit>,
     },
     /// `incarnation`: only that process of the peer is lost (`None`: whichever is known).
+    /// `fenced`: the transport confirmed that nothing the peer posted can touch our memory any
+    /// more ([`crate::transport::Fence::Confirmed`]); otherwise what it could touch is quarantined.
     PeerLost {
         peer: PeerAddr,
         incarnation: Option<side::Incarnation>,
         reason: String,
+        fenced: bool,
+    },
+    /// A peer was (re)added as `incarnation`: a previous process of it, lost without a fence, is
+    /// gone, and what was quarantined for it may go back to its owner.
+    PeerAdded {
+        peer: PeerAddr,
+        incarnation: Option<side::Incarnation>,
     },
     Wake,
     Stop,
@@ -456,7 +465,8 @@ impl Shared {
                         peers.by_agent.remove(&g.agent);
                     }
                     // Under the lock: see `handle_frame`.
-                    self.lose_peer(&addr, Some(old), "restarted (new incarnation)");
+                    let agent = gone.as_ref().map(|g| g.agent.as_str());
+                    self.lose_peer(&addr, Some(old), agent, "restarted (new incarnation)");
                     gone.map(|g| (g, old))
                 }
                 _ => None,
@@ -484,14 +494,23 @@ impl Shared {
             }
         }
         peers.by_agent.insert(agent, p);
+        for s in &self.shards {
+            let _ = s.tx.send(Cmd::PeerAdded { peer: addr.clone(), incarnation });
+        }
         tracing::debug!(worker = %self.me, peer = %addr, "peer added");
         Ok(addr)
     }
 
-    /// Tells every shard that `incarnation` of `peer` is gone.
-    fn lose_peer(&self, peer: &PeerAddr, incarnation: Option<side::Incarnation>, reason: &str) {
+    /// Tells every shard that `incarnation` of `peer` is gone, after revoking the data-path access
+    /// of its transport agent `agent` (where it is still known).
+    fn lose_peer(&self, peer: &PeerAddr, incarnation: Option<side::Incarnation>, agent: Option<&str>, reason: &str) {
+        let fenced = agent.is_some_and(|a| self.transport.revoke_peer(a) == crate::transport::Fence::Confirmed);
+        if !fenced {
+            tracing::warn!(worker = %self.me, %peer, "the transport cannot confirm that the lost peer's transfers stopped: what they could touch is quarantined");
+        }
         for s in &self.shards {
-            let _ = s.tx.send(Cmd::PeerLost { peer: peer.clone(), incarnation, reason: reason.to_owned() });
+            let reason = reason.to_owned();
+            let _ = s.tx.send(Cmd::PeerLost { peer: peer.clone(), incarnation, reason, fenced });
         }
     }
 
@@ -560,7 +579,9 @@ impl side::Endpoint for Shared {
     }
     fn peer_lost(&self, peer: &PeerAddr, incarnation: side::Incarnation, reason: &str) {
         tracing::warn!(worker = %self.me, %peer, %reason, "peer lost");
-        self.lose_peer(peer, Some(incarnation), reason);
+        let agent =
+            self.peer_by_addr(peer).filter(|p| p.incarnation.is_none_or(|i| i == incarnation)).map(|p| p.agent.clone());
+        self.lose_peer(peer, Some(incarnation), agent.as_deref(), reason);
     }
 }
 
