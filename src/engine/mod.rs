@@ -245,6 +245,40 @@ pub enum Finished {
         /// The request.
         key: Key,
     },
+    /// Consumer: `key` ended without its data — failed (`failed`; as [`Finished::Failed`]) or
+    /// aborted or superseded (as [`Finished::Ended`]) — but a producer that was lost without a
+    /// confirmed fence, or that did not answer in time, may still write into its blocks. The end is
+    /// reported now (the request must not wait); **the blocks are not given back**: keep `blocks` out
+    /// of use until [`Finished::Released`] for `key` (docs/reliability.md).
+    Quarantined {
+        /// The request.
+        key: Key,
+        /// Whether it failed (else it was aborted or superseded).
+        failed: bool,
+        /// What happened, for logs and the user.
+        reason: String,
+        /// The blocks that were registered for it (per KV group), held.
+        blocks: Vec<Vec<u32>>,
+    },
+    /// Consumer: the blocks of the quarantined `key` ([`Finished::Quarantined`]) may be reused.
+    Released {
+        /// The request.
+        key: Key,
+    },
+}
+
+impl Finished {
+    /// The request this outcome is for.
+    pub fn key(&self) -> Key {
+        match self {
+            Finished::Sent { key, .. }
+            | Finished::Received { key }
+            | Finished::Failed { key, .. }
+            | Finished::Ended { key }
+            | Finished::Quarantined { key, .. }
+            | Finished::Released { key } => *key,
+        }
+    }
 }
 
 /// A peer worker known from its handshake.

@@ -17,7 +17,7 @@ use super::timeline;
 use super::{addr_of, fan_out, producer_ranks, target_of, Cmd, Finished, PeerAddr, Shared, Stats, Via};
 use crate::pool::handoff::Inbox;
 use crate::proto::codec;
-use crate::proto::completion::{Completions, Event, FailReason};
+use crate::proto::completion::{Completions, Event, FailReason, QuarantineCause};
 use crate::proto::ids::Instant;
 use crate::proto::msg::{
     clip_block_lists, common_tokens, Abort, Completion, Failure, FailureKind, Grant, Message, Mode, Registration,
@@ -52,8 +52,9 @@ struct InFlight {
     peer: PeerAddr,
     op: Op,
     posted_at: Instant,
-    /// Its outcome was already reported (the peer was lost); only the handle is still awaited.
-    orphaned: bool,
+    /// The peer was lost and the transfer cancelled: it ends as a failure, reported only when the
+    /// transport says it ended (until then it may still read our sources or fill our blocks).
+    lost: bool,
 }
 
 /// Consumer, pull mode: a read waiting for grants from its producer ranks.
@@ -88,6 +89,11 @@ pub(super) struct Writer {
     producers: HashMap<Key, String>,
     /// Producer: which consumer workers registered each live request (for peer loss).
     registered_by: HashMap<Key, Vec<(PeerAddr, Option<Incarnation>)>>,
+    /// Consumer: outcomes of requests whose own READ was still in flight when they ended; each goes
+    /// out once its READs ended (cancelled on the way), never before (issue 16, window 4).
+    owed: Vec<Finished>,
+    /// Consumer: quarantined requests and the producer engine that may still write into them.
+    quarantined: HashMap<Key, String>,
     poll_interval: Duration,
     /// When this writer last did work (for lingering).
     last_active: StdInstant,
@@ -121,6 +127,8 @@ impl Writer {
             pulls: HashMap::new(),
             producers: HashMap::new(),
             registered_by: HashMap::new(),
+            owed: Vec::new(),
+            quarantined: HashMap::new(),
             poll_interval: POLL_MIN,
             last_active: StdInstant::now(),
         }
@@ -296,7 +304,7 @@ impl Writer {
                         self.send_frame(&from, &Message::Failure(f));
                     }
                     // Everything this shard held was failed above; nothing else is waited for.
-                    Cmd::Abort { .. } | Cmd::Msg { .. } | Cmd::PeerLost { .. } | Cmd::Wake => {}
+                    Cmd::Abort { .. } | Cmd::Msg { .. } | Cmd::PeerLost { .. } | Cmd::PeerAdded { .. } | Cmd::Wake => {}
                 }
             }
         }
@@ -361,7 +369,7 @@ impl Writer {
             // back (each poll is what moves a large transfer along; measured: a 25 µs gap between
             // polls halves the bandwidth); while we merely wait for a peer's notification or read,
             // back off up to POLL_WAITING_MAX. With nothing expected, sleep until the next deadline.
-            if self.inflight.values().any(|f| !f.orphaned) {
+            if self.inflight.values().any(|f| !f.lost) {
                 wait = if self.last_active.elapsed() < SPIN_WINDOW {
                     Duration::ZERO
                 } else {
@@ -400,7 +408,10 @@ impl Writer {
                 drop(credit);
                 self.message(now, from, incarnation, msg, via)
             }
-            Cmd::PeerLost { peer, incarnation, reason } => self.peer_lost(now, &peer, incarnation, &reason),
+            Cmd::PeerLost { peer, incarnation, reason, fenced } => {
+                self.peer_lost(now, &peer, incarnation, &reason, fenced)
+            }
+            Cmd::PeerAdded { peer, incarnation } => self.peer_added(&peer, incarnation),
             Cmd::Wake | Cmd::Stop => {}
         }
         self.drain_outputs();
@@ -474,13 +485,19 @@ impl Writer {
         timeline::record("eng_register_sent", key);
     }
 
-    /// A peer worker went away: everything in flight with it fails now, on this side.
+    /// A peer worker went away: everything with it fails on this side, in time, but a block goes
+    /// back to its owner only once nothing of the peer can touch it. Our own transfers with it are
+    /// cancelled and fail when the transport says they ended (P's sources, D's READ targets). The
+    /// peer's transfers into our memory stopped if the transport confirmed the fence (`fenced`,
+    /// [`crate::transport::Transport::revoke_peer`]); otherwise the requests they could write into
+    /// end now *quarantined*: reported, with their blocks held ([`Finished::Quarantined`]).
     fn peer_lost(
         &mut self,
         now: Instant,
         peer: &PeerAddr,
         incarnation: Option<super::side::Incarnation>,
         reason: &str,
+        fenced: bool,
     ) {
         let detail = format!("peer {peer} lost: {reason}");
         // Producer side: registrations from the lost consumer, and reads it was granted.
@@ -497,29 +514,22 @@ impl Writer {
         for (key, p) in grants {
             self.read_done(now, key, p, Err(FailureKind::PeerLost));
         }
-        // Transfers in flight with it will not complete usefully: their outcome is a failure now.
-        // They stay in the table, orphaned, until the transport reports them ended, so the
-        // transport's handle is released (and never reported twice).
-        let lost: Vec<(XferId, Key, Op)> = self
-            .inflight
-            .iter()
-            .filter(|(_, f)| &f.peer == peer && !f.orphaned)
-            .map(|(id, f)| (*id, f.key, f.op))
-            .collect();
-        for (id, key, op) in lost {
-            if let Some(f) = self.inflight.get_mut(&id) {
-                f.orphaned = true;
-            }
-            match op {
-                Op::Write => self.rdv.handle_transfer_done(now, key, &target_of(peer), Err(FailureKind::PeerLost)),
-                Op::Read => self.read_finished(now, key, peer.clone(), Err(FailureKind::PeerLost)),
-            }
+        // Our transfers in flight with it will not complete usefully: cut them short where the
+        // transport can. They stay in the table until the transport reports them ended, and only
+        // then is their failure handed to the state machines (a WRITE's sources, a READ's targets
+        // are not given back while the transfer may still touch them).
+        for f in self.inflight.values_mut().filter(|f| &f.peer == peer && !f.lost) {
+            f.lost = true;
         }
-        // Consumer side: requests that wait for parts from the lost producer's engine.
+        let ids: Vec<XferId> = self.inflight.iter().filter(|(_, f)| &f.peer == peer).map(|(id, _)| *id).collect();
+        for id in ids {
+            self.shared.transport.cancel(id);
+        }
+        // Consumer side: requests that wait for parts from the lost producer's engine. Unfenced,
+        // each ends now with its blocks quarantined (the outcome never waits for the lost peer).
         let waiting: Vec<Key> = self.producers.iter().filter(|(_, e)| **e == peer.engine).map(|(k, _)| *k).collect();
         for key in waiting {
-            let f = Failure { key, rank: peer.rank, kind: FailureKind::PeerLost, detail: detail.clone() };
-            self.comp.handle_failure(now, &f);
+            self.comp.handle_lost(now, key, peer.rank, fenced, &detail);
         }
         if self.index == 0 {
             let removed = {
@@ -535,6 +545,20 @@ impl Writer {
             if let Some(p) = removed {
                 self.shared.transport.drop_peer(&p.agent);
             }
+        }
+    }
+
+    /// A peer worker was (re)added as `incarnation`: a previous process of it is gone (its kernel
+    /// closed its connections and unmapped its memory), so whatever it could still have written into
+    /// our quarantined blocks can no longer land.
+    fn peer_added(&mut self, peer: &PeerAddr, incarnation: Option<Incarnation>) {
+        if incarnation.is_none() {
+            return; // an in-process link: nothing says an earlier process ended
+        }
+        let keys: Vec<Key> =
+            self.quarantined.iter().filter(|(_, engine)| **engine == peer.engine).map(|(k, _)| *k).collect();
+        for key in keys {
+            self.comp.handle_fenced(key, peer.rank);
         }
     }
 
@@ -646,7 +670,7 @@ impl Writer {
                 let ours: Vec<XferId> = self
                     .inflight
                     .iter()
-                    .filter(|(_, f)| f.key == a.key && f.peer == from && !f.orphaned)
+                    .filter(|(_, f)| f.key == a.key && f.peer == from && !f.lost)
                     .map(|(id, _)| *id)
                     .collect();
                 // The consumer gave up: a transfer still in flight into its blocks is cut short where
@@ -708,12 +732,11 @@ impl Writer {
                 }
                 any = true;
                 let Some(f) = self.inflight.remove(&id) else { continue };
-                if f.orphaned {
-                    continue;
-                }
                 let now = self.now();
                 self.stats().transfer.record(now.micros_since(f.posted_at));
                 let result = match state {
+                    // Its peer was lost: whatever the transport says, the request failed here.
+                    _ if f.lost => Err(FailureKind::PeerLost),
                     Ok(_) => Ok(()),
                     Err(e) => {
                         self.stats().failures.transfer += 1;
@@ -920,7 +943,7 @@ impl Writer {
                 drop(st);
                 match id {
                     Some(id) => {
-                        self.inflight.insert(id, InFlight { key, peer, op, posted_at: now, orphaned: false });
+                        self.inflight.insert(id, InFlight { key, peer, op, posted_at: now, lost: false });
                     }
                     None if op == Op::Write => self.rdv.handle_transfer_done(now, key, &target_of(&peer), Ok(())),
                     None => self.read_finished(now, key, peer, Ok(())),
@@ -948,6 +971,43 @@ impl Writer {
                 }
             }
             Err(e) => tracing::error!(error = %e, "cannot encode control frame"),
+        }
+    }
+
+    /// Hands a consumer outcome to the owner — unless our own READ into the request's blocks is still
+    /// in flight (pull: the producer's grant expired, a failure or a timeout ended the request while
+    /// the READ runs). Then the READ is cancelled and the outcome waits for its end
+    /// ([`Writer::pay_owed`]): the blocks go back only once nothing of ours can land in them.
+    fn finish(&mut self, f: Finished) {
+        let key = f.key();
+        let reading: Vec<XferId> =
+            self.inflight.iter().filter(|(_, x)| x.key == key && x.op == Op::Read).map(|(id, _)| *id).collect();
+        if reading.is_empty() && !self.owed.iter().any(|o| o.key() == key) {
+            self.shared.outbox.push(f);
+            return;
+        }
+        for id in reading {
+            self.shared.transport.cancel(id);
+        }
+        tracing::debug!(worker = %self.shared.me, %key, "outcome held until the request's READ ended");
+        self.owed.push(f);
+    }
+
+    /// Hands out the held outcomes ([`Writer::finish`]) whose READs have ended, in order.
+    fn pay_owed(&mut self) {
+        if self.owed.is_empty() {
+            return;
+        }
+        let owed = std::mem::take(&mut self.owed);
+        for f in owed {
+            let key = f.key();
+            let blocked = self.inflight.values().any(|x| x.key == key && x.op == Op::Read)
+                || self.owed.iter().any(|o| o.key() == key);
+            if blocked {
+                self.owed.push(f);
+            } else {
+                self.shared.outbox.push(f);
+            }
         }
     }
 
@@ -1021,7 +1081,7 @@ impl Writer {
                         st.receive.record(waited_us);
                         drop(st);
                         timeline::record("eng_received", key);
-                        self.shared.outbox.push(Finished::Received { key });
+                        self.finish(Finished::Received { key });
                     }
                     Event::Draining { key } => {
                         // The request ended without its data while some producer ranks have not
@@ -1046,12 +1106,48 @@ impl Writer {
                         };
                         self.stats().counters.failed += 1;
                         let reason = format!("{}: request {key}: {text}", self.shared.me);
-                        self.shared.outbox.push(Finished::Failed { key, reason, invalid_blocks });
+                        self.finish(Finished::Failed { key, reason, invalid_blocks });
                     }
                     Event::Aborted { key } | Event::Superseded { key, .. } => {
                         self.producers.remove(&key);
                         self.pulls.remove(&key);
-                        self.shared.outbox.push(Finished::Ended { key });
+                        self.finish(Finished::Ended { key });
+                    }
+                    Event::Quarantined { key, ended, blocks, why } => {
+                        self.pulls.remove(&key);
+                        // The producers were told to stop when it began draining (or are lost); the
+                        // blocks stay held until `Released`.
+                        let producer = self.producers.remove(&key).unwrap_or_default();
+                        self.quarantined.insert(key, producer.clone());
+                        let failed = matches!(*ended, Event::Failed { .. });
+                        let cause = match why {
+                            QuarantineCause::LostUnfenced(rank) => {
+                                format!("producer {producer} rank {rank} lost; its data path could not be fenced")
+                            }
+                            QuarantineCause::DrainTimeout => "producer ranks silent past the drain timeout".to_owned(),
+                        };
+                        let reason = format!(
+                            "{}: request {key}: {} ({cause}); its blocks stay quarantined",
+                            self.shared.me,
+                            if failed { "failed" } else { "ended" }
+                        );
+                        tracing::warn!(worker = %self.shared.me, %key, %reason, "blocks quarantined");
+                        {
+                            let mut st = self.stats();
+                            st.counters.quarantined += 1;
+                            if failed {
+                                st.counters.failed += 1;
+                            }
+                        }
+                        self.finish(Finished::Quarantined { key, failed, reason, blocks });
+                    }
+                    Event::Released { key, expired } => {
+                        self.quarantined.remove(&key);
+                        if expired {
+                            self.stats().failures.quarantine_expired += 1;
+                            tracing::error!(worker = %self.shared.me, %key, "quarantined blocks released by the time bound, without a fence");
+                        }
+                        self.finish(Finished::Released { key });
                     }
                 }
             }
@@ -1059,15 +1155,11 @@ impl Writer {
                 break;
             }
         }
+        self.pay_owed();
     }
 }
 
 /// The key an outcome is for.
 fn finished_key(f: &Finished) -> Key {
-    match f {
-        Finished::Sent { key, .. }
-        | Finished::Received { key }
-        | Finished::Failed { key, .. }
-        | Finished::Ended { key } => *key,
-    }
+    f.key()
 }
