@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvpush::engine::side::Incarnation;
-use kvpush::engine::{Finished, LocalHub};
+use kvpush::engine::{Finished, LocalHub, Staging};
 use kvpush::proto::codec;
 use kvpush::proto::msg::{Completion, Message};
 use kvpush::proto::{Key, Mode};
@@ -332,4 +332,52 @@ fn a_pull_whose_grant_expires_reports_only_after_its_read_ended() {
     poll_until("D's READ ends", LIMIT, || d.transport.stats(), one_ended);
     std::thread::sleep(Duration::from_millis(50));
     assert_untouched(d, &dst, tokens, &format!("D's READ landed after D reported {out:?}"));
+}
+
+/// Issue 16, window 2: staged receive slots. P's WRITE of a piece into D's only receive slot is held
+/// in the data path when the side channel to P is lost, and D's data path cannot fence P (as NIXL).
+/// The slot must not be granted to another sender while P's WRITE can still land in it (it would be
+/// scattered into that sender's request): a second producer's request waits for the slot until the
+/// quarantine bound, and is received intact after P's WRITE ended. (Before the fix the slot was
+/// freed at once and granted to the second producer while P's WRITE was in flight.)
+#[test]
+fn a_staged_slot_granted_to_a_lost_sender_is_not_granted_again_while_its_write_can_land() {
+    let mut setup = crate::engine_stress::staged(Setup::new(Mode::Push, 1, 1));
+    let quarantine = Duration::from_millis(1200);
+    if let Staging::On(c) = &mut setup.staging {
+        c.slots = 1;
+        c.quarantine = quarantine;
+    }
+    let (p, d, hub, fabric) = pair(setup.clone());
+    let p2 = build_side(&setup, "prefill-b", 1, &fabric, &hub).remove(0);
+    connect_as(&p2.engine, Incarnation(0xb), &d.engine, D_INC);
+    d.transport.set_unfenceable(true);
+    let tokens = 2 * u64::from(BLOCK_TOKENS);
+    let lost = Key::new(0x57a6_0001, 1);
+    let hold = Duration::from_millis(500);
+    write_held(&p, &d, lost, &[vec![3, 4]], tokens, hold);
+    let cut_at = std::time::Instant::now();
+    cut(&p.engine, P_INC, &d.engine, D_INC);
+    wait_for(&d.engine, "the lost request ends", LIMIT, |f| f.key() == lost);
+    // Another producer's request wants D's only receive slot.
+    let key = Key::new(0x57a6_0002, 1);
+    let blocks = vec![vec![7, 8]];
+    d.engine.blocks_allocated(key, "prefill-b", blocks.clone(), tokens).expect("registers");
+    poll_until("P2 sees the registration", LIMIT, || p2.engine.stats().counters.registrations, |n| *n == 1);
+    let seed = 0x5eedb;
+    pattern::fill(p2.engine.layout(), &p2.buffers, &blocks, tokens, seed).expect("prefill");
+    p2.engine.request_finished(key, blocks.clone(), tokens).expect("finished");
+    let got = wait_for(&d.engine, "the second request", LIMIT, |f| f.key() == key);
+    assert!(matches!(got, Finished::Received { .. }), "{got:?}");
+    let waited = cut_at.elapsed();
+    // P's WRITE was posted before the cut and held for `hold` < `quarantine`: a grant before the
+    // quarantine ended is a grant while that WRITE could still land.
+    assert!(
+        waited >= quarantine,
+        "the slot was granted again {waited:?} after the cut, while the lost sender's WRITE (held {hold:?}) could land"
+    );
+    let v = pattern::verify(d.engine.layout(), &d.buffers, &blocks, tokens, seed).expect("reads");
+    assert!(v.ok(), "received but wrong: {v:?}");
+    let counts = d.engine.staging_counts().expect("staged");
+    assert_eq!(counts.slots_quarantined, 1, "{counts:?}");
 }
