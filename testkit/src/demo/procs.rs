@@ -567,6 +567,8 @@ pub enum Event {
         free: usize,
         /// All.
         total: usize,
+        /// Held for requests the engine quarantined (`Finished::Quarantined`), until released.
+        quarantined: usize,
     },
     /// The reference agent is up.
     CeilingReady {
@@ -1501,7 +1503,8 @@ impl WorkerState {
                 self.out.emit(&Event::Metadata { agents });
             }
             Command::Pool => {
-                let ev = Event::Pool { free: self.pool.free(), total: self.total_blocks };
+                let quarantined = self.quarantine.values().map(|(_, b)| b.iter().map(Vec::len).sum::<usize>()).sum();
+                let ev = Event::Pool { free: self.pool.free(), total: self.total_blocks, quarantined };
                 self.out.emit(&ev);
             }
             Command::CeilingSetup { bytes } => match self.ceiling_setup(bytes) {
