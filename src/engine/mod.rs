@@ -400,6 +400,12 @@ pub(crate) struct Shared {
     pub(crate) regions: Vec<MemRegion>,
     /// Control frames queued for the writers.
     pub(crate) control: Arc<ControlBudget>,
+    /// Held by a writer while it takes the transport's notifications and routes those of other
+    /// shards into their inboxes: a shard then never handles a notification it took before one
+    /// that arrived earlier and was taken (and is being routed) by another writer. Per request,
+    /// notifications are handled in the order the data path delivered them (an old attempt's
+    /// final word before a newer attempt's completion).
+    pub(crate) notif_order: Mutex<()>,
 }
 
 impl Shared {
@@ -445,15 +451,33 @@ impl Shared {
         via: Via,
         credit: Option<Credit>,
     ) -> Result<(), EngineError> {
-        let key = match &msg {
-            Message::Registration(r) => r.key(),
-            Message::Completion(c) => c.key,
-            Message::Grant(g) => g.key,
-            Message::Failure(f) => f.key,
-            Message::Abort(a) => a.key,
-            Message::Handshake(_) | Message::Heartbeat(_) => return Ok(()),
-        };
+        let Some(key) = message_key(&msg) else { return Ok(()) };
         self.send(key, Cmd::Msg { from, incarnation, msg, via, credit })
+    }
+
+    /// As [`Shared::route`], for a data-path notification a writer took for another shard: into
+    /// that shard's inbox, which its writer empties before it handles notifications it took itself
+    /// later (see [`Shared::notif_order`]).
+    pub(crate) fn route_local(
+        &self,
+        from: PeerAddr,
+        incarnation: Option<side::Incarnation>,
+        msg: Message,
+    ) -> Result<(), EngineError> {
+        let Some(key) = message_key(&msg) else { return Ok(()) };
+        self.send_local(key, Cmd::Msg { from, incarnation, msg, via: Via::Data, credit: None })
+    }
+}
+
+/// The request a message is about (none for handshakes and heartbeats).
+pub(crate) fn message_key(msg: &Message) -> Option<Key> {
+    match msg {
+        Message::Registration(r) => Some(r.key()),
+        Message::Completion(c) => Some(c.key),
+        Message::Grant(g) => Some(g.key),
+        Message::Failure(f) => Some(f.key),
+        Message::Abort(a) => Some(a.key),
+        Message::Handshake(_) | Message::Heartbeat(_) => None,
     }
 }
 
@@ -723,6 +747,7 @@ impl Engine {
             link,
             regions,
             control: ControlBudget::new(config_control),
+            notif_order: Mutex::new(()),
         });
         let weak = Arc::downgrade(&shared);
         shared.transport.set_waker(Arc::new(move || {

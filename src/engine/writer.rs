@@ -752,40 +752,50 @@ impl Writer {
             }
         }
         self.notifs.clear();
-        if let Ok(n) = self.shared.transport.take_notifications(&mut self.notifs) {
-            any |= n > 0;
-        }
-        let notifs = std::mem::take(&mut self.notifs);
-        for n in &notifs {
-            let Some(peer) = self.shared.peer_by_agent(&n.from) else {
-                self.stats().failures.unknown_peer += 1;
-                continue;
-            };
-            match codec::decode(&n.msg, Some(&peer.layout)) {
-                Ok(msg) => {
-                    let key = match &msg {
-                        Message::Completion(c) => Some(c.key),
-                        Message::Failure(f) => Some(f.key),
-                        Message::Abort(a) => Some(a.key),
-                        Message::Registration(r) => Some(r.key()),
-                        _ => None,
-                    };
-                    if let Some(key) = key {
-                        if self.shared.shard_of(key) == self.index {
-                            let now = self.now();
-                            self.message(now, peer.addr.clone(), peer.incarnation, msg, Via::Data);
-                        } else {
-                            let _ = self.shared.route(peer.addr.clone(), peer.incarnation, msg, Via::Data, None);
+        let mut mine = Vec::new();
+        {
+            // Take and route as one step (see `Shared::notif_order`).
+            let _order = crate::sync::lock(&self.shared.notif_order);
+            if let Ok(n) = self.shared.transport.take_notifications(&mut self.notifs) {
+                any |= n > 0;
+            }
+            let notifs = std::mem::take(&mut self.notifs);
+            for n in &notifs {
+                let Some(peer) = self.shared.peer_by_agent(&n.from) else {
+                    self.stats().failures.unknown_peer += 1;
+                    continue;
+                };
+                match codec::decode(&n.msg, Some(&peer.layout)) {
+                    Ok(msg) => match super::message_key(&msg) {
+                        Some(key) if self.shared.shard_of(key) == self.index => {
+                            mine.push((peer.addr.clone(), peer.incarnation, msg))
                         }
+                        Some(_) => {
+                            let _ = self.shared.route_local(peer.addr.clone(), peer.incarnation, msg);
+                        }
+                        None => {}
+                    },
+                    Err(e) => {
+                        self.stats().failures.malformed += 1;
+                        tracing::warn!(worker = %self.shared.me, peer = %peer.addr, error = %e, "malformed notification");
                     }
                 }
-                Err(e) => {
-                    self.stats().failures.malformed += 1;
-                    tracing::warn!(worker = %self.shared.me, peer = %peer.addr, error = %e, "malformed notification");
-                }
+            }
+            self.notifs = notifs;
+        }
+        if !mine.is_empty() {
+            // What other writers took before us and routed here is older: handle it first.
+            let inbox = Arc::clone(&self.shared.shards[self.index].inbox);
+            let mut routed = Vec::new();
+            inbox.drain_into(&mut routed);
+            for cmd in routed {
+                self.handle(cmd);
+            }
+            for (from, incarnation, msg) in mine {
+                let now = self.now();
+                self.message(now, from, incarnation, msg, Via::Data);
             }
         }
-        self.notifs = notifs;
         any
     }
 
