@@ -144,6 +144,21 @@ pub enum Event {
     },
 }
 
+impl Event {
+    /// The attempt this event is about.
+    pub fn key(&self) -> Key {
+        match self {
+            Event::Received { key, .. }
+            | Event::Failed { key, .. }
+            | Event::Aborted { key }
+            | Event::Superseded { key, .. }
+            | Event::Draining { key }
+            | Event::Quarantined { key, .. }
+            | Event::Released { key, .. } => *key,
+        }
+    }
+}
+
 /// Why an attempt was quarantined ([`Event::Quarantined`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QuarantineCause {
@@ -234,6 +249,8 @@ pub struct Completions {
     draining: HashMap<Key, Draining>,
     /// Quarantined attempts: outcome reported, blocks held (see the module docs).
     quarantined: HashMap<Key, Draining>,
+    /// Outcomes waiting for an older attempt of their transfer to finish draining ([`Completions::emit`]).
+    behind: Vec<Event>,
     deadlines: Deadlines,
     events: VecDeque<Event>,
     stats: CompletionStats,
@@ -247,6 +264,7 @@ impl Completions {
             waiting: HashMap::new(),
             draining: HashMap::new(),
             quarantined: HashMap::new(),
+            behind: Vec::new(),
             deadlines: Deadlines::default(),
             events: VecDeque::new(),
             stats: CompletionStats::default(),
@@ -258,7 +276,7 @@ impl Completions {
     /// Requests waiting for parts, ended and waiting for their producers' final words, or
     /// quarantined (their blocks held).
     pub fn pending(&self) -> usize {
-        self.waiting.len() + self.draining.len() + self.quarantined.len()
+        self.waiting.len() + self.draining.len() + self.quarantined.len() + self.behind.len()
     }
 
     /// Attempts quarantined now (their outcome reported, their blocks held).
@@ -302,7 +320,7 @@ impl Completions {
             .iter()
             .map(|(id, w)| (Key { transfer_id: *id, attempt: super::ids::Attempt(w.attempt) }, w.blocks.clone()))
             .chain(self.draining.iter().map(|(k, d)| (*k, d.blocks.clone())))
-            .chain(self.events.iter().filter_map(|e| match e {
+            .chain(self.events.iter().chain(&self.behind).filter_map(|e| match e {
                 Event::Draining { .. } | Event::Released { .. } => None,
                 Event::Quarantined { key, blocks, .. } => Some((*key, blocks.clone())),
                 Event::Received { key, .. }
@@ -389,7 +407,7 @@ impl Completions {
         if done {
             self.waiting.remove(&c.key.transfer_id);
             self.stats.received += 1;
-            self.events.push_back(Event::Received { key: c.key, waited_us });
+            self.emit(Event::Received { key: c.key, waited_us });
         }
     }
 
@@ -437,7 +455,7 @@ impl Completions {
             if self.quarantined.get(&key).is_some_and(|d| d.deadline == at) {
                 if self.quarantined.remove(&key).is_some() {
                     self.stats.quarantine_expired += 1;
-                    self.events.push_back(Event::Released { key, expired: true });
+                    self.emit(Event::Released { key, expired: true });
                 }
                 continue;
             }
@@ -497,7 +515,7 @@ impl Completions {
         heard.sort_unstable();
         heard.dedup();
         if heard.len() as u32 >= expected {
-            self.events.push_back(event);
+            self.emit(event);
             return;
         }
         let deadline = now.plus_micros(self.config.drain_timeout_us);
@@ -511,10 +529,34 @@ impl Completions {
     fn quarantine(&mut self, now: Instant, key: Key, mut d: Draining, why: QuarantineCause) {
         self.stats.quarantined += 1;
         let ended = Box::new(std::mem::replace(&mut d.event, Event::Released { key, expired: false }));
-        self.events.push_back(Event::Quarantined { key, ended, blocks: d.blocks.clone(), why });
-        d.deadline = now.plus_micros(self.config.quarantine_us);
-        self.deadlines.push(d.deadline, key);
-        self.quarantined.insert(key, d);
+        let blocks = d.blocks.clone();
+        self.quarantined.insert(key, Draining { deadline: now.plus_micros(self.config.quarantine_us), ..d });
+        self.deadlines.push(now.plus_micros(self.config.quarantine_us), key);
+        self.emit(Event::Quarantined { key, ended, blocks, why });
+    }
+
+    /// Queues outcome `event` — behind the outcome of an older attempt of the same transfer that is
+    /// still draining: the owner sees one transfer's attempts end in order (a newer attempt is never
+    /// reported while an older one may still write, possibly into the same blocks). Then hands out
+    /// what no longer waits.
+    fn emit(&mut self, event: Event) {
+        self.behind.push(event);
+        // Per transfer, older attempts first (stable: one attempt's events keep their order).
+        self.behind.sort_by_key(|e| e.key().attempt.0);
+        let mut i = 0;
+        while i < self.behind.len() {
+            let key = self.behind[i].key();
+            let older_draining =
+                self.draining.keys().any(|d| d.transfer_id == key.transfer_id && d.attempt.0 < key.attempt.0);
+            let earlier_held = self.behind[..i].iter().any(|e| e.key().transfer_id == key.transfer_id);
+            if older_draining || earlier_held {
+                i += 1;
+            } else {
+                let e = self.behind.remove(i);
+                self.events.push_back(e);
+                i = 0;
+            }
+        }
     }
 
     /// Records a final word from `rank` for a draining or quarantined `key`; emits its event once all
@@ -529,7 +571,7 @@ impl Completions {
         }
         if d.heard.len() as u32 >= d.expected {
             if let Some(d) = self.draining.remove(&key) {
-                self.events.push_back(d.event);
+                self.emit(d.event);
             }
         }
         true
@@ -543,7 +585,7 @@ impl Completions {
             d.heard.push(rank);
         }
         if d.heard.len() as u32 >= d.expected && self.quarantined.remove(&key).is_some() {
-            self.events.push_back(Event::Released { key, expired: false });
+            self.emit(Event::Released { key, expired: false });
         }
         true
     }
@@ -776,6 +818,24 @@ mod tests {
         // Fenced at once: a plain failure, the blocks free with it.
         c.handle_lost(Instant(6), Key::new(2, 1), Rank::new(0, 0), true, "cut");
         assert!(matches!(c.poll_event(), Some(Event::Failed { key, .. }) if key == Key::new(2, 1)));
+        assert_eq!(c.pending(), 0);
+    }
+
+    /// A newer attempt's outcome waits for the older attempt of the same transfer to finish
+    /// draining: the owner never sees attempt 2 end while attempt 1 may still write.
+    #[test]
+    fn a_newer_attempt_is_reported_after_the_older_one_drained() {
+        let mut c = Completions::new(CompletionConfig::default());
+        c.handle_registered(Instant(0), &reg(1, 1), 1).expect("registers");
+        c.handle_registered(Instant(1), &reg(1, 2), 1).expect("newer attempt");
+        assert_eq!(c.poll_event(), Some(Event::Draining { key: Key::new(1, 1) }));
+        // Attempt 2's part lands before attempt 1's final word.
+        c.handle_completion(Instant(2), &done(1, 2, 0));
+        assert_eq!(c.poll_event(), None, "attempt 2 reported while attempt 1 drains");
+        assert_eq!(c.pending(), 2);
+        c.handle_completion(Instant(3), &done(1, 1, 0));
+        assert!(matches!(c.poll_event(), Some(Event::Superseded { key, .. }) if key == Key::new(1, 1)));
+        assert_eq!(c.poll_event(), Some(Event::Received { key: Key::new(1, 2), waited_us: 1 }));
         assert_eq!(c.pending(), 0);
     }
 }

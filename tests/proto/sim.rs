@@ -496,15 +496,7 @@ impl Sim {
                 Event::Quarantined { ended, .. } => (*ended, true),
                 e => (e, false),
             };
-            let key = match &event {
-                Event::Received { key, .. }
-                | Event::Failed { key, .. }
-                | Event::Aborted { key }
-                | Event::Superseded { key, .. }
-                | Event::Draining { key }
-                | Event::Quarantined { key, .. }
-                | Event::Released { key, .. } => *key,
-            };
+            let key = event.key();
             assert!(!(quarantined && matches!(event, Event::Received { .. })), "{key} received, quarantined");
             if let Event::Received { .. } = event {
                 let rec = self.transfers.get(&(key, r));
