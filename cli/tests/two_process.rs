@@ -355,7 +355,7 @@ fn killing_decode_mid_transfer_releases_every_prefill_block_within_the_lease() {
     assert!(reasons.get("LeaseExpired").copied().unwrap_or(0) > 0, "{reasons:?}");
     pair.send(Role::Prefill, &Command::Pool);
     match pair.next_alive(Duration::from_secs(10), Role::Decode) {
-        Some((Role::Prefill, Event::Pool { free, total })) => assert_eq!(free, total, "P's pool is not full again"),
+        Some((Role::Prefill, Event::Pool { free, total, .. })) => assert_eq!(free, total, "P's pool is not full again"),
         other => panic!("expected pool, got {other:?}"),
     }
 }
@@ -440,7 +440,12 @@ fn killing_prefill_fails_every_waiting_decode_request_within_the_timeout() {
     assert!(took <= timeout + margin, "{took:?}");
     pair.send(Role::Decode, &Command::Pool);
     match pair.next_alive(Duration::from_secs(10), Role::Prefill) {
-        Some((Role::Decode, Event::Pool { free, total })) => assert_eq!(free, total, "D's pool is not full again"),
+        // NIXL cannot fence the dead P's access to D's memory (docs/reliability.md): the failed
+        // requests' blocks stay quarantined, and every other block is free again.
+        Some((Role::Decode, Event::Pool { free, total, quarantined })) => {
+            assert!(quarantined > 0, "the blocks a lost, unfenced producer could reach were given back");
+            assert_eq!(free + quarantined, total, "D's pool is not full again but for the quarantine");
+        }
         other => panic!("expected pool, got {other:?}"),
     }
 }

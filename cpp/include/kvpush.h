@@ -88,7 +88,9 @@ typedef enum kvpush_outcome {
   KVPUSH_OUTCOME_SENT = 0,     /* producer: the blocks may be freed (see release) */
   KVPUSH_OUTCOME_RECEIVED = 1, /* consumer: every part landed; the request may decode */
   KVPUSH_OUTCOME_FAILED = 2,   /* consumer: the KV will not arrive; its registered blocks are invalid */
-  KVPUSH_OUTCOME_ENDED = 3     /* consumer: ended without data (aborted or superseded) */
+  KVPUSH_OUTCOME_ENDED = 3,    /* consumer: ended without data (aborted or superseded) */
+  KVPUSH_OUTCOME_QUARANTINED = 4, /* consumer: failed or ended, but the blocks stay out of use until RELEASED */
+  KVPUSH_OUTCOME_RELEASED = 5  /* consumer: the blocks of a QUARANTINED request may be reused */
 } kvpush_outcome;
 
 typedef enum kvpush_release {
@@ -190,6 +192,7 @@ typedef struct kvpush_counters {
   uint64_t received;             /* consumer: requests received */
   uint64_t failed;               /* consumer: requests failed */
   uint64_t aborted;              /* aborts handled */
+  uint64_t quarantined;          /* consumer: ends reported while the blocks stayed quarantined */
 } kvpush_counters;
 
 /* Failures by kind. The same struct as Failures in src/engine/stats.rs (as kvpush_counters). */
@@ -205,6 +208,7 @@ typedef struct kvpush_failures {
   uint64_t link;          /* control-link sends that failed */
   uint64_t writer_panic;  /* writer threads that panicked (their requests were failed) */
   uint64_t shutdown_unfenced; /* posted transfers still pending when destroy's fence gave up */
+  uint64_t quarantine_expired; /* quarantined blocks released by the time bound */
 } kvpush_failures;
 
 /* Percentiles of a latency histogram, in microseconds. */
@@ -248,7 +252,7 @@ int kvpush_hub_destroy(kvpush_hub *hub);
  * listener). Memory contract: every region stays valid until kvpush_engine_destroy returns; a
  * producer does not write a request's blocks from kvpush_request_finished until its SENT outcome; a
  * consumer does not read or reuse a request's blocks from kvpush_blocks_allocated /
- * kvpush_start_pull until its outcome (RECEIVED, FAILED or ENDED). */
+ * kvpush_start_pull until its outcome (RECEIVED, FAILED or ENDED), or after QUARANTINED until RELEASED. */
 int kvpush_engine_create(const kvpush_engine_config *config, const kvpush_layout *layout,
                          kvpush_engine **out);
 /* Waits for calls in progress on the engine, stops it and deregisters its memory; in-flight

@@ -57,8 +57,9 @@ enum class KvKind : std::uint32_t { KeyValue = 0, Latent = 1 };
 enum class BlockOrder : std::uint32_t { HND = 0, NHD = 1 };
 enum class Placement : std::uint32_t { Separate = 0, Joint = 1, Single = 2, HeadJoint = 3, CellJoint = 4 };
 
-// What a Completion reports: producer Sent; consumer Received, Failed or Ended.
-enum class Outcome : std::uint32_t { Sent = 0, Received = 1, Failed = 2, Ended = 3 };
+// What a Completion reports: producer Sent; consumer Received, Failed, Ended, or Quarantined (failed
+// or ended, but the blocks stay out of use until Released for the same request).
+enum class Outcome : std::uint32_t { Sent = 0, Received = 1, Failed = 2, Ended = 3, Quarantined = 4, Released = 5 };
 // Why a producer released its blocks (Outcome::Sent); None otherwise.
 enum class Release : std::uint32_t {
   None = 0,

@@ -672,11 +672,16 @@ class _Worker:
                 recving.add(rid)
                 if kind == "received":
                     self.stats.record("requests_received", 1)
-                elif kind == "failed":
+                elif kind in ("failed", "quarantined"):
                     self.stats.record("requests_failed", 1)
                     # The engine names kernel blocks; vLLM wants its own block ids.
                     self.load_errors.update(b // self.blocks_per_block for g in invalid for b in g)
                     logger.warning("kvpush: request %s (transfer %s) failed: %s", rid, tid, message)
+                    if kind == "quarantined":
+                        # A lost producer may still write into these blocks, and vLLM's worker
+                        # connector cannot keep the scheduler from reusing them (docs/reliability.md).
+                        logger.error("kvpush: request %s (transfer %s): blocks quarantined by the engine "
+                                     "are handed back to vLLM", rid, tid)
         return sending, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -224,6 +224,11 @@ pub mod outcome {
     pub const FAILED: u32 = 2;
     /// Consumer: ended without data (aborted locally or superseded); the blocks are no longer written.
     pub const ENDED: u32 = 3;
+    /// Consumer: failed or ended without data, but a lost or silent producer may still write into
+    /// its blocks: they stay out of use until [`RELEASED`] for the same request.
+    pub const QUARANTINED: u32 = 4;
+    /// Consumer: the blocks of a [`QUARANTINED`] request may be reused.
+    pub const RELEASED: u32 = 5;
 }
 
 /// Why a producer released its blocks (`kvpush_release`); `NONE` on consumer outcomes.
@@ -287,6 +292,10 @@ impl From<Finished> for Outcome {
             Finished::Failed { key, reason, .. } => (key, outcome::FAILED, release::NONE, Cow::Owned(reason)),
             Finished::Ended { key } => {
                 (key, outcome::ENDED, release::NONE, Cow::Borrowed("ended without data (aborted or superseded)"))
+            }
+            Finished::Quarantined { key, reason, .. } => (key, outcome::QUARANTINED, release::NONE, Cow::Owned(reason)),
+            Finished::Released { key } => {
+                (key, outcome::RELEASED, release::NONE, Cow::Borrowed("quarantined blocks may be reused"))
             }
         };
         Outcome { key, outcome, release, message }

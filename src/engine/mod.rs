@@ -294,6 +294,40 @@ pub enum Finished {
         /// The request.
         key: Key,
     },
+    /// Consumer: `key` ended without its data — failed (`failed`; as [`Finished::Failed`]) or
+    /// aborted or superseded (as [`Finished::Ended`]) — but a producer that was lost without a
+    /// confirmed fence, or that did not answer in time, may still write into its blocks. The end is
+    /// reported now (the request must not wait); **the blocks are not given back**: keep `blocks` out
+    /// of use until [`Finished::Released`] for `key` (docs/reliability.md).
+    Quarantined {
+        /// The request.
+        key: Key,
+        /// Whether it failed (else it was aborted or superseded).
+        failed: bool,
+        /// What happened, for logs and the user.
+        reason: String,
+        /// The blocks that were registered for it (per KV group), held.
+        blocks: Vec<Vec<u32>>,
+    },
+    /// Consumer: the blocks of the quarantined `key` ([`Finished::Quarantined`]) may be reused.
+    Released {
+        /// The request.
+        key: Key,
+    },
+}
+
+impl Finished {
+    /// The request this outcome is for.
+    pub fn key(&self) -> Key {
+        match self {
+            Finished::Sent { key, .. }
+            | Finished::Received { key }
+            | Finished::Failed { key, .. }
+            | Finished::Ended { key }
+            | Finished::Quarantined { key, .. }
+            | Finished::Released { key } => *key,
+        }
+    }
 }
 
 /// A peer worker known from its handshake.
@@ -355,10 +389,19 @@ pub(crate) enum Cmd {
         credit: Option<Credit>,
     },
     /// `incarnation`: only that process of the peer is lost (`None`: whichever is known).
+    /// `fenced`: the transport confirmed that nothing the peer posted can touch our memory any
+    /// more ([`crate::transport::Fence::Confirmed`]); otherwise what it could touch is quarantined.
     PeerLost {
         peer: PeerAddr,
         incarnation: Option<side::Incarnation>,
         reason: String,
+        fenced: bool,
+    },
+    /// A peer was (re)added as `incarnation`: a previous process of it, lost without a fence, is
+    /// gone, and what was quarantined for it may go back to its owner.
+    PeerAdded {
+        peer: PeerAddr,
+        incarnation: Option<side::Incarnation>,
     },
     Wake,
     Stop,
@@ -414,6 +457,12 @@ pub(crate) struct Shared {
     pub(crate) regions: Vec<MemRegion>,
     /// Control frames queued for the writers.
     pub(crate) control: Arc<ControlBudget>,
+    /// Held by a writer while it takes the transport's notifications and routes those of other
+    /// shards into their inboxes: a shard then never handles a notification it took before one
+    /// that arrived earlier and was taken (and is being routed) by another writer. Per request,
+    /// notifications are handled in the order the data path delivered them (an old attempt's
+    /// final word before a newer attempt's completion).
+    pub(crate) notif_order: Mutex<()>,
 }
 
 impl Shared {
@@ -459,16 +508,34 @@ impl Shared {
         via: Via,
         credit: Option<Credit>,
     ) -> Result<(), EngineError> {
-        let key = match &msg {
-            Message::Registration(r) => r.key(),
-            Message::Completion(c) => c.key,
-            Message::Layers(c) => c.key,
-            Message::Grant(g) => g.key,
-            Message::Failure(f) => f.key,
-            Message::Abort(a) => a.key,
-            Message::Handshake(_) | Message::Heartbeat(_) => return Ok(()),
-        };
+        let Some(key) = message_key(&msg) else { return Ok(()) };
         self.send(key, Cmd::Msg { from, incarnation, msg, via, credit })
+    }
+
+    /// As [`Shared::route`], for a data-path notification a writer took for another shard: into
+    /// that shard's inbox, which its writer empties before it handles notifications it took itself
+    /// later (see [`Shared::notif_order`]).
+    pub(crate) fn route_local(
+        &self,
+        from: PeerAddr,
+        incarnation: Option<side::Incarnation>,
+        msg: Message,
+    ) -> Result<(), EngineError> {
+        let Some(key) = message_key(&msg) else { return Ok(()) };
+        self.send_local(key, Cmd::Msg { from, incarnation, msg, via: Via::Data, credit: None })
+    }
+}
+
+/// The request a message is about (none for handshakes and heartbeats).
+pub(crate) fn message_key(msg: &Message) -> Option<Key> {
+    match msg {
+        Message::Registration(r) => Some(r.key()),
+        Message::Completion(c) => Some(c.key),
+        Message::Layers(c) => Some(c.key),
+        Message::Grant(g) => Some(g.key),
+        Message::Failure(f) => Some(f.key),
+        Message::Abort(a) => Some(a.key),
+        Message::Handshake(_) | Message::Heartbeat(_) => None,
     }
 }
 
@@ -514,7 +581,8 @@ impl Shared {
                         peers.by_agent.remove(&g.agent);
                     }
                     // Under the lock: see `handle_frame`.
-                    self.lose_peer(&addr, Some(old), "restarted (new incarnation)");
+                    let agent = gone.as_ref().map(|g| g.agent.as_str());
+                    self.lose_peer(&addr, Some(old), agent, "restarted (new incarnation)");
                     gone.map(|g| (g, old))
                 }
                 _ => None,
@@ -542,14 +610,23 @@ impl Shared {
             }
         }
         peers.by_agent.insert(agent, p);
+        for s in &self.shards {
+            let _ = s.tx.send(Cmd::PeerAdded { peer: addr.clone(), incarnation });
+        }
         tracing::debug!(worker = %self.me, peer = %addr, "peer added");
         Ok(addr)
     }
 
-    /// Tells every shard that `incarnation` of `peer` is gone.
-    fn lose_peer(&self, peer: &PeerAddr, incarnation: Option<side::Incarnation>, reason: &str) {
+    /// Tells every shard that `incarnation` of `peer` is gone, after revoking the data-path access
+    /// of its transport agent `agent` (where it is still known).
+    fn lose_peer(&self, peer: &PeerAddr, incarnation: Option<side::Incarnation>, agent: Option<&str>, reason: &str) {
+        let fenced = agent.is_some_and(|a| self.transport.revoke_peer(a) == crate::transport::Fence::Confirmed);
+        if !fenced {
+            tracing::warn!(worker = %self.me, %peer, "the transport cannot confirm that the lost peer's transfers stopped: what they could touch is quarantined");
+        }
         for s in &self.shards {
-            let _ = s.tx.send(Cmd::PeerLost { peer: peer.clone(), incarnation, reason: reason.to_owned() });
+            let reason = reason.to_owned();
+            let _ = s.tx.send(Cmd::PeerLost { peer: peer.clone(), incarnation, reason, fenced });
         }
     }
 
@@ -618,7 +695,9 @@ impl side::Endpoint for Shared {
     }
     fn peer_lost(&self, peer: &PeerAddr, incarnation: side::Incarnation, reason: &str) {
         tracing::warn!(worker = %self.me, %peer, %reason, "peer lost");
-        self.lose_peer(peer, Some(incarnation), reason);
+        let agent =
+            self.peer_by_addr(peer).filter(|p| p.incarnation.is_none_or(|i| i == incarnation)).map(|p| p.agent.clone());
+        self.lose_peer(peer, Some(incarnation), agent.as_deref(), reason);
     }
 }
 
@@ -726,6 +805,7 @@ impl Engine {
             link,
             regions,
             control: ControlBudget::new(config_control),
+            notif_order: Mutex::new(()),
         });
         let weak = Arc::downgrade(&shared);
         shared.transport.set_waker(Arc::new(move || {

@@ -93,6 +93,9 @@ pub struct Failures {
     /// Transfers this engine posted that had not ended when its shutdown fence gave up (their
     /// memory may still be touched after `stop`; logged with the peer and request).
     pub shutdown_unfenced: u64,
+    /// Quarantined blocks released by the time bound, without every producer's final word or a
+    /// fence (`CompletionConfig::quarantine_us`; logged).
+    pub quarantine_expired: u64,
 }
 
 /// Everything the writers record.
@@ -147,6 +150,9 @@ pub struct Counters {
     pub failed: u64,
     /// Aborts handled.
     pub aborted: u64,
+    /// Consumer: requests whose end was reported while their blocks stayed quarantined
+    /// ([`super::Finished::Quarantined`]; a lost or silent producer might still write into them).
+    pub quarantined: u64,
 }
 
 /// Serializable view of [`Stats`].
@@ -186,7 +192,8 @@ impl Stats {
             released,
             received,
             failed,
-            aborted
+            aborted,
+            quarantined
         );
         sum!(
             self.failures,
@@ -201,7 +208,8 @@ impl Stats {
             unknown_peer,
             link,
             writer_panic,
-            shutdown_unfenced
+            shutdown_unfenced,
+            quarantine_expired
         );
         self.wait_registration_first.add(&other.wait_registration_first);
         self.wait_blocks_first.add(&other.wait_blocks_first);

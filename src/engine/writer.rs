@@ -18,7 +18,7 @@ use super::timeline;
 use super::{addr_of, fan_out, producer_ranks, target_of, Cmd, Finished, PeerAddr, Shared, Stats, Via};
 use crate::pool::handoff::Inbox;
 use crate::proto::codec;
-use crate::proto::completion::{Completions, Event, FailReason};
+use crate::proto::completion::{Completions, Event, FailReason, QuarantineCause};
 use crate::proto::ids::Instant;
 use crate::proto::layerwise::{part_layers, restrict_grid, LayerCompletion, LayerSend, LayerSet};
 use crate::proto::msg::{
@@ -54,8 +54,9 @@ struct InFlight {
     peer: PeerAddr,
     op: Op,
     posted_at: Instant,
-    /// Its outcome was already reported (the peer was lost); only the handle is still awaited.
-    orphaned: bool,
+    /// The peer was lost and the transfer cancelled: it ends as a failure, reported only when the
+    /// transport says it ended (until then it may still read our sources or fill our blocks).
+    lost: bool,
 }
 
 /// Producer: a request reported with [`super::Engine::layers_ready`].
@@ -115,6 +116,11 @@ pub(super) struct Writer {
     layered: HashMap<Key, Layered>,
     /// Producer: which consumer workers registered each live request (for peer loss).
     registered_by: HashMap<Key, Vec<(PeerAddr, Option<Incarnation>)>>,
+    /// Consumer: outcomes of requests whose own READ was still in flight when they ended; each goes
+    /// out once its READs ended (cancelled on the way), never before (issue 16, window 4).
+    owed: Vec<Finished>,
+    /// Consumer: quarantined requests and the producer engine that may still write into them.
+    quarantined: HashMap<Key, String>,
     poll_interval: Duration,
     /// When this writer last did work (for lingering).
     last_active: StdInstant,
@@ -149,6 +155,8 @@ impl Writer {
             producers: HashMap::new(),
             layered: HashMap::new(),
             registered_by: HashMap::new(),
+            owed: Vec::new(),
+            quarantined: HashMap::new(),
             poll_interval: POLL_MIN,
             last_active: StdInstant::now(),
         }
@@ -337,7 +345,7 @@ impl Writer {
                         self.send_frame(&from, &Message::Failure(f));
                     }
                     // Everything this shard held was failed above; nothing else is waited for.
-                    Cmd::Abort { .. } | Cmd::Msg { .. } | Cmd::PeerLost { .. } | Cmd::Wake => {}
+                    Cmd::Abort { .. } | Cmd::Msg { .. } | Cmd::PeerLost { .. } | Cmd::PeerAdded { .. } | Cmd::Wake => {}
                 }
             }
         }
@@ -402,7 +410,7 @@ impl Writer {
             // back (each poll is what moves a large transfer along; measured: a 25 µs gap between
             // polls halves the bandwidth); while we merely wait for a peer's notification or read,
             // back off up to POLL_WAITING_MAX. With nothing expected, sleep until the next deadline.
-            if self.inflight.values().any(|f| !f.orphaned) {
+            if self.inflight.values().any(|f| !f.lost) {
                 wait = if self.last_active.elapsed() < SPIN_WINDOW {
                     Duration::ZERO
                 } else {
@@ -446,7 +454,10 @@ impl Writer {
                 drop(credit);
                 self.message(now, from, incarnation, msg, via)
             }
-            Cmd::PeerLost { peer, incarnation, reason } => self.peer_lost(now, &peer, incarnation, &reason),
+            Cmd::PeerLost { peer, incarnation, reason, fenced } => {
+                self.peer_lost(now, &peer, incarnation, &reason, fenced)
+            }
+            Cmd::PeerAdded { peer, incarnation } => self.peer_added(&peer, incarnation),
             Cmd::Wake | Cmd::Stop => {}
         }
         self.drain_outputs();
@@ -654,13 +665,19 @@ impl Writer {
         timeline::record("eng_register_sent", key);
     }
 
-    /// A peer worker went away: everything in flight with it fails now, on this side.
+    /// A peer worker went away: everything with it fails on this side, in time, but a block goes
+    /// back to its owner only once nothing of the peer can touch it. Our own transfers with it are
+    /// cancelled and fail when the transport says they ended (P's sources, D's READ targets). The
+    /// peer's transfers into our memory stopped if the transport confirmed the fence (`fenced`,
+    /// [`crate::transport::Transport::revoke_peer`]); otherwise the requests they could write into
+    /// end now *quarantined*: reported, with their blocks held ([`Finished::Quarantined`]).
     fn peer_lost(
         &mut self,
         now: Instant,
         peer: &PeerAddr,
         incarnation: Option<super::side::Incarnation>,
         reason: &str,
+        fenced: bool,
     ) {
         let detail = format!("peer {peer} lost: {reason}");
         // Producer side: registrations from the lost consumer, and reads it was granted.
@@ -677,29 +694,22 @@ impl Writer {
         for (key, p) in grants {
             self.read_done(now, key, p, Err(FailureKind::PeerLost));
         }
-        // Transfers in flight with it will not complete usefully: their outcome is a failure now.
-        // They stay in the table, orphaned, until the transport reports them ended, so the
-        // transport's handle is released (and never reported twice).
-        let lost: Vec<(XferId, Key, Op)> = self
-            .inflight
-            .iter()
-            .filter(|(_, f)| &f.peer == peer && !f.orphaned)
-            .map(|(id, f)| (*id, f.key, f.op))
-            .collect();
-        for (id, key, op) in lost {
-            if let Some(f) = self.inflight.get_mut(&id) {
-                f.orphaned = true;
-            }
-            match op {
-                Op::Write => self.write_done(now, key, peer.clone(), Err(FailureKind::PeerLost)),
-                Op::Read => self.read_finished(now, key, peer.clone(), Err(FailureKind::PeerLost)),
-            }
+        // Our transfers in flight with it will not complete usefully: cut them short where the
+        // transport can. They stay in the table until the transport reports them ended, and only
+        // then is their failure handed to the state machines (a WRITE's sources, a READ's targets
+        // are not given back while the transfer may still touch them).
+        for f in self.inflight.values_mut().filter(|f| &f.peer == peer && !f.lost) {
+            f.lost = true;
         }
-        // Consumer side: requests that wait for parts from the lost producer's engine.
+        let ids: Vec<XferId> = self.inflight.iter().filter(|(_, f)| &f.peer == peer).map(|(id, _)| *id).collect();
+        for id in ids {
+            self.shared.transport.cancel(id);
+        }
+        // Consumer side: requests that wait for parts from the lost producer's engine. Unfenced,
+        // each ends now with its blocks quarantined (the outcome never waits for the lost peer).
         let waiting: Vec<Key> = self.producers.iter().filter(|(_, e)| **e == peer.engine).map(|(k, _)| *k).collect();
         for key in waiting {
-            let f = Failure { key, rank: peer.rank, kind: FailureKind::PeerLost, detail: detail.clone() };
-            self.comp.handle_failure(now, &f);
+            self.comp.handle_lost(now, key, peer.rank, fenced, &detail);
         }
         if self.index == 0 {
             let removed = {
@@ -715,6 +725,20 @@ impl Writer {
             if let Some(p) = removed {
                 self.shared.transport.drop_peer(&p.agent);
             }
+        }
+    }
+
+    /// A peer worker was (re)added as `incarnation`: a previous process of it is gone (its kernel
+    /// closed its connections and unmapped its memory), so whatever it could still have written into
+    /// our quarantined blocks can no longer land.
+    fn peer_added(&mut self, peer: &PeerAddr, incarnation: Option<Incarnation>) {
+        if incarnation.is_none() {
+            return; // an in-process link: nothing says an earlier process ended
+        }
+        let keys: Vec<Key> =
+            self.quarantined.iter().filter(|(_, engine)| **engine == peer.engine).map(|(k, _)| *k).collect();
+        for key in keys {
+            self.comp.handle_fenced(key, peer.rank);
         }
     }
 
@@ -826,7 +850,7 @@ impl Writer {
                 let ours: Vec<XferId> = self
                     .inflight
                     .iter()
-                    .filter(|(_, f)| f.key == a.key && f.peer == from && !f.orphaned)
+                    .filter(|(_, f)| f.key == a.key && f.peer == from && !f.lost)
                     .map(|(id, _)| *id)
                     .collect();
                 // The consumer gave up: a transfer still in flight into its blocks is cut short where
@@ -902,12 +926,11 @@ impl Writer {
                 }
                 any = true;
                 let Some(f) = self.inflight.remove(&id) else { continue };
-                if f.orphaned {
-                    continue;
-                }
                 let now = self.now();
                 self.stats().transfer.record(now.micros_since(f.posted_at));
                 let result = match state {
+                    // Its peer was lost: whatever the transport says, the request failed here.
+                    _ if f.lost => Err(FailureKind::PeerLost),
                     Ok(_) => Ok(()),
                     Err(e) => {
                         self.stats().failures.transfer += 1;
@@ -923,41 +946,50 @@ impl Writer {
             }
         }
         self.notifs.clear();
-        if let Ok(n) = self.shared.transport.take_notifications(&mut self.notifs) {
-            any |= n > 0;
-        }
-        let notifs = std::mem::take(&mut self.notifs);
-        for n in &notifs {
-            let Some(peer) = self.shared.peer_by_agent(&n.from) else {
-                self.stats().failures.unknown_peer += 1;
-                continue;
-            };
-            match codec::decode(&n.msg, Some(&peer.layout)) {
-                Ok(msg) => {
-                    let key = match &msg {
-                        Message::Completion(c) => Some(c.key),
-                        Message::Layers(c) => Some(c.key),
-                        Message::Failure(f) => Some(f.key),
-                        Message::Abort(a) => Some(a.key),
-                        Message::Registration(r) => Some(r.key()),
-                        _ => None,
-                    };
-                    if let Some(key) = key {
-                        if self.shared.shard_of(key) == self.index {
-                            let now = self.now();
-                            self.message(now, peer.addr.clone(), peer.incarnation, msg, Via::Data);
-                        } else {
-                            let _ = self.shared.route(peer.addr.clone(), peer.incarnation, msg, Via::Data, None);
+        let mut mine = Vec::new();
+        {
+            // Take and route as one step (see `Shared::notif_order`).
+            let _order = crate::sync::lock(&self.shared.notif_order);
+            if let Ok(n) = self.shared.transport.take_notifications(&mut self.notifs) {
+                any |= n > 0;
+            }
+            let notifs = std::mem::take(&mut self.notifs);
+            for n in &notifs {
+                let Some(peer) = self.shared.peer_by_agent(&n.from) else {
+                    self.stats().failures.unknown_peer += 1;
+                    continue;
+                };
+                match codec::decode(&n.msg, Some(&peer.layout)) {
+                    Ok(msg) => match super::message_key(&msg) {
+                        Some(key) if self.shared.shard_of(key) == self.index => {
+                            mine.push((peer.addr.clone(), peer.incarnation, msg))
                         }
+                        Some(_) => {
+                            let _ = self.shared.route_local(peer.addr.clone(), peer.incarnation, msg);
+                        }
+                        None => {}
+                    },
+                    Err(e) => {
+                        self.stats().failures.malformed += 1;
+                        tracing::warn!(worker = %self.shared.me, peer = %peer.addr, error = %e, "malformed notification");
                     }
                 }
-                Err(e) => {
-                    self.stats().failures.malformed += 1;
-                    tracing::warn!(worker = %self.shared.me, peer = %peer.addr, error = %e, "malformed notification");
-                }
+            }
+            self.notifs = notifs;
+        }
+        if !mine.is_empty() {
+            // What other writers took before us and routed here is older: handle it first.
+            let inbox = Arc::clone(&self.shared.shards[self.index].inbox);
+            let mut routed = Vec::new();
+            inbox.drain_into(&mut routed);
+            for cmd in routed {
+                self.handle(cmd);
+            }
+            for (from, incarnation, msg) in mine {
+                let now = self.now();
+                self.message(now, from, incarnation, msg, Via::Data);
             }
         }
-        self.notifs = notifs;
         any
     }
 
@@ -1129,7 +1161,7 @@ impl Writer {
                 drop(st);
                 match id {
                     Some(id) => {
-                        self.inflight.insert(id, InFlight { key, peer, op, posted_at: now, orphaned: false });
+                        self.inflight.insert(id, InFlight { key, peer, op, posted_at: now, lost: false });
                     }
                     None if op == Op::Write => self.write_done(now, key, peer, Ok(())),
                     None => self.read_finished(now, key, peer, Ok(())),
@@ -1157,6 +1189,43 @@ impl Writer {
                 }
             }
             Err(e) => tracing::error!(error = %e, "cannot encode control frame"),
+        }
+    }
+
+    /// Hands a consumer outcome to the owner — unless our own READ into the request's blocks is still
+    /// in flight (pull: the producer's grant expired, a failure or a timeout ended the request while
+    /// the READ runs). Then the READ is cancelled and the outcome waits for its end
+    /// ([`Writer::pay_owed`]): the blocks go back only once nothing of ours can land in them.
+    fn finish(&mut self, f: Finished) {
+        let key = f.key();
+        let reading: Vec<XferId> =
+            self.inflight.iter().filter(|(_, x)| x.key == key && x.op == Op::Read).map(|(id, _)| *id).collect();
+        if reading.is_empty() && !self.owed.iter().any(|o| o.key() == key) {
+            self.shared.outbox.push(f);
+            return;
+        }
+        for id in reading {
+            self.shared.transport.cancel(id);
+        }
+        tracing::debug!(worker = %self.shared.me, %key, "outcome held until the request's READ ended");
+        self.owed.push(f);
+    }
+
+    /// Hands out the held outcomes ([`Writer::finish`]) whose READs have ended, in order.
+    fn pay_owed(&mut self) {
+        if self.owed.is_empty() {
+            return;
+        }
+        let owed = std::mem::take(&mut self.owed);
+        for f in owed {
+            let key = f.key();
+            let blocked = self.inflight.values().any(|x| x.key == key && x.op == Op::Read)
+                || self.owed.iter().any(|o| o.key() == key);
+            if blocked {
+                self.owed.push(f);
+            } else {
+                self.shared.outbox.push(f);
+            }
         }
     }
 
@@ -1235,7 +1304,7 @@ impl Writer {
                         st.receive.record(waited_us);
                         drop(st);
                         timeline::record("eng_received", key);
-                        self.shared.outbox.push(Finished::Received { key });
+                        self.finish(Finished::Received { key });
                     }
                     Event::Draining { key } => {
                         // The request ended without its data while some producer ranks have not
@@ -1260,12 +1329,48 @@ impl Writer {
                         };
                         self.stats().counters.failed += 1;
                         let reason = format!("{}: request {key}: {text}", self.shared.me);
-                        self.shared.outbox.push(Finished::Failed { key, reason, invalid_blocks });
+                        self.finish(Finished::Failed { key, reason, invalid_blocks });
                     }
                     Event::Aborted { key } | Event::Superseded { key, .. } => {
                         self.producers.remove(&key);
                         self.pulls.remove(&key);
-                        self.shared.outbox.push(Finished::Ended { key });
+                        self.finish(Finished::Ended { key });
+                    }
+                    Event::Quarantined { key, ended, blocks, why } => {
+                        self.pulls.remove(&key);
+                        // The producers were told to stop when it began draining (or are lost); the
+                        // blocks stay held until `Released`.
+                        let producer = self.producers.remove(&key).unwrap_or_default();
+                        self.quarantined.insert(key, producer.clone());
+                        let failed = matches!(*ended, Event::Failed { .. });
+                        let cause = match why {
+                            QuarantineCause::LostUnfenced(rank) => {
+                                format!("producer {producer} rank {rank} lost; its data path could not be fenced")
+                            }
+                            QuarantineCause::DrainTimeout => "producer ranks silent past the drain timeout".to_owned(),
+                        };
+                        let reason = format!(
+                            "{}: request {key}: {} ({cause}); its blocks stay quarantined",
+                            self.shared.me,
+                            if failed { "failed" } else { "ended" }
+                        );
+                        tracing::warn!(worker = %self.shared.me, %key, %reason, "blocks quarantined");
+                        {
+                            let mut st = self.stats();
+                            st.counters.quarantined += 1;
+                            if failed {
+                                st.counters.failed += 1;
+                            }
+                        }
+                        self.finish(Finished::Quarantined { key, failed, reason, blocks });
+                    }
+                    Event::Released { key, expired } => {
+                        self.quarantined.remove(&key);
+                        if expired {
+                            self.stats().failures.quarantine_expired += 1;
+                            tracing::error!(worker = %self.shared.me, %key, "quarantined blocks released by the time bound, without a fence");
+                        }
+                        self.finish(Finished::Released { key });
                     }
                 }
             }
@@ -1273,15 +1378,11 @@ impl Writer {
                 break;
             }
         }
+        self.pay_owed();
     }
 }
 
 /// The key an outcome is for.
 fn finished_key(f: &Finished) -> Key {
-    match f {
-        Finished::Sent { key, .. }
-        | Finished::Received { key }
-        | Finished::Failed { key, .. }
-        | Finished::Ended { key } => *key,
-    }
+    f.key()
 }

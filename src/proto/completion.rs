@@ -21,6 +21,15 @@
 //! producer answers every registration with one or the other — or until
 //! [`CompletionConfig::drain_timeout_us`] passes (a producer that is gone). Only then is the event
 //! emitted, so the engine never hands out blocks a late write could still land in.
+//!
+//! **Quarantine: the outcome in time, the blocks later.** Waiting for a final word that may never
+//! come (a producer lost without a fence, or silent past the drain timeout) must not hold the
+//! outcome: the request would hang. Such an attempt ends with [`Event::Quarantined`] instead — the
+//! request failed, *but its blocks stay out of use* — and the blocks follow with exactly one
+//! [`Event::Released`] once every producer rank gave its final word or had its access torn down
+//! ([`Completions::handle_fenced`]), or once [`CompletionConfig::quarantine_us`] passed (the bound:
+//! counted in [`CompletionStats::quarantine_expired`]). Quarantined attempts count against
+//! [`CompletionConfig::max_pending`], so the quarantine is bounded in size too.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -39,11 +48,14 @@ pub struct CompletionConfig {
     /// After a request fails, is aborted or superseded, how long to wait for the producer ranks
     /// that have not given their final word before reporting it anyway (µs). See [`Completions`].
     pub drain_timeout_us: u64,
+    /// Longest time the blocks of a quarantined attempt ([`Event::Quarantined`]) are held for
+    /// producer ranks that may still write into them (µs); then they are released anyway.
+    pub quarantine_us: u64,
 }
 
 impl Default for CompletionConfig {
     fn default() -> Self {
-        Self { timeout_us: 120_000_000, max_pending: 65_536, drain_timeout_us: 10_000_000 }
+        Self { timeout_us: 120_000_000, max_pending: 65_536, drain_timeout_us: 10_000_000, quarantine_us: 120_000_000 }
     }
 }
 
@@ -68,8 +80,9 @@ pub enum FailReason {
     },
 }
 
-/// How a registered attempt ended: exactly one outcome (every variant but [`Event::Draining`]) per
-/// `handle_registered` that returned `Ok`, possibly preceded by one `Draining`.
+/// How a registered attempt ended: exactly one outcome (every variant but [`Event::Draining`] and
+/// [`Event::Released`]) per `handle_registered` that returned `Ok`, possibly preceded by one
+/// `Draining`; a [`Event::Quarantined`] outcome is followed by exactly one `Released`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
     /// Every part landed; the request may decode.
@@ -107,6 +120,53 @@ pub enum Event {
         /// The attempt that ended.
         key: Key,
     },
+    /// The attempt ended without its data (`ended`: the [`Event::Failed`], [`Event::Aborted`] or
+    /// [`Event::Superseded`] it would have been) while a producer rank that may still write into its
+    /// blocks cannot give its final word in time (lost without a fence, or silent past the drain
+    /// timeout). Report the request's end now, but keep `blocks` out of use until
+    /// [`Event::Released`].
+    Quarantined {
+        /// The attempt.
+        key: Key,
+        /// The outcome it stands for.
+        ended: Box<Event>,
+        /// Its blocks (per KV group), held.
+        blocks: Vec<Vec<u32>>,
+        /// Why it could not wait.
+        why: QuarantineCause,
+    },
+    /// Not an outcome: the blocks of a quarantined attempt may be reused (every producer rank gave
+    /// its final word or was fenced, or the quarantine bound passed: `expired`).
+    Released {
+        /// The attempt.
+        key: Key,
+        /// Released by the time bound, without every producer's final word.
+        expired: bool,
+    },
+}
+
+impl Event {
+    /// The attempt this event is about.
+    pub fn key(&self) -> Key {
+        match self {
+            Event::Received { key, .. }
+            | Event::Failed { key, .. }
+            | Event::Aborted { key }
+            | Event::Superseded { key, .. }
+            | Event::Draining { key }
+            | Event::Quarantined { key, .. }
+            | Event::Released { key, .. } => *key,
+        }
+    }
+}
+
+/// Why an attempt was quarantined ([`Event::Quarantined`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuarantineCause {
+    /// A producer rank was lost and its access to our memory could not be confirmed torn down.
+    LostUnfenced(Rank),
+    /// Some producer ranks had not answered by the drain timeout.
+    DrainTimeout,
 }
 
 /// Refusal of [`Completions::handle_registered`].
@@ -155,6 +215,10 @@ pub struct CompletionStats {
     pub timed_out: u64,
     /// Ended requests reported by the drain timeout, without every producer's final word.
     pub drain_expired: u64,
+    /// Attempts quarantined ([`Event::Quarantined`]).
+    pub quarantined: u64,
+    /// Quarantines released by the time bound ([`CompletionConfig::quarantine_us`]).
+    pub quarantine_expired: u64,
 }
 
 #[derive(Debug)]
@@ -167,13 +231,15 @@ struct Waiting {
     blocks: Vec<Vec<u32>>,
 }
 
-/// An attempt that ended without its data, held until its producers have all answered.
+/// An attempt that ended without its data, held until its producers have all answered. Quarantined
+/// attempts keep the same record (`event` then is the `Quarantined` already emitted).
 #[derive(Debug)]
 struct Draining {
     expected: u32,
     heard: Vec<Rank>,
     deadline: Instant,
     event: Event,
+    blocks: Vec<Vec<u32>>,
 }
 
 /// The consumer's completion counter. See the module docs.
@@ -182,6 +248,10 @@ pub struct Completions {
     config: CompletionConfig,
     waiting: HashMap<TransferId, Waiting>,
     draining: HashMap<Key, Draining>,
+    /// Quarantined attempts: outcome reported, blocks held (see the module docs).
+    quarantined: HashMap<Key, Draining>,
+    /// Outcomes waiting for an older attempt of their transfer to finish draining ([`Completions::emit`]).
+    behind: Vec<Event>,
     deadlines: Deadlines,
     events: VecDeque<Event>,
     stats: CompletionStats,
@@ -196,6 +266,8 @@ impl Completions {
             config,
             waiting: HashMap::new(),
             draining: HashMap::new(),
+            quarantined: HashMap::new(),
+            behind: Vec::new(),
             deadlines: Deadlines::default(),
             events: VecDeque::new(),
             stats: CompletionStats::default(),
@@ -205,9 +277,25 @@ impl Completions {
 
     // ---- getters ----
 
-    /// Requests waiting for parts, or ended and waiting for their producers' final words.
+    /// Requests waiting for parts, ended and waiting for their producers' final words, or
+    /// quarantined (their blocks held).
     pub fn pending(&self) -> usize {
-        self.waiting.len() + self.draining.len()
+        self.waiting.len() + self.draining.len() + self.quarantined.len() + self.behind.len()
+    }
+
+    /// Attempts quarantined now (their outcome reported, their blocks held).
+    pub fn quarantined(&self) -> usize {
+        self.quarantined.len()
+    }
+
+    /// Whether `key` waits for parts or for its producers' final words (it owes its outcome).
+    pub fn owes_outcome(&self, key: Key) -> bool {
+        self.progress(key).is_some() || self.draining.contains_key(&key)
+    }
+
+    /// The attempts quarantined now.
+    pub fn quarantined_keys(&self) -> impl Iterator<Item = Key> + '_ {
+        self.quarantined.keys().copied()
     }
 
     /// Counters so far.
@@ -235,9 +323,10 @@ impl Completions {
             .waiting
             .iter()
             .map(|(id, w)| (Key { transfer_id: *id, attempt: super::ids::Attempt(w.attempt) }, w.blocks.clone()))
-            .chain(self.draining.iter().map(|(k, d)| (*k, blocks_of(&d.event))))
-            .chain(self.events.iter().filter_map(|e| match e {
-                Event::Draining { .. } => None,
+            .chain(self.draining.iter().map(|(k, d)| (*k, d.blocks.clone())))
+            .chain(self.events.iter().chain(&self.behind).filter_map(|e| match e {
+                Event::Draining { .. } | Event::Released { .. } => None,
+                Event::Quarantined { key, blocks, .. } => Some((*key, blocks.clone())),
                 Event::Received { key, .. }
                 | Event::Failed { key, .. }
                 | Event::Aborted { key }
@@ -265,11 +354,13 @@ impl Completions {
     pub fn poll_event(&mut self) -> Option<Event> {
         let event = self.events.pop_front()?;
         match &event {
-            Event::Draining { .. } => {}
+            // A quarantined attempt's outcome is out; its late layers are stale from now on.
+            Event::Draining { .. } | Event::Released { .. } => {}
             Event::Received { key, .. }
             | Event::Failed { key, .. }
             | Event::Aborted { key }
-            | Event::Superseded { key, .. } => self.layers.forget(*key),
+            | Event::Superseded { key, .. }
+            | Event::Quarantined { key, .. } => self.layers.forget(*key),
         }
         Some(event)
     }
@@ -300,8 +391,8 @@ impl Completions {
             if let Some(old) = self.waiting.remove(&id) {
                 let old_key = Key { transfer_id: id, attempt: super::ids::Attempt(old.attempt) };
                 let heard = old.from.clone();
-                let event = Event::Superseded { key: old_key, invalid_blocks: old.blocks };
-                self.drain(now, old_key, old.expected, heard, event);
+                let event = Event::Superseded { key: old_key, invalid_blocks: old.blocks.clone() };
+                self.drain(now, old_key, (old.expected, heard), event, old.blocks);
             }
         } else if self.pending() >= self.config.max_pending {
             return Err(RegisterError::Full { pending: self.pending(), max: self.config.max_pending });
@@ -340,7 +431,7 @@ impl Completions {
         if done {
             self.waiting.remove(&c.key.transfer_id);
             self.stats.received += 1;
-            self.events.push_back(Event::Received { key: c.key, waited_us });
+            self.emit(Event::Received { key: c.key, waited_us });
         }
     }
 
@@ -377,8 +468,8 @@ impl Completions {
             let reason = FailReason::Producer { rank: f.rank, kind: f.kind, detail: f.detail.clone() };
             let mut heard = w.from;
             heard.push(f.rank);
-            let event = Event::Failed { key: f.key, reason, invalid_blocks: w.blocks };
-            self.drain(now, f.key, w.expected, heard, event);
+            let event = Event::Failed { key: f.key, reason, invalid_blocks: w.blocks.clone() };
+            self.drain(now, f.key, (w.expected, heard), event, w.blocks);
         }
     }
 
@@ -386,7 +477,7 @@ impl Completions {
     pub fn handle_abort(&mut self, now: Instant, key: Key) {
         if self.waiting.get(&key.transfer_id).is_some_and(|w| w.attempt == key.attempt.0) {
             if let Some(w) = self.waiting.remove(&key.transfer_id) {
-                self.drain(now, key, w.expected, w.from, Event::Aborted { key });
+                self.drain(now, key, (w.expected, w.from), Event::Aborted { key }, w.blocks);
             }
         }
     }
@@ -397,9 +488,18 @@ impl Completions {
         while let Some((at, key)) = self.deadlines.pop_due(now) {
             let (id, attempt) = (key.transfer_id, key.attempt.0);
             if self.draining.get(&key).is_some_and(|d| d.deadline == at) {
+                // Some producer rank never answered: it may still be writing. The outcome is due
+                // now; the blocks are not.
                 if let Some(d) = self.draining.remove(&key) {
                     self.stats.drain_expired += 1;
-                    self.events.push_back(d.event);
+                    self.quarantine(now, key, d, QuarantineCause::DrainTimeout);
+                }
+                continue;
+            }
+            if self.quarantined.get(&key).is_some_and(|d| d.deadline == at) {
+                if self.quarantined.remove(&key).is_some() {
+                    self.stats.quarantine_expired += 1;
+                    self.emit(Event::Released { key, expired: true });
                 }
                 continue;
             }
@@ -410,38 +510,126 @@ impl Completions {
             if let Some(w) = self.waiting.remove(&id) {
                 self.stats.timed_out += 1;
                 let reason = FailReason::Timeout { received: w.from.len() as u32, expected: w.expected };
-                let event = Event::Failed { key, reason, invalid_blocks: w.blocks };
-                self.drain(now, key, w.expected, w.from, event);
+                let event = Event::Failed { key, reason, invalid_blocks: w.blocks.clone() };
+                self.drain(now, key, (w.expected, w.from), event, w.blocks);
             }
         }
     }
 
+    /// Producer rank `rank` of the live or draining attempt `key` was lost. `fenced`: its access to
+    /// our memory was torn down (nothing it posted can land any more), which is its final word;
+    /// otherwise it may still write and will never answer, so the attempt ends now, quarantined.
+    pub fn handle_lost(&mut self, now: Instant, key: Key, rank: Rank, fenced: bool, detail: &str) {
+        if fenced {
+            let f = Failure { key, rank, kind: FailureKind::PeerLost, detail: detail.to_owned() };
+            return self.handle_failure(now, &f);
+        }
+        let cause = QuarantineCause::LostUnfenced(rank);
+        if let Some(d) = self.draining.remove(&key) {
+            return self.quarantine(now, key, d, cause);
+        }
+        if self.live(key).is_none() {
+            return;
+        }
+        if let Some(w) = self.waiting.remove(&key.transfer_id) {
+            self.stats.failed += 1;
+            let reason = FailReason::Producer { rank, kind: FailureKind::PeerLost, detail: detail.to_owned() };
+            let event = Event::Failed { key, reason, invalid_blocks: w.blocks.clone() };
+            let d = Draining { expected: w.expected, heard: w.from, deadline: now, event, blocks: w.blocks };
+            self.quarantine(now, key, d, cause);
+        }
+    }
+
+    /// The access of a lost producer rank `rank` to our memory was torn down since (it came back as
+    /// a new process): for a quarantined `key` it counts as that rank's final word.
+    pub fn handle_fenced(&mut self, key: Key, rank: Rank) {
+        self.heard_while_quarantined(key, rank);
+    }
+
     /// Holds `event` until `expected` distinct producer ranks have given their final word (`heard`
     /// so far) or the drain timeout passes; emits it at once if all have.
-    fn drain(&mut self, now: Instant, key: Key, expected: u32, mut heard: Vec<Rank>, event: Event) {
+    fn drain(
+        &mut self,
+        now: Instant,
+        key: Key,
+        (expected, mut heard): (u32, Vec<Rank>),
+        event: Event,
+        blocks: Vec<Vec<u32>>,
+    ) {
         heard.sort_unstable();
         heard.dedup();
         if heard.len() as u32 >= expected {
-            self.events.push_back(event);
+            self.emit(event);
             return;
         }
         let deadline = now.plus_micros(self.config.drain_timeout_us);
         self.deadlines.push(deadline, key);
-        self.draining.insert(key, Draining { expected, heard, deadline, event });
+        self.draining.insert(key, Draining { expected, heard, deadline, event, blocks });
         self.events.push_back(Event::Draining { key });
     }
 
-    /// Records a final word from `rank` for a draining `key`; emits its event once all have spoken.
-    /// Returns whether `key` was draining.
+    /// Emits the outcome of the ended attempt `d` now, quarantined: its blocks stay held until its
+    /// producers all answered or the quarantine bound passes.
+    fn quarantine(&mut self, now: Instant, key: Key, mut d: Draining, why: QuarantineCause) {
+        self.stats.quarantined += 1;
+        let ended = Box::new(std::mem::replace(&mut d.event, Event::Released { key, expired: false }));
+        let blocks = d.blocks.clone();
+        self.quarantined.insert(key, Draining { deadline: now.plus_micros(self.config.quarantine_us), ..d });
+        self.deadlines.push(now.plus_micros(self.config.quarantine_us), key);
+        self.emit(Event::Quarantined { key, ended, blocks, why });
+    }
+
+    /// Queues outcome `event` — behind the outcome of an older attempt of the same transfer that is
+    /// still draining: the owner sees one transfer's attempts end in order (a newer attempt is never
+    /// reported while an older one may still write, possibly into the same blocks). Then hands out
+    /// what no longer waits.
+    fn emit(&mut self, event: Event) {
+        self.behind.push(event);
+        // Per transfer, older attempts first (stable: one attempt's events keep their order).
+        self.behind.sort_by_key(|e| e.key().attempt.0);
+        let mut i = 0;
+        while i < self.behind.len() {
+            let key = self.behind[i].key();
+            let older_draining =
+                self.draining.keys().any(|d| d.transfer_id == key.transfer_id && d.attempt.0 < key.attempt.0);
+            let earlier_held = self.behind[..i].iter().any(|e| e.key().transfer_id == key.transfer_id);
+            if older_draining || earlier_held {
+                i += 1;
+            } else {
+                let e = self.behind.remove(i);
+                self.events.push_back(e);
+                i = 0;
+            }
+        }
+    }
+
+    /// Records a final word from `rank` for a draining or quarantined `key`; emits its event once all
+    /// have spoken. Returns whether `key` was draining or quarantined.
     fn heard_while_draining(&mut self, key: Key, rank: Rank) -> bool {
+        if self.heard_while_quarantined(key, rank) {
+            return true;
+        }
         let Some(d) = self.draining.get_mut(&key) else { return false };
         if !d.heard.contains(&rank) {
             d.heard.push(rank);
         }
         if d.heard.len() as u32 >= d.expected {
             if let Some(d) = self.draining.remove(&key) {
-                self.events.push_back(d.event);
+                self.emit(d.event);
             }
+        }
+        true
+    }
+
+    /// As [`Completions::heard_while_draining`], for a quarantined `key`: releases its blocks once
+    /// every producer rank has spoken.
+    fn heard_while_quarantined(&mut self, key: Key, rank: Rank) -> bool {
+        let Some(d) = self.quarantined.get_mut(&key) else { return false };
+        if !d.heard.contains(&rank) {
+            d.heard.push(rank);
+        }
+        if d.heard.len() as u32 >= d.expected && self.quarantined.remove(&key).is_some() {
+            self.emit(Event::Released { key, expired: false });
         }
         true
     }
@@ -498,7 +686,12 @@ mod tests {
 
     #[test]
     fn failure_and_timeout_report_blocks_invalid() {
-        let mut c = Completions::new(CompletionConfig { timeout_us: 100, max_pending: 8, drain_timeout_us: 50 });
+        let mut c = Completions::new(CompletionConfig {
+            timeout_us: 100,
+            max_pending: 8,
+            drain_timeout_us: 50,
+            quarantine_us: 500,
+        });
         c.handle_registered(Instant(0), &reg(1, 1), 1).expect("registers");
         c.handle_registered(Instant(0), &reg(2, 1), 2).expect("registers");
         let f =
@@ -533,7 +726,12 @@ mod tests {
 
     #[test]
     fn ended_requests_wait_for_every_producer_or_the_drain_timeout() {
-        let mut c = Completions::new(CompletionConfig { timeout_us: 1000, max_pending: 8, drain_timeout_us: 50 });
+        let mut c = Completions::new(CompletionConfig {
+            timeout_us: 1000,
+            max_pending: 8,
+            drain_timeout_us: 50,
+            quarantine_us: 500,
+        });
         // Two producers; the first fails: the second may still be writing.
         c.handle_registered(Instant(0), &reg(1, 1), 2).expect("registers");
         let f =
@@ -552,15 +750,26 @@ mod tests {
         assert_eq!(c.poll_event(), None);
         c.handle_timeout(Instant(60));
         assert_eq!(c.poll_event(), None);
+        // Reported at the drain timeout, but quarantined: nobody gave its final word.
         c.handle_timeout(Instant(61));
-        assert_eq!(c.poll_event(), Some(Event::Aborted { key: Key::new(2, 1) }));
+        assert!(
+            matches!(c.poll_event(), Some(Event::Quarantined { ended, .. }) if *ended == Event::Aborted { key: Key::new(2, 1) })
+        );
         assert_eq!(c.stats().drain_expired, 1);
+        assert_eq!(c.pending(), 1);
+        c.handle_timeout(Instant(561));
+        assert_eq!(c.poll_event(), Some(Event::Released { key: Key::new(2, 1), expired: true }));
         assert_eq!(c.pending(), 0);
     }
 
     #[test]
     fn newer_attempt_supersedes_and_bounds_hold() {
-        let mut c = Completions::new(CompletionConfig { timeout_us: 100, max_pending: 2, drain_timeout_us: 50 });
+        let mut c = Completions::new(CompletionConfig {
+            timeout_us: 100,
+            max_pending: 2,
+            drain_timeout_us: 50,
+            quarantine_us: 500,
+        });
         c.handle_registered(Instant(0), &reg(1, 1), 1).expect("registers");
         c.handle_registered(Instant(0), &reg(3, 1), 1).expect("registers");
         assert_eq!(c.handle_registered(Instant(0), &reg(2, 1), 1), Err(RegisterError::Full { pending: 2, max: 2 }));
@@ -581,8 +790,96 @@ mod tests {
         assert_eq!(c.poll_event(), Some(Event::Draining { key: Key::new(3, 1) }));
         assert_eq!(c.poll_event(), None);
         c.handle_timeout(Instant(2000));
-        assert!(matches!(c.poll_event(), Some(Event::Failed { key, .. }) if key == Key::new(3, 1)));
+        assert!(matches!(c.poll_event(), Some(Event::Quarantined { key, ended, .. })
+            if key == Key::new(3, 1) && matches!(*ended, Event::Failed { .. })));
         assert_eq!(c.poll_event(), None);
+        c.handle_timeout(Instant(3000));
+        assert!(matches!(c.poll_event(), Some(Event::Released { key, expired: true }) if key == Key::new(3, 1)));
+        assert_eq!(c.pending(), 0);
+    }
+
+    /// Issue 16, window 3: a producer rank silent past the drain timeout may still be writing. The
+    /// outcome is due (the request must not hang), but the blocks stay held until that rank's final
+    /// word, or the quarantine bound.
+    #[test]
+    fn the_drain_timeout_reports_the_outcome_but_holds_the_blocks() {
+        let cfg = CompletionConfig { timeout_us: 100, max_pending: 8, drain_timeout_us: 50, quarantine_us: 500 };
+        let mut c = Completions::new(cfg);
+        c.handle_registered(Instant(0), &reg(1, 1), 2).expect("registers");
+        c.handle_registered(Instant(0), &reg(2, 1), 1).expect("registers");
+        c.handle_abort(Instant(1), Key::new(1, 1));
+        c.handle_abort(Instant(1), Key::new(2, 1));
+        assert_eq!(c.poll_event(), Some(Event::Draining { key: Key::new(1, 1) }));
+        assert_eq!(c.poll_event(), Some(Event::Draining { key: Key::new(2, 1) }));
+        c.handle_timeout(Instant(51));
+        for id in [1, 2] {
+            match c.poll_event() {
+                Some(Event::Quarantined { key, ended, blocks, why }) => {
+                    assert_eq!((key, why), (Key::new(id, 1), QuarantineCause::DrainTimeout));
+                    assert_eq!(*ended, Event::Aborted { key });
+                    assert_eq!(blocks, vec![vec![1, 2], vec![3]]);
+                }
+                other => panic!("expected the quarantined outcome of {id}, got {other:?}"),
+            }
+        }
+        assert_eq!(c.poll_event(), None, "the blocks are not released with the outcome");
+        assert_eq!((c.quarantined(), c.pending()), (2, 2));
+        // One rank of request 1 speaks: one of two; request 2's only rank speaks: released.
+        c.handle_completion(Instant(60), &done(1, 1, 0));
+        c.handle_completion(Instant(60), &done(1, 1, 0));
+        assert_eq!(c.poll_event(), None);
+        let f = Failure { key: Key::new(2, 1), rank: Rank::new(0, 0), kind: FailureKind::Aborted, detail: "".into() };
+        c.handle_failure(Instant(61), &f);
+        assert_eq!(c.poll_event(), Some(Event::Released { key: Key::new(2, 1), expired: false }));
+        // Request 1's second rank never speaks: released by the bound, counted.
+        c.handle_timeout(Instant(550));
+        assert_eq!(c.poll_event(), None);
+        c.handle_timeout(Instant(551));
+        assert_eq!(c.poll_event(), Some(Event::Released { key: Key::new(1, 1), expired: true }));
+        let s = c.stats();
+        assert_eq!((s.drain_expired, s.quarantined, s.quarantine_expired), (2, 2, 1));
+        assert_eq!(c.pending(), 0);
+    }
+
+    /// A producer rank lost without a fence never answers: the attempt fails at once (no hang), its
+    /// blocks quarantined until the rank is fenced (it came back as a new process).
+    #[test]
+    fn a_producer_lost_unfenced_fails_at_once_and_holds_the_blocks() {
+        let mut c = Completions::new(CompletionConfig::default());
+        c.handle_registered(Instant(0), &reg(1, 1), 1).expect("registers");
+        c.handle_registered(Instant(0), &reg(2, 1), 1).expect("registers");
+        c.handle_lost(Instant(5), Key::new(1, 1), Rank::new(0, 0), false, "cut");
+        match c.poll_event() {
+            Some(Event::Quarantined { key, ended, why, .. }) => {
+                assert_eq!((key, why), (Key::new(1, 1), QuarantineCause::LostUnfenced(Rank::new(0, 0))));
+                assert!(matches!(*ended, Event::Failed { .. }));
+            }
+            other => panic!("expected a quarantined failure, got {other:?}"),
+        }
+        assert_eq!(c.poll_event(), None);
+        c.handle_fenced(Key::new(1, 1), Rank::new(0, 0));
+        assert_eq!(c.poll_event(), Some(Event::Released { key: Key::new(1, 1), expired: false }));
+        // Fenced at once: a plain failure, the blocks free with it.
+        c.handle_lost(Instant(6), Key::new(2, 1), Rank::new(0, 0), true, "cut");
+        assert!(matches!(c.poll_event(), Some(Event::Failed { key, .. }) if key == Key::new(2, 1)));
+        assert_eq!(c.pending(), 0);
+    }
+
+    /// A newer attempt's outcome waits for the older attempt of the same transfer to finish
+    /// draining: the owner never sees attempt 2 end while attempt 1 may still write.
+    #[test]
+    fn a_newer_attempt_is_reported_after_the_older_one_drained() {
+        let mut c = Completions::new(CompletionConfig::default());
+        c.handle_registered(Instant(0), &reg(1, 1), 1).expect("registers");
+        c.handle_registered(Instant(1), &reg(1, 2), 1).expect("newer attempt");
+        assert_eq!(c.poll_event(), Some(Event::Draining { key: Key::new(1, 1) }));
+        // Attempt 2's part lands before attempt 1's final word.
+        c.handle_completion(Instant(2), &done(1, 2, 0));
+        assert_eq!(c.poll_event(), None, "attempt 2 reported while attempt 1 drains");
+        assert_eq!(c.pending(), 2);
+        c.handle_completion(Instant(3), &done(1, 1, 0));
+        assert!(matches!(c.poll_event(), Some(Event::Superseded { key, .. }) if key == Key::new(1, 1)));
+        assert_eq!(c.poll_event(), Some(Event::Received { key: Key::new(1, 2), waited_us: 1 }));
         assert_eq!(c.pending(), 0);
     }
 }

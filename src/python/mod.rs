@@ -508,6 +508,13 @@ impl Worker {
                         ("failed", transfer_id_of(key), key.attempt.0, reason, invalid_blocks)
                     }
                     Finished::Ended { key } => ("ended", transfer_id_of(key), key.attempt.0, String::new(), Vec::new()),
+                    // Failed or ended, but the blocks stay out of use until "released".
+                    Finished::Quarantined { key, reason, blocks, .. } => {
+                        ("quarantined", transfer_id_of(key), key.attempt.0, reason, blocks)
+                    }
+                    Finished::Released { key } => {
+                        ("released", transfer_id_of(key), key.attempt.0, String::new(), Vec::new())
+                    }
                 });
             }
             out

@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 
-use super::{Desc, Notification, Op, Transport, TransportError, Waker, XferId, XferState};
+use super::{Desc, Fence, Notification, Op, Transport, TransportError, Waker, XferId, XferState};
 use crate::device::{Access, CopyOp, Device, MemKind, MemRegion};
 use crate::sync::lock;
 
@@ -207,6 +207,8 @@ impl Fabric {
             waker: Mutex::new(None),
             stats: Counters::default(),
             device,
+            posted: AtomicU64::new(0),
+            fences: Mutex::new(HashMap::new()),
         });
         endpoints.insert(name.to_owned(), Arc::downgrade(&ep));
         drop(endpoints);
@@ -216,6 +218,7 @@ impl Fabric {
             peers: Mutex::new(HashMap::new()),
             faults: Mutex::new(Faults::default()),
             next_xfer: AtomicU64::new(1),
+            unfenceable: AtomicBool::new(false),
         })
     }
 
@@ -264,9 +267,19 @@ pub struct LoopbackTransport {
     peers: Mutex<HashMap<String, Weak<Endpoint>>>,
     faults: Mutex<Faults>,
     next_xfer: AtomicU64,
+    /// Model a data path that cannot fence a peer (as NIXL/UCX): [`Transport::revoke_peer`] then
+    /// revokes nothing and answers [`Fence::Unconfirmed`].
+    unfenceable: AtomicBool,
 }
 
 impl LoopbackTransport {
+    /// Makes this endpoint behave like a data path that cannot cut a peer's access to its memory
+    /// (`true`; as NIXL over UCX, docs/reliability.md): a lost peer's transfers keep landing, and
+    /// [`Transport::revoke_peer`] says so. For tests of the quarantine.
+    pub fn set_unfenceable(&self, unfenceable: bool) {
+        self.unfenceable.store(unfenceable, Ordering::Release);
+    }
+
     /// Queues a one-shot fault for a later post; each post consumes the oldest queued fault. Only
     /// posts that pass validation consume faults (a post refused for an unknown peer or a descriptor
     /// outside registered memory leaves the queue alone). One-shot faults take precedence over
@@ -420,8 +433,26 @@ impl Transport for LoopbackTransport {
             .and_then(Weak::upgrade)
             .filter(|ep| ep.id == md.endpoint && !ep.is_closed())
             .ok_or_else(|| TransportError::UnknownPeer(md.name.to_owned()))?;
+        // Loaded again after a revocation: what it posted before now stays refused.
+        if let Some(f) = lock(&self.ep.fences).get_mut(&peer.id) {
+            *f = PeerFence { revoked: false, min_seq: peer.posted.load(Ordering::Acquire) };
+        }
         lock(&self.peers).insert(md.name.to_owned(), Arc::downgrade(&peer));
         Ok(md.name.to_owned())
+    }
+
+    /// Confirmed whenever the peer is known: every job re-checks the target's fences under its
+    /// registration lock, which this call takes for writing (so a copy in progress ends first).
+    fn revoke_peer(&self, peer: &str) -> Fence {
+        if self.unfenceable.load(Ordering::Acquire) {
+            return Fence::Unconfirmed;
+        }
+        let Some(weak) = lock(&self.peers).get(peer).cloned() else { return Fence::Unconfirmed };
+        // A peer whose endpoint is gone posts nothing more, and its queued jobs are refused.
+        let Some(ep) = weak.upgrade() else { return Fence::Confirmed };
+        let _copies = write(&self.ep.regions);
+        lock(&self.ep.fences).insert(ep.id, PeerFence { revoked: true, min_seq: 0 });
+        Fence::Confirmed
     }
 
     fn drop_peer(&self, peer: &str) {
@@ -462,6 +493,7 @@ impl Transport for LoopbackTransport {
         let id = self.next_xfer.fetch_add(1, Ordering::Relaxed);
         lock(&self.ep.xfers).insert(id, Slot::Pending);
         let job = Job {
+            seq: self.ep.posted.fetch_add(1, Ordering::AcqRel),
             from: self.ep.clone(),
             to: target,
             not_before,
@@ -502,7 +534,13 @@ impl Transport for LoopbackTransport {
     /// `peer` before it. Faults do not apply to bare notifications.
     fn send_notification(&self, peer: &str, msg: &[u8]) -> Result<(), TransportError> {
         let target = self.peer(peer)?;
-        let job = Job { from: self.ep.clone(), to: target, not_before: None, work: Work::Notify { msg: msg.to_vec() } };
+        let job = Job {
+            seq: self.ep.posted.fetch_add(1, Ordering::AcqRel),
+            from: self.ep.clone(),
+            to: target,
+            not_before: None,
+            work: Work::Notify { msg: msg.to_vec() },
+        };
         self.fabric.submit(job).map_err(|why| call_error("send_notification", Some(peer), STATUS_BACKEND, why))
     }
 
@@ -609,9 +647,27 @@ struct Endpoint {
     stats: Counters,
     /// The device whose memory this endpoint may register ([`Fabric::endpoint_on`]).
     device: Option<Arc<dyn Device>>,
+    /// Jobs this endpoint posted so far (each job carries its number: [`Job::seq`]).
+    posted: AtomicU64,
+    /// Peers whose access to this endpoint's memory was revoked ([`Transport::revoke_peer`]), by
+    /// endpoint id. Locked inside `regions` (never the other way round).
+    fences: Mutex<HashMap<u64, PeerFence>>,
+}
+
+/// A revoked peer: refused while `revoked`; once loaded again, its jobs numbered below `min_seq`
+/// (posted before it was loaded again) stay refused.
+#[derive(Clone, Copy, Debug)]
+struct PeerFence {
+    revoked: bool,
+    min_seq: u64,
 }
 
 impl Endpoint {
+    /// Whether job `seq` of endpoint `from` may no longer touch this endpoint's memory or inbox.
+    fn refuses(&self, from: u64, seq: u64) -> bool {
+        lock(&self.fences).get(&from).is_some_and(|f| f.revoked || seq < f.min_seq)
+    }
+
     /// The device that copies this endpoint's device memory, where the CPU must not
     /// ([`Access::Device`]).
     fn copier(&self) -> Option<&Arc<dyn Device>> {
@@ -885,6 +941,8 @@ fn copy_desc(op: Op, d: &Desc) {
 // The worker.
 
 struct Job {
+    /// The initiator's job number (see [`Endpoint::fences`]).
+    seq: u64,
     from: Arc<Endpoint>,
     to: Arc<Endpoint>,
     /// Do not run before this instant ([`Fault::Delay`]).
@@ -970,11 +1028,11 @@ impl Worker {
 }
 
 fn run_job(job: Job) {
-    let Job { from, to, work, .. } = job;
+    let Job { seq, from, to, work, .. } = job;
     match work {
-        Work::Xfer { id, op, descs, notif, fault } => run_xfer(&from, &to, id, op, &descs, notif, fault),
+        Work::Xfer { id, op, descs, notif, fault } => run_xfer(&from, &to, (id, seq), op, &descs, notif, fault),
         Work::Notify { msg } => {
-            if to.deliver(&from.name, msg) {
+            if !to.refuses(from.id, seq) && to.deliver(&from.name, msg) {
                 from.stats.notifications_sent.fetch_add(1, Ordering::Relaxed);
                 to.wake();
             }
@@ -996,7 +1054,7 @@ fn device_copier<'a>(ep: &'a Endpoint, regions: &[MemRegion], addr: u64, len: u6
 fn run_xfer(
     from: &Endpoint,
     to: &Endpoint,
-    id: u64,
+    (id, seq): (u64, u64),
     op: Op,
     descs: &[Desc],
     notif: Option<Vec<u8>>,
@@ -1007,6 +1065,10 @@ fn run_xfer(
         if from.is_closed() || to.is_closed() {
             let gone = if to.is_closed() { &to.name } else { &from.name };
             return Err((STATUS_REMOTE_DISCONNECT, format!("endpoint {gone} went away before the transfer ran")));
+        }
+        if to.refuses(from.id, seq) {
+            let why = format!("endpoint {} revoked the access of {}", to.name, from.name);
+            return Err((STATUS_REMOTE_DISCONNECT, why));
         }
         // Registrations may have changed since the post: re-check, and copy nothing unless all fit.
         check_descs(descs, local, remote).map_err(|o| {

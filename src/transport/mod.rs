@@ -153,6 +153,18 @@ impl TransportError {
     }
 }
 
+/// What [`Transport::revoke_peer`] can promise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fence {
+    /// Nothing the peer posted before the call (nor after it, until the peer is loaded again with
+    /// [`Transport::load_remote`]) writes into or reads from this endpoint's memory any more; a copy
+    /// that was running when the call began has ended by the time it returns.
+    Confirmed,
+    /// The transport cannot say: the peer may still reach this endpoint's memory (e.g. RDMA with
+    /// keys it already holds). Blocks it could touch must stay quarantined.
+    Unconfirmed,
+}
+
 /// A NIXL-like transport endpoint (one agent). See the module docs.
 pub trait Transport: Send + Sync + fmt::Debug {
     /// This endpoint's name (what peers see as `Notification::from`).
@@ -179,6 +191,13 @@ pub trait Transport: Send + Sync + fmt::Debug {
     fn load_remote(&self, metadata: &[u8]) -> Result<String, TransportError>;
     /// Forgets a peer (it went away or restarted).
     fn drop_peer(&self, peer: &str);
+    /// Cuts the peer's access to this endpoint's memory, for transfers the peer initiates (its
+    /// WRITEs into us, its READs from us); see [`Fence`]. Called when the peer is lost, before any
+    /// block it could touch goes back to its owner. The default cannot confirm anything.
+    fn revoke_peer(&self, peer: &str) -> Fence {
+        let _ = peer;
+        Fence::Unconfirmed
+    }
     /// Prepares descriptor lists of `units` once, for this endpoint's memory (`peer` is `None`, after
     /// [`Transport::register`]) or for a peer's (after [`Transport::load_remote`]; dropped with the
     /// peer). A later [`Transport::post`] whose descriptors are each exactly one unit on both sides

@@ -30,7 +30,7 @@ use nixl_sys::{
     RegistrationHandle, ThreadSync, XferDescList, XferDlistHandle, XferOp, XferRequest, XferStatus,
 };
 
-use super::{Desc, Notification, Op, Transport, TransportError, Units, Waker, XferId, XferState};
+use super::{Desc, Fence, Notification, Op, Transport, TransportError, Units, Waker, XferId, XferState};
 use crate::device::{MemKind, MemRegion};
 use crate::sync::lock;
 
@@ -472,6 +472,20 @@ impl Transport for NixlTransport {
             peers.push(name.clone());
         }
         Ok(name)
+    }
+
+    /// Unconfirmed: NIXL has no call that cuts one peer's access to our registered memory.
+    /// `invalidateRemoteMD` (`nixlAgentData::invalidateRemoteMD`, src/core/nixl_agent.cpp in
+    /// ai-dynamo/nixl) forgets the peer's sections and calls the UCX backend's `disconnect`
+    /// (`nixlUcxEngine::disconnect`, src/plugins/ucx/ucx_backend.cpp), which only erases *our*
+    /// connection (`remoteConnMap.erase`; `nixlUcxEp::closeImpl` in src/plugins/ucx/ucx_utils.cpp
+    /// then closes our endpoint without waiting). The peer keeps its own endpoint and the remote keys
+    /// it unpacked from our metadata; over DC, shared memory or CUDA IPC it needs no endpoint of ours
+    /// to write. Only `ucp_mem_unmap` (`nixlUcxContext::memDereg`, reached through
+    /// `nixlUcxEngine::deregisterMem`) kills the keys, for every peer at once. docs/reliability.md.
+    fn revoke_peer(&self, peer: &str) -> Fence {
+        let _ = peer;
+        Fence::Unconfirmed
     }
 
     fn drop_peer(&self, peer: &str) {

@@ -60,7 +60,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{Desc, Notification, Op, Transport, TransportError, Units, Waker, XferId, XferState};
+use super::{Desc, Fence, Notification, Op, Transport, TransportError, Units, Waker, XferId, XferState};
 use crate::device::stage::{BadEntry, StageEntry, Stager, ENTRY_BYTES, STAGE_ALIGN};
 use crate::device::{Buffer, Device, MemRegion};
 use crate::proto::path::{Path, PathChooser, Shape};
@@ -105,6 +105,10 @@ pub struct StagingConfig {
     /// it. A receiver never reuses a slot before the sender's cancel (a late WRITE could land in
     /// it); a peer that went away is dropped sooner by the side channel.
     pub stall_timeout: Duration,
+    /// How long a receive slot granted to a sender that was lost without a confirmed fence
+    /// ([`Transport::revoke_peer`]) stays out of use: its WRITE into the slot may still land, so
+    /// the slot is not granted again (nor scattered) before this passes.
+    pub quarantine: Duration,
     /// Whether a qualifying WRITE is always staged, or goes the way measured faster for its peer
     /// and shape ([`PathChoice::Measured`]).
     pub choice: PathChoice,
@@ -130,6 +134,7 @@ impl Default for StagingConfig {
             min_descs: 2,
             max_mean_desc: 16 << 20,
             stall_timeout: Duration::from_secs(10),
+            quarantine: Duration::from_secs(120),
             choice: PathChoice::Always,
         }
     }
@@ -212,6 +217,8 @@ pub struct StagingCounts {
     pub cancelled: u64,
     /// Staging frames that could not be parsed or did not fit the state.
     pub malformed: u64,
+    /// Receive slots quarantined: granted to a sender lost without a confirmed fence.
+    pub slots_quarantined: u64,
     /// Outgoing staged transfers not yet reported finished (a gauge, not cumulative).
     pub open: u64,
     /// Incoming staged transfers still tracked (a gauge): waiting for slots, landing, scattering,
@@ -540,6 +547,11 @@ enum RecvSlot {
     Scattering {
         key: usize,
     },
+    /// Was granted to a sender lost without a confirmed fence: its WRITE may still land here, so
+    /// the slot is neither granted nor scattered before `until`.
+    Quarantined {
+        until: Instant,
+    },
 }
 
 #[derive(Debug)]
@@ -590,6 +602,9 @@ struct State {
     spare: Vec<(Vec<u8>, Vec<u8>)>,
     /// Per peer, the learned choice between direct and staged ([`PathChoice::Measured`]).
     choosers: HashMap<String, PathChooser>,
+    /// Lost peers whose access to our memory the inner transport confirmed cut
+    /// ([`Transport::revoke_peer`]): their granted slots are free again at once.
+    fenced: Vec<String>,
     /// Transfers being timed for the choosers: handle → (peer, path, shape, posted at).
     timed: HashMap<u64, Timed>,
     /// A grid the chooser sent direct: the caller posts its expansion next, which goes direct too.
@@ -713,6 +728,7 @@ impl Staged {
             prefilled: Vec::new(),
             spare: Vec::new(),
             choosers: HashMap::new(),
+            fenced: Vec::new(),
             timed: HashMap::new(),
             grid_direct: None,
         };
@@ -1415,7 +1431,7 @@ impl Staged {
         for key in keys {
             let in_slot = st.recv.iter().any(|s| match *s {
                 RecvSlot::Granted { key: k, .. } | RecvSlot::Scattering { key: k } => k == key,
-                RecvSlot::Free => false,
+                RecvSlot::Free | RecvSlot::Quarantined { .. } => false,
             });
             let waiting_for_sender = st.recv.iter().any(|s| matches!(*s, RecvSlot::Granted { key: k, .. } if k == key));
             let Some(i) = st.incoming.get(&key) else { continue };
@@ -1446,6 +1462,16 @@ impl Staged {
             }
         }
         st.incoming_order.retain(|k| st.incoming.contains_key(k));
+        // Quarantined slots come back once their bound passed (a lost sender's WRITE can no longer
+        // be in flight, or is past what we wait for).
+        let now = Instant::now();
+        for s in st.recv.iter_mut() {
+            if matches!(*s, RecvSlot::Quarantined { until } if until <= now) {
+                tracing::warn!("staging: a quarantined receive slot is free again (its bound passed)");
+                *s = RecvSlot::Free;
+                any = true;
+            }
+        }
         // Grants, in arrival order.
         while let Some(s) = st.recv.iter().position(|s| *s == RecvSlot::Free) {
             let Some(&key) = st
@@ -1542,6 +1568,19 @@ impl Transport for Staged {
         Ok(name)
     }
 
+    /// The inner transport's fence. Confirmed, the peer's granted receive slots are freed when it
+    /// is dropped; otherwise they are quarantined ([`StagingConfig::quarantine`]).
+    fn revoke_peer(&self, peer: &str) -> Fence {
+        let fence = self.inner.revoke_peer(peer);
+        if fence == Fence::Confirmed {
+            let mut st = lock(&self.state);
+            if !st.fenced.iter().any(|p| p == peer) {
+                st.fenced.push(peer.to_owned());
+            }
+        }
+        fence
+    }
+
     fn drop_peer(&self, peer: &str) {
         {
             let mut guard = lock(&self.state);
@@ -1556,12 +1595,23 @@ impl Transport for Staged {
                 o.outcome = Some(Err(format!("peer {peer} lost during a staged transfer")));
                 abandon(&mut o.pieces, &mut st.send_free);
             }
-            // Incoming: nothing more arrives; slots being scattered free themselves when done.
+            // Incoming: its granted slots may still receive its WRITE unless the inner transport
+            // confirmed that the peer's access is cut; then they are quarantined, not granted again
+            // (issue 16, window 2). Slots being scattered free themselves when done.
+            let fenced = st.fenced.iter().any(|p| p == peer);
+            st.fenced.retain(|p| p != peer);
+            let until = Instant::now() + self.cfg.quarantine;
             let keys: Vec<usize> = st.incoming.iter().filter(|(_, i)| i.peer == peer).map(|(k, _)| *k).collect();
             for key in keys {
                 for s in st.recv.iter_mut() {
                     if matches!(*s, RecvSlot::Granted { key: k, .. } if k == key) {
-                        *s = RecvSlot::Free;
+                        if fenced {
+                            *s = RecvSlot::Free;
+                        } else {
+                            *s = RecvSlot::Quarantined { until };
+                            st.counts.slots_quarantined += 1;
+                            tracing::warn!(%peer, "staging: a receive slot granted to a lost, unfenced sender is quarantined");
+                        }
                     }
                 }
                 if let Some(i) = st.incoming.get_mut(&key) {

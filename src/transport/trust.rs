@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use blake2::digest::{KeyInit, Mac};
 use blake2::Blake2sMac;
 
-use super::{Desc, Notification, Op, Transport, TransportError, Units, Waker, XferId, XferState};
+use super::{Desc, Fence, Notification, Op, Transport, TransportError, Units, Waker, XferId, XferState};
 use crate::device::MemRegion;
 use crate::proto::plan::Grid;
 use crate::sync::lock;
@@ -171,6 +171,9 @@ impl Transport for Trusted {
     }
     fn load_remote(&self, metadata: &[u8]) -> Result<String, TransportError> {
         self.inner.load_remote(metadata)
+    }
+    fn revoke_peer(&self, peer: &str) -> Fence {
+        self.inner.revoke_peer(peer)
     }
     fn drop_peer(&self, peer: &str) {
         self.peers.write().unwrap_or_else(|p| p.into_inner()).remove(peer);

@@ -10,9 +10,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpush::device::{Buffer, Device};
+use kvpush::engine::side::Incarnation;
 use kvpush::engine::{Config, Engine, Finished, LocalHub};
 use kvpush::proto::layout::KvLayout;
 use kvpush::transport::loopback::{Fabric, LoopbackTransport};
+use kvpush::transport::trust::DataKeys;
 
 use crate::layouts;
 
@@ -57,6 +59,26 @@ pub unsafe fn loopback_worker(
 pub fn connect(a: &Engine, b: &Engine) {
     b.add_peer(&a.handshake().expect("handshake")).expect("peer accepted");
     a.add_peer(&b.handshake().expect("handshake")).expect("peer accepted");
+}
+
+/// Introduces `a` and `b` to each other as the side channel does: `a` is the process
+/// `a_incarnation`, `b` the process `b_incarnation`, so a later `peer_lost` of either names it.
+pub fn connect_as(a: &Engine, a_incarnation: Incarnation, b: &Engine, b_incarnation: Incarnation) {
+    let (ea, eb) = (a.endpoint().upgrade().expect("engine a"), b.endpoint().upgrade().expect("engine b"));
+    // Each side's receive key, as the side channel's handshake agrees them.
+    let (a_recv, b_recv) = ([0xa5; 32], [0xb5; 32]);
+    let keys_of_a = DataKeys { send: a_recv, recv: b_recv };
+    let keys_of_b = DataKeys { send: b_recv, recv: a_recv };
+    eb.add_peer(&a.handshake().expect("handshake"), a_incarnation, keys_of_a).expect("peer accepted");
+    ea.add_peer(&b.handshake().expect("handshake"), b_incarnation, keys_of_b).expect("peer accepted");
+}
+
+/// Cuts the connection between `a` and `b` (connected with [`connect_as`]) on both sides, as the side
+/// channel reports a lost peer; their data path is left as it is.
+pub fn cut(a: &Engine, a_incarnation: Incarnation, b: &Engine, b_incarnation: Incarnation) {
+    let (ea, eb) = (a.endpoint().upgrade().expect("engine a"), b.endpoint().upgrade().expect("engine b"));
+    eb.peer_lost(a.addr(), a_incarnation, "cut by the test");
+    ea.peer_lost(b.addr(), b_incarnation, "cut by the test");
 }
 
 /// Polls `engine` until `pred` accepts an outcome (returned; the others seen meanwhile are dropped)

@@ -67,6 +67,8 @@ pub struct Setup {
     pub registration_timeout: Duration,
     pub completion_timeout: Duration,
     pub pull_read_timeout: Duration,
+    /// How long D waits for a producer's final word after a request ended without its data.
+    pub drain_timeout: Duration,
     /// How late after `completion_timeout` a D outcome may still come (scheduling on a loaded machine).
     pub margin: Duration,
     /// Staging of P's WRITEs.
@@ -87,6 +89,7 @@ impl Setup {
             registration_timeout: Duration::from_secs(60),
             completion_timeout: Duration::from_secs(60),
             pull_read_timeout: Duration::from_secs(60),
+            drain_timeout: Duration::from_micros(CompletionConfig::default().drain_timeout_us),
             margin: Duration::from_secs(3),
             staging: Staging::Off,
         }
@@ -100,7 +103,11 @@ impl Setup {
             registration_timeout_us: self.registration_timeout.as_micros() as u64,
             ..RendezvousConfig::default()
         };
-        c.completion = CompletionConfig { timeout_us: self.completion_timeout.as_micros() as u64, ..c.completion };
+        c.completion = CompletionConfig {
+            timeout_us: self.completion_timeout.as_micros() as u64,
+            drain_timeout_us: self.drain_timeout.as_micros() as u64,
+            ..c.completion
+        };
         c.pull_read_timeout_us = self.pull_read_timeout.as_micros() as u64;
         c.staging = self.staging;
         c
@@ -316,6 +323,9 @@ pub struct Track {
     pub verified: Option<bool>,
     /// D's blocks wait for P's release before they go back to the pool (see `Driver::quarantine`).
     pub d_quarantined: bool,
+    /// D workers that reported the key quarantined (`Finished::Quarantined`) and have not released
+    /// its blocks yet: they go back to the pool only after the last `Finished::Released`.
+    pub d_engine_held: usize,
     /// First abort that concerns a leg given to an engine (P abort; D abort once D has the key).
     pub aborted_at: Option<Instant>,
     /// When the driver called `abort` on D.
@@ -358,12 +368,7 @@ pub struct Driver {
 }
 
 pub fn outcome_key(f: &Finished) -> Key {
-    match f {
-        Finished::Sent { key, .. }
-        | Finished::Received { key }
-        | Finished::Failed { key, .. }
-        | Finished::Ended { key } => *key,
-    }
+    f.key()
 }
 
 impl Driver {
@@ -412,6 +417,7 @@ impl Driver {
             d_done: false,
             verified: None,
             d_quarantined: false,
+            d_engine_held: 0,
             aborted_at: None,
             d_aborted_at: None,
         })
@@ -630,6 +636,24 @@ impl Driver {
         let (kind, text) = match &f {
             Finished::Received { .. } => (DKind::Received, String::new()),
             Finished::Ended { .. } => (DKind::Ended, String::new()),
+            Finished::Quarantined { failed, reason, .. } => {
+                if let Some(t) = self.tracks.get_mut(&key) {
+                    t.d_engine_held += 1;
+                }
+                (if *failed { DKind::Failed } else { DKind::Ended }, reason.clone())
+            }
+            Finished::Released { .. } => {
+                let Some(t) = self.tracks.get_mut(&key).filter(|t| t.d_engine_held > 0) else {
+                    self.errors.push(format!("D[{w}] released {key}, which it never quarantined"));
+                    return;
+                };
+                t.d_engine_held -= 1;
+                if t.d_engine_held == 0 && t.d_done && t.d_owned && !t.d_quarantined {
+                    let blocks = t.d_blocks.clone().unwrap_or_default();
+                    self.d_pool.give(&blocks[0], &mut self.errors, &format!("D blocks of {key}"));
+                }
+                return;
+            }
             Finished::Failed { reason, invalid_blocks, .. } => {
                 let registered = self.tracks.get(&key).and_then(|t| t.d_blocks.as_ref());
                 if registered.is_some_and(|b| b != invalid_blocks) {
@@ -673,6 +697,7 @@ impl Driver {
             self.open_legs -= 1;
             let blocks = t.d_blocks.clone().unwrap_or_default();
             let owned = t.d_owned;
+            let engine_held = t.d_engine_held;
             let received = t.d_out.iter().all(|o| o[0].0 == DKind::Received);
             let p_busy = t.p_given.iter().any(|&g| g) && !t.p_done;
             let quarantine = owned && !received && p_busy && self.quarantine;
@@ -698,7 +723,7 @@ impl Driver {
                     t.verified = Some(ok);
                 }
             }
-            if owned && !quarantine {
+            if owned && !quarantine && engine_held == 0 {
                 self.d_pool.give(&blocks[0], &mut self.errors, &format!("D blocks of {key}"));
             }
         }

@@ -782,7 +782,7 @@ fn consumer_abort_while_another_producer_writes_keeps_reused_blocks_intact() {
 // Staged WRITEs: the same engines with every push going through tiny staging slots (many pieces per
 // request, slots reused constantly), under load, aborts and faults.
 
-fn staged(mut s: Setup) -> Setup {
+pub(crate) fn staged(mut s: Setup) -> Setup {
     s.staging = Staging::On(StagingConfig {
         slots: 2,
         slot_bytes: 8192,
@@ -791,6 +791,7 @@ fn staged(mut s: Setup) -> Setup {
         min_descs: 1,
         max_mean_desc: u64::MAX,
         stall_timeout: Duration::from_secs(10),
+        quarantine: Duration::from_secs(120),
         choice: PathChoice::Always,
     });
     s

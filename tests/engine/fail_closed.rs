@@ -2,16 +2,18 @@
 //! only the data path says that data landed. Each test drives one P and one D worker by hand on the
 //! loopback transport and looks at the bytes in memory after an outcome.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use kvpush::engine::Finished;
+use kvpush::engine::side::Incarnation;
+use kvpush::engine::{Finished, LocalHub, Staging};
 use kvpush::proto::codec;
 use kvpush::proto::msg::{Completion, Message};
 use kvpush::proto::{Key, Mode};
-use kvpush::transport::loopback::Fault;
+use kvpush::transport::loopback::{Fabric, Fault, LoopbackStats};
 use kvpush_testkit::demo::pattern;
-use kvpush_testkit::engines::{poll_until, wait_for};
-use kvpush_testkit::stress::{Cluster, Setup, BLOCK_TOKENS, P_ENGINE};
+use kvpush_testkit::engines::{connect_as, cut, poll_until, wait_for, Worker};
+use kvpush_testkit::stress::{build_side, Cluster, Setup, BLOCK_TOKENS, D_ENGINE, P_ENGINE};
 
 const LIMIT: Duration = Duration::from_secs(10);
 
@@ -168,4 +170,214 @@ fn shutdown_ends_the_transfers_it_posted() {
     assert_eq!(transport.open_transfers(), 0, "shutdown returned with a transfer still open");
     assert!(started.elapsed() < hold + Duration::from_secs(3), "shutdown waited past the transfer's end");
     drop(buffers);
+}
+
+/// A P and a D worker that know each other as side-channel processes (so either can be lost).
+fn pair(setup: Setup) -> (Worker, Worker, Arc<LocalHub>, Fabric) {
+    let (fabric, hub) = (Fabric::new(), LocalHub::new());
+    let p = build_side(&setup, P_ENGINE, 1, &fabric, &hub).remove(0);
+    let d = build_side(&setup, D_ENGINE, 1, &fabric, &hub).remove(0);
+    connect_as(&p.engine, P_INC, &d.engine, D_INC);
+    (p, d, hub, fabric)
+}
+
+const P_INC: Incarnation = Incarnation(0x9);
+const D_INC: Incarnation = Incarnation(0xd);
+
+/// Whether `s` saw one transfer or notification of `p`'s end: landed (its notification sent) or
+/// refused (failed).
+fn one_ended(s: &LoopbackStats) -> bool {
+    s.failed_transfers + s.notifications_sent == 1
+}
+
+/// What the owner writes into blocks it was given back (and reuses).
+const CANARY: u64 = 0xca9a;
+
+/// The owner reuses `blocks` of `d` at once: the canary goes in.
+fn reuse(d: &Worker, blocks: &[Vec<u32>], tokens: u64) {
+    pattern::fill(d.engine.layout(), &d.buffers, blocks, tokens, CANARY).expect("reuse");
+}
+
+/// Nothing landed in `blocks` of `d` since [`reuse`]; `what` says what would have.
+fn assert_untouched(d: &Worker, blocks: &[Vec<u32>], tokens: u64, what: &str) {
+    let v = pattern::verify(d.engine.layout(), &d.buffers, blocks, tokens, CANARY).expect("reads");
+    assert!(v.ok(), "{what}: {v:?}");
+}
+
+/// D registers `blocks` for `key` and P posts its WRITE, which the data path holds for `hold`.
+fn write_held(p: &Worker, d: &Worker, key: Key, blocks: &[Vec<u32>], tokens: u64, hold: Duration) {
+    d.engine.blocks_allocated(key, P_ENGINE, blocks.to_vec(), tokens).expect("registers");
+    poll_until("P sees the registration", LIMIT, || p.engine.stats().counters.registrations, |n| *n == 1);
+    p.transport.inject_once(Fault::Delay(hold));
+    pattern::fill(p.engine.layout(), &p.buffers, blocks, tokens, 0xda7a).expect("prefill");
+    p.engine.request_finished(key, blocks.to_vec(), tokens).expect("finished");
+    poll_until("P posts its WRITE", LIMIT, || p.transport.stats().posts, |n| *n == 1);
+}
+
+/// Issue 16, window 1, a data path that can fence (loopback): the side channel is lost while P's
+/// WRITE is still on its way (the data path is slow, not broken). D fences P's access and reports
+/// the request failed at once; its owner reuses the blocks (a canary is written into them), and
+/// P's WRITE must never land on top of it. P releases its sources only once its WRITE ended.
+/// (Before the fix P released its sources while the WRITE was pending, and the WRITE then overwrote
+/// the canary in D's reused blocks.)
+#[test]
+fn a_lost_peer_never_writes_into_blocks_given_back() {
+    let (p, d, _hub, _fabric) = pair(Setup::new(Mode::Push, 1, 1));
+    let key = Key::new(0x10_57, 1);
+    let blocks = vec![vec![5, 6, 7]];
+    let tokens = 3 * u64::from(BLOCK_TOKENS);
+    write_held(&p, &d, key, &blocks, tokens, Duration::from_millis(300));
+    cut(&p.engine, P_INC, &d.engine, D_INC);
+    // D's outcome gives the blocks back: the owner reuses them at once.
+    let out = wait_for(&d.engine, "an outcome", LIMIT, |f| f.key() == key);
+    assert!(matches!(out, Finished::Failed { .. }), "a fenced peer's request fails plainly: {out:?}");
+    reuse(&d, &blocks, tokens);
+    // P's release: its WRITE must have ended by then (its handle released by the writer).
+    wait_for(&p.engine, "P's release", LIMIT, |f| matches!(f, Finished::Sent { .. }));
+    assert_eq!(p.transport.open_transfers(), 0, "P released its sources while its WRITE was in flight");
+    poll_until("P's WRITE ends", LIMIT, || p.transport.stats(), one_ended);
+    assert_untouched(&d, &blocks, tokens, &format!("a WRITE of the lost peer landed after D reported {out:?}"));
+}
+
+/// Issue 16, window 1, a data path that cannot fence (as NIXL over UCX): the side channel is lost
+/// while P's WRITE is held in the data path. D must report the request's end in time (a killed P
+/// must never hang D's requests), but must not give its blocks back while the WRITE can land: the
+/// outcome is `Quarantined`, and the WRITE does land into the held blocks. The blocks come back
+/// (`Released`) once P returns as a new process, and only then does the owner reuse them. (Before
+/// the fix D reported `Failed` at once and the WRITE overwrote the reused blocks.)
+#[test]
+fn an_unfenceable_lost_peer_gets_its_requests_failed_in_time_and_their_blocks_quarantined() {
+    let (p, d, _hub, _fabric) = pair(Setup::new(Mode::Push, 1, 1));
+    d.transport.set_unfenceable(true);
+    let key = Key::new(0x10_58, 1);
+    let blocks = vec![vec![5, 6, 7]];
+    let tokens = 3 * u64::from(BLOCK_TOKENS);
+    write_held(&p, &d, key, &blocks, tokens, Duration::from_millis(300));
+    reuse(&d, &blocks, tokens);
+    let cut_at = std::time::Instant::now();
+    cut(&p.engine, P_INC, &d.engine, D_INC);
+    let out = wait_for(&d.engine, "an outcome", LIMIT, |f| f.key() == key);
+    assert!(cut_at.elapsed() < Duration::from_millis(250), "the outcome waited for the WRITE: {:?}", cut_at.elapsed());
+    match &out {
+        Finished::Quarantined { failed, blocks: held, .. } => {
+            assert!(*failed, "the request failed: {out:?}");
+            assert_eq!(held, &blocks, "the quarantine names the request's blocks");
+        }
+        other => panic!("a lost, unfenced peer's blocks were given back: {other:?}"),
+    }
+    assert_eq!(d.engine.stats().counters.quarantined, 1, "the quarantine is counted");
+    // The held WRITE lands into the quarantined blocks, which nobody reused.
+    poll_until("P's WRITE ends", LIMIT, || p.transport.stats(), one_ended);
+    let mut seen = Vec::new();
+    d.engine.poll(&mut seen);
+    assert!(seen.iter().all(|f| !matches!(f, Finished::Released { .. })), "released before a fence: {seen:?}");
+    // P comes back as a new process: the old one is gone, the blocks are free again.
+    connect_as(&p.engine, Incarnation(0xa), &d.engine, D_INC);
+    wait_for(&d.engine, "the blocks released", LIMIT, |f| matches!(f, Finished::Released { key: k } if *k == key));
+}
+
+/// Issue 16, window 3: D gave up on a request (abort) while P's WRITE was held in the data path
+/// past D's drain timeout. The outcome is due at the drain timeout, but the WRITE can still land:
+/// the blocks must stay held until P's final word (its WRITE's end). The owner reuses them only at
+/// `Released`, and nothing of P lands after that. (Before the fix D reported `Ended` at the drain
+/// timeout and the WRITE overwrote the reused blocks.)
+#[test]
+fn the_drain_timeout_reports_in_time_but_holds_the_blocks_until_the_producer_ended() {
+    let mut setup = Setup::new(Mode::Push, 1, 1);
+    setup.drain_timeout = Duration::from_millis(100);
+    let c = Cluster::new(setup);
+    let (p, d) = (&c.p[0], &c.d[0]);
+    let key = Key::new(0xd4a1_0001, 1);
+    let blocks = vec![vec![5, 6]];
+    let tokens = 2 * u64::from(BLOCK_TOKENS);
+    write_held(p, d, key, &blocks, tokens, Duration::from_millis(600));
+    let aborted_at = std::time::Instant::now();
+    d.engine.abort(key).expect("abort");
+    let out = wait_for(&d.engine, "an outcome", LIMIT, |f| f.key() == key);
+    assert!(aborted_at.elapsed() < Duration::from_millis(500), "the outcome waited for the WRITE");
+    assert!(
+        matches!(out, Finished::Quarantined { failed: false, .. }),
+        "the drain timeout gave back blocks a WRITE can still land in: {out:?}"
+    );
+    wait_for(&d.engine, "the blocks released", LIMIT, |f| matches!(f, Finished::Released { key: k } if *k == key));
+    assert!(aborted_at.elapsed() >= Duration::from_millis(550), "released before the WRITE ended");
+    reuse(d, &blocks, tokens);
+    wait_for(&p.engine, "P's release", LIMIT, |f| matches!(f, Finished::Sent { .. }));
+    std::thread::sleep(Duration::from_millis(100));
+    assert_untouched(d, &blocks, tokens, "a WRITE landed after the blocks were released");
+}
+
+/// Issue 16, window 4: in a pull, P's grant expires while D's READ is held in the data path. P
+/// tells D; D must not report the request (giving its blocks back) while its own READ can still
+/// land in them: it cancels the READ and reports once the READ ended. The owner reuses the blocks
+/// at the outcome, and the READ never overwrites them. (Before the fix D reported `Failed` at once
+/// and the READ then copied P's bytes over the reused blocks.)
+#[test]
+fn a_pull_whose_grant_expires_reports_only_after_its_read_ended() {
+    let mut setup = Setup::new(Mode::Pull, 1, 1);
+    setup.pull_read_timeout = Duration::from_millis(100);
+    let c = Cluster::new(setup);
+    let (p, d) = (&c.p[0], &c.d[0]);
+    let key = Key::new(0x9a47_0001, 1);
+    let (src, dst) = (vec![vec![3, 4]], vec![vec![10, 11]]);
+    let tokens = 2 * u64::from(BLOCK_TOKENS);
+    pattern::fill(p.engine.layout(), &p.buffers, &src, tokens, 0x5eed).expect("prefill");
+    p.engine.request_finished(key, src.clone(), tokens).expect("finished");
+    d.transport.inject_once(Fault::Delay(Duration::from_millis(500)));
+    d.engine.start_pull(key, P_ENGINE, src.clone(), dst.clone(), tokens).expect("pull starts");
+    let out = wait_for(&d.engine, "an outcome", LIMIT, |f| f.key() == key);
+    assert!(matches!(out, Finished::Failed { .. }), "the read's grant expired: {out:?}");
+    assert_eq!(d.transport.open_transfers(), 0, "D reported while its READ was in flight");
+    reuse(d, &dst, tokens);
+    poll_until("D's READ ends", LIMIT, || d.transport.stats(), one_ended);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_untouched(d, &dst, tokens, &format!("D's READ landed after D reported {out:?}"));
+}
+
+/// Issue 16, window 2: staged receive slots. P's WRITE of a piece into D's only receive slot is held
+/// in the data path when the side channel to P is lost, and D's data path cannot fence P (as NIXL).
+/// The slot must not be granted to another sender while P's WRITE can still land in it (it would be
+/// scattered into that sender's request): a second producer's request waits for the slot until the
+/// quarantine bound, and is received intact after P's WRITE ended. (Before the fix the slot was
+/// freed at once and granted to the second producer while P's WRITE was in flight.)
+#[test]
+fn a_staged_slot_granted_to_a_lost_sender_is_not_granted_again_while_its_write_can_land() {
+    let mut setup = crate::engine_stress::staged(Setup::new(Mode::Push, 1, 1));
+    let quarantine = Duration::from_millis(1200);
+    if let Staging::On(c) = &mut setup.staging {
+        c.slots = 1;
+        c.quarantine = quarantine;
+    }
+    let (p, d, hub, fabric) = pair(setup.clone());
+    let p2 = build_side(&setup, "prefill-b", 1, &fabric, &hub).remove(0);
+    connect_as(&p2.engine, Incarnation(0xb), &d.engine, D_INC);
+    d.transport.set_unfenceable(true);
+    let tokens = 2 * u64::from(BLOCK_TOKENS);
+    let lost = Key::new(0x57a6_0001, 1);
+    let hold = Duration::from_millis(500);
+    write_held(&p, &d, lost, &[vec![3, 4]], tokens, hold);
+    let cut_at = std::time::Instant::now();
+    cut(&p.engine, P_INC, &d.engine, D_INC);
+    wait_for(&d.engine, "the lost request ends", LIMIT, |f| f.key() == lost);
+    // Another producer's request wants D's only receive slot.
+    let key = Key::new(0x57a6_0002, 1);
+    let blocks = vec![vec![7, 8]];
+    d.engine.blocks_allocated(key, "prefill-b", blocks.clone(), tokens).expect("registers");
+    poll_until("P2 sees the registration", LIMIT, || p2.engine.stats().counters.registrations, |n| *n == 1);
+    let seed = 0x5eedb;
+    pattern::fill(p2.engine.layout(), &p2.buffers, &blocks, tokens, seed).expect("prefill");
+    p2.engine.request_finished(key, blocks.clone(), tokens).expect("finished");
+    let got = wait_for(&d.engine, "the second request", LIMIT, |f| f.key() == key);
+    assert!(matches!(got, Finished::Received { .. }), "{got:?}");
+    let waited = cut_at.elapsed();
+    // P's WRITE was posted before the cut and held for `hold` < `quarantine`: a grant before the
+    // quarantine ended is a grant while that WRITE could still land.
+    assert!(
+        waited >= quarantine,
+        "the slot was granted again {waited:?} after the cut, while the lost sender's WRITE (held {hold:?}) could land"
+    );
+    let v = pattern::verify(d.engine.layout(), &d.buffers, &blocks, tokens, seed).expect("reads");
+    assert!(v.ok(), "received but wrong: {v:?}");
+    let counts = d.engine.staging_counts().expect("staged");
+    assert_eq!(counts.slots_quarantined, 1, "{counts:?}");
 }

@@ -134,6 +134,7 @@ fn params() -> impl Strategy<Value = Params> {
                         timeout_us: d_timeout,
                         max_pending: UNBOUNDED,
                         drain_timeout_us: d_timeout,
+                        quarantine_us: d_timeout,
                     },
                     net_us,
                     transfer_us: (xfer.0, xfer.0 + xfer.1),
@@ -247,6 +248,9 @@ struct Accepted {
     arrived_at_p: Option<Instant>,
     completion_at_d: Option<Instant>,
     end: Option<Event>,
+    /// Its outcome came quarantined ([`Event::Quarantined`]); then whether its blocks came back.
+    quarantined: bool,
+    released: bool,
 }
 
 #[derive(Debug)]
@@ -366,6 +370,8 @@ impl Sim {
                         arrived_at_p: None,
                         completion_at_d: None,
                         end: None,
+                        quarantined: false,
+                        released: false,
                     };
                     self.accepted.insert((key, r), rec);
                     self.drain_d(r);
@@ -480,13 +486,18 @@ impl Sim {
                 self.send(Msg::ToP(ToP::Abort(key, true)));
                 continue;
             }
-            let key = match &event {
-                Event::Received { key, .. }
-                | Event::Failed { key, .. }
-                | Event::Aborted { key }
-                | Event::Superseded { key, .. }
-                | Event::Draining { key } => *key,
+            if let Event::Released { key, .. } = event {
+                let acc = self.accepted.get_mut(&(key, r)).expect("release for a registration never accepted");
+                assert!(acc.quarantined && !acc.released, "release of {key} on rank {r} without one quarantine");
+                acc.released = true;
+                continue;
+            }
+            let (event, quarantined) = match event {
+                Event::Quarantined { ended, .. } => (*ended, true),
+                e => (e, false),
             };
+            let key = event.key();
+            assert!(!(quarantined && matches!(event, Event::Received { .. })), "{key} received, quarantined");
             if let Event::Received { .. } = event {
                 let rec = self.transfers.get(&(key, r));
                 assert!(
@@ -500,10 +511,13 @@ impl Sim {
                 Event::Received { .. } => "received".to_owned(),
                 Event::Aborted { .. } => "aborted".to_owned(),
                 Event::Superseded { .. } => "superseded".to_owned(),
-                Event::Draining { .. } => unreachable!("handled above"),
+                Event::Draining { .. } | Event::Quarantined { .. } | Event::Released { .. } => {
+                    unreachable!("handled above")
+                }
             };
             *self.outcomes.entry(label).or_default() += 1;
             let acc = self.accepted.get_mut(&(key, r)).expect("event for a registration never accepted");
+            acc.quarantined = quarantined;
             assert!(acc.end.is_none(), "second event for {key} on rank {r}: {:?} then {event:?}", acc.end);
             acc.end = Some(event);
         }
@@ -620,6 +634,7 @@ impl Sim {
         }
         for ((key, r), acc) in &self.accepted {
             assert!(acc.end.is_some(), "registration of {key} on rank {r} never ended");
+            assert!(!acc.quarantined || acc.released, "blocks of {key} on rank {r} quarantined, never released");
         }
         self.check_nothing_lost();
         self.check_answered_in_time();
@@ -773,7 +788,12 @@ fn fixed(d_ranks: u16) -> Params {
             max_tombstones: 64,
             max_waiting_bytes_per_engine: usize::MAX,
         },
-        completion: CompletionConfig { timeout_us: 3_000, max_pending: UNBOUNDED, drain_timeout_us: 3_000 },
+        completion: CompletionConfig {
+            timeout_us: 3_000,
+            max_pending: UNBOUNDED,
+            drain_timeout_us: 3_000,
+            quarantine_us: 3_000,
+        },
         net_us: (10, 10),
         transfer_us: (50, 50),
         fail_pct: 0,
@@ -965,7 +985,12 @@ fn a_forgotten_tombstone_does_not_revive_a_draining_attempt() {
             max_tombstones: 1,
             max_waiting_bytes_per_engine: usize::MAX,
         },
-        completion: CompletionConfig { timeout_us: 300, max_pending: UNBOUNDED, drain_timeout_us: 300 },
+        completion: CompletionConfig {
+            timeout_us: 300,
+            max_pending: UNBOUNDED,
+            drain_timeout_us: 300,
+            quarantine_us: 300,
+        },
         net_us: (0, 0),
         transfer_us: (1, 34),
         fail_pct: 0,

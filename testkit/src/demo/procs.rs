@@ -594,6 +594,8 @@ pub enum Event {
         free: usize,
         /// All.
         total: usize,
+        /// Held for requests the engine quarantined (`Finished::Quarantined`), until released.
+        quarantined: usize,
     },
     /// The reference agent is up.
     CeilingReady {
@@ -1141,6 +1143,9 @@ struct Req {
     failure: Option<String>,
     /// D: verify with the wave.
     hold_verify: bool,
+    /// D: workers that reported it quarantined (`Finished::Quarantined`): its blocks wait for as
+    /// many `Finished::Released`.
+    quarantined: usize,
 }
 
 impl Req {
@@ -1159,6 +1164,7 @@ impl Req {
             reported: 0,
             failure: None,
             hold_verify: false,
+            quarantined: 0,
         }
     }
 }
@@ -1207,6 +1213,9 @@ pub(super) struct WorkerState {
     groups: usize,
     reqs: HashMap<u64, Req>,
     by_key: HashMap<Key, u64>,
+    /// D: blocks of failed requests that engine workers hold quarantined, and how many workers
+    /// still have to release them.
+    quarantine: HashMap<Key, (usize, BlockLists)>,
     due: BinaryHeap<std::cmp::Reverse<(Instant, u64)>>,
     /// P: layers of requests with simulated per-layer compute, when each is final.
     layer_due: BinaryHeap<std::cmp::Reverse<(Instant, u64, u32)>>,
@@ -1398,6 +1407,7 @@ impl WorkerState {
             groups,
             reqs: HashMap::new(),
             by_key: HashMap::new(),
+            quarantine: HashMap::new(),
             due: BinaryHeap::new(),
             layer_due: BinaryHeap::new(),
             held: Vec::new(),
@@ -1536,7 +1546,8 @@ impl WorkerState {
                 self.out.emit(&Event::Metadata { agents });
             }
             Command::Pool => {
-                let ev = Event::Pool { free: self.pool.free(), total: self.total_blocks };
+                let quarantined = self.quarantine.values().map(|(_, b)| b.iter().map(Vec::len).sum::<usize>()).sum();
+                let ev = Event::Pool { free: self.pool.free(), total: self.total_blocks, quarantined };
                 self.out.emit(&ev);
             }
             Command::CeilingSetup { bytes } => match self.ceiling_setup(bytes) {
@@ -1767,8 +1778,14 @@ impl WorkerState {
         if let Some(reason) = r.failure.clone() {
             let r = self.reqs.remove(&req).expect("present");
             self.by_key.remove(&r.key);
-            self.pool.give(r.blocks.into_iter().flatten());
-            self.out.emit(&Event::Failed { req, at_us, reason, engine_ns: r.engine_ns });
+            let engine_ns = r.engine_ns;
+            if r.quarantined > 0 {
+                // Reported now; the blocks wait for the workers' releases.
+                self.quarantine.insert(r.key, (r.quarantined, r.blocks));
+            } else {
+                self.pool.give(r.blocks.into_iter().flatten());
+            }
+            self.out.emit(&Event::Failed { req, at_us, reason, engine_ns });
         } else if r.hold_verify {
             self.hold_done.push((req, at_us));
         } else {
@@ -1892,12 +1909,19 @@ impl WorkerState {
     }
 
     fn finished_one(&mut self, f: Finished, share: u64) {
-        let key = match &f {
-            Finished::Sent { key, .. }
-            | Finished::Received { key }
-            | Finished::Failed { key, .. }
-            | Finished::Ended { key } => *key,
-        };
+        let key = f.key();
+        if let Finished::Released { .. } = f {
+            if let Some((left, _)) = self.quarantine.get_mut(&key) {
+                *left -= 1;
+                if *left == 0 {
+                    let (_, blocks) = self.quarantine.remove(&key).expect("present");
+                    self.pool.give(blocks.into_iter().flatten());
+                }
+            } else if let Some(r) = self.by_key.get(&key).and_then(|req| self.reqs.get_mut(req)) {
+                r.quarantined -= 1; // released before every worker reported
+            }
+            return;
+        }
         let Some(&req) = self.by_key.get(&key) else {
             tracing::debug!(%key, "result for an unknown request");
             return;
@@ -1936,6 +1960,14 @@ impl WorkerState {
             Finished::Ended { .. } if self.role == Role::Decode => {
                 r.reported += 1;
                 r.failure.get_or_insert_with(|| "ended without data".into());
+                if r.reported == r.expected {
+                    self.d_outcome(req);
+                }
+            }
+            Finished::Quarantined { reason, .. } if self.role == Role::Decode => {
+                r.reported += 1;
+                r.quarantined += 1;
+                r.failure.get_or_insert(reason);
                 if r.reported == r.expected {
                     self.d_outcome(req);
                 }
