@@ -38,6 +38,7 @@ use crate::transport::{Transport, TransportError, Units};
 use budget::{ControlBudget, Credit};
 
 pub mod budget;
+pub mod dial;
 pub mod link;
 mod sched;
 pub mod side;

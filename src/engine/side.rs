@@ -53,6 +53,7 @@ use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TrySendErro
 use sha2::{Digest, Sha256};
 use snow::{HandshakeState, TransportState};
 
+use super::dial::{self, DialPolicy};
 use super::link::{ControlLink, LinkError, PeerAddr};
 use super::EngineError;
 use crate::proto::codec::{self, HEADER_LEN};
@@ -170,6 +171,9 @@ pub struct SideConfig {
     pub handshake_timeout: Duration,
     /// Connection, handshake and queue limits.
     pub limits: SideLimits,
+    /// Which addresses [`SideChannel::connect`] may dial (None: `$KVPUSH_DIAL_ALLOW`, else
+    /// [`DialPolicy::cluster`], loopback and the private networks; see [`super::dial`]).
+    pub dial_allow: Option<DialPolicy>,
 }
 
 impl fmt::Debug for SideConfig {
@@ -182,6 +186,7 @@ impl fmt::Debug for SideConfig {
             .field("peer_timeout", &self.peer_timeout)
             .field("handshake_timeout", &self.handshake_timeout)
             .field("limits", &self.limits)
+            .field("dial_allow", &self.dial_allow)
             .finish()
     }
 }
@@ -204,6 +209,7 @@ impl SideConfig {
             peer_timeout: Duration::from_secs(5),
             handshake_timeout: Duration::from_secs(10),
             limits: SideLimits::default(),
+            dial_allow: None,
         }
     }
 }
@@ -283,6 +289,16 @@ pub enum SideError {
         /// Its value.
         limit: usize,
     },
+    /// The dial target is not on the allow-list ([`SideConfig::dial_allow`]); nothing was sent.
+    #[error("side channel: not dialing {target} ({addrs}): the dial allow-list ({policy}) does not include it; add its network to ${env} (the connector's `dial_allow`)", env = dial::DIAL_ALLOW_ENV)]
+    NotAllowed {
+        /// The target as asked for.
+        target: String,
+        /// What it resolved to.
+        addrs: String,
+        /// The allow-list.
+        policy: String,
+    },
     /// The engine is gone.
     #[error("the engine behind this side channel has shut down")]
     Closed,
@@ -321,6 +337,8 @@ pub struct SideStats {
     pub peers_lost: u64,
     /// Peers that came back as a new process (their previous one's state was dropped).
     pub restarts: u64,
+    /// Dials refused because the target is not on the allow-list.
+    pub dial_refused: u64,
 }
 
 #[derive(Default)]
@@ -336,6 +354,7 @@ struct Counters {
     malformed: AtomicU64,
     peers_lost: AtomicU64,
     restarts: AtomicU64,
+    dial_refused: AtomicU64,
 }
 
 impl Counters {
@@ -347,6 +366,7 @@ impl Counters {
             SideError::TimedOut { .. } => &self.timeouts,
             SideError::TooLarge { .. } => &self.oversized,
             SideError::Busy { .. } => &self.over_limit,
+            SideError::NotAllowed { .. } => &self.dial_refused,
             _ => return e,
         };
         c.fetch_add(1, Ordering::Relaxed);
@@ -526,6 +546,8 @@ impl Drop for Slot {
 struct Inner {
     config: SideConfig,
     auth: Auth,
+    /// What [`SideChannel::connect`] may dial.
+    dial: DialPolicy,
     incarnation: Incarnation,
     endpoint: RwLock<Option<Weak<dyn Endpoint>>>,
     local: SocketAddr,
@@ -555,10 +577,20 @@ impl SideChannel {
         let listener = TcpListener::bind(&config.listen).map_err(io(format!("listening on {}", config.listen)))?;
         let local = listener.local_addr().map_err(io("reading the listening address"))?;
         let auth = Auth::resolve(&config, local)?;
+        let dial = match &config.dial_allow {
+            Some(p) => p.clone(),
+            None => DialPolicy::from_env()
+                .map_err(|e| SideError::Config {
+                    listen: config.listen.clone(),
+                    reason: format!("${}: {e}", dial::DIAL_ALLOW_ENV),
+                })?
+                .unwrap_or_else(DialPolicy::cluster),
+        };
         let incarnation = Incarnation(u128::from_le_bytes(random::<16>("an incarnation id")?));
         let inner = Arc::new(Inner {
             config,
             auth,
+            dial,
             incarnation,
             endpoint: RwLock::new(None),
             local,
@@ -593,17 +625,32 @@ impl SideChannel {
     }
 
     /// Dials a peer worker and handshakes; returns its address once both sides accepted. Blocks up to
-    /// the handshake timeout: call it off the engine loop.
+    /// the handshake timeout: call it off the engine loop. Only an address the dial allow-list
+    /// ([`SideConfig::dial_allow`]) allows is dialed; otherwise [`SideError::NotAllowed`] (counted in
+    /// [`SideStats::dial_refused`]) before any socket is opened.
     pub fn connect(&self, addr: impl ToSocketAddrs + fmt::Display) -> Result<PeerAddr, SideError> {
         let name = addr.to_string();
-        let target = addr
-            .to_socket_addrs()
-            .map_err(io(format!("resolving {name}")))?
-            .next()
-            .ok_or_else(|| SideError::Protocol { peer: name.clone(), detail: "resolves to no address".into() })?;
+        let resolved: Vec<SocketAddr> = addr.to_socket_addrs().map_err(io(format!("resolving {name}")))?.collect();
+        if resolved.is_empty() {
+            return Err(SideError::Protocol { peer: name, detail: "resolves to no address".into() });
+        }
+        let host = dial::host_of(&name);
+        let allowed: Vec<SocketAddr> = resolved.iter().filter(|a| self.inner.dial.allows(host, a)).copied().collect();
+        if allowed.is_empty() {
+            let addrs = resolved.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
+            let e = SideError::NotAllowed { target: name, addrs, policy: self.inner.dial.to_string() };
+            tracing::warn!(error = %e, "side-channel dial refused");
+            return Err(self.inner.counters.count(e));
+        }
         let deadline = Instant::now() + self.inner.config.handshake_timeout;
-        let stream = TcpStream::connect_timeout(&target, self.inner.config.handshake_timeout)
-            .map_err(io(format!("connecting to {name}")))?;
+        let mut connected = Err(std::io::ErrorKind::NotConnected.into());
+        for target in &allowed {
+            connected = TcpStream::connect_timeout(target, self.inner.config.handshake_timeout);
+            if connected.is_ok() {
+                break;
+            }
+        }
+        let stream = connected.map_err(io(format!("connecting to {name}")))?;
         Inner::establish(&self.inner, stream, &name, Role::Dialer, deadline).map_err(|e| self.inner.counters.count(e))
     }
 
@@ -636,6 +683,7 @@ impl SideChannel {
             malformed: c.malformed.load(Ordering::Relaxed),
             peers_lost: c.peers_lost.load(Ordering::Relaxed),
             restarts: c.restarts.load(Ordering::Relaxed),
+            dial_refused: c.dial_refused.load(Ordering::Relaxed),
         }
     }
 }

@@ -296,6 +296,7 @@ fn specs(d: &Bound<'_, PyDict>) -> PyResult<(EngineSpec, LayoutSpec)> {
             secret: get::<String>(d, "secret")?.map(String::into_bytes),
             insecure: get::<bool>(d, "insecure")?.unwrap_or(false),
             peer_timeout_ms: get(d, "peer_timeout_ms")?.unwrap_or(0),
+            dial_allow: get(d, "dial_allow")?,
         },
     };
     Ok((spec, layout))

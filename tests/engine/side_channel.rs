@@ -885,3 +885,47 @@ fn established_connections_are_limited_per_address() {
     d1.side.connect(p.side.local_addr()).expect("a reconnect of the same peer");
     until("P holds one connection", || p.side.peers().len() == 1, stats_of(&p));
 }
+
+#[test]
+fn the_consumer_dials_only_what_its_allow_list_names() {
+    use kvpush::engine::dial::DialPolicy;
+    let fabric = Fabric::new();
+    let p = worker("prefill", Mode::Push, &fabric, Some(b"s3cret"));
+    let with = |id: &str, allow: &str| {
+        let mut c = side_config(Some(b"s3cret"));
+        c.dial_allow = Some(DialPolicy::parse(allow).expect("a valid list"));
+        worker_with(id, id, Mode::Push, &fabric, c)
+    };
+    // A tripwire listener: a dial that opened a socket would sit in its accept queue once connect
+    // returned. The check sees a connection when there is one.
+    let trip = TcpListener::bind("127.0.0.1:0").expect("bind");
+    trip.set_nonblocking(true).expect("nonblocking");
+    let probe = TcpStream::connect(trip.local_addr().expect("addr")).expect("connect");
+    assert!(trip.accept().is_ok(), "the tripwire sees a connection");
+    drop(probe);
+
+    // Not on the list (only 10.0.0.0/8 and a name): refused before any socket, counted, and the
+    // error names the list and how to change it.
+    let d = with("decode", "10.0.0.0/8,prefill-0.svc");
+    for target in [p.side.local_addr(), trip.local_addr().expect("addr")] {
+        let e = d.side.connect(target).expect_err("loopback is not on the list");
+        assert!(matches!(e, SideError::NotAllowed { .. }), "{e}");
+        let text = e.to_string();
+        assert!(text.contains("10.0.0.0/8,prefill-0.svc") && text.contains("KVPUSH_DIAL_ALLOW"), "{text}");
+    }
+    assert!(
+        matches!(trip.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "a refused dial opened a connection"
+    );
+    assert_eq!((d.side.stats().dial_refused, d.side.stats().handshakes), (2, 0));
+    assert_eq!(p.side.stats(), SideStats::default(), "P saw nothing");
+    assert!(d.side.peers().is_empty());
+
+    // On the list, by network or by name: dialed and handshaken.
+    let by_net = with("decode-net", "127.0.0.0/8");
+    assert_eq!(by_net.side.connect(p.side.local_addr()).expect("allowed network").engine, "prefill");
+    let by_name = with("decode-name", "localhost");
+    let port = p.side.local_addr().port();
+    assert_eq!(by_name.side.connect(format!("localhost:{port}")).expect("allowed name").engine, "prefill");
+    assert_eq!(by_name.side.stats().dial_refused, 0);
+}
