@@ -929,3 +929,49 @@ fn the_consumer_dials_only_what_its_allow_list_names() {
     assert_eq!(by_name.side.connect(format!("localhost:{port}")).expect("allowed name").engine, "prefill");
     assert_eq!(by_name.side.stats().dial_refused, 0);
 }
+
+/// Side-channel threads (accept, I/O, handshakes) of the listeners on `ports`.
+fn side_threads(ports: &[u16]) -> usize {
+    use kvpush::engine::side::{accept_thread_name, handshake_thread_name, io_thread_name};
+    ports
+        .iter()
+        .map(|&p| [accept_thread_name(p), io_thread_name(p), handshake_thread_name(p)])
+        .fold(0, |n, names| n + names.iter().map(|name| threads_named(name)).sum::<usize>())
+}
+
+#[test]
+fn established_connections_cost_no_thread_each() {
+    // One producer and 24 consumers, every consumer connected: each side channel keeps its accept
+    // and its I/O thread, whatever its number of connections (one thread per connection would be
+    // 2 × 24 more on P and 2 more on each consumer).
+    const N: usize = 24;
+    let fabric = Fabric::new();
+    let p = worker("prefill", Mode::Push, &fabric, Some(SECRET));
+    let ds: Vec<Worker> = (0..N).map(|i| worker(&format!("decode{i}"), Mode::Push, &fabric, Some(SECRET))).collect();
+    let ports: Vec<u16> = std::iter::once(&p).chain(&ds).map(|w| w.side.local_addr().port()).collect();
+    // The oracle sees the threads: two per side channel before any connection (a new thread names
+    // itself once it runs, hence the wait).
+    until(
+        "two threads per side channel",
+        || side_threads(&ports) == 2 * (N + 1),
+        || format!("{}", side_threads(&ports)),
+    );
+    for d in &ds {
+        d.side.connect(p.side.local_addr()).expect("handshake");
+    }
+    until("P holds every connection", || p.side.peers().len() == N, stats_of(&p));
+    // The listener's handshake threads end with their handshakes; nothing else was started.
+    until(
+        "only accept and I/O threads",
+        || side_threads(&ports) == 2 * (N + 1),
+        || format!("{}", side_threads(&ports)),
+    );
+    // The one I/O thread serves them all: a registration from each consumer reaches P.
+    for (i, d) in ds.iter().enumerate() {
+        d.engine.blocks_allocated(Key::new(500 + i as u128, 1), "prefill", vec![vec![i as u32]], 16).expect("register");
+    }
+    until("P took every registration", || p.engine.stats().counters.registrations == N as u64, stats_of(&p));
+    assert_eq!(side_threads(&ports), 2 * (N + 1));
+    let s = p.side.stats();
+    assert_eq!((s.handshakes, s.peers_lost, s.malformed), (N as u64, 0, 0), "{s:?}");
+}
