@@ -349,6 +349,10 @@ pub struct SideStats {
     pub restarts: u64,
     /// Dials refused because the target is not on the allow-list.
     pub dial_refused: u64,
+    /// Bytes sealed for peers and not yet written (now).
+    pub queued_out: u64,
+    /// Bytes read from peers and not yet opened (now).
+    pub unopened_in: u64,
 }
 
 #[derive(Default)]
@@ -806,6 +810,11 @@ impl SideChannel {
         }
     }
 
+    fn conns_sum(&self, f: impl Fn(&Conn) -> usize) -> u64 {
+        let conns: Vec<Arc<Conn>> = lock(&self.inner.conns).values().cloned().collect();
+        conns.iter().map(|c| f(c) as u64).sum()
+    }
+
     /// Counters so far.
     pub fn stats(&self) -> SideStats {
         let c = &self.inner.counters;
@@ -823,6 +832,11 @@ impl SideChannel {
             peers_lost: c.peers_lost.load(Ordering::Relaxed),
             restarts: c.restarts.load(Ordering::Relaxed),
             dial_refused: c.dial_refused.load(Ordering::Relaxed),
+            queued_out: self.conns_sum(|c| lock(&c.out).pending()),
+            unopened_in: self.conns_sum(|c| {
+                let i = lock(&c.inbound);
+                i.opener.end - i.opener.start
+            }),
         }
     }
 }
@@ -1103,6 +1117,12 @@ impl Opener {
         let n = stream.read(&mut self.inbound[self.end..])?;
         self.end += n;
         Ok(n)
+    }
+
+    /// Whether a whole record waits in the buffer, read and not yet opened.
+    fn has_record(&self) -> bool {
+        let avail = &self.inbound[self.start..self.end];
+        avail.first_chunk::<2>().is_some_and(|&[hi, lo]| avail.len() >= 2 + usize::from(u16::from_be_bytes([hi, lo])))
     }
 
     /// Opens the whole records already read, appending their chunks to `msg`, until a message is
@@ -1476,12 +1496,20 @@ fn io_loop(inner: &Weak<Inner>, woken: &UnixStream) {
             let now = Instant::now();
             let mut timeout = this.config.heartbeat;
             for c in &conns {
-                let parked = lock(&c.inbound).parked.is_some();
+                let (parked, buffered) = {
+                    let inb = lock(&c.inbound);
+                    (inb.parked.is_some(), inb.opener.has_record())
+                };
                 let (pending, heartbeat_at) = {
                     let out = lock(&c.out);
                     (out.pending() > 0 || out.failed.is_some(), out.last_sent + this.config.heartbeat)
                 };
                 let mut events = 0;
+                if buffered && !parked {
+                    // A whole record already read (its turn ended at FRAMES_PER_TURN): no new byte
+                    // may come to make the socket readable.
+                    timeout = Duration::ZERO;
+                }
                 if !parked {
                     events |= libc::POLLIN;
                     let silent_at = lock(&c.inbound).opener.last_record + this.config.peer_timeout;
@@ -1555,7 +1583,7 @@ fn service(this: &Arc<Inner>, c: &Arc<Conn>, revents: libc::c_short) {
         return;
     }
     let mut inb = lock(&c.inbound);
-    let readable = revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
+    let readable = revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 || inb.opener.has_record();
     if (readable || inb.parked.is_some()) && !receive(this, c, &mut inb) {
         return;
     }
