@@ -9,8 +9,10 @@
 //! with a secret, then the reader's and writer's own per-frame functions).
 //!
 //! `cargo bench --bench side_channel` (needs `. scripts/nixl.sh` for the build only). Besides
-//! criterion's estimate it prints p50/p99 of individually timed round trips. Target: p50 ≤ 5 µs
-//! (issue #19); results in docs/benchmarks.md.
+//! criterion's estimate it prints p50/p99 of individually timed round trips, and the p50 of each
+//! part of one on its own (encode, decode, seal and open in memory with the same Noise session
+//! parameters): what a round trip spends outside them is the two system calls and the buffers.
+//! Target: p50 ≤ 5 µs (issue #19); results in docs/benchmarks.md.
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -45,6 +47,75 @@ fn round_trip(s: &mut LoopbackSession, msg: &Message, l: &KvLayout, frame: &mut 
     codec::decode(got, Some(l)).expect("decodes")
 }
 
+/// A Noise transport pair with the side channel's parameters, handshaken in memory.
+fn noise_pair() -> (snow::TransportState, snow::TransportState) {
+    let params: snow::params::NoiseParams = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s".parse().expect("params");
+    let psk = [7u8; 32];
+    let build = || snow::Builder::new(params.clone()).psk(0, &psk).expect("psk");
+    let mut i = build().build_initiator().expect("initiator");
+    let mut r = build().build_responder().expect("responder");
+    let (mut m, mut p) = ([0u8; 128], [0u8; 128]);
+    let n = i.write_message(&[], &mut m).expect("msg 1");
+    r.read_message(&m[..n], &mut p).expect("msg 1");
+    let n = r.write_message(&[], &mut m).expect("msg 2");
+    i.read_message(&m[..n], &mut p).expect("msg 2");
+    (i.into_transport_mode().expect("transport"), r.into_transport_mode().expect("transport"))
+}
+
+/// p50 in ns of `f` over `n` individually timed calls.
+fn p50_of(n: usize, mut f: impl FnMut()) -> u64 {
+    let mut ns: Vec<u64> = (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_nanos() as u64
+        })
+        .collect();
+    pct(&mut ns, 0.5)
+}
+
+/// The p50 of each part of a round trip on its own.
+fn breakdown(msg: &Message, l: &KvLayout, n: usize) -> String {
+    let mut frame = Vec::new();
+    codec::encode(msg, &mut frame).expect("encodes");
+    let encode = p50_of(n, || {
+        let mut f = Vec::new();
+        codec::encode(black_box(msg), &mut f).expect("encodes");
+        black_box(f);
+    });
+    let decode = p50_of(n, || {
+        black_box(codec::decode(black_box(&frame), Some(l)).expect("decodes"));
+    });
+    // One record: the continuation flag and the frame, as the channel seals it.
+    let mut plain = vec![0u8];
+    plain.extend_from_slice(&frame);
+    let (mut tx, _) = noise_pair();
+    let mut sealed = vec![0u8; plain.len() + 16];
+    let mut opened = vec![0u8; plain.len()];
+    let seal = p50_of(n, || {
+        black_box(tx.write_message(black_box(&plain), &mut sealed).expect("seals"));
+    });
+    // Open what was sealed, in order (each open needs the next nonce: seal one, time the open), on
+    // a fresh pair (the sealing above used up the sender's nonces).
+    let (mut tx, mut rx) = noise_pair();
+    let mut ns = Vec::with_capacity(n);
+    for _ in 0..n {
+        let len = tx.write_message(&plain, &mut sealed).expect("seals");
+        let t = Instant::now();
+        black_box(rx.read_message(black_box(&sealed[..len]), &mut opened).expect("opens"));
+        ns.push(t.elapsed().as_nanos() as u64);
+    }
+    let open = pct(&mut ns, 0.5);
+    let us = |ns: u64| ns as f64 / 1e3;
+    format!(
+        "encode {:.2} µs, decode {:.2} µs, seal {:.2} µs, open {:.2} µs (parts p50)",
+        us(encode),
+        us(decode),
+        us(seal),
+        us(open)
+    )
+}
+
 fn pct(v: &mut [u64], q: f64) -> u64 {
     v.sort_unstable();
     v[((v.len() - 1) as f64 * q).round() as usize]
@@ -70,10 +141,11 @@ fn bench(c: &mut Criterion) {
             .collect();
         let (p50, p99) = (pct(&mut ns, 0.5), pct(&mut ns, 0.99));
         eprintln!(
-            "side_channel/registration/{name}: {} bytes; per frame p50 {:.2} µs, p99 {:.2} µs ({n} timed)",
+            "side_channel/registration/{name}: {} bytes; per frame p50 {:.2} µs, p99 {:.2} µs ({n} timed); {}",
             frame.len(),
             p50 as f64 / 1e3,
-            p99 as f64 / 1e3
+            p99 as f64 / 1e3,
+            breakdown(&msg, &l, n.min(20_000))
         );
     }
     group.finish();

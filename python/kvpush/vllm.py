@@ -82,6 +82,7 @@ DEFAULTS: dict[str, Any] = {
     "writers": 1,
     "secret": None,
     "insecure": False,
+    "dial_allow": None,
     "device": None,
     "staging": "auto",
 }
@@ -105,6 +106,8 @@ class KVPushConfig:
     staging: str
     # vLLM's kv_transfer_config.kv_buffer_device: where the KV the connector moves lives.
     kv_buffer_device: str = "cpu"
+    # The producers D may dial (``_dial_allow``); None: the engine's default.
+    dial_allow: str | None = None
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> KVPushConfig:
@@ -144,6 +147,7 @@ class KVPushConfig:
             writers=int(values["writers"]),
             secret=values["secret"],
             insecure=values["insecure"],
+            dial_allow=_dial_allow(values["dial_allow"]),
             device=values["device"],
             staging=str(values["staging"]).lower(),
             kv_buffer_device=buffer,
@@ -199,6 +203,17 @@ class KVPushMetadata(KVConnectorMetadata):
     prefilled: list[Finished] = field(default_factory=list)
     receives: list[Receive] = field(default_factory=list)
     aborts: list[Abort] = field(default_factory=list)
+
+
+def _dial_allow(value: Any) -> str | None:
+    """The producers D may dial (docs/security.md): a list or a comma-separated string of networks and
+    host names; unset means ``$KVPUSH_DIAL_ALLOW``, else loopback and the private networks. The engine
+    parses it, and refuses a dial to anything else before opening a socket."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return ",".join(value)
+    raise ValueError(f"kvpush: dial_allow must be a list of networks and host names, got {value!r}")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -566,6 +581,7 @@ class _Worker:
             writers=self.cfg.writers,
             secret=self.cfg.secret,
             insecure=self.cfg.insecure,
+            dial_allow=self.cfg.dial_allow,
             device=_device_spec(self.cfg.device, device),
             staging=self.cfg.staging,
         )

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::device::{self, DeviceError};
+use crate::engine::dial::DialPolicy;
 use crate::engine::side::{SideChannel, SideConfig, SideError};
 use crate::engine::{Config, Engine, EngineError, Finished, Layerwise, LocalHub, Staging, StatsSnapshot};
 use crate::proto::codec::{self, DecodeError, EncodeError};
@@ -502,6 +503,10 @@ pub enum TransportSpec {
         /// A peer silent this long is lost (0: the default, 5 s). Heartbeats go every fifth of it, at
         /// most every second.
         peer_timeout_ms: u64,
+        /// Which producers the side channel may dial: comma-separated networks and host names
+        /// (default `$KVPUSH_DIAL_ALLOW`, else loopback and the private networks; see
+        /// [`crate::engine::dial`]).
+        dial_allow: Option<String>,
     },
 }
 
@@ -615,7 +620,7 @@ impl FfiEngine {
                 hub.link.attach(engine.addr().clone(), engine.sink());
                 (engine, Medium::Loopback(Arc::clone(hub)))
             }
-            TransportSpec::Nixl { agent_name, backend, listen, secret, insecure, peer_timeout_ms } => {
+            TransportSpec::Nixl { agent_name, backend, listen, secret, insecure, peer_timeout_ms, dial_allow } => {
                 let nixl = NixlConfig {
                     agent_name: agent_name.clone().unwrap_or(default_name),
                     backend: backend.clone().unwrap_or_else(|| "UCX".to_owned()),
@@ -630,6 +635,10 @@ impl FfiEngine {
                     side.secret = secret.clone();
                 }
                 side.insecure |= *insecure;
+                if let Some(list) = dial_allow {
+                    side.dial_allow =
+                        Some(DialPolicy::parse(list).map_err(|e| FfiError::invalid("dial_allow", e.to_string()))?);
+                }
                 if *peer_timeout_ms > 0 {
                     side.peer_timeout = Duration::from_millis(*peer_timeout_ms);
                     side.heartbeat = side.heartbeat.min(side.peer_timeout / 5);

@@ -3,16 +3,18 @@
 //!
 //! Read [`ControlBudget`]. A frame takes a [`Credit`] before it is decoded and routed; the credit
 //! travels with the command to the writer shard and is given back when the command is dropped
-//! (handled, or thrown away by a stopping writer). A side-channel reader that finds the budget spent
-//! waits (so it stops reading its socket: TCP's window fills, the peer's bounded send queue fills, and
-//! the peer's sends fail with [`super::LinkError::Full`]); an in-process sender is refused at once.
-//! Memory behind the writer queues is therefore bounded by the budget, whatever peers send.
+//! (handled, or thrown away by a stopping writer). A frame that finds the budget spent is refused at
+//! once: an in-process sender gets the error; the side channel's I/O thread parks the frame on its
+//! connection and stops reading that socket until the frame fits (TCP's window fills, the peer's
+//! bounded send queue fills, and the peer's sends fail with [`super::LinkError::Full`]), closing the
+//! connection as overloaded after [`ControlLimits::wait`]. Memory behind the writer queues is
+//! therefore bounded by the budget, whatever peers send.
 //!
 //! What it must never do: block a writer thread (writers only give credits back), or be taken while
 //! the peers' lock is held (a writer may need that lock to make progress).
 
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use crate::sync::lock;
 
@@ -24,7 +26,7 @@ pub struct ControlLimits {
     /// Bytes of those frames (as received) at once. One frame larger than this alone is let through
     /// when nothing else is queued.
     pub bytes: usize,
-    /// How long a side-channel reader waits for room before it closes its connection as overloaded.
+    /// How long a side-channel frame waits for room before its connection is closed as overloaded.
     pub wait: Duration,
 }
 
@@ -38,7 +40,6 @@ impl Default for ControlLimits {
 struct Queued {
     frames: usize,
     bytes: usize,
-    waiters: usize,
 }
 
 /// Control frames and bytes queued for the writers, against [`ControlLimits`].
@@ -46,7 +47,6 @@ struct Queued {
 pub(crate) struct ControlBudget {
     limits: ControlLimits,
     queued: Mutex<Queued>,
-    freed: Condvar,
 }
 
 /// Room for one queued control frame; given back when dropped.
@@ -61,10 +61,6 @@ impl Drop for Credit {
         let mut q = lock(&self.budget.queued);
         q.frames -= 1;
         q.bytes -= self.bytes;
-        // Only a reader that waits needs the (system-call) wake-up.
-        if q.waiters > 0 {
-            self.budget.freed.notify_all();
-        }
     }
 }
 
@@ -77,34 +73,25 @@ pub(crate) struct Spent {
 
 impl ControlBudget {
     pub(crate) fn new(limits: ControlLimits) -> Arc<Self> {
-        Arc::new(Self { limits, queued: Mutex::new(Queued::default()), freed: Condvar::new() })
+        Arc::new(Self { limits, queued: Mutex::new(Queued::default()) })
     }
 
-    /// Room for a frame of `bytes`: at once, or (with `wait`) as soon as the writers free it, up to
-    /// [`ControlLimits::wait`].
-    pub(crate) fn acquire(self: &Arc<Self>, bytes: usize, wait: bool) -> Result<Credit, Spent> {
-        let fits = |q: &Queued| {
-            q.frames == 0 || (q.frames < self.limits.frames && q.bytes.saturating_add(bytes) <= self.limits.bytes)
-        };
+    /// Room for a frame of `bytes` now, or what is queued.
+    pub(crate) fn acquire(self: &Arc<Self>, bytes: usize) -> Result<Credit, Spent> {
         let mut q = lock(&self.queued);
-        if !fits(&q) && wait {
-            let deadline = Instant::now() + self.limits.wait;
-            q.waiters += 1;
-            while !fits(&q) {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    break;
-                }
-                q = self.freed.wait_timeout(q, left).unwrap_or_else(|p| p.into_inner()).0;
-            }
-            q.waiters -= 1;
-        }
-        if !fits(&q) {
+        let fits =
+            q.frames == 0 || (q.frames < self.limits.frames && q.bytes.saturating_add(bytes) <= self.limits.bytes);
+        if !fits {
             return Err(Spent { frames: q.frames, bytes: q.bytes });
         }
         q.frames += 1;
         q.bytes += bytes;
         Ok(Credit { budget: Arc::clone(self), bytes })
+    }
+
+    /// The limits it keeps.
+    pub(crate) fn limits(&self) -> ControlLimits {
+        self.limits
     }
 
     /// Frames and bytes queued now.
@@ -126,42 +113,22 @@ mod tests {
     #[test]
     fn frames_and_bytes_are_bounded_and_come_back_when_credits_drop() {
         let b = budget(3, 100);
-        let c1 = b.acquire(40, false).expect("room");
-        let c2 = b.acquire(40, false).expect("room");
+        let c1 = b.acquire(40).expect("room");
+        let c2 = b.acquire(40).expect("room");
         // 40 more bytes would make 120 > 100.
-        assert_eq!(b.acquire(40, false).map(|_| ()), Err(Spent { frames: 2, bytes: 80 }));
-        let c3 = b.acquire(20, false).expect("exactly the byte limit");
+        assert_eq!(b.acquire(40).map(|_| ()), Err(Spent { frames: 2, bytes: 80 }));
+        let c3 = b.acquire(20).expect("exactly the byte limit");
         // Three frames: the frame limit, whatever the size.
-        assert_eq!(b.acquire(0, false).map(|_| ()), Err(Spent { frames: 3, bytes: 100 }));
+        assert_eq!(b.acquire(0).map(|_| ()), Err(Spent { frames: 3, bytes: 100 }));
         drop(c2);
         assert_eq!(b.queued(), (2, 60));
-        let c4 = b.acquire(40, false).expect("room again");
+        let c4 = b.acquire(40).expect("room again");
         drop((c1, c3, c4));
         assert_eq!(b.queued(), (0, 0));
         // A frame larger than the byte limit passes alone, never next to others.
-        let big = b.acquire(1000, false).expect("alone");
-        assert!(b.acquire(1, false).is_err());
+        let big = b.acquire(1000).expect("alone");
+        assert!(b.acquire(1).is_err());
         drop(big);
-        assert_eq!(b.queued(), (0, 0));
-    }
-
-    #[test]
-    fn a_waiting_reader_gets_room_when_a_writer_frees_it_and_gives_up_at_the_limit() {
-        let b = ControlBudget::new(ControlLimits { frames: 1, bytes: 100, wait: Duration::from_millis(300) });
-        let held = b.acquire(10, false).expect("room");
-        let t0 = Instant::now();
-        assert!(b.acquire(10, true).is_err(), "no room was freed");
-        assert!(t0.elapsed() >= Duration::from_millis(300), "gave up after {:?}", t0.elapsed());
-        let b2 = Arc::clone(&b);
-        let waiter = std::thread::spawn(move || b2.acquire(10, true).map(|c| c.bytes));
-        // Poll until the waiter is parked, then free the room it waits for.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while lock(&b.queued).waiters == 0 {
-            assert!(Instant::now() < deadline, "the reader never waited");
-            std::thread::yield_now();
-        }
-        drop(held);
-        assert_eq!(waiter.join().expect("join"), Ok(10));
         assert_eq!(b.queued(), (0, 0));
     }
 }

@@ -38,6 +38,7 @@ use crate::transport::{Transport, TransportError, Units};
 use budget::{ControlBudget, Credit};
 
 pub mod budget;
+pub mod dial;
 pub mod link;
 mod sched;
 pub mod side;
@@ -247,16 +248,14 @@ pub enum EngineError {
     },
     /// Peers have more control frames queued for this engine's writers than its budget allows
     /// ([`Config::control`]); the frame was not taken.
-    #[error("frame from {peer}: the writers are behind ({frames} frames, {bytes} bytes queued; waited {waited:?})")]
+    #[error("frame from {peer}: the writers are behind ({frames} frames, {bytes} bytes queued)")]
     Overloaded {
         /// The sender.
         peer: PeerAddr,
-        /// Frames queued when it gave up.
+        /// Frames queued when it was refused.
         frames: usize,
         /// Their bytes.
         bytes: usize,
-        /// How long it waited for room.
-        waited: std::time::Duration,
     },
     /// The engine has shut down.
     #[error("engine {0} has shut down")]
@@ -631,22 +630,18 @@ impl Shared {
     }
 
     /// Decodes a control frame from `from` against its handshake layout and routes it, within the
-    /// control budget: `wait` (a side-channel reader) waits for room, otherwise a spent budget
-    /// refuses the frame at once.
+    /// control budget: a spent budget refuses the frame at once ([`EngineError::Overloaded`]).
     pub(crate) fn handle_frame(
         &self,
         from: &PeerAddr,
         incarnation: Option<side::Incarnation>,
         frame: &[u8],
-        wait: bool,
     ) -> Result<(), EngineError> {
         // Before the peers' lock: a writer may need it to make the progress that frees room.
-        let t0 = std::time::Instant::now();
-        let credit = self.control.acquire(frame.len(), wait).map_err(|spent| EngineError::Overloaded {
+        let credit = self.control.acquire(frame.len()).map_err(|spent| EngineError::Overloaded {
             peer: from.clone(),
             frames: spent.frames,
             bytes: spent.bytes,
-            waited: t0.elapsed(),
         })?;
         // The peers' read lock is held until the frame is queued: a restart of this peer (which
         // takes the write lock to drop its previous process) then queues its failure either after
@@ -691,7 +686,12 @@ impl side::Endpoint for Shared {
         Shared::add_peer(self, peer, Some(incarnation), Some(keys))
     }
     fn deliver(&self, from: &PeerAddr, incarnation: side::Incarnation, frame: &[u8]) -> Result<(), EngineError> {
-        self.handle_frame(from, Some(incarnation), frame, true)
+        // The side channel's I/O thread serves every connection: it never waits here, it parks the
+        // frame and stops reading that peer instead.
+        self.handle_frame(from, Some(incarnation), frame)
+    }
+    fn control_wait(&self) -> std::time::Duration {
+        self.control.limits().wait
     }
     fn peer_lost(&self, peer: &PeerAddr, incarnation: side::Incarnation, reason: &str) {
         tracing::warn!(worker = %self.me, %peer, %reason, "peer lost");
@@ -703,7 +703,7 @@ impl side::Endpoint for Shared {
 
 impl FrameSink for Shared {
     fn deliver(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), EngineError> {
-        self.handle_frame(from, None, frame, false)
+        self.handle_frame(from, None, frame)
     }
 }
 
@@ -864,7 +864,7 @@ impl Engine {
 
     /// Takes one frame a peer sent over the control link.
     pub fn handle_frame(&self, from: &PeerAddr, frame: &[u8]) -> Result<(), EngineError> {
-        self.shared.handle_frame(from, None, frame, false)
+        self.shared.handle_frame(from, None, frame)
     }
 
     /// Producer: prefill of `key` finished; its KV is in `block_ids` (per KV group) and stays there

@@ -31,28 +31,35 @@
 //! What must never happen here: an unauthenticated peer costing more than a handshake slot, a
 //! thread and a few hundred bytes for at most the handshake deadline; a frame from a peer reaching
 //! the engine before its handshake was accepted; a peer that restarted (new incarnation) inheriting
-//! the registrations of its previous process.
+//! the registrations of its previous process; the I/O thread waiting on anything but `poll` (one
+//! slow peer or a full engine would stall every connection).
 //!
-//! After the handshake each connection has a reader thread (one `read` into a fixed buffer of one
-//! record, then every whole record in it is opened; a record that does not verify, or a frame the
-//! engine refuses, closes the connection and is counted; silence counts from the last record that
-//! verified) and a writer
-//! thread (a bounded queue of frames, and a heartbeat when idle). A peer that closes, errs or stays
-//! silent past the peer timeout is lost: the engine fails everything in flight with it.
+//! Threads: a fixed set per side channel, whatever its number of connections. One accept thread;
+//! one thread per handshake in progress (at most [`SideLimits::max_handshakes`] for accepted
+//! connections; a dialer handshakes on the caller's thread); and one I/O thread (`io_loop`) that
+//! drives every established connection over non-blocking sockets with `poll(2)`: it reads into a
+//! fixed buffer of one record, opens every whole record in it (a record that does not verify, or a
+//! frame the engine refuses, closes the connection and is counted; silence counts from the last
+//! record that verified), delivers frames, writes what senders left queued and sends a heartbeat
+//! when a connection is idle. Senders seal and write on their own thread; a frame the engine has no
+//! room for is parked and its connection not read until it fits (backpressure). A peer that closes,
+//! errs or stays silent past the peer timeout is lost: the engine fails everything in flight with it.
 
 use std::collections::HashMap;
 use std::fmt;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TrySendError};
 use sha2::{Digest, Sha256};
 use snow::{HandshakeState, TransportState};
 
+use super::dial::{self, DialPolicy};
 use super::link::{ControlLink, LinkError, PeerAddr};
 use super::EngineError;
 use crate::proto::codec::{self, HEADER_LEN};
@@ -101,9 +108,13 @@ pub trait Endpoint: Send + Sync {
     /// it in its hello).
     fn add_peer(&self, peer: &Handshake, incarnation: Incarnation, keys: DataKeys) -> Result<PeerAddr, EngineError>;
     /// Takes one control frame from the peer's `incarnation`; refuses it if the peer has since come
-    /// back as another. May block while the engine's writers are behind (backpressure: the reader
-    /// stops reading), up to a bound after which it refuses with [`EngineError::Overloaded`].
+    /// back as another. Never blocks: while the engine's writers are behind it refuses with
+    /// [`EngineError::Overloaded`], and the side channel offers the frame again (not reading that
+    /// peer meanwhile: backpressure) for up to [`Endpoint::control_wait`].
     fn deliver(&self, from: &PeerAddr, incarnation: Incarnation, frame: &[u8]) -> Result<(), EngineError>;
+    /// How long a frame refused as [`EngineError::Overloaded`] may wait for room before its
+    /// connection is closed as overloaded.
+    fn control_wait(&self) -> Duration;
     /// The connection to `incarnation` of `peer` went away: fail what is in flight with it.
     fn peer_lost(&self, peer: &PeerAddr, incarnation: Incarnation, reason: &str);
 }
@@ -127,7 +138,7 @@ pub struct SideLimits {
     pub max_handshakes: usize,
     /// Handshakes in progress at once from one IP address.
     pub max_handshakes_per_address: usize,
-    /// Established connections (dialed and accepted; two threads each).
+    /// Established connections (dialed and accepted; all served by the one I/O thread).
     pub max_connections: usize,
     /// Established connections with one IP address.
     pub max_connections_per_address: usize,
@@ -170,6 +181,9 @@ pub struct SideConfig {
     pub handshake_timeout: Duration,
     /// Connection, handshake and queue limits.
     pub limits: SideLimits,
+    /// Which addresses [`SideChannel::connect`] may dial (None: `$KVPUSH_DIAL_ALLOW`, else
+    /// [`DialPolicy::cluster`], loopback and the private networks; see [`super::dial`]).
+    pub dial_allow: Option<DialPolicy>,
 }
 
 impl fmt::Debug for SideConfig {
@@ -182,6 +196,7 @@ impl fmt::Debug for SideConfig {
             .field("peer_timeout", &self.peer_timeout)
             .field("handshake_timeout", &self.handshake_timeout)
             .field("limits", &self.limits)
+            .field("dial_allow", &self.dial_allow)
             .finish()
     }
 }
@@ -204,6 +219,7 @@ impl SideConfig {
             peer_timeout: Duration::from_secs(5),
             handshake_timeout: Duration::from_secs(10),
             limits: SideLimits::default(),
+            dial_allow: None,
         }
     }
 }
@@ -283,6 +299,16 @@ pub enum SideError {
         /// Its value.
         limit: usize,
     },
+    /// The dial target is not on the allow-list ([`SideConfig::dial_allow`]); nothing was sent.
+    #[error("side channel: not dialing {target} ({addrs}): the dial allow-list ({policy}) does not include it; add its network to ${env} (the connector's `dial_allow`)", env = dial::DIAL_ALLOW_ENV)]
+    NotAllowed {
+        /// The target as asked for.
+        target: String,
+        /// What it resolved to.
+        addrs: String,
+        /// The allow-list.
+        policy: String,
+    },
     /// The engine is gone.
     #[error("the engine behind this side channel has shut down")]
     Closed,
@@ -321,6 +347,12 @@ pub struct SideStats {
     pub peers_lost: u64,
     /// Peers that came back as a new process (their previous one's state was dropped).
     pub restarts: u64,
+    /// Dials refused because the target is not on the allow-list.
+    pub dial_refused: u64,
+    /// Bytes sealed for peers and not yet written (now).
+    pub queued_out: u64,
+    /// Bytes read from peers and not yet opened (now).
+    pub unopened_in: u64,
 }
 
 #[derive(Default)]
@@ -336,6 +368,7 @@ struct Counters {
     malformed: AtomicU64,
     peers_lost: AtomicU64,
     restarts: AtomicU64,
+    dial_refused: AtomicU64,
 }
 
 impl Counters {
@@ -347,6 +380,7 @@ impl Counters {
             SideError::TimedOut { .. } => &self.timeouts,
             SideError::TooLarge { .. } => &self.oversized,
             SideError::Busy { .. } => &self.over_limit,
+            SideError::NotAllowed { .. } => &self.dial_refused,
             _ => return e,
         };
         c.fetch_add(1, Ordering::Relaxed);
@@ -484,15 +518,131 @@ fn process_key() -> Result<&'static [u8; 32], SideError> {
 }
 
 /// One handshaken connection.
+///
+/// Its socket is non-blocking. Senders (the engine's writer threads) seal and write on their own
+/// thread ([`Conn::queue`]); what the socket does not take at once waits in `out` for the I/O
+/// thread. Only the I/O thread reads (`inbound`).
 struct Conn {
     peer: PeerAddr,
     /// The IP address the connection is with.
     ip: IpAddr,
     incarnation: Incarnation,
-    tx: Sender<Vec<u8>>,
-    queued_bytes: AtomicUsize,
     stream: TcpStream,
+    /// The session: both directions' keys and nonces (sealing and opening take turns on it).
+    noise: Mutex<TransportState>,
+    out: Mutex<Outbound>,
+    inbound: Mutex<Inbound>,
     closed: AtomicBool,
+}
+
+/// Records sealed for the peer and not yet written, in the order they were sealed.
+struct Outbound {
+    /// Sealed records; `buf[at..]` is not written yet.
+    buf: Vec<u8>,
+    at: usize,
+    /// Frames sealed since `buf` was last empty (the bound on frames queued).
+    frames: usize,
+    scratch: Vec<u8>,
+    /// When a frame was last queued: a heartbeat is due `heartbeat` after it.
+    last_sent: Instant,
+    heartbeat_seq: u64,
+    /// A write failed on a sender's thread: the I/O thread closes the connection with this reason.
+    failed: Option<String>,
+}
+
+impl Outbound {
+    fn new() -> Self {
+        Self {
+            buf: Vec::new(),
+            at: 0,
+            frames: 0,
+            scratch: Vec::new(),
+            last_sent: Instant::now(),
+            heartbeat_seq: 0,
+            failed: None,
+        }
+    }
+
+    fn pending(&self) -> usize {
+        self.buf.len() - self.at
+    }
+
+    /// Seals `frame` after what is already queued.
+    fn seal(&mut self, noise: &Mutex<TransportState>, frame: &[u8]) -> Result<(), snow::Error> {
+        if self.pending() == 0 {
+            self.buf.clear();
+            self.at = 0;
+            self.frames = 0;
+        }
+        seal(&mut lock(noise), frame, &mut self.buf, &mut self.scratch)?;
+        self.frames += 1;
+        self.last_sent = Instant::now();
+        Ok(())
+    }
+
+    /// Writes what the socket takes now (all of it on a blocking socket).
+    fn flush(&mut self, mut stream: impl Write) -> std::io::Result<()> {
+        while self.at < self.buf.len() {
+            match stream.write(&self.buf[self.at..]) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => self.at += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(e),
+            }
+        }
+        if self.pending() == 0 {
+            self.buf.clear();
+            self.at = 0;
+            self.frames = 0;
+        } else if self.at > self.buf.len() / 2 {
+            self.buf.drain(..self.at);
+            self.at = 0;
+        }
+        Ok(())
+    }
+}
+
+/// What the I/O thread keeps of a connection's incoming side.
+struct Inbound {
+    opener: Opener,
+    msg: Vec<u8>,
+    /// A frame the engine had no room for (control budget spent), and since when: delivered again
+    /// before anything more is read from the socket, so TCP's window fills and the peer's sends
+    /// fail with [`LinkError::Full`] instead of memory growing here.
+    parked: Option<(Vec<u8>, Instant)>,
+}
+
+impl Conn {
+    /// Seals `frame` and writes what the socket takes on the caller's thread; whether bytes are left
+    /// for the I/O thread. Refused past the send-queue limits.
+    fn queue(&self, frame: &[u8], limits: &SideLimits) -> Result<bool, LinkError> {
+        let mut out = lock(&self.out);
+        if self.closed.load(Ordering::SeqCst) || out.failed.is_some() {
+            return Err(LinkError::Closed(self.peer.clone()));
+        }
+        if out.pending() + frame.len() > limits.send_queue_bytes {
+            return Err(LinkError::Full {
+                peer: self.peer.clone(),
+                what: format!("{} bytes queued", limits.send_queue_bytes),
+            });
+        }
+        if out.pending() > 0 && out.frames >= limits.send_queue_frames {
+            return Err(LinkError::Full {
+                peer: self.peer.clone(),
+                what: format!("{} frames queued", limits.send_queue_frames),
+            });
+        }
+        if let Err(e) = out.seal(&self.noise, frame) {
+            out.failed = Some(format!("cannot encrypt a frame: {e}"));
+            return Err(LinkError::Closed(self.peer.clone()));
+        }
+        if let Err(e) = out.flush(&self.stream) {
+            out.failed = Some(format!("write failed: {e}"));
+            return Err(LinkError::Closed(self.peer.clone()));
+        }
+        Ok(out.pending() > 0)
+    }
 }
 
 /// Handshakes in progress on accepted connections, by address.
@@ -526,6 +676,8 @@ impl Drop for Slot {
 struct Inner {
     config: SideConfig,
     auth: Auth,
+    /// What [`SideChannel::connect`] may dial.
+    dial: DialPolicy,
     incarnation: Incarnation,
     endpoint: RwLock<Option<Weak<dyn Endpoint>>>,
     local: SocketAddr,
@@ -534,6 +686,8 @@ struct Inner {
     counters: Counters,
     shutdown: AtomicBool,
     threads: Mutex<Vec<JoinHandle<()>>>,
+    /// Wakes the I/O thread (a byte on a socket pair it polls).
+    wake: UnixStream,
 }
 
 /// A worker's side channel: listener, connections, and the [`ControlLink`] over them.
@@ -555,10 +709,24 @@ impl SideChannel {
         let listener = TcpListener::bind(&config.listen).map_err(io(format!("listening on {}", config.listen)))?;
         let local = listener.local_addr().map_err(io("reading the listening address"))?;
         let auth = Auth::resolve(&config, local)?;
+        let dial = match &config.dial_allow {
+            Some(p) => p.clone(),
+            None => DialPolicy::from_env()
+                .map_err(|e| SideError::Config {
+                    listen: config.listen.clone(),
+                    reason: format!("${}: {e}", dial::DIAL_ALLOW_ENV),
+                })?
+                .unwrap_or_else(DialPolicy::cluster),
+        };
         let incarnation = Incarnation(u128::from_le_bytes(random::<16>("an incarnation id")?));
+        let (wake, woken) = UnixStream::pair().map_err(io("creating the I/O thread's wake-up"))?;
+        for s in [&wake, &woken] {
+            s.set_nonblocking(true).map_err(io("creating the I/O thread's wake-up"))?;
+        }
         let inner = Arc::new(Inner {
             config,
             auth,
+            dial,
             incarnation,
             endpoint: RwLock::new(None),
             local,
@@ -567,13 +735,20 @@ impl SideChannel {
             counters: Counters::default(),
             shutdown: AtomicBool::new(false),
             threads: Mutex::new(Vec::new()),
+            wake,
         });
         let weak = Arc::downgrade(&inner);
         let accept = std::thread::Builder::new()
-            .name(format!("kvpush-side-accept-{}", local.port()))
+            .name(accept_thread_name(local.port()))
             .spawn(move || accept_loop(listener, weak))
             .map_err(io("starting the accept thread"))?;
         lock(&inner.threads).push(accept);
+        let weak = Arc::downgrade(&inner);
+        let io_thread = std::thread::Builder::new()
+            .name(io_thread_name(local.port()))
+            .spawn(move || io_loop(&weak, &woken))
+            .map_err(io("starting the I/O thread"))?;
+        lock(&inner.threads).push(io_thread);
         Ok(SideChannel { inner })
     }
 
@@ -593,17 +768,32 @@ impl SideChannel {
     }
 
     /// Dials a peer worker and handshakes; returns its address once both sides accepted. Blocks up to
-    /// the handshake timeout: call it off the engine loop.
+    /// the handshake timeout: call it off the engine loop. Only an address the dial allow-list
+    /// ([`SideConfig::dial_allow`]) allows is dialed; otherwise [`SideError::NotAllowed`] (counted in
+    /// [`SideStats::dial_refused`]) before any socket is opened.
     pub fn connect(&self, addr: impl ToSocketAddrs + fmt::Display) -> Result<PeerAddr, SideError> {
         let name = addr.to_string();
-        let target = addr
-            .to_socket_addrs()
-            .map_err(io(format!("resolving {name}")))?
-            .next()
-            .ok_or_else(|| SideError::Protocol { peer: name.clone(), detail: "resolves to no address".into() })?;
+        let resolved: Vec<SocketAddr> = addr.to_socket_addrs().map_err(io(format!("resolving {name}")))?.collect();
+        if resolved.is_empty() {
+            return Err(SideError::Protocol { peer: name, detail: "resolves to no address".into() });
+        }
+        let host = dial::host_of(&name);
+        let allowed: Vec<SocketAddr> = resolved.iter().filter(|a| self.inner.dial.allows(host, a)).copied().collect();
+        if allowed.is_empty() {
+            let addrs = resolved.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
+            let e = SideError::NotAllowed { target: name, addrs, policy: self.inner.dial.to_string() };
+            tracing::warn!(error = %e, "side-channel dial refused");
+            return Err(self.inner.counters.count(e));
+        }
         let deadline = Instant::now() + self.inner.config.handshake_timeout;
-        let stream = TcpStream::connect_timeout(&target, self.inner.config.handshake_timeout)
-            .map_err(io(format!("connecting to {name}")))?;
+        let mut connected = Err(std::io::ErrorKind::NotConnected.into());
+        for target in &allowed {
+            connected = TcpStream::connect_timeout(target, self.inner.config.handshake_timeout);
+            if connected.is_ok() {
+                break;
+            }
+        }
+        let stream = connected.map_err(io(format!("connecting to {name}")))?;
         Inner::establish(&self.inner, stream, &name, Role::Dialer, deadline).map_err(|e| self.inner.counters.count(e))
     }
 
@@ -618,6 +808,11 @@ impl SideChannel {
         if let Some(c) = conn {
             Inner::lost(&self.inner, &c, "disconnected locally");
         }
+    }
+
+    fn conns_sum(&self, f: impl Fn(&Conn) -> usize) -> u64 {
+        let conns: Vec<Arc<Conn>> = lock(&self.inner.conns).values().cloned().collect();
+        conns.iter().map(|c| f(c) as u64).sum()
     }
 
     /// Counters so far.
@@ -636,6 +831,12 @@ impl SideChannel {
             malformed: c.malformed.load(Ordering::Relaxed),
             peers_lost: c.peers_lost.load(Ordering::Relaxed),
             restarts: c.restarts.load(Ordering::Relaxed),
+            dial_refused: c.dial_refused.load(Ordering::Relaxed),
+            queued_out: self.conns_sum(|c| lock(&c.out).pending()),
+            unopened_in: self.conns_sum(|c| {
+                let i = lock(&c.inbound);
+                i.opener.end - i.opener.start
+            }),
         }
     }
 }
@@ -643,6 +844,7 @@ impl SideChannel {
 impl Drop for SideChannel {
     fn drop(&mut self) {
         self.inner.shutdown.store(true, Ordering::SeqCst);
+        self.inner.wake_io();
         // Wake the accept loop.
         let _ = TcpStream::connect_timeout(&self.inner.local, Duration::from_millis(200));
         let conns: Vec<Arc<Conn>> = lock(&self.inner.conns).drain().map(|(_, c)| c).collect();
@@ -660,24 +862,14 @@ impl Drop for SideChannel {
 impl ControlLink for SideChannel {
     fn send(&self, _from: &PeerAddr, to: &PeerAddr, frame: Vec<u8>) -> Result<(), LinkError> {
         let conn = lock(&self.inner.conns).get(to).cloned().ok_or_else(|| LinkError::UnknownPeer(to.clone()))?;
-        let len = frame.len();
-        let limits = &self.inner.config.limits;
-        if conn.queued_bytes.fetch_add(len, Ordering::SeqCst) + len > limits.send_queue_bytes {
-            conn.queued_bytes.fetch_sub(len, Ordering::SeqCst);
-            return Err(LinkError::Full {
-                peer: to.clone(),
-                what: format!("{} bytes queued", limits.send_queue_bytes),
-            });
+        let queued = conn.queue(&frame, &self.inner.config.limits);
+        if matches!(queued, Ok(true) | Err(LinkError::Closed(_))) {
+            // Bytes for the I/O thread to write, or a failure for it to report.
+            self.inner.wake_io();
         }
-        conn.tx.try_send(frame).map_err(|e| {
-            conn.queued_bytes.fetch_sub(len, Ordering::SeqCst);
-            match e {
-                TrySendError::Full(_) => {
-                    LinkError::Full { peer: to.clone(), what: format!("{} frames queued", limits.send_queue_frames) }
-                }
-                TrySendError::Disconnected(_) => LinkError::Closed(to.clone()),
-            }
-        })
+        queued?;
+        self.inner.counters.frames_out.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 }
 
@@ -891,23 +1083,6 @@ fn seal(noise: &mut TransportState, msg: &[u8], out: &mut Vec<u8>, scratch: &mut
     }
 }
 
-/// Encrypts `frame` into `out` (cleared first) and writes it: what a connection's writer does per
-/// frame.
-fn seal_and_write(
-    writer: &mut TcpStream,
-    noise: &Mutex<TransportState>,
-    frame: &[u8],
-    out: &mut Vec<u8>,
-    scratch: &mut Vec<u8>,
-) -> Result<(), String> {
-    out.clear();
-    let sealed = seal(&mut lock(noise), frame, out, scratch);
-    match sealed {
-        Ok(()) => writer.write_all(out).map_err(|e| format!("write failed: {e}")),
-        Err(e) => Err(format!("cannot encrypt a frame: {e}")),
-    }
-}
-
 /// The per-connection buffers of an authenticated channel: bytes read and not yet opened
 /// (`inbound[start..end]`; after [`Opener::fill`] compacts them, at most one partial record), and one
 /// record's plaintext. Both are allocated once, when the peer has proven the key.
@@ -932,7 +1107,7 @@ impl Opener {
     }
 
     /// Reads what the socket has (one `read`) after the bytes not yet opened; `Ok(0)`: closed.
-    fn fill(&mut self, stream: &mut TcpStream) -> std::io::Result<usize> {
+    fn fill(&mut self, stream: &mut impl Read) -> std::io::Result<usize> {
         if self.start > 0 {
             self.inbound.copy_within(self.start..self.end, 0);
             self.end -= self.start;
@@ -942,6 +1117,12 @@ impl Opener {
         let n = stream.read(&mut self.inbound[self.end..])?;
         self.end += n;
         Ok(n)
+    }
+
+    /// Whether a whole record waits in the buffer, read and not yet opened.
+    fn has_record(&self) -> bool {
+        let avail = &self.inbound[self.start..self.end];
+        avail.first_chunk::<2>().is_some_and(|&[hi, lo]| avail.len() >= 2 + usize::from(u16::from_be_bytes([hi, lo])))
     }
 
     /// Opens the whole records already read, appending their chunks to `msg`, until a message is
@@ -1075,7 +1256,7 @@ impl Inner {
     }
 
     /// Handshakes on `stream` (greetings, Noise, hellos, verdicts) before `deadline` and, if both
-    /// sides accept, starts the connection's threads.
+    /// sides accept, hands the connection to the I/O thread.
     fn establish(
         this: &Arc<Inner>,
         mut stream: TcpStream,
@@ -1204,7 +1385,7 @@ impl Inner {
         let Channel { noise, opener, .. } = ch;
 
         // 5. The connection: within the limits (again: another handshake may have finished since
-        // the verdict), then the engine, then the threads.
+        // the verdict), then the engine, then the I/O thread.
         this.room_for(&PeerAddr { engine: hs.engine_id.clone(), rank: hs.layout.parallel.rank() }, ip)?;
         let known = lock(&this.conns)
             .get(&PeerAddr { engine: hs.engine_id.clone(), rank: hs.layout.parallel.rank() })
@@ -1219,7 +1400,7 @@ impl Inner {
         Ok(peer)
     }
 
-    /// Starts the reader and writer threads of an established connection.
+    /// Hands an established connection to the I/O thread.
     fn start(
         this: &Arc<Inner>,
         stream: TcpStream,
@@ -1228,42 +1409,31 @@ impl Inner {
         noise: Mutex<TransportState>,
         opener: Opener,
     ) -> Result<(), SideError> {
-        stream.set_read_timeout(Some(this.config.heartbeat)).map_err(io("setting a timeout"))?;
-        stream.set_write_timeout(Some(this.config.peer_timeout)).map_err(io("setting a timeout"))?;
-        let limits = this.config.limits;
-        let (tx, rx) = bounded::<Vec<u8>>(limits.send_queue_frames.max(1));
+        stream.set_nonblocking(true).map_err(io("making the socket non-blocking"))?;
         let conn = Arc::new(Conn {
             peer: peer.clone(),
             ip: stream.peer_addr().map_err(io("reading the peer's address"))?.ip(),
             incarnation,
-            tx,
-            queued_bytes: AtomicUsize::new(0),
-            stream: stream.try_clone().map_err(io("cloning the socket"))?,
+            stream,
+            noise,
+            out: Mutex::new(Outbound::new()),
+            inbound: Mutex::new(Inbound { opener, msg: Vec::new(), parked: None }),
             closed: AtomicBool::new(false),
         });
-        if let Some(old) = lock(&this.conns).insert(peer.clone(), Arc::clone(&conn)) {
+        if let Some(old) = lock(&this.conns).insert(peer, conn) {
             // The peer reconnected (or restarted: the engine has already failed its old state): the
             // old connection is over.
             old.closed.store(true, Ordering::SeqCst);
             let _ = old.stream.shutdown(Shutdown::Both);
         }
-        let noise = Arc::new(noise);
-        let writer = stream.try_clone().map_err(io("cloning the socket"))?;
-        let (w_inner, w_conn, w_noise) = (Arc::downgrade(this), Arc::clone(&conn), Arc::clone(&noise));
-        let heartbeat = this.config.heartbeat;
-        let wt = std::thread::Builder::new()
-            .name("kvpush-side-tx".into())
-            .spawn(move || write_loop(writer, rx, w_inner, w_conn, w_noise, heartbeat));
-        let (r_inner, r_conn) = (Arc::downgrade(this), Arc::clone(&conn));
-        let rt = std::thread::Builder::new()
-            .name("kvpush-side-rx".into())
-            .spawn(move || read_loop(stream, r_inner, r_conn, noise, opener));
-        let mut threads = lock(&this.threads);
-        threads.retain(|t| !t.is_finished());
-        for t in [wt, rt] {
-            threads.push(t.map_err(io("starting connection threads"))?);
-        }
+        this.wake_io();
         Ok(())
+    }
+
+    /// Makes the I/O thread look at its connections again.
+    fn wake_io(&self) {
+        // A full socket pair already holds a wake-up: nothing is lost by ignoring the error.
+        let _ = (&self.wake).write(&[1]);
     }
 
     /// Closes `conn` and reports its peer lost, once, and only if it is still the peer's connection.
@@ -1290,126 +1460,221 @@ impl Inner {
     }
 }
 
-fn write_loop(
-    mut writer: TcpStream,
-    rx: Receiver<Vec<u8>>,
-    inner: Weak<Inner>,
-    conn: Arc<Conn>,
-    noise: Arc<Mutex<TransportState>>,
-    heartbeat: Duration,
-) {
-    let mut seq = 0u64;
-    let mut out = Vec::new();
-    let mut scratch = Vec::new();
+/// The name of the accept thread of the side channel listening on `port` (at most 15 bytes).
+pub fn accept_thread_name(port: u16) -> String {
+    format!("kvside-ac-{port}")
+}
+
+/// The name of the I/O thread of the side channel listening on `port` (at most 15 bytes).
+pub fn io_thread_name(port: u16) -> String {
+    format!("kvside-io-{port}")
+}
+
+/// Frames one connection may deliver per turn of the I/O thread before the others get theirs.
+const FRAMES_PER_TURN: usize = 64;
+/// How often a connection whose frame waits for room in the engine's budget tries again.
+const PARKED_RETRY: Duration = Duration::from_millis(1);
+
+/// The I/O thread: one `poll(2)` over every established connection (and the wake-up socket).
+/// It reads and opens records and delivers frames, writes what senders left queued, sends
+/// heartbeats on idle connections and closes connections that fail or fall silent. It never blocks
+/// but in `poll`: a frame the engine has no room for is parked on its connection, which is then not
+/// read until the frame is taken (or the engine's wait runs out and the connection is closed).
+fn io_loop(inner: &Weak<Inner>, woken: &UnixStream) {
+    let mut conns: Vec<Arc<Conn>> = Vec::new();
+    let mut fds: Vec<libc::pollfd> = Vec::new();
     loop {
-        let waited_from = Instant::now();
-        let frame = match rx.recv_timeout(heartbeat) {
-            Ok(f) => {
-                conn.queued_bytes.fetch_sub(f.len(), Ordering::SeqCst);
-                f
+        let timeout = {
+            let Some(this) = inner.upgrade() else { return };
+            if this.shutdown.load(Ordering::SeqCst) {
+                return;
             }
-            Err(RecvTimeoutError::Timeout) => {
-                // A heartbeat due after `heartbeat` that comes much later means this process was not
-                // scheduled: the peer may be about to call us lost. Say so here, where the cause is.
-                let late = waited_from.elapsed();
-                if late > heartbeat * 2 + Duration::from_millis(500) {
-                    tracing::warn!(peer = %conn.peer, waited = ?late, "side-channel heartbeat late: this process was not scheduled (host overloaded or paused?)");
+            conns.clear();
+            conns.extend(lock(&this.conns).values().cloned());
+            fds.clear();
+            fds.push(libc::pollfd { fd: woken.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            let now = Instant::now();
+            let mut timeout = this.config.heartbeat;
+            for c in &conns {
+                let (parked, buffered) = {
+                    let inb = lock(&c.inbound);
+                    (inb.parked.is_some(), inb.opener.has_record())
+                };
+                let (pending, heartbeat_at) = {
+                    let out = lock(&c.out);
+                    (out.pending() > 0 || out.failed.is_some(), out.last_sent + this.config.heartbeat)
+                };
+                let mut events = 0;
+                if buffered && !parked {
+                    // A whole record already read (its turn ended at FRAMES_PER_TURN): no new byte
+                    // may come to make the socket readable.
+                    timeout = Duration::ZERO;
                 }
-                seq += 1;
-                match codec::to_vec(&Message::Heartbeat(Heartbeat { seq })) {
-                    Ok(f) => f,
-                    Err(_) => continue,
+                if !parked {
+                    events |= libc::POLLIN;
+                    let silent_at = lock(&c.inbound).opener.last_record + this.config.peer_timeout;
+                    timeout = timeout.min(silent_at.saturating_duration_since(now));
+                } else {
+                    timeout = timeout.min(PARKED_RETRY);
                 }
+                if pending {
+                    // Writable is what it waits for; a heartbeat goes only after the queue.
+                    events |= libc::POLLOUT;
+                } else {
+                    timeout = timeout.min(heartbeat_at.saturating_duration_since(now));
+                }
+                fds.push(libc::pollfd { fd: c.stream.as_raw_fd(), events, revents: 0 });
             }
-            Err(RecvTimeoutError::Disconnected) => return,
+            timeout
         };
-        if conn.closed.load(Ordering::SeqCst) {
-            return;
-        }
-        let sending_from = Instant::now();
-        let written = seal_and_write(&mut writer, &noise, &frame, &mut out, &mut scratch);
-        if let Err(reason) = written {
-            if let Some(inner) = inner.upgrade() {
-                Inner::lost(&inner, &conn, &reason);
+        // Whole milliseconds, rounded up: a deadline is never polled for before it is due.
+        let ms = i32::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(i32::MAX);
+        // SAFETY: `fds` is a live, exclusively borrowed array of `fds.len()` pollfd structs, each
+        // with a descriptor owned by `woken` or by a connection in `conns`, which hold them open
+        // for the call; poll(2) writes only their `revents`.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                tracing::error!(error = %e, "side-channel poll failed");
+                std::thread::sleep(PARKED_RETRY);
             }
-            return;
+            continue;
         }
-        let took = sending_from.elapsed();
-        if took > heartbeat {
-            tracing::warn!(peer = %conn.peer, ?took, bytes = frame.len(), "side-channel write slow: the peer is not reading");
+        if fds[0].revents != 0 {
+            let mut sink = [0u8; 64];
+            while matches!((&*woken).read(&mut sink), Ok(n) if n > 0) {}
         }
-        if let Some(inner) = inner.upgrade() {
-            inner.counters.frames_out.fetch_add(1, Ordering::Relaxed);
+        let Some(this) = inner.upgrade() else { return };
+        for (c, fd) in conns.iter().zip(&fds[1..]) {
+            if !c.closed.load(Ordering::SeqCst) {
+                service(&this, c, fd.revents);
+            }
         }
     }
 }
 
-fn read_loop(
-    mut stream: TcpStream,
-    inner: Weak<Inner>,
-    conn: Arc<Conn>,
-    noise: Arc<Mutex<TransportState>>,
-    mut opener: Opener,
-) {
-    let peer_name = conn.peer.to_string();
-    let mut msg = Vec::new();
-    loop {
-        let Some(this) = inner.upgrade() else { return };
-        if conn.closed.load(Ordering::SeqCst) {
-            return;
-        }
-        let timeout = this.config.peer_timeout;
-        match opener.open_buffered(&noise, &mut msg, &peer_name) {
-            Ok(true) => {}
-            Ok(false) => {
-                // Wait for more bytes (the socket's timeout is the heartbeat). Silence is counted
-                // from the last record that verified, so bytes trickled without completing a
-                // record do not keep a connection alive.
-                match opener.fill(&mut stream) {
-                    Ok(0) => {
-                        Inner::lost(&this, &conn, "connection closed");
-                        return;
-                    }
-                    Ok(_) => {}
-                    Err(e) if is_retry(&e) => {}
-                    Err(e) => {
-                        Inner::lost(&this, &conn, &format!("read failed: {e}"));
-                        return;
+/// One connection's turn on the I/O thread.
+fn service(this: &Arc<Inner>, c: &Arc<Conn>, revents: libc::c_short) {
+    // Writes first: a sender's failure, then what senders left queued, then a heartbeat if idle.
+    let written = {
+        let mut out = lock(&c.out);
+        match out.failed.take() {
+            Some(reason) => Err(reason),
+            None => {
+                let mut r = out.flush(&c.stream).map_err(|e| format!("write failed: {e}"));
+                if r.is_ok() && out.pending() == 0 && out.last_sent.elapsed() >= this.config.heartbeat {
+                    out.heartbeat_seq += 1;
+                    let hb = Message::Heartbeat(Heartbeat { seq: out.heartbeat_seq });
+                    r = codec::to_vec(&hb)
+                        .map_err(|e| format!("cannot encode a heartbeat: {e}"))
+                        .and_then(|f| out.seal(&c.noise, &f).map_err(|e| format!("cannot encrypt a frame: {e}")))
+                        .and_then(|()| out.flush(&c.stream).map_err(|e| format!("write failed: {e}")));
+                    if r.is_ok() {
+                        this.counters.frames_out.fetch_add(1, Ordering::Relaxed);
                     }
                 }
-                let silent = opener.last_record.elapsed();
-                if silent > timeout {
-                    Inner::lost(&this, &conn, &format!("silent for {silent:?}"));
-                    return;
-                }
-                continue;
-            }
-            Err(e) => {
-                let e = this.counters.count(e);
-                tracing::warn!(peer = %peer_name, error = %e, "side-channel record refused; closing the connection");
-                Inner::lost(&this, &conn, &e.to_string());
-                return;
+                r
             }
         }
-        let frame = std::mem::take(&mut msg);
-        this.counters.frames_in.fetch_add(1, Ordering::Relaxed);
-        if frame.len() > 4 && frame[4] == codec::Kind::Heartbeat as u8 {
-            continue;
+    };
+    if let Err(reason) = written {
+        Inner::lost(this, c, &reason);
+        return;
+    }
+    let mut inb = lock(&c.inbound);
+    let readable = revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 || inb.opener.has_record();
+    if (readable || inb.parked.is_some()) && !receive(this, c, &mut inb) {
+        return;
+    }
+    if inb.parked.is_none() {
+        let silent = inb.opener.last_record.elapsed();
+        if silent > this.config.peer_timeout {
+            drop(inb);
+            Inner::lost(this, c, &format!("silent for {silent:?}"));
         }
-        let Ok(ep) = this.endpoint() else { return };
-        let delivered = ep.deliver(&conn.peer, conn.incarnation, &frame);
-        // Time spent waiting for the engine (backpressure) is not the peer's silence.
-        opener.last_record = Instant::now();
-        if let Err(e) = delivered {
+    }
+}
+
+/// Hands `frame` to the engine: `Ok(true)` taken, `Ok(false)` no room yet (the caller parks it),
+/// `Err` the connection is to be closed for this reason (counted).
+fn hand_over(this: &Arc<Inner>, c: &Conn, frame: &[u8], waiting_since: Instant) -> Result<bool, String> {
+    let ep = this.endpoint().map_err(|e| e.to_string())?;
+    match ep.deliver(&c.peer, c.incarnation, frame) {
+        Ok(()) => Ok(true),
+        Err(EngineError::Overloaded { .. }) if waiting_since.elapsed() < ep.control_wait() => Ok(false),
+        Err(e) => {
             // Still no room after the engine's wait: the peer sends faster than this engine works.
             let counter = match e {
                 EngineError::Overloaded { .. } => &this.counters.over_limit,
                 _ => &this.counters.malformed,
             };
             counter.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(peer = %peer_name, error = %e, "frame refused; closing the connection");
-            Inner::lost(&this, &conn, &format!("malformed frame: {e}"));
-            return;
+            tracing::warn!(peer = %c.peer, error = %e, "frame refused; closing the connection");
+            Err(format!("malformed frame: {e}"))
+        }
+    }
+}
+
+/// Reads and delivers what `c` has (a parked frame first), up to [`FRAMES_PER_TURN`] frames;
+/// `false` if the connection was closed.
+fn receive(this: &Arc<Inner>, c: &Arc<Conn>, inb: &mut Inbound) -> bool {
+    let close = |reason: &str| {
+        Inner::lost(this, c, reason);
+        false
+    };
+    if let Some((frame, since)) = inb.parked.take() {
+        if let Some(open) = offer(this, c, inb, frame, since) {
+            return open;
+        }
+    }
+    let peer_name = c.peer.to_string();
+    let mut frames = 0;
+    while frames < FRAMES_PER_TURN {
+        match inb.opener.open_buffered(&c.noise, &mut inb.msg, &peer_name) {
+            Ok(true) => {}
+            Ok(false) => match inb.opener.fill(&mut &c.stream) {
+                Ok(0) => return close("connection closed"),
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return true,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return close(&format!("read failed: {e}")),
+            },
+            Err(e) => {
+                let e = this.counters.count(e);
+                tracing::warn!(peer = %peer_name, error = %e, "side-channel record refused; closing the connection");
+                return close(&e.to_string());
+            }
+        }
+        let frame = std::mem::take(&mut inb.msg);
+        frames += 1;
+        this.counters.frames_in.fetch_add(1, Ordering::Relaxed);
+        if frame.len() > 4 && frame[4] == codec::Kind::Heartbeat as u8 {
+            continue;
+        }
+        if let Some(open) = offer(this, c, inb, frame, Instant::now()) {
+            return open;
+        }
+    }
+    true
+}
+
+/// Offers `frame` (waiting for room since `since`) to the engine: `None` if it was taken, else what
+/// [`receive`] returns (`true`: parked, `false`: the connection was closed).
+fn offer(this: &Arc<Inner>, c: &Arc<Conn>, inb: &mut Inbound, frame: Vec<u8>, since: Instant) -> Option<bool> {
+    match hand_over(this, c, &frame, since) {
+        Ok(true) => {
+            // Time spent waiting for the engine (backpressure) is not the peer's silence.
+            inb.opener.last_record = Instant::now();
+            None
+        }
+        Ok(false) => {
+            inb.parked = Some((frame, since));
+            Some(true)
+        }
+        Err(reason) => {
+            Inner::lost(this, c, &reason);
+            Some(false)
         }
     }
 }
@@ -1422,8 +1687,7 @@ fn read_loop(
 pub struct LoopbackSession {
     tx: TcpStream,
     tx_noise: Mutex<TransportState>,
-    out: Vec<u8>,
-    scratch: Vec<u8>,
+    out: Outbound,
     rx: TcpStream,
     rx_noise: Mutex<TransportState>,
     opener: Opener,
@@ -1460,8 +1724,7 @@ impl LoopbackSession {
         Ok(LoopbackSession {
             tx,
             tx_noise: Mutex::new(tx_noise),
-            out: Vec::new(),
-            scratch: Vec::new(),
+            out: Outbound::new(),
             rx,
             rx_noise: Mutex::new(rx_noise),
             opener: Opener::new(),
@@ -1469,10 +1732,11 @@ impl LoopbackSession {
         })
     }
 
-    /// Seals `frame` and writes it to the dialer's socket.
+    /// Seals `frame` and writes it to the dialer's socket, as a sender does on a connection.
     pub fn send(&mut self, frame: &[u8]) -> Result<(), SideError> {
-        seal_and_write(&mut self.tx, &self.tx_noise, frame, &mut self.out, &mut self.scratch)
-            .map_err(|detail| SideError::Protocol { peer: "the bench's listener".into(), detail })
+        let detail = |e: String| SideError::Protocol { peer: "the bench's listener".into(), detail: e };
+        self.out.seal(&self.tx_noise, frame).map_err(|e| detail(format!("cannot encrypt a frame: {e}")))?;
+        self.out.flush(&self.tx).map_err(io("writing a frame"))
     }
 
     /// Reads the next message on the listener's socket, verifies and decrypts it.

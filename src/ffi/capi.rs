@@ -805,6 +805,8 @@ pub unsafe extern "C" fn kvpush_engine_create(
                     // Insecure mode only through $KVPUSH_INSECURE=1 (see SideConfig::insecure).
                     insecure: false,
                     peer_timeout_ms: 0,
+                    // The dial allow-list only through $KVPUSH_DIAL_ALLOW (see SideConfig::dial_allow).
+                    dial_allow: None,
                 }
             }
             other => {

@@ -149,6 +149,8 @@ pub(super) unsafe fn new_nixl_engine(spec: &EngineSpec, layout: &LayoutSpec) -> 
             // Insecure mode only through $KVPUSH_INSECURE=1 (see SideConfig::insecure).
             insecure: false,
             peer_timeout_ms: 0,
+            // The dial allow-list only through $KVPUSH_DIAL_ALLOW (see SideConfig::dial_allow).
+            dial_allow: None,
         };
         // SAFETY: forwarded contract.
         unsafe { new_engine(engine_spec(spec, transport), layout) }

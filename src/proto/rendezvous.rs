@@ -23,7 +23,9 @@
 //! * the number of live transfer ids never exceeds [`RendezvousConfig::max_pending`] (over it: refusal);
 //! * the registrations one consumer engine has waiting for prefill never cost more than
 //!   [`RendezvousConfig::max_waiting_bytes_per_engine`] (over it: that registration is refused), so
-//!   one peer cannot hold the producer's memory for everyone ([`registration_cost`]).
+//!   one peer cannot hold the producer's memory for everyone ([`registration_cost`]), and never
+//!   number more than [`RendezvousConfig::max_waiting_per_engine`], so one peer cannot take all of
+//!   `max_pending`'s transfer ids either.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -48,6 +50,9 @@ pub struct RendezvousConfig {
     /// Most bytes ([`registration_cost`]) of one consumer engine's registrations waiting for
     /// prefill at once.
     pub max_waiting_bytes_per_engine: usize,
+    /// Most registrations of one consumer engine waiting for prefill at once (a quarter of
+    /// `max_pending` by default, so one engine cannot take every transfer id).
+    pub max_waiting_per_engine: usize,
 }
 
 impl Default for RendezvousConfig {
@@ -59,6 +64,7 @@ impl Default for RendezvousConfig {
             tombstone_us: 60_000_000,
             max_tombstones: 65_536,
             max_waiting_bytes_per_engine: 64 << 20,
+            max_waiting_per_engine: 16_384,
         }
     }
 }
@@ -179,6 +185,8 @@ pub struct RendezvousStats {
     /// Registrations refused because their engine's waiting registrations were at
     /// `max_waiting_bytes_per_engine`.
     pub over_budget: u64,
+    /// Registrations refused because their engine already had `max_waiting_per_engine` waiting.
+    pub over_count: u64,
     /// Transfers that finished with an error.
     pub transfer_failures: u64,
     /// Registrations refused because another consumer engine had registered the key first.
@@ -250,6 +258,13 @@ struct Tomb {
     served: Vec<Target>,
 }
 
+/// What one consumer engine's registrations waiting for prefill cost.
+#[derive(Clone, Copy, Debug, Default)]
+struct Waiting {
+    bytes: usize,
+    count: usize,
+}
+
 /// The producer's rendezvous of registrations and finished prefills. See the module docs.
 #[derive(Debug)]
 pub struct Rendezvous {
@@ -261,8 +276,8 @@ pub struct Rendezvous {
     tomb_order: VecDeque<(Instant, TransferId, u32)>,
     actions: VecDeque<Action>,
     stats: RendezvousStats,
-    /// Bytes of registrations waiting for prefill, per consumer engine (no entry: none).
-    waiting_bytes: HashMap<EngineId, usize>,
+    /// Registrations waiting for prefill, per consumer engine (no entry: none).
+    waiting: HashMap<EngineId, Waiting>,
 }
 
 impl Rendezvous {
@@ -277,7 +292,7 @@ impl Rendezvous {
             tomb_order: VecDeque::new(),
             actions: VecDeque::new(),
             stats: RendezvousStats::default(),
-            waiting_bytes: HashMap::new(),
+            waiting: HashMap::new(),
         }
     }
 
@@ -597,33 +612,45 @@ impl Rendezvous {
         self.draining.get(&key).map(|d| (d.kind, served(&d.served)))
     }
 
-    /// Charges `r` to its engine's waiting bytes; `false` (counted, nothing charged) past the budget.
+    /// Charges `r` to its engine's waiting registrations; `false` (counted, nothing charged) past the
+    /// engine's byte or count budget.
     fn charge(&mut self, r: &Registration) -> bool {
         let cost = registration_cost(r);
-        let limit = self.config.max_waiting_bytes_per_engine;
-        let held = self.waiting_bytes.get(r.engine_id()).copied().unwrap_or(0);
-        if held.saturating_add(cost) > limit {
+        let held = self.waiting.get(r.engine_id()).copied().unwrap_or_default();
+        if held.count >= self.config.max_waiting_per_engine {
+            self.stats.over_count += 1;
+            return false;
+        }
+        if held.bytes.saturating_add(cost) > self.config.max_waiting_bytes_per_engine {
             self.stats.over_budget += 1;
             return false;
         }
-        *self.waiting_bytes.entry(r.engine_id().to_owned()).or_insert(0) += cost;
+        let w = self.waiting.entry(r.engine_id().to_owned()).or_default();
+        w.bytes += cost;
+        w.count += 1;
         true
     }
 
     /// Gives back what [`Rendezvous::charge`] took for `r` (it stopped waiting).
     fn refund(&mut self, r: &Registration) {
         let cost = registration_cost(r);
-        if let Some(held) = self.waiting_bytes.get_mut(r.engine_id()) {
-            *held = held.saturating_sub(cost);
-            if *held == 0 {
-                self.waiting_bytes.remove(r.engine_id());
+        if let Some(held) = self.waiting.get_mut(r.engine_id()) {
+            held.bytes = held.bytes.saturating_sub(cost);
+            held.count = held.count.saturating_sub(1);
+            if held.count == 0 {
+                self.waiting.remove(r.engine_id());
             }
         }
     }
 
     /// Bytes of `engine`'s registrations waiting for prefill.
     pub fn waiting_bytes(&self, engine: &str) -> usize {
-        self.waiting_bytes.get(engine).copied().unwrap_or(0)
+        self.waiting.get(engine).map_or(0, |w| w.bytes)
+    }
+
+    /// How many of `engine`'s registrations wait for prefill.
+    pub fn waiting_count(&self, engine: &str) -> usize {
+        self.waiting.get(engine).map_or(0, |w| w.count)
     }
 
     /// Ends the live attempt `key`: fails registrations still waiting, releases blocks (or hands
@@ -722,6 +749,7 @@ mod tests {
             tombstone_us: TOMB,
             max_tombstones: 16,
             max_waiting_bytes_per_engine: usize::MAX,
+            max_waiting_per_engine: usize::MAX,
         }
     }
 
@@ -1167,6 +1195,39 @@ mod tests {
         assert_eq!(r.waiting_bytes("d"), 0);
         r.handle_registration(t(REG_TIMEOUT), reg(5, 1), 1);
         assert!(drain(&mut r).is_empty(), "room again");
+    }
+
+    #[test]
+    fn one_engine_waiting_registrations_stay_within_its_count_budget() {
+        // Two waiting registrations per engine, bytes unbounded: the third of engine "d" is refused
+        // at once (counted apart from the byte budget), while engine "e" keeps its own two.
+        let mut r = Rendezvous::new(RendezvousConfig { max_waiting_per_engine: 2, ..config(8) });
+        r.handle_registration(t(0), reg(1, 1), 1);
+        r.handle_registration(t(0), reg(2, 1), 1);
+        assert!(drain(&mut r).is_empty());
+        assert_eq!(r.waiting_count("d"), 2);
+        r.handle_registration(t(0), reg(3, 1), 1);
+        let k3 = Key::new(3, 1);
+        assert_eq!(drain(&mut r), vec![Action::Fail { key: k3, target: target(0), kind: FailureKind::Refused }]);
+        assert!(r.slot(TransferId(3)).is_none(), "nothing of the refused registration is held");
+        assert_eq!((r.stats().over_count, r.stats().over_budget, r.waiting_count("d")), (1, 0, 2));
+        let l = layout(0, 1);
+        for id in [4, 5] {
+            let ids = vec![vec![1, 2, 3], vec![4]];
+            let other = Registration::new(Key::new(id, 1), "e".into(), l.parallel.rank(), 40, ids, &l).expect("fits");
+            r.handle_registration(t(0), other, 1);
+        }
+        assert!(drain(&mut r).is_empty(), "another engine has its own count");
+        assert_eq!(r.waiting_count("e"), 2);
+        // One that stops waiting (matched with its blocks) makes room for exactly one more.
+        r.handle_blocks_ready(t(1), Key::new(1, 1), blocks(10));
+        drain(&mut r);
+        assert_eq!(r.waiting_count("d"), 1);
+        r.handle_registration(t(1), reg(6, 1), 1);
+        assert!(drain(&mut r).is_empty(), "room again");
+        r.handle_registration(t(1), reg(7, 1), 1);
+        assert!(matches!(drain(&mut r)[..], [Action::Fail { kind: FailureKind::Refused, .. }]));
+        assert_eq!(r.stats().over_count, 2);
     }
 
     #[test]

@@ -308,6 +308,7 @@ fn specs(d: &Bound<'_, PyDict>) -> PyResult<(EngineSpec, LayoutSpec)> {
                 secret: get::<String>(d, "secret")?.map(String::into_bytes),
                 insecure: get::<bool>(d, "insecure")?.unwrap_or(false),
                 peer_timeout_ms: get(d, "peer_timeout_ms")?.unwrap_or(0),
+                dial_allow: get(d, "dial_allow")?,
             },
             Some("loopback") => TransportSpec::Loopback(loopback_hub(&need::<String>(d, "hub")?)),
             Some(other) => {

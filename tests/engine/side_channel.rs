@@ -715,12 +715,35 @@ impl kvpush::transport::Transport for Wire {
     }
 }
 
+/// Stalls `wire`'s writer until the returned guard drops: a failed assertion must not leave the
+/// writer stalled (dropping the engine joins it).
+fn stalled(wire: &Wire) -> impl Drop + '_ {
+    struct Unstall<'a>(&'a Wire);
+    impl Drop for Unstall<'_> {
+        fn drop(&mut self) {
+            self.0.stall(false);
+        }
+    }
+    wire.stall(true);
+    Unstall(wire)
+}
+
 /// A worker of engine `id` with a secret whose transport is a [`Wire`] on `fabric`.
 fn tapped(id: &str, fabric: &Fabric, configure: impl FnOnce(&mut Config)) -> (Worker, Arc<Wire>) {
+    tapped_with(id, fabric, side_config(Some(SECRET)), configure)
+}
+
+/// [`tapped`] with the side channel configured by `side`.
+fn tapped_with(
+    id: &str,
+    fabric: &Fabric,
+    side: SideConfig,
+    configure: impl FnOnce(&mut Config),
+) -> (Worker, Arc<Wire>) {
     let dev: Arc<dyn Device> = Arc::new(HostDevice::new());
     let mut l = layouts::separate(layouts::full_model(2, 2, 16), 64, Parallel::SINGLE);
     let buffers = layouts::allocate(&mut l, dev.as_ref()).expect("host memory");
-    let side = Arc::new(SideChannel::bind(side_config(Some(SECRET))).expect("bind"));
+    let side = Arc::new(SideChannel::bind(side).expect("bind"));
     let wire = Arc::new(Wire {
         inner: fabric.endpoint(id).expect("endpoint"),
         injected: Mutex::new(Vec::new()),
@@ -798,15 +821,7 @@ fn control_frames_wait_for_stalled_writers_instead_of_piling_up() {
     // (frames_in counts heartbeats too; D sends one every 100 ms).
     let before = p.side.stats().frames_in;
     let since = Instant::now();
-    wire.stall(true);
-    // A failed assertion must not leave the writer stalled: dropping the engine joins it.
-    struct Unstall<'a>(&'a Wire);
-    impl Drop for Unstall<'_> {
-        fn drop(&mut self) {
-            self.0.stall(false);
-        }
-    }
-    let _unstall = Unstall(&wire);
+    let _unstall = stalled(&wire);
     const N: u128 = 40;
     for i in 0..N {
         d.engine.blocks_allocated(Key::new(100 + i, 1), "prefill", vec![vec![i as u32]], 16).expect("register");
@@ -884,4 +899,139 @@ fn established_connections_are_limited_per_address() {
     // The first peer reconnecting replaces its own connection: it needs no room.
     d1.side.connect(p.side.local_addr()).expect("a reconnect of the same peer");
     until("P holds one connection", || p.side.peers().len() == 1, stats_of(&p));
+}
+
+#[test]
+fn the_consumer_dials_only_what_its_allow_list_names() {
+    use kvpush::engine::dial::DialPolicy;
+    let fabric = Fabric::new();
+    let p = worker("prefill", Mode::Push, &fabric, Some(b"s3cret"));
+    let with = |id: &str, allow: &str| {
+        let mut c = side_config(Some(b"s3cret"));
+        c.dial_allow = Some(DialPolicy::parse(allow).expect("a valid list"));
+        worker_with(id, id, Mode::Push, &fabric, c)
+    };
+    // A tripwire listener: a dial that opened a socket would sit in its accept queue once connect
+    // returned. The check sees a connection when there is one.
+    let trip = TcpListener::bind("127.0.0.1:0").expect("bind");
+    trip.set_nonblocking(true).expect("nonblocking");
+    let probe = TcpStream::connect(trip.local_addr().expect("addr")).expect("connect");
+    assert!(trip.accept().is_ok(), "the tripwire sees a connection");
+    drop(probe);
+
+    // Not on the list (only 10.0.0.0/8 and a name): refused before any socket, counted, and the
+    // error names the list and how to change it.
+    let d = with("decode", "10.0.0.0/8,prefill-0.svc");
+    for target in [p.side.local_addr(), trip.local_addr().expect("addr")] {
+        let e = d.side.connect(target).expect_err("loopback is not on the list");
+        assert!(matches!(e, SideError::NotAllowed { .. }), "{e}");
+        let text = e.to_string();
+        assert!(text.contains("10.0.0.0/8,prefill-0.svc") && text.contains("KVPUSH_DIAL_ALLOW"), "{text}");
+    }
+    assert!(
+        matches!(trip.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "a refused dial opened a connection"
+    );
+    assert_eq!((d.side.stats().dial_refused, d.side.stats().handshakes), (2, 0));
+    assert_eq!(p.side.stats(), SideStats::default(), "P saw nothing");
+    assert!(d.side.peers().is_empty());
+
+    // On the list, by network or by name: dialed and handshaken.
+    let by_net = with("decode-net", "127.0.0.0/8");
+    assert_eq!(by_net.side.connect(p.side.local_addr()).expect("allowed network").engine, "prefill");
+    let by_name = with("decode-name", "localhost");
+    let port = p.side.local_addr().port();
+    assert_eq!(by_name.side.connect(format!("localhost:{port}")).expect("allowed name").engine, "prefill");
+    assert_eq!(by_name.side.stats().dial_refused, 0);
+}
+
+/// Side-channel threads (accept, I/O, handshakes) of the listeners on `ports`.
+fn side_threads(ports: &[u16]) -> usize {
+    use kvpush::engine::side::{accept_thread_name, handshake_thread_name, io_thread_name};
+    ports
+        .iter()
+        .map(|&p| [accept_thread_name(p), io_thread_name(p), handshake_thread_name(p)])
+        .fold(0, |n, names| n + names.iter().map(|name| threads_named(name)).sum::<usize>())
+}
+
+#[test]
+fn established_connections_cost_no_thread_each() {
+    // One producer and 24 consumers, every consumer connected: each side channel keeps its accept
+    // and its I/O thread, whatever its number of connections (one thread per connection would be
+    // 2 × 24 more on P and 2 more on each consumer).
+    const N: usize = 24;
+    let fabric = Fabric::new();
+    let p = worker("prefill", Mode::Push, &fabric, Some(SECRET));
+    let ds: Vec<Worker> = (0..N).map(|i| worker(&format!("decode{i}"), Mode::Push, &fabric, Some(SECRET))).collect();
+    let ports: Vec<u16> = std::iter::once(&p).chain(&ds).map(|w| w.side.local_addr().port()).collect();
+    // The oracle sees the threads: two per side channel before any connection (a new thread names
+    // itself once it runs, hence the wait).
+    until(
+        "two threads per side channel",
+        || side_threads(&ports) == 2 * (N + 1),
+        || format!("{}", side_threads(&ports)),
+    );
+    for d in &ds {
+        d.side.connect(p.side.local_addr()).expect("handshake");
+    }
+    until("P holds every connection", || p.side.peers().len() == N, stats_of(&p));
+    // The listener's handshake threads end with their handshakes; nothing else was started.
+    until(
+        "only accept and I/O threads",
+        || side_threads(&ports) == 2 * (N + 1),
+        || format!("{}", side_threads(&ports)),
+    );
+    // The one I/O thread serves them all: a registration from each consumer reaches P.
+    for (i, d) in ds.iter().enumerate() {
+        d.engine.blocks_allocated(Key::new(500 + i as u128, 1), "prefill", vec![vec![i as u32]], 16).expect("register");
+    }
+    until("P took every registration", || p.engine.stats().counters.registrations == N as u64, stats_of(&p));
+    assert_eq!(side_threads(&ports), 2 * (N + 1));
+    let s = p.side.stats();
+    assert_eq!((s.handshakes, s.peers_lost, s.malformed), (N as u64, 0, 0), "{s:?}");
+}
+
+#[test]
+fn records_read_past_a_turn_are_delivered_without_new_bytes() {
+    // P's writer stalls with a budget of 100 frames, so P's I/O thread delivers 100 registrations,
+    // parks the next and stops reading while D sends 300 in all. Once the writer goes on, P reads
+    // what waited in its socket in a few large reads, more records than one turn of the I/O thread
+    // delivers (64). D then sends nothing (its heartbeat is 30 s away): the records already read
+    // must be delivered without a new byte making the socket readable (they were not: they waited
+    // for D's next frame).
+    const N: u128 = 300;
+    let fabric = Fabric::new();
+    let mut quiet = side_config(Some(SECRET));
+    quiet.heartbeat = Duration::from_secs(30);
+    quiet.peer_timeout = Duration::from_secs(60);
+    let (p, wire) = tapped_with("prefill", &fabric, quiet.clone(), |c| {
+        c.control = kvpush::engine::ControlLimits { frames: 100, bytes: 1 << 20, wait: Duration::from_secs(20) };
+    });
+    // Nothing of D's may make P's socket readable before the test's 10 s: no heartbeat, no timeout.
+    let (d, _) = tapped_with("decode", &fabric, quiet, |c| c.completion.timeout_us = 60_000_000);
+    d.side.connect(p.side.local_addr()).expect("handshake");
+    let _unstall = stalled(&wire);
+    for i in 0..N {
+        d.engine.blocks_allocated(Key::new(700 + i, 1), "prefill", vec![vec![(i % 64) as u32]], 16).expect("register");
+    }
+    until("D sent them", || d.side.stats().frames_out >= N as u64, stats_of(&d));
+    until("P parked a frame", || p.side.stats().frames_in >= 101, stats_of(&p));
+    assert!(p.side.stats().frames_in < N as u64, "P read everything past a spent budget: {:?}", p.side.stats());
+    wire.stall(false);
+    until(
+        "P took every registration",
+        || p.engine.stats().counters.registrations == N as u64,
+        || {
+            format!(
+                "{} registrations; P {:?}; D {:?}",
+                p.engine.stats().counters.registrations,
+                p.side.stats(),
+                d.side.stats()
+            )
+        },
+    );
+    let s = p.side.stats();
+    assert_eq!((s.over_limit, s.peers_lost, s.malformed), (0, 0, 0), "{s:?}");
+    // Nothing is left behind on either side: all written, all opened.
+    assert_eq!((d.side.stats().queued_out, s.unopened_in), (0, 0), "{s:?}");
 }

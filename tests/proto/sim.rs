@@ -129,6 +129,7 @@ fn params() -> impl Strategy<Value = Params> {
                         tombstone_us: tomb,
                         max_tombstones: max_tombs,
                         max_waiting_bytes_per_engine: usize::MAX,
+                        max_waiting_per_engine: usize::MAX,
                     },
                     completion: CompletionConfig {
                         timeout_us: d_timeout,
@@ -787,6 +788,7 @@ fn fixed(d_ranks: u16) -> Params {
             tombstone_us: 5_000,
             max_tombstones: 64,
             max_waiting_bytes_per_engine: usize::MAX,
+            max_waiting_per_engine: usize::MAX,
         },
         completion: CompletionConfig {
             timeout_us: 3_000,
@@ -984,6 +986,7 @@ fn a_forgotten_tombstone_does_not_revive_a_draining_attempt() {
             tombstone_us: 0,
             max_tombstones: 1,
             max_waiting_bytes_per_engine: usize::MAX,
+            max_waiting_per_engine: usize::MAX,
         },
         completion: CompletionConfig {
             timeout_us: 300,

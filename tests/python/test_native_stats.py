@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from host_worker import block_bytes, host_config
 
 kvpush = pytest.importorskip("kvpush", reason="the kvpush package (maturin develop)")
 
@@ -32,28 +33,9 @@ def header_fields(struct: str) -> list[str]:
 
 def test_stats_are_nested_with_the_headers_names() -> None:
     blocks, block_tokens, head_dim, layers = 4, 16, 8, 2
-    block_bytes = 2 * block_tokens * head_dim * 2  # K and V, one head, float16
-    buf = ctypes.create_string_buffer(layers * blocks * block_bytes)
-    base = ctypes.addressof(buf)
-    worker = kvpush.Worker(
-        {
-            "engine_id": "stats-test",
-            "mode": "push",
-            "dtype": "float16",
-            "placement": "joint",
-            "total_layers": layers,
-            "kv_heads": 1,
-            "head_dim": head_dim,
-            "block_tokens": block_tokens,
-            "num_blocks": blocks,
-            "groups": [(list(range(layers)), 0)],
-            "region_bases": [base + i * blocks * block_bytes for i in range(layers)],
-            "region_lens": [blocks * block_bytes] * layers,
-            "side_channel_host": "127.0.0.1",
-            "side_channel_port": 0,
-            "device": "host",
-        }
-    )
+    buf = ctypes.create_string_buffer(layers * blocks * block_bytes(block_tokens, head_dim))
+    shape = dict(layers=layers, blocks=blocks, block_tokens=block_tokens, head_dim=head_dim)
+    worker = kvpush.Worker(host_config("stats-test", buf, **shape))
     stats = worker.stats()
     assert sorted(stats["counters"]) == sorted(header_fields("kvpush_counters"))
     assert sorted(stats["failures"]) == sorted(header_fields("kvpush_failures"))
