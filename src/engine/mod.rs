@@ -25,6 +25,7 @@ use crossbeam_channel::{unbounded, Sender};
 
 use crate::device::{Device, DeviceError, DeviceKind, MemRegion};
 use crate::pool::handoff::{Inbox, Outbox, WakeFlag};
+use crate::proto::bounce::{self, MemoryOffer, Refusal, Route};
 use crate::proto::codec::{self, DecodeError, PROTOCOL_VERSION};
 use crate::proto::compat::{self, compat_hash, Incompatible};
 use crate::proto::completion::CompletionConfig;
@@ -68,6 +69,9 @@ pub struct Config {
     pub staging: Staging,
     /// Control frames and bytes peers may have queued for the writers at once ([`budget`]).
     pub control: ControlLimits,
+    /// This worker's memory offer in its handshake ([`crate::proto::bounce`]): `None` sends none,
+    /// which peers read as "direct only".
+    pub memory: Option<MemoryOffer>,
 }
 
 /// Whether an engine stages fragmented WRITEs through bounded slots on its device.
@@ -137,6 +141,7 @@ impl Config {
             pull_read_timeout_us: 60_000_000,
             staging: Staging::Auto,
             control: ControlLimits::default(),
+            memory: None,
         }
     }
 }
@@ -163,6 +168,17 @@ pub enum EngineError {
     /// The peer's handshake is incompatible.
     #[error(transparent)]
     Incompatible(#[from] Incompatible),
+    /// The two workers' memory offers leave no way to move bytes in either direction, even through
+    /// host memory on one side ([`crate::proto::bounce::decide`]); refused at the handshake.
+    #[error("peer {peer}: no data path, neither with this worker as P ({as_producer}) nor as D ({as_consumer})")]
+    NoDataPath {
+        /// The peer's engine id.
+        peer: String,
+        /// Why this worker cannot be P to the peer's D.
+        as_producer: Refusal,
+        /// Why this worker cannot be D to the peer's P.
+        as_consumer: Refusal,
+    },
     /// A block list does not fit this worker's layout.
     #[error("request {key}: {source}")]
     Blocks {
@@ -427,6 +443,7 @@ impl Shared {
             agent_metadata: self.transport.local_metadata()?,
             compat_hash: compat_hash(&layout.model, layout.order, mode, PROTOCOL_VERSION),
             layout,
+            memory: self.config.memory,
         })
     }
 
@@ -440,6 +457,17 @@ impl Shared {
     ) -> Result<PeerAddr, EngineError> {
         let mine = self.handshake()?;
         compat::check(&mine, peer)?;
+        // The handshake says no role: a pair is refused when bytes can move neither way.
+        let (mode, (m, p)) = (mine.mode, (mine.memory.as_ref(), peer.memory.as_ref()));
+        match (bounce::decide(mode, m, p), bounce::decide(mode, p, m)) {
+            (Route::Refused(as_producer), Route::Refused(as_consumer)) => {
+                return Err(EngineError::NoDataPath { peer: peer.engine_id.clone(), as_producer, as_consumer });
+            }
+            (as_p, as_d) if (&as_p, &as_d) != (&Route::Direct, &Route::Direct) => {
+                tracing::info!(worker = %self.me, peer = %peer.engine_id, ?as_p, ?as_d, "memory offers: route as P, as D");
+            }
+            _ => {}
+        }
         peer.layout.validate()?;
         let addr = PeerAddr { engine: peer.engine_id.clone(), rank: peer.layout.parallel.rank() };
         // A peer that comes back as another process restarted: everything in flight with its
