@@ -24,13 +24,18 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use kvpush::device::host::HostDevice;
 use kvpush::device::neuron::{NeuronConfig, NeuronDevice, NeuronError, RuntimeMode};
 use kvpush::device::{select, Buffer, Device, DeviceError, DeviceKind, MemKind};
+use kvpush::proto::bounce::{decide, MemoryKind, MemoryOffer, RdmaOps, Route};
+use kvpush::proto::Mode;
+use kvpush::transport::bounce::{bounce_geometry, host_bounce};
 use kvpush::transport::loopback::Fabric;
-use kvpush::transport::{Desc, Op, Transport, XferState};
+use kvpush::transport::staged::{Staged, StagingConfig};
+use kvpush::transport::{Desc, Op, Transport, TransportError, XferState};
 use kvpush_testkit::neuron_fake::{self, Variant};
 use neuron_sys::{Lib, Placement, Runtime};
 
@@ -693,7 +698,6 @@ fn demo_engines_run_on_fake_neuron_memory() {
 #[test]
 #[ignore = "run by demo_engines_run_on_fake_neuron_memory in a child process"]
 fn child_demo() {
-    use kvpush::proto::Mode;
     use kvpush_testkit::demo::{self, Topology, Workload};
 
     let lib = std::env::var("KVPUSH_LIBNRT").expect("run by the parent test, which sets KVPUSH_LIBNRT");
@@ -732,4 +736,148 @@ fn child_demo() {
     assert_eq!((fake.get("init_calls"), fake.get("close_calls")), (1, 1));
     assert_eq!(fake.get("live_tensors"), 0);
     assert!(fake.get("writes") > 0 && fake.get("reads") > 0);
+}
+
+// ---- the host bounce (Trainium P → GPU D, docs/deployment.md §4) ----
+
+/// A Neuron worker's offer: its NIC performs `device` on Neuron memory, everything on host memory.
+fn trn_offer(device: RdmaOps) -> MemoryOffer {
+    MemoryOffer { kind: MemoryKind::Neuron, device, host: RdmaOps::ALL }
+}
+
+/// A host-memory worker's offer (on a GPU D, host memory stands in for CUDA memory here).
+const HOST_OFFER: MemoryOffer = MemoryOffer { kind: MemoryKind::Host, device: RdmaOps::ALL, host: RdmaOps::ALL };
+
+/// Pushes 200 scattered 4 KiB blocks from P to D on the route both offers give, one side's KV in fake
+/// Neuron memory and the other's in host memory, and checks every byte. Each side's NIC is a loopback
+/// endpoint for host memory only (it refuses device memory), so the Neuron side's KV can cross only
+/// through its host slots: the bounce side runs [`host_bounce`], the other plain staging with the
+/// bounce's policy (every WRITE staged).
+fn push_through_the_bounce(p_offer: MemoryOffer, d_offer: MemoryOffer, expected: Route) {
+    let route = decide(Mode::Push, Some(&p_offer), Some(&d_offer));
+    assert_eq!(route, expected, "P {p_offer}, D {d_offer}");
+    let fake = Fake::new(Variant::Full);
+    let neuron: Arc<dyn Device> = Arc::new(fake.open(RuntimeMode::Own).unwrap());
+    let host: Arc<dyn Device> = Arc::new(HostDevice::new());
+    let (p_dev, d_dev) = match route {
+        Route::BounceOnP => (&neuron, &host),
+        Route::BounceOnD => (&host, &neuron),
+        other => panic!("not a bounce: {other:?}"),
+    };
+    let geometry = StagingConfig { slots: 2, slot_bytes: 64 << 10, max_entries: 64, ..StagingConfig::default() };
+    let fabric = Fabric::new();
+    let side = |name: &str, dev: &Arc<dyn Device>| -> Staged {
+        let nic = Arc::new(fabric.endpoint(name).unwrap());
+        if dev.kind() == DeviceKind::Neuron {
+            host_bounce(nic, dev.clone(), geometry).unwrap()
+        } else {
+            Staged::new(nic, dev.as_ref(), bounce_geometry(geometry)).unwrap().unwrap()
+        }
+    };
+    let (p, d) = (side("b-prefill", p_dev), side("b-decode", d_dev));
+    let (src, dst) = (p_dev.alloc(1 << 20).unwrap(), d_dev.alloc(1 << 20).unwrap());
+    let data: Vec<u8> = (0..1u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+    src.write_at(0, &data).unwrap();
+    let (rs, rd) = (src.region(), dst.region());
+    let neuron_kv = if route == Route::BounceOnP { rs } else { rd };
+    assert_eq!(neuron_kv.kind, MemKind::Vram, "the bouncing side's KV is device memory");
+    // SAFETY: both regions are buffers alive until after the transports are dropped (below); the test
+    // reads them only when no transfer is in flight.
+    unsafe {
+        p.register(&rs).unwrap();
+        d.register(&rd).unwrap();
+    }
+    let name_d = p.load_remote(&d.local_metadata().unwrap()).unwrap();
+    d.load_remote(&p.local_metadata().unwrap()).unwrap();
+    let descs: Vec<Desc> = (0..200u64)
+        .map(|i| Desc {
+            local: rs.addr + ((i * 37) % 256) * 4096,
+            remote: rd.addr + ((i * 101) % 256) * 4096,
+            len: 4096,
+        })
+        .collect();
+    let id = p.post(Op::Write, &name_d, &descs, Some(b"bounced")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (mut done, mut seen) = (false, Vec::new());
+    while !done || seen.is_empty() {
+        if !done {
+            done = p.poll(id).unwrap() == XferState::Done;
+        }
+        let mut mine = Vec::new();
+        p.take_notifications(&mut mine).unwrap();
+        assert!(mine.is_empty(), "staging frames never reach the engine: {mine:?}");
+        d.take_notifications(&mut seen).unwrap();
+        assert!(Instant::now() < deadline, "bounced transfer did not finish: {:?} {:?}", p.counts(), d.counts());
+    }
+    assert_eq!(seen[0].msg, b"bounced");
+    let mut got = vec![0u8; 1 << 20];
+    dst.read_at(0, &mut got).unwrap();
+    for dsc in &descs {
+        let (l, r) = ((dsc.local - rs.addr) as usize, (dsc.remote - rd.addr) as usize);
+        assert_eq!(got[r..r + 4096], data[l..l + 4096], "descriptor {dsc:?}");
+    }
+    let untouched = (0..256u64).filter(|b| !descs.iter().any(|d| d.remote == rd.addr + b * 4096));
+    for b in untouched {
+        assert!(got[(b * 4096) as usize..][..4096].iter().all(|&x| x == 0), "block {b} was never a destination");
+    }
+    let (pc, dc) = (p.counts(), d.counts());
+    assert_eq!((pc.transfers, pc.entries, dc.received), (1, 200, 1), "{pc:?} {dc:?}");
+    assert!(pc.pieces >= 13, "800 KiB through 64 KiB slots (less their tables): {pc:?}");
+    // The Neuron KV never reached the NIC: a transfer naming it directly is refused as unregistered.
+    let (who, direct) = if route == Route::BounceOnP {
+        (&p, Desc { local: rs.addr, remote: rd.addr, len: 4096 })
+    } else {
+        (&d, Desc { local: rd.addr, remote: rs.addr, len: 4096 })
+    };
+    let peer = if route == Route::BounceOnP { name_d.clone() } else { "b-prefill".to_owned() };
+    let e = who.post(Op::Read, &peer, &[direct], None).unwrap_err();
+    assert!(matches!(e, TransportError::NotRegistered { side: "local", .. }), "{e}");
+    drop((p, d));
+    drop((src, dst));
+}
+
+#[test]
+fn neuron_p_bounces_through_its_host_slots_into_host_d() {
+    let no_write = RdmaOps { write: false, ..RdmaOps::ALL };
+    push_through_the_bounce(trn_offer(no_write), HOST_OFFER, Route::BounceOnP);
+}
+
+#[test]
+fn host_p_writes_into_neuron_d_through_its_host_slots() {
+    let not_a_target = RdmaOps { target: false, ..RdmaOps::ALL };
+    push_through_the_bounce(HOST_OFFER, trn_offer(not_a_target), Route::BounceOnD);
+}
+
+/// Engines whose offers leave no way to move bytes either way refuse each other at the handshake,
+/// naming both offers; a pair that can move bytes one way (through a bounce) is accepted.
+#[test]
+fn a_pair_with_no_data_path_is_refused_at_the_handshake() {
+    use kvpush::engine::{Config, EngineError, LocalHub};
+    use kvpush_testkit::{engines, layouts};
+    let (fabric, hub) = (Fabric::new(), LocalHub::new());
+    let host: Arc<dyn Device> = Arc::new(HostDevice::new());
+    let worker = |id: &str, memory: MemoryOffer| {
+        let config = Config { memory: Some(memory), ..Config::new(id, Mode::Push) };
+        // SAFETY: no request is ever started on these engines, so no block is read or written.
+        unsafe { engines::loopback_worker(config, layouts::small(0, 1), &host, &fabric, id, &hub) }
+    };
+    let dead = MemoryOffer { kind: MemoryKind::Neuron, device: RdmaOps::NONE, host: RdmaOps::NONE };
+    let gpu = MemoryOffer { kind: MemoryKind::Cuda, device: RdmaOps::NONE, host: RdmaOps::ALL };
+    let (a, b) = (worker("trn-p", dead), worker("gpu-d", gpu));
+    let err = b.engine.add_peer(&a.engine.handshake().unwrap()).unwrap_err();
+    assert!(matches!(err, EngineError::NoDataPath { .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("peer trn-p: no data path"), "{text}");
+    assert!(text.contains("neuron memory, NIC on it: none, on host memory: none"), "{text}");
+    assert!(text.contains("cuda memory, NIC on it: none, on host memory: write+read+target"), "{text}");
+    let err = a.engine.add_peer(&b.engine.handshake().unwrap()).unwrap_err();
+    assert!(matches!(err, EngineError::NoDataPath { .. }), "both sides refuse: {err}");
+    // A Neuron P whose NIC cannot WRITE from HBM, and an older D (no offer): a bounce on P.
+    let (c, d) = (worker("trn-p2", trn_offer(RdmaOps { write: false, ..RdmaOps::ALL })), {
+        let config = Config::new("old-d", Mode::Push);
+        // SAFETY: as above.
+        unsafe { engines::loopback_worker(config, layouts::small(0, 1), &host, &fabric, "old-d", &hub) }
+    });
+    assert_eq!(d.engine.handshake().unwrap().memory, None, "no offer sent without one configured");
+    engines::connect(&c.engine, &d.engine);
 }
