@@ -852,7 +852,7 @@ fn host_p_writes_into_neuron_d_through_its_host_slots() {
 /// naming both offers; a pair that can move bytes one way (through a bounce) is accepted.
 #[test]
 fn a_pair_with_no_data_path_is_refused_at_the_handshake() {
-    use kvpush::engine::{Config, EngineError, LocalHub};
+    use kvpush::engine::{Config, EngineError, LocalHub, Staging};
     use kvpush_testkit::{engines, layouts};
     let (fabric, hub) = (Fabric::new(), LocalHub::new());
     let host: Arc<dyn Device> = Arc::new(HostDevice::new());
@@ -874,10 +874,68 @@ fn a_pair_with_no_data_path_is_refused_at_the_handshake() {
     assert!(matches!(err, EngineError::NoDataPath { .. }), "both sides refuse: {err}");
     // A Neuron P whose NIC cannot WRITE from HBM, and an older D (no offer): a bounce on P.
     let (c, d) = (worker("trn-p2", trn_offer(RdmaOps { write: false, ..RdmaOps::ALL })), {
-        let config = Config::new("old-d", Mode::Push);
+        // A D that stages (what a P running a bounce needs of its peer), with no offer.
+        let config = Config { staging: Staging::On(StagingConfig::default()), ..Config::new("old-d", Mode::Push) };
         // SAFETY: as above.
         unsafe { engines::loopback_worker(config, layouts::small(0, 1), &host, &fabric, "old-d", &hub) }
     });
     assert_eq!(d.engine.handshake().unwrap().memory, None, "no offer sent without one configured");
     engines::connect(&c.engine, &d.engine);
+}
+
+/// Engines end to end on the route `decide` gives: a Neuron P whose NIC cannot WRITE from HBM (its
+/// endpoint is for host memory only, and its offer says so) pushes a request into a host D that
+/// stages; its engine runs the WRITE through host slots and every byte of the request's blocks lands.
+#[test]
+fn engines_push_from_neuron_p_through_the_host_bounce() {
+    use kvpush::engine::{Config, Finished, LocalHub, Staging};
+    use kvpush::proto::layout::Parallel;
+    use kvpush::proto::Key;
+    use kvpush_testkit::{engines, layouts};
+    let fake = Fake::new(Variant::Full);
+    let neuron: Arc<dyn Device> = Arc::new(fake.open(RuntimeMode::Own).unwrap());
+    let host: Arc<dyn Device> = Arc::new(HostDevice::new());
+    let (fabric, hub) = (Fabric::new(), LocalHub::new());
+    let layout = layouts::separate(layouts::full_model(2, 1, 64), 64, Parallel::SINGLE);
+    let offer = trn_offer(RdmaOps { write: false, ..RdmaOps::ALL });
+    assert_eq!(decide(Mode::Push, Some(&offer), None), Route::BounceOnP);
+    let p_cfg = Config { memory: Some(offer), ..Config::new("trn-p", Mode::Push) };
+    let d_cfg = Config { staging: Staging::On(StagingConfig::default()), ..Config::new("host-d", Mode::Push) };
+    // SAFETY: (precondition 2) P's blocks are written before `request_finished` and read after its
+    // outcome; D's are read only after its outcome.
+    let p = unsafe { engines::loopback_worker(p_cfg, layout.clone(), &neuron, &fabric, "trn-p", &hub) };
+    // SAFETY: as above.
+    let d = unsafe { engines::loopback_worker(d_cfg, layout.clone(), &host, &fabric, "host-d", &hub) };
+    engines::connect(&p.engine, &d.engine);
+    assert_eq!(p.buffers[0].region().kind, MemKind::Vram, "P's KV is Neuron memory");
+    let len = layout.region_len() as usize;
+    for (r, b) in p.buffers.iter().enumerate() {
+        let bytes: Vec<u8> = (0..len).map(|i| ((i * 7 + r * 131) % 251) as u8 + 1).collect();
+        b.write_at(0, &bytes).unwrap();
+    }
+    let (src, dst) = ([3u32, 9, 10, 40, 41, 63], [5u32, 6, 60, 1, 2, 30]);
+    let tokens = u64::from(layout.block_tokens) * src.len() as u64;
+    let key = Key::new(0xb0, 1);
+    p.engine.request_finished(key, vec![src.to_vec()], tokens).unwrap();
+    d.engine.blocks_allocated(key, "trn-p", vec![dst.to_vec()], tokens).unwrap();
+    let limit = Duration::from_secs(20);
+    let got = engines::wait_for(&d.engine, "received", limit, |f| !matches!(f, Finished::Ended { .. }));
+    assert!(matches!(got, Finished::Received { .. }), "{got:?}");
+    let sent = engines::wait_for(&p.engine, "sent", limit, |f| !matches!(f, Finished::Ended { .. }));
+    assert!(matches!(sent, Finished::Sent { .. }), "{sent:?}");
+    let stride = layout.block_stride;
+    let part = layout.part_bytes() as usize;
+    let (mut a, mut b) = (vec![0u8; part], vec![0u8; part]);
+    for (r, (pb, db)) in p.buffers.iter().zip(&d.buffers).enumerate() {
+        for (&s, &t) in src.iter().zip(&dst) {
+            pb.read_at(u64::from(s) * stride, &mut a).unwrap();
+            db.read_at(u64::from(t) * stride, &mut b).unwrap();
+            assert_eq!(a, b, "region {r}: P block {s} → D block {t}");
+        }
+        db.read_at(0, &mut b).unwrap();
+        assert!(b.iter().all(|&x| x == 0), "region {r}: D block 0 was not a destination");
+    }
+    let staged = p.engine.staging_counts().expect("P runs a host bounce");
+    assert!(staged.pieces > 0 && staged.transfers == 1, "P's WRITE went through its host slots: {staged:?}");
+    drop((p, d));
 }

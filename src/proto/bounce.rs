@@ -135,6 +135,18 @@ pub struct Refusal {
     pub why: String,
 }
 
+/// Whether a NIC's operations on a memory serve one side of a transfer.
+pub type Serves = fn(&RdmaOps) -> bool;
+
+/// What the mode needs of P's NIC and of D's on the memory they move: push, P initiates a WRITE
+/// from it and D's is its target; pull, P's is the target of a READ that D initiates into its own.
+pub fn needs(mode: Mode) -> (Serves, Serves) {
+    match mode {
+        Mode::Push => (|o| o.write, |o| o.target),
+        Mode::Pull => (|o| o.target, |o| o.read),
+    }
+}
+
 /// The route for `mode` between P's offer and D's (`None`: the handshake carried none). Both sides
 /// call this with the same arguments (P's offer first whichever side runs it) and get the same answer.
 ///
@@ -146,11 +158,7 @@ pub struct Refusal {
 ///    memory reads as reachable by every operation), so it is never asked to run one.
 pub fn decide(mode: Mode, p: Option<&MemoryOffer>, d: Option<&MemoryOffer>) -> Route {
     let (po, dof) = (MemoryOffer::or_direct(p), MemoryOffer::or_direct(d));
-    // (initiator's ops, target's ops) on a memory: the initiator's side is P for push, D for pull.
-    let (p_side, d_side): (fn(&RdmaOps) -> bool, fn(&RdmaOps) -> bool) = match mode {
-        Mode::Push => (|o| o.write, |o| o.target),
-        Mode::Pull => (|o| o.target, |o| o.read),
-    };
+    let (p_side, d_side) = needs(mode);
     let (op, p_role, d_role) = match mode {
         Mode::Push => ("WRITE", "initiate a WRITE from", "be the target of a WRITE into"),
         Mode::Pull => ("READ", "be the target of a READ from", "initiate a READ into"),
@@ -167,6 +175,21 @@ pub fn decide(mode: Mode, p: Option<&MemoryOffer>, d: Option<&MemoryOffer>) -> R
             "the {op} reaches neither P's {} memory nor D's {} memory, and a bounce on both sides is not built",
             po.kind, dof.kind
         )),
+    }
+}
+
+/// [`decide`], less what kvpush does not run: a bounce moves WRITEs only (the staged transport), so
+/// a pull that needs one is refused too. What the engine checks at the handshake.
+pub fn decide_built(mode: Mode, p: Option<&MemoryOffer>, d: Option<&MemoryOffer>) -> Route {
+    match decide(mode, p, d) {
+        Route::BounceOnP | Route::BounceOnD if mode == Mode::Pull => Route::Refused(Refusal {
+            mode,
+            p: MemoryOffer::or_direct(p),
+            d: MemoryOffer::or_direct(d),
+            why: "only a host bounce would move the bytes, and kvpush bounces push WRITEs only (not pull READs)"
+                .to_owned(),
+        }),
+        route => route,
     }
 }
 
@@ -241,6 +264,18 @@ mod tests {
         assert!(text.contains("on host memory: none"), "{text}");
     }
 
+    #[test]
+    fn a_pull_that_needs_a_bounce_is_not_built() {
+        let trn = offer(MemoryKind::Neuron, NO_TARGET);
+        assert_eq!(decide(Mode::Pull, Some(&trn), None), Route::BounceOnP);
+        let text = refusal(decide_built(Mode::Pull, Some(&trn), None)).to_string();
+        assert!(text.contains("pull from P (neuron memory, NIC on it: write+read"), "{text}");
+        assert!(text.contains("push WRITEs only"), "{text}");
+        let trn = offer(MemoryKind::Neuron, NO_WRITE);
+        assert_eq!(decide_built(Mode::Push, Some(&trn), None), Route::BounceOnP, "push bounces are built");
+        assert_eq!(decide_built(Mode::Pull, Some(&trn), None), Route::Direct, "pull needs no WRITE from P");
+    }
+
     /// Every combination of offers: the answer follows the rules, and a bounce's own path works.
     #[test]
     fn every_combination_follows_the_rules() {
@@ -257,10 +292,7 @@ mod tests {
             for p in &offers {
                 for d in &offers {
                     let (po, dof) = (MemoryOffer::or_direct(p.as_ref()), MemoryOffer::or_direct(d.as_ref()));
-                    let (pf, df): (fn(&RdmaOps) -> bool, fn(&RdmaOps) -> bool) = match mode {
-                        Mode::Push => (|o| o.write, |o| o.target),
-                        Mode::Pull => (|o| o.target, |o| o.read),
-                    };
+                    let (pf, df) = needs(mode);
                     let route = decide(mode, p.as_ref(), d.as_ref());
                     match &route {
                         Route::Direct => {
@@ -280,7 +312,8 @@ mod tests {
                             assert_eq!((r.p, r.d, r.mode), (po, dof, mode));
                             let p_bounce = p.is_some() && pf(&po.host) && df(&dof.device);
                             let d_bounce = d.is_some() && df(&dof.host) && pf(&po.device);
-                            assert!(!(pf(&po.device) && df(&dof.device)) && !p_bounce && !d_bounce, "{r}");
+                            let direct = pf(&po.device) && df(&dof.device);
+                            assert!(!(direct || p_bounce || d_bounce), "{r}");
                         }
                     }
                     assert_eq!(route, decide(mode, p.as_ref(), d.as_ref()), "deterministic");
