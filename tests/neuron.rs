@@ -883,31 +883,37 @@ fn a_pair_with_no_data_path_is_refused_at_the_handshake() {
     engines::connect(&c.engine, &d.engine);
 }
 
-/// Engines end to end on the route `decide` gives: a Neuron P whose NIC cannot WRITE from HBM (its
-/// endpoint is for host memory only, and its offer says so) pushes a request into a host D that
-/// stages; its engine runs the WRITE through host slots and every byte of the request's blocks lands.
-#[test]
-fn engines_push_from_neuron_p_through_the_host_bounce() {
+/// Engines end to end on the route `decide` gives: the Neuron side's NIC cannot reach its HBM (its
+/// endpoint is for host memory only, and its offer says so), so its engine runs its KV through host
+/// slots; the host side stages every WRITE (a D receiving from a bouncing P needs staging on; a P
+/// writing into a bouncing D, the bounce's policy). One request, every byte of its blocks checked.
+fn engines_push_through_the_bounce(p_offer: Option<MemoryOffer>, d_offer: Option<MemoryOffer>, expected: Route) {
     use kvpush::engine::{Config, Finished, LocalHub, Staging};
     use kvpush::proto::layout::Parallel;
     use kvpush::proto::Key;
     use kvpush_testkit::{engines, layouts};
+    assert_eq!(decide(Mode::Push, p_offer.as_ref(), d_offer.as_ref()), expected);
     let fake = Fake::new(Variant::Full);
     let neuron: Arc<dyn Device> = Arc::new(fake.open(RuntimeMode::Own).unwrap());
     let host: Arc<dyn Device> = Arc::new(HostDevice::new());
     let (fabric, hub) = (Fabric::new(), LocalHub::new());
     let layout = layouts::separate(layouts::full_model(2, 1, 64), 64, Parallel::SINGLE);
-    let offer = trn_offer(RdmaOps { write: false, ..RdmaOps::ALL });
-    assert_eq!(decide(Mode::Push, Some(&offer), None), Route::BounceOnP);
-    let p_cfg = Config { memory: Some(offer), ..Config::new("trn-p", Mode::Push) };
-    let d_cfg = Config { staging: Staging::On(StagingConfig::default()), ..Config::new("host-d", Mode::Push) };
+    let (p_dev, d_dev, p_staging) = match expected {
+        Route::BounceOnP => (&neuron, &host, Staging::Auto),
+        Route::BounceOnD => (&host, &neuron, Staging::On(bounce_geometry(StagingConfig::default()))),
+        other => panic!("not a bounce: {other:?}"),
+    };
+    let p_cfg = Config { memory: p_offer, staging: p_staging, ..Config::new("bp", Mode::Push) };
+    let d_cfg =
+        Config { memory: d_offer, staging: Staging::On(StagingConfig::default()), ..Config::new("bd", Mode::Push) };
     // SAFETY: (precondition 2) P's blocks are written before `request_finished` and read after its
     // outcome; D's are read only after its outcome.
-    let p = unsafe { engines::loopback_worker(p_cfg, layout.clone(), &neuron, &fabric, "trn-p", &hub) };
+    let p = unsafe { engines::loopback_worker(p_cfg, layout.clone(), p_dev, &fabric, "bp", &hub) };
     // SAFETY: as above.
-    let d = unsafe { engines::loopback_worker(d_cfg, layout.clone(), &host, &fabric, "host-d", &hub) };
+    let d = unsafe { engines::loopback_worker(d_cfg, layout.clone(), d_dev, &fabric, "bd", &hub) };
     engines::connect(&p.engine, &d.engine);
-    assert_eq!(p.buffers[0].region().kind, MemKind::Vram, "P's KV is Neuron memory");
+    let bouncer = if expected == Route::BounceOnP { &p } else { &d };
+    assert_eq!(bouncer.buffers[0].region().kind, MemKind::Vram, "the bouncing side's KV is Neuron memory");
     let len = layout.region_len() as usize;
     for (r, b) in p.buffers.iter().enumerate() {
         let bytes: Vec<u8> = (0..len).map(|i| ((i * 7 + r * 131) % 251) as u8 + 1).collect();
@@ -917,7 +923,7 @@ fn engines_push_from_neuron_p_through_the_host_bounce() {
     let tokens = u64::from(layout.block_tokens) * src.len() as u64;
     let key = Key::new(0xb0, 1);
     p.engine.request_finished(key, vec![src.to_vec()], tokens).unwrap();
-    d.engine.blocks_allocated(key, "trn-p", vec![dst.to_vec()], tokens).unwrap();
+    d.engine.blocks_allocated(key, "bp", vec![dst.to_vec()], tokens).unwrap();
     let limit = Duration::from_secs(20);
     let got = engines::wait_for(&d.engine, "received", limit, |f| !matches!(f, Finished::Ended { .. }));
     assert!(matches!(got, Finished::Received { .. }), "{got:?}");
@@ -935,7 +941,19 @@ fn engines_push_from_neuron_p_through_the_host_bounce() {
         db.read_at(0, &mut b).unwrap();
         assert!(b.iter().all(|&x| x == 0), "region {r}: D block 0 was not a destination");
     }
-    let staged = p.engine.staging_counts().expect("P runs a host bounce");
-    assert!(staged.pieces > 0 && staged.transfers == 1, "P's WRITE went through its host slots: {staged:?}");
+    let (pc, dc) = (p.engine.staging_counts().expect("P stages"), d.engine.staging_counts().expect("D stages"));
+    assert!(pc.pieces > 0 && pc.transfers == 1 && dc.received == 1, "through the slots: {pc:?} {dc:?}");
     drop((p, d));
+}
+
+#[test]
+fn engines_push_from_neuron_p_through_the_host_bounce() {
+    let offer = trn_offer(RdmaOps { write: false, ..RdmaOps::ALL });
+    engines_push_through_the_bounce(Some(offer), None, Route::BounceOnP);
+}
+
+#[test]
+fn engines_push_into_neuron_d_through_the_host_bounce() {
+    let offer = trn_offer(RdmaOps { target: false, ..RdmaOps::ALL });
+    engines_push_through_the_bounce(None, Some(offer), Route::BounceOnD);
 }
