@@ -12,8 +12,9 @@
 //! missing: "not supported"; required missing: named), runtime ownership (own: one init, one close;
 //! attach: none), tensor allocation and frees (no leak), `describe` (inside, outside, other core,
 //! registered framework tensors), telling a running runtime without nrt_init, the device-address check (NEURON_RT_MAP_HBM), the dma-buf path and
-//! its failure, selection through `KVPUSH_DEVICE`, loopback transfers between two fake tensors, and
-//! the demo's engines on fake Neuron memory. Registering Neuron memory with NIXL is not covered: UCX
+//! its failure, selection through `KVPUSH_DEVICE`, loopback transfers between two fake tensors, the
+//! demo's engines on fake Neuron memory, and the host bounce (Neuron KV through DRAM slots on P or
+//! on D, over transports and engines, and a pair the memory offers leave no data path refused). Registering Neuron memory with NIXL is not covered: UCX
 //! on this CPU machine has no Neuron memory type (see neuron/README.md).
 
 #![allow(clippy::unwrap_used)]
