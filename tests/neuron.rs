@@ -33,10 +33,11 @@ use kvpush::device::neuron::{NeuronConfig, NeuronDevice, NeuronError, RuntimeMod
 use kvpush::device::{select, Buffer, Device, DeviceError, DeviceKind, MemKind};
 use kvpush::proto::bounce::{decide, MemoryKind, MemoryOffer, RdmaOps, Route};
 use kvpush::proto::Mode;
-use kvpush::transport::bounce::{bounce_geometry, host_bounce};
+use kvpush::transport::bounce::bounce_geometry;
 use kvpush::transport::loopback::Fabric;
-use kvpush::transport::staged::{Staged, StagingConfig};
+use kvpush::transport::staged::StagingConfig;
 use kvpush::transport::{Desc, Op, Transport, TransportError, XferState};
+use kvpush_testkit::bounce;
 use kvpush_testkit::neuron_fake::{self, Variant};
 use neuron_sys::{Lib, Placement, Runtime};
 
@@ -767,15 +768,7 @@ fn push_through_the_bounce(p_offer: MemoryOffer, d_offer: MemoryOffer, expected:
     };
     let geometry = StagingConfig { slots: 2, slot_bytes: 64 << 10, max_entries: 64, ..StagingConfig::default() };
     let fabric = Fabric::new();
-    let side = |name: &str, dev: &Arc<dyn Device>| -> Staged {
-        let nic = Arc::new(fabric.endpoint(name).unwrap());
-        if dev.kind() == DeviceKind::Neuron {
-            host_bounce(nic, dev.clone(), geometry).unwrap()
-        } else {
-            Staged::new(nic, dev.as_ref(), bounce_geometry(geometry)).unwrap().unwrap()
-        }
-    };
-    let (p, d) = (side("b-prefill", p_dev), side("b-decode", d_dev));
+    let (p, d) = bounce::pair(&fabric, ("b-prefill", p_dev), ("b-decode", d_dev), DeviceKind::Neuron, geometry);
     let (src, dst) = (p_dev.alloc(1 << 20).unwrap(), d_dev.alloc(1 << 20).unwrap());
     let data: Vec<u8> = (0..1u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
     src.write_at(0, &data).unwrap();
@@ -788,8 +781,6 @@ fn push_through_the_bounce(p_offer: MemoryOffer, d_offer: MemoryOffer, expected:
         p.register(&rs).unwrap();
         d.register(&rd).unwrap();
     }
-    let name_d = p.load_remote(&d.local_metadata().unwrap()).unwrap();
-    d.load_remote(&p.local_metadata().unwrap()).unwrap();
     let descs: Vec<Desc> = (0..200u64)
         .map(|i| Desc {
             local: rs.addr + ((i * 37) % 256) * 4096,
@@ -797,19 +788,7 @@ fn push_through_the_bounce(p_offer: MemoryOffer, d_offer: MemoryOffer, expected:
             len: 4096,
         })
         .collect();
-    let id = p.post(Op::Write, &name_d, &descs, Some(b"bounced")).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let (mut done, mut seen) = (false, Vec::new());
-    while !done || seen.is_empty() {
-        if !done {
-            done = p.poll(id).unwrap() == XferState::Done;
-        }
-        let mut mine = Vec::new();
-        p.take_notifications(&mut mine).unwrap();
-        assert!(mine.is_empty(), "staging frames never reach the engine: {mine:?}");
-        d.take_notifications(&mut seen).unwrap();
-        assert!(Instant::now() < deadline, "bounced transfer did not finish: {:?} {:?}", p.counts(), d.counts());
-    }
+    let seen = bounce::push(&p, &d, &descs, b"bounced", Duration::from_secs(20));
     assert_eq!(seen[0].msg, b"bounced");
     let mut got = vec![0u8; 1 << 20];
     dst.read_at(0, &mut got).unwrap();
@@ -830,8 +809,8 @@ fn push_through_the_bounce(p_offer: MemoryOffer, d_offer: MemoryOffer, expected:
     } else {
         (&d, Desc { local: rd.addr, remote: rs.addr, len: 4096 })
     };
-    let peer = if route == Route::BounceOnP { name_d.clone() } else { "b-prefill".to_owned() };
-    let e = who.post(Op::Read, &peer, &[direct], None).unwrap_err();
+    let peer = if route == Route::BounceOnP { "b-decode" } else { "b-prefill" };
+    let e = who.post(Op::Read, peer, &[direct], None).unwrap_err();
     assert!(matches!(e, TransportError::NotRegistered { side: "local", .. }), "{e}");
     drop((p, d));
     drop((src, dst));
