@@ -12,8 +12,9 @@
 //! missing: "not supported"; required missing: named), runtime ownership (own: one init, one close;
 //! attach: none), tensor allocation and frees (no leak), `describe` (inside, outside, other core,
 //! registered framework tensors), telling a running runtime without nrt_init, the device-address check (NEURON_RT_MAP_HBM), the dma-buf path and
-//! its failure, selection through `KVPUSH_DEVICE`, loopback transfers between two fake tensors, and
-//! the demo's engines on fake Neuron memory. Registering Neuron memory with NIXL is not covered: UCX
+//! its failure, selection through `KVPUSH_DEVICE`, loopback transfers between two fake tensors, the
+//! demo's engines on fake Neuron memory, and the host bounce (Neuron KV through DRAM slots on P or
+//! on D, over transports and engines, and a pair the memory offers leave no data path refused). Registering Neuron memory with NIXL is not covered: UCX
 //! on this CPU machine has no Neuron memory type (see neuron/README.md).
 
 #![allow(clippy::unwrap_used)]
@@ -24,13 +25,19 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use kvpush::device::host::HostDevice;
 use kvpush::device::neuron::{NeuronConfig, NeuronDevice, NeuronError, RuntimeMode};
 use kvpush::device::{select, Buffer, Device, DeviceError, DeviceKind, MemKind};
+use kvpush::proto::bounce::{decide, MemoryKind, MemoryOffer, RdmaOps, Route};
+use kvpush::proto::Mode;
+use kvpush::transport::bounce::bounce_geometry;
 use kvpush::transport::loopback::Fabric;
-use kvpush::transport::{Desc, Op, Transport, XferState};
+use kvpush::transport::staged::StagingConfig;
+use kvpush::transport::{Desc, Op, Transport, TransportError, XferState};
+use kvpush_testkit::bounce;
 use kvpush_testkit::neuron_fake::{self, Variant};
 use neuron_sys::{Lib, Placement, Runtime};
 
@@ -693,7 +700,6 @@ fn demo_engines_run_on_fake_neuron_memory() {
 #[test]
 #[ignore = "run by demo_engines_run_on_fake_neuron_memory in a child process"]
 fn child_demo() {
-    use kvpush::proto::Mode;
     use kvpush_testkit::demo::{self, Topology, Workload};
 
     let lib = std::env::var("KVPUSH_LIBNRT").expect("run by the parent test, which sets KVPUSH_LIBNRT");
@@ -733,4 +739,202 @@ fn child_demo() {
     assert_eq!((fake.get("init_calls"), fake.get("close_calls")), (1, 1));
     assert_eq!(fake.get("live_tensors"), 0);
     assert!(fake.get("writes") > 0 && fake.get("reads") > 0);
+}
+
+// ---- the host bounce (Trainium P → GPU D, docs/deployment.md §4) ----
+
+/// A Neuron worker's offer: its NIC performs `device` on Neuron memory, everything on host memory.
+fn trn_offer(device: RdmaOps) -> MemoryOffer {
+    MemoryOffer { kind: MemoryKind::Neuron, device, host: RdmaOps::ALL }
+}
+
+/// A host-memory worker's offer (on a GPU D, host memory stands in for CUDA memory here).
+const HOST_OFFER: MemoryOffer = MemoryOffer { kind: MemoryKind::Host, device: RdmaOps::ALL, host: RdmaOps::ALL };
+
+/// Pushes 200 scattered 4 KiB blocks from P to D on the route both offers give, one side's KV in fake
+/// Neuron memory and the other's in host memory, and checks every byte. Each side's NIC is a loopback
+/// endpoint for host memory only (it refuses device memory), so the Neuron side's KV can cross only
+/// through its host slots: the bounce side runs [`host_bounce`], the other plain staging with the
+/// bounce's policy (every WRITE staged).
+fn push_through_the_bounce(p_offer: MemoryOffer, d_offer: MemoryOffer, expected: Route) {
+    let route = decide(Mode::Push, Some(&p_offer), Some(&d_offer));
+    assert_eq!(route, expected, "P {p_offer}, D {d_offer}");
+    let fake = Fake::new(Variant::Full);
+    let neuron: Arc<dyn Device> = Arc::new(fake.open(RuntimeMode::Own).unwrap());
+    let host: Arc<dyn Device> = Arc::new(HostDevice::new());
+    let (p_dev, d_dev) = match route {
+        Route::BounceOnP => (&neuron, &host),
+        Route::BounceOnD => (&host, &neuron),
+        other => panic!("not a bounce: {other:?}"),
+    };
+    let geometry = StagingConfig { slots: 2, slot_bytes: 64 << 10, max_entries: 64, ..StagingConfig::default() };
+    let fabric = Fabric::new();
+    let (p, d) = bounce::pair(&fabric, ("b-prefill", p_dev), ("b-decode", d_dev), DeviceKind::Neuron, geometry);
+    let (src, dst) = (p_dev.alloc(1 << 20).unwrap(), d_dev.alloc(1 << 20).unwrap());
+    let data: Vec<u8> = (0..1u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+    src.write_at(0, &data).unwrap();
+    let (rs, rd) = (src.region(), dst.region());
+    let neuron_kv = if route == Route::BounceOnP { rs } else { rd };
+    assert_eq!(neuron_kv.kind, MemKind::Vram, "the bouncing side's KV is device memory");
+    // SAFETY: both regions are buffers alive until after the transports are dropped (below); the test
+    // reads them only when no transfer is in flight.
+    unsafe {
+        p.register(&rs).unwrap();
+        d.register(&rd).unwrap();
+    }
+    let descs: Vec<Desc> = (0..200u64)
+        .map(|i| Desc {
+            local: rs.addr + ((i * 37) % 256) * 4096,
+            remote: rd.addr + ((i * 101) % 256) * 4096,
+            len: 4096,
+        })
+        .collect();
+    let seen = bounce::push(&p, &d, &descs, b"bounced", Duration::from_secs(20));
+    assert_eq!(seen[0].msg, b"bounced");
+    let mut got = vec![0u8; 1 << 20];
+    dst.read_at(0, &mut got).unwrap();
+    for dsc in &descs {
+        let (l, r) = ((dsc.local - rs.addr) as usize, (dsc.remote - rd.addr) as usize);
+        assert_eq!(got[r..r + 4096], data[l..l + 4096], "descriptor {dsc:?}");
+    }
+    let untouched = (0..256u64).filter(|b| !descs.iter().any(|d| d.remote == rd.addr + b * 4096));
+    for b in untouched {
+        assert!(got[(b * 4096) as usize..][..4096].iter().all(|&x| x == 0), "block {b} was never a destination");
+    }
+    let (pc, dc) = (p.counts(), d.counts());
+    assert_eq!((pc.transfers, pc.entries, dc.received), (1, 200, 1), "{pc:?} {dc:?}");
+    assert!(pc.pieces >= 13, "800 KiB through 64 KiB slots (less their tables): {pc:?}");
+    // The Neuron KV never reached the NIC: a transfer naming it directly is refused as unregistered.
+    let (who, direct) = if route == Route::BounceOnP {
+        (&p, Desc { local: rs.addr, remote: rd.addr, len: 4096 })
+    } else {
+        (&d, Desc { local: rd.addr, remote: rs.addr, len: 4096 })
+    };
+    let peer = if route == Route::BounceOnP { "b-decode" } else { "b-prefill" };
+    let e = who.post(Op::Read, peer, &[direct], None).unwrap_err();
+    assert!(matches!(e, TransportError::NotRegistered { side: "local", .. }), "{e}");
+    drop((p, d));
+    drop((src, dst));
+}
+
+#[test]
+fn neuron_p_bounces_through_its_host_slots_into_host_d() {
+    let no_write = RdmaOps { write: false, ..RdmaOps::ALL };
+    push_through_the_bounce(trn_offer(no_write), HOST_OFFER, Route::BounceOnP);
+}
+
+#[test]
+fn host_p_writes_into_neuron_d_through_its_host_slots() {
+    let not_a_target = RdmaOps { target: false, ..RdmaOps::ALL };
+    push_through_the_bounce(HOST_OFFER, trn_offer(not_a_target), Route::BounceOnD);
+}
+
+/// Engines whose offers leave no way to move bytes either way refuse each other at the handshake,
+/// naming both offers; a pair that can move bytes one way (through a bounce) is accepted.
+#[test]
+fn a_pair_with_no_data_path_is_refused_at_the_handshake() {
+    use kvpush::engine::{Config, EngineError, LocalHub, Staging};
+    use kvpush_testkit::{engines, layouts};
+    let (fabric, hub) = (Fabric::new(), LocalHub::new());
+    let host: Arc<dyn Device> = Arc::new(HostDevice::new());
+    let worker = |id: &str, memory: MemoryOffer| {
+        let config = Config { memory: Some(memory), ..Config::new(id, Mode::Push) };
+        // SAFETY: no request is ever started on these engines, so no block is read or written.
+        unsafe { engines::loopback_worker(config, layouts::small(0, 1), &host, &fabric, id, &hub) }
+    };
+    let dead = MemoryOffer { kind: MemoryKind::Neuron, device: RdmaOps::NONE, host: RdmaOps::NONE };
+    let gpu = MemoryOffer { kind: MemoryKind::Cuda, device: RdmaOps::NONE, host: RdmaOps::ALL };
+    let (a, b) = (worker("trn-p", dead), worker("gpu-d", gpu));
+    let err = b.engine.add_peer(&a.engine.handshake().unwrap()).unwrap_err();
+    assert!(matches!(err, EngineError::NoDataPath { .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("peer trn-p: no data path"), "{text}");
+    assert!(text.contains("neuron memory, NIC on it: none, on host memory: none"), "{text}");
+    assert!(text.contains("cuda memory, NIC on it: none, on host memory: write+read+target"), "{text}");
+    let err = a.engine.add_peer(&b.engine.handshake().unwrap()).unwrap_err();
+    assert!(matches!(err, EngineError::NoDataPath { .. }), "both sides refuse: {err}");
+    // A Neuron P whose NIC cannot WRITE from HBM, and an older D (no offer): a bounce on P.
+    let (c, d) = (worker("trn-p2", trn_offer(RdmaOps { write: false, ..RdmaOps::ALL })), {
+        // A D that stages (what a P running a bounce needs of its peer), with no offer.
+        let config = Config { staging: Staging::On(StagingConfig::default()), ..Config::new("old-d", Mode::Push) };
+        // SAFETY: as above.
+        unsafe { engines::loopback_worker(config, layouts::small(0, 1), &host, &fabric, "old-d", &hub) }
+    });
+    assert_eq!(d.engine.handshake().unwrap().memory, None, "no offer sent without one configured");
+    engines::connect(&c.engine, &d.engine);
+}
+
+/// Engines end to end on the route `decide` gives: the Neuron side's NIC cannot reach its HBM (its
+/// endpoint is for host memory only, and its offer says so), so its engine runs its KV through host
+/// slots; the host side stages every WRITE (a D receiving from a bouncing P needs staging on; a P
+/// writing into a bouncing D, the bounce's policy). One request, every byte of its blocks checked.
+fn engines_push_through_the_bounce(p_offer: Option<MemoryOffer>, d_offer: Option<MemoryOffer>, expected: Route) {
+    use kvpush::engine::{Config, Finished, LocalHub, Staging};
+    use kvpush::proto::layout::Parallel;
+    use kvpush::proto::Key;
+    use kvpush_testkit::{engines, layouts};
+    assert_eq!(decide(Mode::Push, p_offer.as_ref(), d_offer.as_ref()), expected);
+    let fake = Fake::new(Variant::Full);
+    let neuron: Arc<dyn Device> = Arc::new(fake.open(RuntimeMode::Own).unwrap());
+    let host: Arc<dyn Device> = Arc::new(HostDevice::new());
+    let (fabric, hub) = (Fabric::new(), LocalHub::new());
+    let layout = layouts::separate(layouts::full_model(2, 1, 64), 64, Parallel::SINGLE);
+    let (p_dev, d_dev, p_staging) = match expected {
+        Route::BounceOnP => (&neuron, &host, Staging::Auto),
+        Route::BounceOnD => (&host, &neuron, Staging::On(bounce_geometry(StagingConfig::default()))),
+        other => panic!("not a bounce: {other:?}"),
+    };
+    let p_cfg = Config { memory: p_offer, staging: p_staging, ..Config::new("bp", Mode::Push) };
+    let d_cfg =
+        Config { memory: d_offer, staging: Staging::On(StagingConfig::default()), ..Config::new("bd", Mode::Push) };
+    // SAFETY: (precondition 2) P's blocks are written before `request_finished` and read after its
+    // outcome; D's are read only after its outcome.
+    let p = unsafe { engines::loopback_worker(p_cfg, layout.clone(), p_dev, &fabric, "bp", &hub) };
+    // SAFETY: as above.
+    let d = unsafe { engines::loopback_worker(d_cfg, layout.clone(), d_dev, &fabric, "bd", &hub) };
+    engines::connect(&p.engine, &d.engine);
+    let bouncer = if expected == Route::BounceOnP { &p } else { &d };
+    assert_eq!(bouncer.buffers[0].region().kind, MemKind::Vram, "the bouncing side's KV is Neuron memory");
+    let len = layout.region_len() as usize;
+    for (r, b) in p.buffers.iter().enumerate() {
+        let bytes: Vec<u8> = (0..len).map(|i| ((i * 7 + r * 131) % 251) as u8 + 1).collect();
+        b.write_at(0, &bytes).unwrap();
+    }
+    let (src, dst) = ([3u32, 9, 10, 40, 41, 63], [5u32, 6, 60, 1, 2, 30]);
+    let tokens = u64::from(layout.block_tokens) * src.len() as u64;
+    let key = Key::new(0xb0, 1);
+    p.engine.request_finished(key, vec![src.to_vec()], tokens).unwrap();
+    d.engine.blocks_allocated(key, "bp", vec![dst.to_vec()], tokens).unwrap();
+    let limit = Duration::from_secs(20);
+    let got = engines::wait_for(&d.engine, "received", limit, |f| !matches!(f, Finished::Ended { .. }));
+    assert!(matches!(got, Finished::Received { .. }), "{got:?}");
+    let sent = engines::wait_for(&p.engine, "sent", limit, |f| !matches!(f, Finished::Ended { .. }));
+    assert!(matches!(sent, Finished::Sent { .. }), "{sent:?}");
+    let stride = layout.block_stride;
+    let part = layout.part_bytes() as usize;
+    let (mut a, mut b) = (vec![0u8; part], vec![0u8; part]);
+    for (r, (pb, db)) in p.buffers.iter().zip(&d.buffers).enumerate() {
+        for (&s, &t) in src.iter().zip(&dst) {
+            pb.read_at(u64::from(s) * stride, &mut a).unwrap();
+            db.read_at(u64::from(t) * stride, &mut b).unwrap();
+            assert_eq!(a, b, "region {r}: P block {s} → D block {t}");
+        }
+        db.read_at(0, &mut b).unwrap();
+        assert!(b.iter().all(|&x| x == 0), "region {r}: D block 0 was not a destination");
+    }
+    let (pc, dc) = (p.engine.staging_counts().expect("P stages"), d.engine.staging_counts().expect("D stages"));
+    assert!(pc.pieces > 0 && pc.transfers == 1 && dc.received == 1, "through the slots: {pc:?} {dc:?}");
+    drop((p, d));
+}
+
+#[test]
+fn engines_push_from_neuron_p_through_the_host_bounce() {
+    let offer = trn_offer(RdmaOps { write: false, ..RdmaOps::ALL });
+    engines_push_through_the_bounce(Some(offer), None, Route::BounceOnP);
+}
+
+#[test]
+fn engines_push_into_neuron_d_through_the_host_bounce() {
+    let offer = trn_offer(RdmaOps { target: false, ..RdmaOps::ALL });
+    engines_push_through_the_bounce(None, Some(offer), Route::BounceOnD);
 }

@@ -16,6 +16,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+pub mod bounce;
 pub mod cuda;
 pub mod host;
 pub mod mock;

@@ -174,7 +174,7 @@ impl FfiError {
                 EngineError::Layout(_) => status::LAYOUT,
                 EngineError::Device { .. } => status::DEVICE,
                 EngineError::Transport(_) => status::TRANSPORT,
-                EngineError::Incompatible(_) => status::INCOMPATIBLE,
+                EngineError::Incompatible(_) | EngineError::NoDataPath { .. } => status::INCOMPATIBLE,
                 EngineError::Blocks { .. } => status::BLOCKS,
                 EngineError::Decode { .. } | EngineError::StalePeer { .. } => status::DECODE,
                 EngineError::WrongMode { .. } => status::WRONG_MODE,

@@ -25,6 +25,7 @@ use crossbeam_channel::{unbounded, Sender};
 
 use crate::device::{Device, DeviceError, DeviceKind, MemRegion};
 use crate::pool::handoff::{Inbox, Outbox, WakeFlag};
+use crate::proto::bounce::{self, MemoryKind, MemoryOffer, Refusal, Route};
 use crate::proto::codec::{self, DecodeError, PROTOCOL_VERSION};
 use crate::proto::compat::{self, compat_hash, Incompatible};
 use crate::proto::completion::CompletionConfig;
@@ -32,6 +33,7 @@ use crate::proto::layout::{KvLayout, LayoutError};
 use crate::proto::msg::{check_block_lists, Handshake, Message, Mode, RangeError};
 use crate::proto::rendezvous::{ReleaseReason, RendezvousConfig, SourceBlocks};
 use crate::proto::{Key, Rank};
+use crate::transport::bounce::host_bounce;
 use crate::transport::staged::{PathChoice, Staged, StagingConfig, StagingCounts};
 use crate::transport::trust::{DataKeys, DataPathCounts, Trusted};
 use crate::transport::{Transport, TransportError, Units};
@@ -71,6 +73,12 @@ pub struct Config {
     pub control: ControlLimits,
     /// Whether [`Engine::layers_ready`] pushes each layer range as it becomes final.
     pub layerwise: Layerwise,
+    /// This worker's memory offer in its handshake ([`crate::proto::bounce`]): `None` sends none,
+    /// which peers read as "direct only". In push mode, an offer of device memory that the NIC
+    /// cannot WRITE from or into puts every WRITE of this worker's KV through host slots
+    /// ([`crate::transport::bounce`], the staging setting's geometry or the default); its peer must
+    /// stage too (a D: staging on; a P writing into a bouncing D: [`crate::transport::bounce::bounce_geometry`]).
+    pub memory: Option<MemoryOffer>,
 }
 
 /// Whether a producer pushes a request layer by layer ([`Engine::layers_ready`]) or whole.
@@ -187,8 +195,15 @@ impl Config {
             staging: Staging::Auto,
             control: ControlLimits::default(),
             layerwise: Layerwise::AUTO,
+            memory: None,
         }
     }
+}
+
+/// Whether a push worker with `offer` runs its KV through a host bounce: its KV is device memory its
+/// NIC cannot WRITE from (bounce on P) or be the target of a WRITE into (bounce on D).
+fn needs_bounce(offer: &MemoryOffer) -> bool {
+    offer.kind != MemoryKind::Host && !(offer.device.write && offer.device.target)
 }
 
 /// What went wrong in an engine call. Each variant names the peer, request or call concerned.
@@ -213,6 +228,18 @@ pub enum EngineError {
     /// The peer's handshake is incompatible.
     #[error(transparent)]
     Incompatible(#[from] Incompatible),
+    /// The two workers' memory offers leave no way to move bytes in either direction, even through
+    /// host memory on one side, with what kvpush runs ([`crate::proto::bounce::decide_built`]);
+    /// refused at the handshake.
+    #[error("peer {peer}: no data path, neither with this worker as P ({as_producer}) nor as D ({as_consumer})")]
+    NoDataPath {
+        /// The peer's engine id.
+        peer: String,
+        /// Why this worker cannot be P to the peer's D.
+        as_producer: Refusal,
+        /// Why this worker cannot be D to the peer's P.
+        as_consumer: Refusal,
+    },
     /// A block list does not fit this worker's layout.
     #[error("request {key}: {source}")]
     Blocks {
@@ -551,6 +578,7 @@ impl Shared {
             agent_metadata: self.transport.local_metadata()?,
             compat_hash: compat_hash(&layout.model, layout.order, mode, PROTOCOL_VERSION),
             layout,
+            memory: self.config.memory,
         })
     }
 
@@ -564,6 +592,18 @@ impl Shared {
     ) -> Result<PeerAddr, EngineError> {
         let mine = self.handshake()?;
         compat::check(&mine, peer)?;
+        // The handshake says no role: a pair is refused when bytes can move neither way (with what
+        // kvpush runs: no bounce in pull mode).
+        let (mode, (m, p)) = (mine.mode, (mine.memory.as_ref(), peer.memory.as_ref()));
+        match (bounce::decide_built(mode, m, p), bounce::decide_built(mode, p, m)) {
+            (Route::Refused(as_producer), Route::Refused(as_consumer)) => {
+                return Err(EngineError::NoDataPath { peer: peer.engine_id.clone(), as_producer, as_consumer });
+            }
+            (as_p, as_d) if (&as_p, &as_d) != (&Route::Direct, &Route::Direct) => {
+                tracing::info!(worker = %self.me, peer = %peer.engine_id, ?as_p, ?as_d, "memory offers: route as P, as D");
+            }
+            _ => {}
+        }
         peer.layout.validate()?;
         let addr = PeerAddr { engine: peer.engine_id.clone(), rank: peer.layout.parallel.rank() };
         // A peer that comes back as another process restarted: everything in flight with its
@@ -752,6 +792,13 @@ impl Engine {
         // Staging wraps the transport before anything is registered, so it knows the KV regions.
         let mut staged = None;
         let transport = match config.staging.resolve(device.kind()) {
+            // This worker's NIC cannot WRITE from or into its device memory: every WRITE of its KV
+            // goes through host slots (a host bounce, `proto::bounce`), whatever the staging setting.
+            cfg if config.mode == Mode::Push && config.memory.is_some_and(|m| needs_bounce(&m)) => {
+                let s = Arc::new(host_bounce(Arc::clone(&transport), Arc::clone(&device), cfg.unwrap_or_default())?);
+                staged = Some(Arc::clone(&s));
+                s as Arc<dyn Transport>
+            }
             Some(cfg) if config.mode == Mode::Push => {
                 match Staged::new(Arc::clone(&transport), device.as_ref(), cfg)? {
                     Some(s) => {

@@ -248,7 +248,7 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
             write_registration(r, out);
             Ok(())
         }
-        Message::Handshake(h) => postcard::to_allocvec(h.as_ref()).map(|p| out.extend_from_slice(&p)),
+        Message::Handshake(h) => handshake_payload(h).map(|p| out.extend_from_slice(&p)),
         Message::Completion(c) => postcard::to_allocvec(c).map(|p| out.extend_from_slice(&p)),
         Message::Failure(f) => postcard::to_allocvec(f).map(|p| out.extend_from_slice(&p)),
         Message::Abort(a) => postcard::to_allocvec(a).map(|p| out.extend_from_slice(&p)),
@@ -362,6 +362,35 @@ fn parse<'a, T: serde::Deserialize<'a>>(kind: Kind, payload: &'a [u8]) -> Result
     Ok(value)
 }
 
+/// Tag of the memory-offer extension after a handshake's `compat_hash`.
+const EXT_MEMORY_OFFER: u8 = 1;
+
+/// A handshake's payload: its fields, then the memory offer's extension where it has one (an older
+/// peer's handshake has none, so an offer-less handshake is byte for byte what it always was).
+fn handshake_payload(h: &Handshake) -> Result<Vec<u8>, postcard::Error> {
+    let mut out = postcard::to_allocvec(h)?;
+    if let Some(offer) = &h.memory {
+        out.push(EXT_MEMORY_OFFER);
+        out.extend_from_slice(&postcard::to_allocvec(offer)?);
+    }
+    Ok(out)
+}
+
+/// Parses a handshake payload: the fields, then at most one extension (the memory offer). Bytes
+/// after the fields that do not start with a known extension's tag are trailing bytes.
+fn parse_handshake(payload: &[u8]) -> Result<Handshake, DecodeError> {
+    let name = Kind::Handshake.name();
+    let malformed = |reason: String| DecodeError::Malformed { kind: name, reason };
+    let (mut h, rest) = postcard::take_from_bytes::<Handshake>(payload).map_err(|e| malformed(e.to_string()))?;
+    match rest.split_first() {
+        None => {}
+        Some((&EXT_MEMORY_OFFER, offer)) => h.memory = Some(parse(Kind::Handshake, offer)?),
+        // Not an extension this build knows: bytes after the handshake, as before extensions existed.
+        Some(_) => return Err(DecodeError::TrailingBytes { kind: name, extra: rest.len() }),
+    }
+    Ok(h)
+}
+
 fn check_handshake_fields(h: &Handshake) -> Result<(), RangeError> {
     check_len("engine_id", h.engine_id.len(), MAX_ENGINE_ID)?;
     check_len("software", h.software.len(), MAX_ENGINE_ID)?;
@@ -395,7 +424,7 @@ pub fn decode(bytes: &[u8], peer: Option<&KvLayout>) -> Result<Message, DecodeEr
     let need_peer = || peer.ok_or(DecodeError::NoPeerLayout { kind: name });
     Ok(match kind {
         Kind::Handshake => {
-            let h: Handshake = parse(kind, payload)?;
+            let h = parse_handshake(payload)?;
             check_handshake_fields(&h).map_err(range)?;
             let computed = compat_hash(&h.layout.model, h.layout.order, h.mode, h.protocol);
             if computed != h.compat_hash {

@@ -1,5 +1,5 @@
-//! The sans-IO protocol core of kvpush: messages, compatibility, rendezvous, completion counting,
-//! planning and merging.
+//! The sans-IO protocol core of kvpush: messages, compatibility, the host-bounce route, rendezvous,
+//! completion counting, planning and merging.
 //!
 //! Read [`layout`] first (what a KV cache looks like), then [`msg`] and [`codec`] (what crosses the
 //! side channel), then the two state machines — [`rendezvous`] on the producer, [`completion`] on the
@@ -11,6 +11,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod bounce;
 mod bounded;
 pub mod codec;
 pub mod compat;

@@ -7,6 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::bounce::MemoryOffer;
 use super::ids::{EngineId, Key, Rank};
 use super::layerwise::{LayerCompletion, LayerRangeError};
 use super::layout::{KvLayout, LayoutError};
@@ -55,6 +56,11 @@ pub struct Handshake {
     pub layout: KvLayout,
     /// [`super::compat::compat_hash`] of the fields that must match (checked on decode).
     pub compat_hash: u64,
+    /// The sender's memory offer ([`super::bounce`]), an optional extension after `compat_hash` on
+    /// the wire (tag `01`, then the offer); `None` (no extension: an older peer) reads as
+    /// [`MemoryOffer::DIRECT_ONLY`]. The codec writes it, not serde.
+    #[serde(skip)]
+    pub memory: Option<MemoryOffer>,
 }
 
 /// D → P: "write request `key` into these blocks of mine".

@@ -46,5 +46,6 @@ pub fn handshake(layout: KvLayout, mode: Mode) -> Handshake {
         agent_metadata: vec![1, 2, 3, 4],
         compat_hash: compat_hash(&layout.model, layout.order, mode, PROTOCOL_VERSION),
         layout,
+        memory: None,
     }
 }

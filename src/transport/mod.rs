@@ -17,6 +17,7 @@ use std::sync::Arc;
 use crate::device::MemRegion;
 use crate::proto::plan::Grid;
 
+pub mod bounce;
 pub mod loopback;
 pub mod nixl;
 pub mod staged;

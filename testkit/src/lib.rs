@@ -6,6 +6,7 @@
 //! Used by the `kvpush` command (`cli/`), the integration tests and the benches; never by the
 //! library itself.
 
+pub mod bounce;
 pub mod child;
 pub mod corpus;
 pub mod demo;

@@ -10,13 +10,14 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
+use kvpush::proto::bounce::{MemoryKind, MemoryOffer, RdmaOps};
 use kvpush::proto::codec::{
     decode, frame_len, to_vec, DecodeError, HEADER_LEN, MAGIC, MAX_HANDSHAKE_PAYLOAD, MAX_PAYLOAD, PROTOCOL_VERSION,
 };
 use kvpush::proto::layout::KvLayout;
 use kvpush::proto::msg::{
-    Abort, Failure, FailureKind, Heartbeat, Message, Mode, Registration, MAX_AGENT_METADATA, MAX_DETAIL, MAX_ENGINE_ID,
-    MAX_TOKENS,
+    Abort, Failure, FailureKind, Handshake, Heartbeat, Message, Mode, Registration, MAX_AGENT_METADATA, MAX_DETAIL,
+    MAX_ENGINE_ID, MAX_TOKENS,
 };
 use kvpush_testkit::corpus::{
     describe, fingerprint, handshake_for, peer_handshake, peer_layout, valid_messages, KEY, VARIANTS,
@@ -171,6 +172,9 @@ fn every_single_bit_flip_of_every_message_decodes_or_errs() {
     let mut messages = valid_messages();
     messages.push(("pull_handshake", Message::Handshake(Box::new(handshake_for(peer_layout(), Mode::Pull)))));
     messages.push(("max_heartbeat", Message::Heartbeat(Heartbeat { seq: u64::MAX })));
+    let offer = MemoryOffer { kind: MemoryKind::Neuron, device: RdmaOps::NONE, host: RdmaOps::ALL };
+    let with_offer = Handshake { memory: Some(offer), ..handshake_for(peer_layout(), Mode::Push) };
+    messages.push(("handshake_with_offer", Message::Handshake(Box::new(with_offer))));
     for (name, m) in messages {
         let good = to_vec(&m).expect("valid message encodes");
         assert_eq!(decode(&good, Some(&peer)).as_ref(), Ok(&m), "{name}");

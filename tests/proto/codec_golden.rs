@@ -11,6 +11,7 @@
 //! The staging frames of `transport::staged` (REQUEST, GRANT, PIECE, ...) are not specified in
 //! docs/protocol.md and have no golden encodings here.
 
+use kvpush::proto::bounce::{MemoryKind, MemoryOffer, RdmaOps};
 use kvpush::proto::codec::{decode, frame_len, to_vec, DecodeError, HEADER_LEN};
 use kvpush::proto::ids::{Key, Rank};
 use kvpush::proto::layerwise::LayerCompletion;
@@ -107,6 +108,7 @@ fn handshake(mode: Mode, compat_hash: u64) -> Handshake {
         agent_metadata: vec![0xde, 0xad],
         layout: layout(),
         compat_hash,
+        memory: None,
     }
 }
 
@@ -143,6 +145,26 @@ fn goldens() -> Vec<Golden> {
             name: "handshake push",
             bytes: hex(&handshake_hex("00", "96 92 df c3 8b 9d ca b3 12")),
             msg: Message::Handshake(Box::new(handshake(Mode::Push, PUSH_HASH))),
+            peer: false,
+        },
+        Golden {
+            name: "handshake push with a memory offer",
+            bytes: hex(&format!(
+                "{}  -- the offer-less frame, its length 56 + 8 = 64 (0x40)
+                 01  -- extension tag 1: memory offer
+                 02  -- kind Neuron
+                 00 01 01  -- its device memory: no WRITE, READ, target
+                 01 01 01  -- host memory: WRITE, READ, target",
+                handshake_hex("00", "96 92 df c3 8b 9d ca b3 12").replacen("01 38 00 00 00", "01 40 00 00 00", 1)
+            )),
+            msg: Message::Handshake(Box::new(Handshake {
+                memory: Some(MemoryOffer {
+                    kind: MemoryKind::Neuron,
+                    device: RdmaOps { write: false, read: true, target: true },
+                    host: RdmaOps::ALL,
+                }),
+                ..handshake(Mode::Push, PUSH_HASH)
+            })),
             peer: false,
         },
         Golden {
@@ -294,6 +316,40 @@ fn every_documented_frame_decodes_to_its_message() {
             assert!(matches!(decode(&g.bytes, None), Err(DecodeError::NoPeerLayout { .. })), "{}", g.name);
         }
     }
+}
+
+/// A handshake's extension is the memory offer (tag 1) or nothing: another tag (trailing bytes, as
+/// before extensions existed), a short or invalid offer, or a byte beyond it is refused, never skipped.
+#[test]
+fn handshake_extensions_other_than_one_whole_offer_are_refused() {
+    let with_len = |len: &str, tail: &str| {
+        hex(&format!(
+            "{}\n{tail}",
+            handshake_hex("00", "96 92 df c3 8b 9d ca b3 12").replacen(
+                "01 38 00 00 00",
+                &format!("01 {len} 00 00 00"),
+                1
+            )
+        ))
+    };
+    let malformed = |b: &[u8]| matches!(decode(b, None), Err(DecodeError::Malformed { kind: "handshake", .. }));
+    assert!(
+        matches!(
+            decode(&with_len("40", "02 02 00 01 01 01 01 01"), None),
+            Err(DecodeError::TrailingBytes { kind: "handshake", extra: 8 })
+        ),
+        "unknown tag 2"
+    );
+    assert!(malformed(&with_len("3f", "01 02 00 01 01 01 01")), "an offer one byte short");
+    assert!(malformed(&with_len("40", "01 04 00 01 01 01 01 01")), "an unknown memory kind");
+    assert!(malformed(&with_len("40", "01 02 00 02 01 01 01 01")), "a bool that is not 0 or 1");
+    assert!(
+        matches!(
+            decode(&with_len("41", "01 02 00 01 01 01 01 01 00"), None),
+            Err(DecodeError::TrailingBytes { kind: "handshake", extra: 1 })
+        ),
+        "a byte after the offer"
+    );
 }
 
 #[test]
