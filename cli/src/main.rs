@@ -336,6 +336,7 @@ fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         staging_slot_bytes: a.staging_slot_kib << 10,
         allocator: a.allocator,
         whole_blocks: false,
+        whole_block_bytes: false,
     };
     let work = Workload {
         requests: a.requests,

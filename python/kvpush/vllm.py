@@ -227,18 +227,19 @@ class _Scheduler:
         self.released_early: set[str] = set()
         self.timeline = timeline.SchedulerTrack()
 
-    def _whole_blocks(self, request: Request) -> tuple[int, int]:
-        return self._whole_blocks_of(len(request.prompt_token_ids or ()))
+    def _prompt(self, request: Request) -> tuple[int, int]:
+        return self._prompt_of(len(request.prompt_token_ids or ()))
 
-    def _whole_blocks_of(self, prompt_tokens: int) -> tuple[int, int]:
-        """The tokens to move, rounded up to whole blocks, and the blocks per group.
+    def _prompt_of(self, prompt_tokens: int) -> tuple[int, int]:
+        """The tokens to move — the exact prompt length — and the blocks per group that hold them.
 
-        Whole blocks move: the bytes of a block's unused tail slots are copied too (D overwrites them
-        as it appends). Attention backends may pack tokens inside a block (vLLM CPU's ISA-specific
-        layouts do), so a partial-block copy could miss or garble the tokens that matter.
+        The count is exact, never rounded to whole blocks: a sliding-window group counts its window
+        back from it, and a count rounded up would miss the window's first real tokens. Whole blocks
+        still move where P's and D's block sizes are equal (the engine's planner widens the tokens to
+        them: attention backends may pack tokens inside a block, as vLLM CPU's ISA-specific layouts
+        do, so a partial-block copy could garble them; D overwrites the tail slots as it appends).
         """
-        blocks = _cdiv(prompt_tokens, self.block_size)
-        return blocks * self.block_size, blocks
+        return prompt_tokens, _cdiv(prompt_tokens, self.block_size)
 
     def _consumer(self, request: Request) -> tuple[Transfer, Producer] | None:
         """D: the transfer and producer of a request that asks for remote KV, or None. Params that
@@ -278,7 +279,7 @@ class _Scheduler:
         if parsed is None:
             return
         transfer, producer = parsed
-        num_tokens, needed = self._whole_blocks(request)
+        num_tokens, needed = self._prompt(request)
         local = [list(g)[:needed] for g in blocks.get_unhashed_block_ids_all_groups()]
         self.meta.receives.append(
             Receive(
@@ -324,7 +325,7 @@ class _Scheduler:
             # The engine has had its blocks since the end of the prefill step: they stay held until it
             # reports them sent, whatever the outcome; an abort only tells the engine (and so D).
             self.released_early.discard(rid)
-            num_tokens, needed = self._whole_blocks(request)
+            num_tokens, needed = self._prompt(request)
             if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
                 self.meta.aborts.append(Abort(rid, tid, attempt))
                 return True, None
@@ -334,7 +335,7 @@ class _Scheduler:
             # P: aborted before its KV was complete; D is told and fails or recomputes at once.
             self.meta.aborts.append(Abort(rid, tid, attempt))
             return False, None
-        num_tokens, needed = self._whole_blocks(request)
+        num_tokens, needed = self._prompt(request)
         groups = [list(g)[:needed] for g in block_ids]
         if not any(groups):
             return False, None
@@ -386,7 +387,7 @@ class _Scheduler:
             sp = new.sampling_params
             if sp is None or sp.max_tokens != 1 or prompt == 0 or new.num_computed_tokens + scheduled < prompt:
                 continue
-            num_tokens, needed = self._whole_blocks_of(prompt)
+            num_tokens, needed = self._prompt_of(prompt)
             groups = [list(g)[:needed] for g in new.block_ids]
             if not any(groups):
                 continue
@@ -497,6 +498,7 @@ class _Worker:
         self.native: Any = None
         # Kernel blocks per vLLM block (describe_kv_caches): block ids are expanded before the engine.
         self.blocks_per_block = 1
+        self.kernel_tokens = 0
         # Which request each outcome ends; role "p" or "d".
         self.outcomes = OutcomeMatcher()
         self.load_errors: set[int] = set()
@@ -537,6 +539,7 @@ class _Worker:
         self.on_cuda = device.startswith("cuda")
         layout.pop("_local_heads")
         self.blocks_per_block = layout.pop("_blocks_per_block")
+        self.kernel_tokens = int(layout["block_tokens"])
         if self.blocks_per_block > 1 and self.cfg.mode == "pull":
             # D would read P's kernel blocks by P's vLLM block ids, and nothing tells D P's ratio.
             raise ValueError(
@@ -596,7 +599,7 @@ class _Worker:
             timeline.record("d_register", r.transfer_id, r.attempt)
             try:
                 if r.remote_block_ids is None:
-                    blocks = expand_block_ids(r.block_ids, self.blocks_per_block)
+                    blocks = expand_block_ids(r.block_ids, self.blocks_per_block, r.num_tokens, self.kernel_tokens)
                     n.blocks_allocated(
                         r.transfer_id, r.attempt, r.producer, r.host, r.port, r.producer_tp, blocks, r.num_tokens
                     )
@@ -625,7 +628,7 @@ class _Worker:
             self.outcomes.expect(f.transfer_id, f.attempt, f.req_id, "p")
             timeline.record("p_release", f.transfer_id, f.attempt)
             try:
-                blocks = expand_block_ids(f.block_ids, self.blocks_per_block)
+                blocks = expand_block_ids(f.block_ids, self.blocks_per_block, f.num_tokens, self.kernel_tokens)
                 n.request_finished(f.transfer_id, f.attempt, blocks, f.num_tokens)
             except Exception as e:
                 logger.error("kvpush: request %s (transfer %s) not sent: %s", f.req_id, f.transfer_id, e)

@@ -65,7 +65,7 @@ def test_whole_prompt_of_a_one_token_request_is_released_with_its_step() -> None
     meta = s.build_connector_meta(step(req, 100))
     assert meta.finished == []
     assert [(f.req_id, f.transfer_id, f.block_ids, f.num_tokens) for f in meta.prefilled] == [
-        ("r1", TID, [list(range(100, 107))], 112)  # 100 tokens: 7 whole blocks of 16
+        ("r1", TID, [list(range(100, 107))], 100)  # 100 tokens (exact) in 7 blocks of 16
     ]
     # Until vLLM finishes it, it must not be preempted, and the engine loop keeps stepping.
     assert s.has_pending_block_frees() and s.has_pending_push_work()

@@ -72,6 +72,11 @@ pub struct Topology {
     /// Each side hands its engine the request's tokens rounded up to its own whole blocks (what the
     /// vLLM connector does), rather than the exact count.
     pub whole_blocks: bool,
+    /// P fills and D checks every slot of the blocks that hold a request (the tail of its last block,
+    /// the head of a window's first block), not only its tokens: what the engine moves where both
+    /// sides' blocks are the same size, and what vLLM CPU's packed blocks need. Only meaningful with
+    /// `p_block == d_block`.
+    pub whole_block_bytes: bool,
 }
 
 /// `--staging`: whether the engines stage fragmented WRITEs ([`Staging`]).
@@ -141,6 +146,7 @@ impl Default for Topology {
             staging_slot_bytes: 0,
             allocator: AllocatorFlag::Runs,
             whole_blocks: false,
+            whole_block_bytes: false,
         }
     }
 }
@@ -499,10 +505,15 @@ pub fn run(t: &Topology, w: &Workload, modes: &[Mode], tick: &dyn Fn()) -> Resul
     Ok(report)
 }
 
-/// One [`pattern::Mover`] per worker of an engine on `dev`, or why they cannot be made.
-pub(crate) fn movers(dev: &dyn Device, workers: usize) -> Result<Vec<pattern::Mover>, String> {
+/// One [`pattern::Mover`] per worker of an engine on `dev` (whole blocks: see
+/// [`Topology::whole_block_bytes`]), or why they cannot be made.
+pub(crate) fn movers(dev: &dyn Device, workers: usize, whole: bool) -> Result<Vec<pattern::Mover>, String> {
     (0..workers)
-        .map(|_| pattern::Mover::new(dev).map_err(|e| format!("demo fill/verify on {}: {e}", dev.kind())))
+        .map(|_| {
+            pattern::Mover::new(dev)
+                .map(|m| m.whole_blocks(whole))
+                .map_err(|e| format!("demo fill/verify on {}: {e}", dev.kind()))
+        })
         .collect()
 }
 

@@ -193,6 +193,9 @@ pub struct WorkerSpec {
     /// ([`Topology::whole_blocks`]).
     #[arg(long)]
     pub whole_blocks: bool,
+    /// Fill and verify every slot of a request's blocks ([`Topology::whole_block_bytes`]).
+    #[arg(long)]
+    pub whole_block_bytes: bool,
 }
 
 impl WorkerSpec {
@@ -224,6 +227,7 @@ impl WorkerSpec {
             staging_slot_kib: t.staging_slot_bytes >> 10,
             allocator: t.allocator,
             whole_blocks: t.whole_blocks,
+            whole_block_bytes: t.whole_block_bytes,
             lease_ms: 30_000,
             timeout_ms: 120_000,
             heartbeat_ms: 1_000,
@@ -266,6 +270,7 @@ impl WorkerSpec {
             staging_slot_bytes: self.staging_slot_kib << 10,
             allocator: self.allocator,
             whole_blocks: self.whole_blocks,
+            whole_block_bytes: self.whole_block_bytes,
         }
     }
 
@@ -306,6 +311,9 @@ impl WorkerSpec {
         }
         if self.whole_blocks {
             v.push("--whole-blocks".into());
+        }
+        if self.whole_block_bytes {
+            v.push("--whole-block-bytes".into());
         }
         v
     }
@@ -1315,11 +1323,12 @@ impl WorkerState {
         let (res_tx, results) = unbounded();
         let ws = Arc::clone(&workers);
         let hdev = Arc::clone(&dev);
+        let whole = spec.whole_block_bytes;
         let helper = std::thread::Builder::new()
             .name(format!("kvpush-{role}-{}", if role == Role::Prefill { "fill" } else { "verify" }))
             .spawn(move || {
                 // Bulk copies (through the device for GPU memory), one mover per worker.
-                let mut movers = super::movers(hdev.as_ref(), ws.len());
+                let mut movers = super::movers(hdev.as_ref(), ws.len(), whole);
                 for (req, blocks, n, seed) in job_rx {
                     let mut total = pattern::Verified::default();
                     let mut res = Ok(());
