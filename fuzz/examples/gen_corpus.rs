@@ -46,6 +46,7 @@ const FAILURE: u8 = 4;
 const ABORT: u8 = 5;
 const HEARTBEAT: u8 = 6;
 const GRANT: u8 = 7;
+const HOLD: u8 = 8;
 
 /// Mirror of kvpush's crate-private `RegistrationWire` (same fields, same order).
 #[derive(Clone, Serialize)]
@@ -139,6 +140,8 @@ fn kind_byte(name: &str) -> u8 {
         "failure" => FAILURE,
         "abort" => ABORT,
         "heartbeat" => HEARTBEAT,
+        "grant" => GRANT,
+        "hold" => HOLD,
         _ => unreachable!("kind {name}"),
     }
 }
@@ -167,7 +170,7 @@ fn header_faults(c: &mut Corpus, valid: &[(&'static str, Vec<u8>)]) {
     f[2..4].copy_from_slice(&2u16.to_le_bytes());
     c.add("hdr_version_2_handshake.bin", f, false, "UnsupportedVersion", "valid handshake payload, version 2");
 
-    for k in [0u8, 8, 0x80, 0xff] {
+    for k in [0u8, HOLD + 1, 0x80, 0xff] {
         let mut f = hb.clone();
         f[4] = k;
         c.add(format!("hdr_kind_{k}.bin"), f, false, "UnknownKind", format!("heartbeat payload under kind byte {k}"));
@@ -277,7 +280,7 @@ fn header_flip_expectation(kind: u8, payload: usize, byte: usize, bit: u8) -> Op
         }
         4 => {
             let k = kind ^ (1 << bit);
-            if (HANDSHAKE..=GRANT).contains(&k) {
+            if (HANDSHAKE..=HOLD).contains(&k) {
                 return None;
             }
             ("UnknownKind", format!("kind byte {k}"))

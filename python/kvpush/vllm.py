@@ -23,6 +23,7 @@ import ctypes
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -165,8 +166,11 @@ class Finished:
 
 
 @dataclass
-class Receive:
-    """D: blocks allocated for ``req_id``; register them (push) or read into them (pull)."""
+class ToProducer:
+    """D: a request and where its producer listens. Alone, a word to the producer about a request that
+    has no blocks here yet: in ``dropped``, it ended before its blocks were allocated (aborted while it
+    waited in vLLM's queue), so P frees its blocks now rather than when its lease ends; in ``holds``, it
+    still waits, so P restarts its lease."""
 
     req_id: str
     transfer_id: str
@@ -175,6 +179,12 @@ class Receive:
     host: str
     port: int
     producer_tp: int
+
+
+@dataclass
+class Receive(ToProducer):
+    """D: blocks allocated for ``req_id``; register them (push) or read into them (pull)."""
+
     block_ids: list[list[int]]
     num_tokens: int
     remote_block_ids: list[list[int]] | None = None
@@ -197,10 +207,16 @@ class KVPushMetadata(KVConnectorMetadata):
     prefilled: list[Finished] = field(default_factory=list)
     receives: list[Receive] = field(default_factory=list)
     aborts: list[Abort] = field(default_factory=list)
+    dropped: list[ToProducer] = field(default_factory=list)
+    holds: list[ToProducer] = field(default_factory=list)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# The engine's lease when ``lease_ms`` is 0 (src/proto/rendezvous.rs, RendezvousConfig::default).
+ENGINE_LEASE_MS = 30_000
 
 
 class _Scheduler:
@@ -225,6 +241,11 @@ class _Scheduler:
         # P: requests handed to the engine at the end of their prefill step that vLLM has not yet
         # finished (``request_finished``): their blocks must not be preempted meanwhile.
         self.released_early: set[str] = set()
+        # D: requests that asked for remote KV and wait in vLLM's queue for blocks (req_id -> the word
+        # to P, and when to send it next, monotonic seconds). P's lease runs from the end of its
+        # prefill; while D queues, D restarts it every third of a lease.
+        self.queued: dict[str, tuple[ToProducer, float]] = {}
+        self.hold_every = (cfg.lease_ms or ENGINE_LEASE_MS) / 3000.0
         self.timeline = timeline.SchedulerTrack()
 
     def _prompt(self, request: Request) -> tuple[int, int]:
@@ -269,6 +290,10 @@ class _Scheduler:
         if self._consumer(request) is not None:
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
+                if request.request_id not in self.queued:
+                    note = self._to_producer(request)
+                    if note is not None:
+                        self.queued[request.request_id] = (note, time.monotonic() + self.hold_every)
                 return count, True
         return 0, False
 
@@ -279,6 +304,7 @@ class _Scheduler:
         if parsed is None:
             return
         transfer, producer = parsed
+        self.queued.pop(request.request_id, None)
         num_tokens, needed = self._prompt(request)
         local = [list(g)[:needed] for g in blocks.get_unhashed_block_ids_all_groups()]
         self.meta.receives.append(
@@ -306,12 +332,18 @@ class _Scheduler:
         params = request.kv_transfer_params
         rid = request.request_id
         self.timeline.forget(rid)
+        self.queued.pop(rid, None)
         if rid in self.receiving:
             # D: a request still waiting for its KV can only finish by being aborted. Peers may still
             # be writing into its blocks: they are freed when the workers report the transfer over.
             tid, attempt = self.receiving[rid]
             self.meta.aborts.append(Abort(rid, tid, attempt))
             return True, None
+        if is_consumer(params):
+            # D: it still asks for remote KV, so it never got blocks (a registered request stops
+            # asking): dropped while queued. P holds the prompt's blocks for it: tell P to free them.
+            self._drop(request)
+            return False, None
         if not is_producer(params):
             return False, None
         transfer = producer_transfer(params, rid)
@@ -344,6 +376,31 @@ class _Scheduler:
         self.sending[rid] = (tid, attempt)
         return True, self._decode_params(transfer, groups, num_tokens)
 
+    def _drop(self, request: Request) -> None:
+        """D: ``request`` ended before allocation; its producer is told through the workers."""
+        note = self._to_producer(request)
+        if note is None:
+            return  # nothing names the producer's transfer: its lease ends it
+        request.kv_transfer_params["do_remote_prefill"] = False
+        self.meta.dropped.append(note)
+        timeline.record("d_dropped", note.transfer_id, note.attempt)
+
+    def _to_producer(self, request: Request) -> ToProducer | None:
+        parsed = consumer_transfer(request.kv_transfer_params, self.cfg.mode)
+        if isinstance(parsed, Refused):
+            return None
+        t, p = parsed
+        return ToProducer(request.request_id, t.key, t.attempt, p.engine_id, p.host, p.port, p.tp_size)
+
+    def _holds(self, meta: KVPushMetadata) -> None:
+        """D: tells P to hold on to the requests that still wait here for blocks (each every
+        ``hold_every`` seconds while it waits)."""
+        now = time.monotonic()
+        for rid, (note, due) in list(self.queued.items()):
+            if due <= now:
+                self.queued[rid] = (note, now + self.hold_every)
+                meta.holds.append(note)
+
     def _decode_params(self, transfer: Transfer, groups: list[list[int]], num_tokens: int) -> dict[str, Any]:
         """The ``kv_transfer_params`` P's response carries to D."""
         return {
@@ -369,6 +426,8 @@ class _Scheduler:
         meta, self.meta = self.meta, KVPushMetadata()
         if self.producing:
             self._release_prefilled(scheduler_output, meta)
+        if self.queued:
+            self._holds(meta)
         self.timeline.step(scheduler_output)
         return meta
 
@@ -409,7 +468,8 @@ class _Scheduler:
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping while P holds blocks for D or D waits: outcomes arrive only
         # through get_finished, which runs in a step.
-        return bool(self.sending or self.receiving or self.meta.finished or self.meta.receives or self.meta.aborts)
+        m = self.meta
+        return bool(self.sending or self.receiving or m.finished or m.receives or m.aborts or m.dropped)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -593,6 +653,14 @@ class _Worker:
                 n.abort(a.transfer_id, a.attempt)
             except Exception as e:  # the engine may not know it (never registered): nothing to stop
                 logger.debug("kvpush: abort of %s: %s", a.transfer_id, e)
+        for word, notes in (("drop", meta.dropped), ("hold", meta.holds)):
+            for t in notes:
+                try:
+                    n.tell_producer(word, t.transfer_id, t.attempt, t.producer, t.host, t.port, t.producer_tp)
+                    if word == "drop":
+                        self.stats.record("requests_dropped", 1)
+                except Exception as e:  # P's lease ends it (a drop), or runs out (a hold: D then recomputes)
+                    logger.warning("kvpush: request %s: producer %s not told %r: %s", t.req_id, t.producer, word, e)
         self._release(meta.finished)
         for r in meta.receives:
             self.outcomes.expect(r.transfer_id, r.attempt, r.req_id, "d")

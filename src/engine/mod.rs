@@ -287,6 +287,16 @@ pub(crate) enum Cmd {
     Abort {
         key: Key,
     },
+    /// Consumer: `key` waits for blocks; tell `producer`'s ranks to keep holding theirs.
+    Hold {
+        key: Key,
+        producer: String,
+    },
+    /// Consumer: `key` was dropped before it registered anything; tell `producer`'s ranks.
+    AbortProducer {
+        key: Key,
+        producer: String,
+    },
     /// `incarnation`: the sender's process, where the side channel told it. `via`: which path
     /// carried it (only the data path may say that data landed). `credit`: its room in the control
     /// budget (control frames), given back when the command is dropped.
@@ -408,6 +418,7 @@ impl Shared {
             Message::Grant(g) => g.key,
             Message::Failure(f) => f.key,
             Message::Abort(a) => a.key,
+            Message::Hold(h) => h.key,
             Message::Handshake(_) | Message::Heartbeat(_) => return Ok(()),
         };
         self.send(key, Cmd::Msg { from, incarnation, msg, via, credit })
@@ -777,6 +788,24 @@ impl Engine {
     /// Aborts `key` on this worker, in whatever state it is; peers are told.
     pub fn abort(&self, key: Key) -> Result<(), EngineError> {
         self.shared.send_local(key, Cmd::Abort { key })
+    }
+
+    /// Consumer: `key` ended here before this worker registered (push) or read (pull) anything for
+    /// it — the serving engine dropped the request while it waited for blocks — so every rank of
+    /// engine `producer` that writes into this worker is told to release its blocks now rather than
+    /// hold them until the lease runs out. No outcome follows on this side (nothing was handed to
+    /// the engine); a producer not handshaken with this worker is not told (its lease ends it).
+    pub fn abort_producer(&self, key: Key, producer: &str) -> Result<(), EngineError> {
+        self.shared.send_local(key, Cmd::AbortProducer { key, producer: producer.to_owned() })
+    }
+
+    /// Consumer: `key` is still waiting in the serving engine's queue for blocks (nothing registered
+    /// yet): every rank of engine `producer` that writes into this worker restarts its lease of the
+    /// request's blocks now, so a request that queues longer than the lease is not dropped by P while
+    /// D still means to take it. Call it more often than the producer's lease while the request
+    /// waits; nothing follows on this side.
+    pub fn hold(&self, key: Key, producer: &str) -> Result<(), EngineError> {
+        self.shared.send_local(key, Cmd::Hold { key, producer: producer.to_owned() })
     }
 
     /// Moves finished results into `out`; returns how many. Costs one atomic load when there are none.

@@ -20,7 +20,7 @@ use crate::proto::codec;
 use crate::proto::completion::{Completions, Event, FailReason};
 use crate::proto::ids::Instant;
 use crate::proto::msg::{
-    clip_block_lists, common_tokens, Abort, Completion, Failure, FailureKind, Grant, Message, Mode, Registration,
+    clip_block_lists, common_tokens, Abort, Completion, Failure, FailureKind, Grant, Hold, Message, Mode, Registration,
 };
 use crate::proto::plan::{Grid, PlanInput, PlanStats, Planner};
 use crate::proto::rendezvous::{Action, Order, ReleaseReason, Rendezvous, SourceBlocks};
@@ -39,6 +39,9 @@ const LINGER_TICK: Duration = Duration::from_micros(100);
 const POLL_WAITING_MAX: Duration = Duration::from_micros(200);
 /// How long shutdown waits for the transfers a writer posted to end ([`Writer::fence`]).
 const SHUTDOWN_FENCE: Duration = Duration::from_secs(5);
+/// Dropped requests whose producers' answers a writer waits for at most (answers that never come,
+/// from a producer lost meanwhile, are forgotten past this).
+const MAX_DROPPED: usize = 4096;
 /// How long after its last progress a writer with transfers in flight polls back to back. A transfer
 /// that has not finished by then is waiting on something else (a peer that is not scheduled, a slow
 /// link): the writer then polls at growing intervals, sleeping between polls, so a stalled transfer
@@ -86,6 +89,9 @@ pub(super) struct Writer {
     pulls: HashMap<Key, PullReq>,
     /// Consumer: which producer engine each waiting request reads from (for aborts).
     producers: HashMap<Key, String>,
+    /// Consumer: requests dropped before they registered, and how many producer ranks that were
+    /// told have not answered yet ([`Writer::answered_drop`]).
+    dropped: HashMap<Key, usize>,
     /// Producer: which consumer workers registered each live request (for peer loss).
     registered_by: HashMap<Key, Vec<(PeerAddr, Option<Incarnation>)>>,
     poll_interval: Duration,
@@ -120,6 +126,7 @@ impl Writer {
             grants: HashMap::new(),
             pulls: HashMap::new(),
             producers: HashMap::new(),
+            dropped: HashMap::new(),
             registered_by: HashMap::new(),
             poll_interval: POLL_MIN,
             last_active: StdInstant::now(),
@@ -296,7 +303,12 @@ impl Writer {
                         self.send_frame(&from, &Message::Failure(f));
                     }
                     // Everything this shard held was failed above; nothing else is waited for.
-                    Cmd::Abort { .. } | Cmd::Msg { .. } | Cmd::PeerLost { .. } | Cmd::Wake => {}
+                    Cmd::Abort { .. }
+                    | Cmd::AbortProducer { .. }
+                    | Cmd::Hold { .. }
+                    | Cmd::Msg { .. }
+                    | Cmd::PeerLost { .. }
+                    | Cmd::Wake => {}
                 }
             }
         }
@@ -395,6 +407,31 @@ impl Writer {
                 self.register(now, key, producer, ids, num_tokens);
             }
             Cmd::Abort { key } => self.abort(now, key),
+            Cmd::Hold { key, producer } => {
+                if let Some(any) = self.shared.any_peer_of(&producer) {
+                    let msg = Message::Hold(Hold { key, rank: self.shared.me.rank });
+                    for rank in producer_ranks(&any.layout, &self.shared.layout) {
+                        self.send_frame(&PeerAddr { engine: producer.clone(), rank }, &msg);
+                    }
+                }
+            }
+            Cmd::AbortProducer { key, producer } => {
+                if self.producers.contains_key(&key) {
+                    // Registered after all (the two calls raced): the ordinary abort tells them.
+                    self.abort(now, key);
+                } else {
+                    self.stats().counters.aborted += 1;
+                    let told =
+                        self.abort_producers(key, &producer, "the consumer dropped the request before allocating");
+                    if told > 0 {
+                        if self.dropped.len() >= MAX_DROPPED {
+                            // Answers that never came (a producer lost meanwhile): forget them.
+                            self.dropped.clear();
+                        }
+                        self.dropped.insert(key, told);
+                    }
+                }
+            }
             Cmd::Msg { from, incarnation, msg, via, credit } => {
                 // Taken off the queue: its room in the control budget is free again.
                 drop(credit);
@@ -550,13 +587,26 @@ impl Writer {
 
     /// Consumer: tells every producer rank of `producer` that writes into this worker that `key` is
     /// over here, so they release its blocks now and write nothing more into ours.
-    fn abort_producers(&mut self, key: Key, producer: &str, reason: &str) {
-        if let Some(any) = self.shared.any_peer_of(producer) {
-            let msg = Message::Abort(Abort { key, rank: self.shared.me.rank, reason: reason.into() });
-            for rank in producer_ranks(&any.layout, &self.shared.layout) {
-                self.send_frame(&PeerAddr { engine: producer.to_owned(), rank }, &msg);
-            }
+    /// Returns how many ranks were told.
+    fn abort_producers(&mut self, key: Key, producer: &str, reason: &str) -> usize {
+        let Some(any) = self.shared.any_peer_of(producer) else { return 0 };
+        let msg = Message::Abort(Abort { key, rank: self.shared.me.rank, reason: reason.into() });
+        let ranks = producer_ranks(&any.layout, &self.shared.layout);
+        for rank in &ranks {
+            self.send_frame(&PeerAddr { engine: producer.to_owned(), rank: *rank }, &msg);
         }
+        ranks.len()
+    }
+
+    /// Whether a failure for `key` answers an [`Engine::abort_producer`](super::Engine::abort_producer)
+    /// (counted down: each rank told answers once).
+    fn answered_drop(&mut self, key: Key) -> bool {
+        let Some(left) = self.dropped.get_mut(&key) else { return false };
+        *left -= 1;
+        if *left == 0 {
+            self.dropped.remove(&key);
+        }
+        true
     }
 
     fn message(&mut self, now: Instant, from: PeerAddr, incarnation: Option<Incarnation>, msg: Message, via: Via) {
@@ -636,6 +686,8 @@ impl Writer {
             Message::Failure(f) => {
                 if self.grants.contains_key(&(f.key, from.clone())) {
                     self.read_done(now, f.key, from, Err(f.kind));
+                } else if f.kind == FailureKind::Aborted && self.answered_drop(f.key) {
+                    // A producer rank's answer to `abort_producer`: nothing of ours waited for it.
                 } else {
                     self.stats().failures.remote += 1;
                     self.comp.handle_failure(now, &f);
@@ -676,6 +728,7 @@ impl Writer {
                     self.comp.handle_failure(now, &f);
                 }
             }
+            Message::Hold(h) => self.rdv.handle_hold(now, h.key),
             Message::Handshake(_) | Message::Heartbeat(_) => {}
         }
     }

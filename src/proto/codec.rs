@@ -21,7 +21,7 @@ use super::compat::compat_hash;
 use super::ids::Rank;
 use super::layout::KvLayout;
 use super::msg::{
-    check_block_lists, check_len, Abort, Completion, Failure, Grant, Handshake, Heartbeat, Message, RangeError,
+    check_block_lists, check_len, Abort, Completion, Failure, Grant, Handshake, Heartbeat, Hold, Message, RangeError,
     Registration, RegistrationWire, MAX_AGENT_METADATA, MAX_DETAIL, MAX_ENGINE_ID, MAX_TOKENS,
 };
 
@@ -54,6 +54,8 @@ pub enum Kind {
     Heartbeat = 6,
     /// [`Grant`].
     Grant = 7,
+    /// [`Hold`].
+    Hold = 8,
 }
 
 impl Kind {
@@ -66,6 +68,7 @@ impl Kind {
             5 => Kind::Abort,
             6 => Kind::Heartbeat,
             7 => Kind::Grant,
+            8 => Kind::Hold,
             _ => return None,
         })
     }
@@ -87,6 +90,7 @@ impl Kind {
             Kind::Abort => "abort",
             Kind::Heartbeat => "heartbeat",
             Kind::Grant => "grant",
+            Kind::Hold => "hold",
         }
     }
 }
@@ -210,6 +214,7 @@ fn kind_of(msg: &Message) -> Kind {
         Message::Abort(_) => Kind::Abort,
         Message::Heartbeat(_) => Kind::Heartbeat,
         Message::Grant(_) => Kind::Grant,
+        Message::Hold(_) => Kind::Hold,
     }
 }
 
@@ -223,7 +228,11 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         Message::Handshake(h) => check_handshake_fields(h).map_err(range)?,
         Message::Failure(f) => check_len("detail", f.detail.len(), MAX_DETAIL).map_err(range)?,
         Message::Abort(a) => check_len("reason", a.reason.len(), MAX_DETAIL).map_err(range)?,
-        Message::Registration(_) | Message::Completion(_) | Message::Heartbeat(_) | Message::Grant(_) => {}
+        Message::Registration(_)
+        | Message::Completion(_)
+        | Message::Heartbeat(_)
+        | Message::Grant(_)
+        | Message::Hold(_) => {}
     }
     let payload = match msg {
         Message::Handshake(h) => postcard::to_allocvec(h.as_ref()),
@@ -233,6 +242,7 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         Message::Abort(a) => postcard::to_allocvec(a),
         Message::Heartbeat(h) => postcard::to_allocvec(h),
         Message::Grant(g) => postcard::to_allocvec(g),
+        Message::Hold(h) => postcard::to_allocvec(h),
     }
     .map_err(|e| EncodeError::Serialize { kind: name, reason: e.to_string() })?;
     let max = kind.max_payload();
@@ -362,6 +372,11 @@ pub fn decode(bytes: &[u8], peer: Option<&KvLayout>) -> Result<Message, DecodeEr
             Message::Abort(a)
         }
         Kind::Heartbeat => Message::Heartbeat(parse::<Heartbeat>(kind, payload)?),
+        Kind::Hold => {
+            let h: Hold = parse(kind, payload)?;
+            check_rank(h.rank, need_peer()?).map_err(range)?;
+            Message::Hold(h)
+        }
         Kind::Grant => {
             let layout = need_peer()?;
             let g: Grant = parse(kind, payload)?;

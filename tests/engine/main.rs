@@ -5,4 +5,5 @@
 mod engine_matrix;
 mod engine_stress;
 mod fail_closed;
+mod lifecycle;
 mod side_channel;

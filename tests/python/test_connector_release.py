@@ -9,7 +9,9 @@ keeps the blocks held and does not hand them over a second time.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -20,7 +22,9 @@ TID = "0123456789abcdef0123456789abcdef"
 BLOCK = 16
 
 
-def scheduler() -> "kv._Scheduler":
+def scheduler(**config: Any) -> "kv._Scheduler":
+    """A scheduler half (P's or D's: the role comes from each request's params); ``config`` overrides
+    ``KVPushConfig`` fields."""
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(engine_id="prefill-0"),
         cache_config=SimpleNamespace(block_size=BLOCK),
@@ -31,7 +35,7 @@ def scheduler() -> "kv._Scheduler":
         nixl_backend="UCX", lease_ms=0, timeout_ms=0, peer_timeout_ms=15000, writers=1, secret=None,
         insecure=True, device=None, staging="auto",
     )  # fmt: skip
-    return kv._Scheduler(vllm_config, None, cfg)
+    return kv._Scheduler(vllm_config, None, dataclasses.replace(cfg, **config))
 
 
 def request(rid: str, prompt: int, status: RequestStatus = RequestStatus.FINISHED_LENGTH_CAPPED) -> SimpleNamespace:
