@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+from kvpush._metrics import EngineFigures, KVPushPromMetrics, KVPushStats
 from vllm.logger import init_logger
 
 from kvpush._layouts import describe_kv_caches, expand_block_ids
@@ -563,6 +564,7 @@ class _Worker:
         self.outcomes = OutcomeMatcher()
         self.load_errors: set[int] = set()
         self.stats = KVPushStats()
+        self.figures = EngineFigures()
         # Requests the engine refused outright: reported at the next get_finished.
         self._pending_sent: set[str] = set()
         self._pending_failed: dict[str, list[int]] = {}
@@ -749,52 +751,18 @@ class _Worker:
         out, self.load_errors = self.load_errors, set()
         return out
 
-
-class KVPushStats(KVConnectorStats):
-    """Counters since the last interval, plus the engine's own figures (bytes, descriptors, latencies)."""
-
-    def record(self, key: str, value: int | float) -> None:
-        self.data[key] = self.data.get(key, 0) + value
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for k, v in other.data.items():
-            if isinstance(v, (int, float)):
-                self.data[k] = self.data.get(k, 0) + v
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return {k: v for k, v in self.data.items() if isinstance(v, (int, float))}
-
-    def is_empty(self) -> bool:
-        return not self.data
-
-
-class KVPushPromMetrics(KVConnectorPromMetrics):
-    """Prometheus counters: ``vllm:kvpush_requests_{registered,sent,received,failed}_total``."""
-
-    KEYS = ("requests_registered", "requests_sent", "requests_received", "requests_failed")
-
-    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any):
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        from vllm.v1.metrics.utils import create_metric_per_engine
-
-        self.counters = {}
-        for key in self.KEYS:
-            c = self._counter_cls(
-                name=f"vllm:kvpush_{key}",
-                documentation=f"kvpush: {key.replace('_', ' ')}",
-                labelnames=labelnames,
-            )
-            self.counters[key] = create_metric_per_engine(c, self.per_engine_labelvalues)
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for key in self.KEYS:
-            v = transfer_stats_data.get(key)
-            if v:
-                self.counters[key][engine_idx].inc(v)
+    def take_stats(self) -> KVPushStats | None:
+        """The figures since the last call (the engine's transfers and failures, the connector's
+        requests), or None when there are none. Never raises into vLLM."""
+        if self.native is not None:
+            try:
+                self.figures.collect(self.native, self.stats)
+            except Exception as e:  # the figures of this step are lost, nothing else
+                logger.debug("kvpush: engine figures unreadable: %s", e)
+        if self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, KVPushStats()
+        return stats
 
 
 class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
@@ -893,10 +861,9 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._worker is None or self._worker.stats.is_empty():
+        if self._worker is None:
             return None
-        stats, self._worker.stats = self._worker.stats, KVPushStats()
-        return stats
+        return self._worker.take_stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

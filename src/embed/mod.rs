@@ -786,6 +786,11 @@ impl FfiEngine {
         n
     }
 
+    /// See [`Engine::take_transfers`].
+    pub fn take_transfers(&self, out: &mut Vec<crate::engine::stats::TransferRecord>) -> usize {
+        self.engine.take_transfers(out)
+    }
+
     /// See [`Engine::stats`].
     pub fn stats(&self) -> StatsSnapshot {
         self.engine.stats()

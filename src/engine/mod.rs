@@ -830,6 +830,16 @@ impl Engine {
         self.shared.staged.as_ref().map(|s| s.counts())
     }
 
+    /// Moves the transfers finished since the last call (each writer keeps at most
+    /// [`stats::Recent::CAP`]) into `out`; returns how many.
+    pub fn take_transfers(&self, out: &mut Vec<stats::TransferRecord>) -> usize {
+        let before = out.len();
+        for s in &self.shared.shards {
+            crate::sync::lock(&s.stats).recent.take_into(out);
+        }
+        out.len() - before
+    }
+
     /// Counters and latency histograms of all writer shards.
     pub fn stats(&self) -> StatsSnapshot {
         let mut total = Stats::default();

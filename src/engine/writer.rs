@@ -13,6 +13,7 @@ use std::time::{Duration, Instant as StdInstant};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use super::side::Incarnation;
+use super::stats::TransferRecord;
 use super::timeline;
 use super::{addr_of, fan_out, producer_ranks, target_of, Cmd, Finished, PeerAddr, Shared, Stats, Via};
 use crate::pool::handoff::Inbox;
@@ -55,6 +56,9 @@ struct InFlight {
     peer: PeerAddr,
     op: Op,
     posted_at: Instant,
+    /// Bytes and descriptors of the plan, and the time to post it (µs), for its [`TransferRecord`].
+    plan: PlanStats,
+    post_us: u64,
     /// Its outcome was already reported (the peer was lost); only the handle is still awaited.
     orphaned: bool,
 }
@@ -765,7 +769,18 @@ impl Writer {
                     continue;
                 }
                 let now = self.now();
-                self.stats().transfer.record(now.micros_since(f.posted_at));
+                let transfer_us = now.micros_since(f.posted_at);
+                let record = TransferRecord {
+                    bytes: f.plan.bytes,
+                    descriptors: f.plan.merged,
+                    post_us: f.post_us,
+                    transfer_us,
+                    ok: state.is_ok(),
+                };
+                let mut st = self.stats();
+                st.transfer.record(transfer_us);
+                st.recent.push(record);
+                drop(st);
                 let result = match state {
                     Ok(_) => Ok(()),
                     Err(e) => {
@@ -963,7 +978,8 @@ impl Writer {
         };
         timeline::record(if op == Op::Write { "eng_write_post" } else { "eng_read_post" }, key);
         let mut st = self.stats();
-        st.post.record(started.elapsed().as_micros() as u64);
+        let post_us = started.elapsed().as_micros() as u64;
+        st.post.record(post_us);
         match result {
             Ok(id) => {
                 st.counters.posts += 1;
@@ -973,7 +989,8 @@ impl Writer {
                 drop(st);
                 match id {
                     Some(id) => {
-                        self.inflight.insert(id, InFlight { key, peer, op, posted_at: now, orphaned: false });
+                        let f = InFlight { key, peer, op, posted_at: now, plan, post_us, orphaned: false };
+                        self.inflight.insert(id, f);
                     }
                     None if op == Op::Write => self.rdv.handle_transfer_done(now, key, &target_of(&peer), Ok(())),
                     None => self.read_finished(now, key, peer, Ok(())),

@@ -510,6 +510,17 @@ impl Worker {
         PyList::new(py, out)
     }
 
+    /// The transfers this worker finished well since the last call, oldest first: a list of
+    /// `(bytes, descriptors, post_us, transfer_us)` (what vLLM's connector metrics observe per
+    /// transfer; failed ones are counted in `stats()["failures"]`).
+    fn take_transfers(&self, py: Python<'_>) -> Vec<(u64, u64, u64, u64)> {
+        py.detach(|| {
+            let mut records = Vec::new();
+            self.inner.engine.take_transfers(&mut records);
+            records.into_iter().filter(|r| r.ok).map(|r| (r.bytes, r.descriptors, r.post_us, r.transfer_us)).collect()
+        })
+    }
+
     /// Statistics of this worker, as nested dicts: `counters`, `failures` and the latency summaries
     /// (the same names and shape as the C API's `kvpush_stats` and the JSON of `stats_json`).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
