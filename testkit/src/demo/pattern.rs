@@ -467,7 +467,7 @@ mod tests {
         let elem = (u64::from(l.model.head_dim) * l.model.dtype.size()) as usize;
         let (mut got, mut want) = (vec![0u8; elem], vec![0u8; elem]);
         let mut bad = 0;
-        for_each_element(l, blocks, n, |region, off, pos| {
+        for_each_element(l, blocks, n, false, |region, off, pos| {
             buffers[region].read_at(off, &mut got).unwrap();
             position_bytes(seed, pos, &mut want);
             bad += u64::from(got != want);
@@ -543,7 +543,7 @@ mod tests {
         let t = Topology { layers: 5, kv_heads: 8, head_dim: 128, num_blocks: 300, ..Topology::default() };
         let (l, buffers) = worker_layout(&t, &dev, 0, 1, 16).unwrap();
         let blocks = vec![(10..266).collect::<Vec<u32>>()];
-        let image = Image::plan(&l, &blocks, 4096);
+        let image = Image::plan(&l, &blocks, 4096, false);
         assert!(image.positions.len() as u64 * 256 > SCRATCH_BYTES);
         assert!(rounds(DeviceKind::Mock, &image, &buffers).unwrap().unwrap().len() >= 2);
         let mut staged = Mover::staged(&dev).unwrap();
@@ -560,7 +560,7 @@ mod tests {
         // head_dim 4 in bf16: 8-byte elements; the last block's 5 tokens are 40 bytes.
         let (l, buffers) = worker_layout(&topology(BlockOrder::Hnd, 4), &dev, 0, 1, 16).unwrap();
         let blocks: Vec<Vec<u32>> = l.model.groups.iter().map(|_| vec![1, 7]).collect();
-        let image = Image::plan(&l, &blocks, 21);
+        let image = Image::plan(&l, &blocks, 21, false);
         assert!(rounds(DeviceKind::Mock, &image, &buffers).unwrap().is_none());
         let mut staged = Mover::staged(&dev).unwrap();
         // SAFETY: no transfer touches these buffers.
@@ -568,5 +568,19 @@ mod tests {
         assert_eq!(per_element(&l, &buffers, &blocks, 21, 1), 0);
         // SAFETY: as above.
         assert!(unsafe { staged.verify(&l, &buffers, &blocks, 21, 1) }.unwrap().ok());
+    }
+
+    #[test]
+    fn whole_tokens_are_the_blocks_that_hold_the_tokens() {
+        // 16-token blocks; group 0 full attention, group 1 a 64-token window.
+        let l = crate::layouts::small(0, 1);
+        assert_eq!(l.block_tokens, 16);
+        assert_eq!((tokens_of(&l, 0, 7, 100), whole_tokens_of(&l, 0, 7, 100)), (0..100, 0..112));
+        // The window starts at token 36, inside block 2 (32..48): its whole block moves.
+        assert_eq!((tokens_of(&l, 1, 7, 100), whole_tokens_of(&l, 1, 7, 100)), (36..100, 32..112));
+        // A prefix hit of 3 blocks: the list covers tokens 48.., already whole blocks at the start.
+        assert_eq!((tokens_of(&l, 0, 4, 100), whole_tokens_of(&l, 0, 4, 100)), (48..100, 48..112));
+        // Nothing listed: nothing, widened or not.
+        assert!(whole_tokens_of(&l, 0, 0, 100).is_empty());
     }
 }
