@@ -18,6 +18,7 @@ Nothing here raises into vLLM: a worker whose engine cannot be read reports noth
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
@@ -36,6 +37,7 @@ def _failure_key(kind: str) -> str:
     return f"failures_{kind}"
 
 
+@dataclass
 class KVPushStats(KVConnectorStats):
     """Observations and counts since the last collection (see the module docs). ``data`` holds
     :data:`OBSERVED` as lists and every count as an int; it is what vLLM serializes."""

@@ -194,6 +194,6 @@ def test_worker_tells_the_producer_of_a_dropped_request() -> None:
         ("drop", HEX, 1, "prefill-0", "10.0.0.1", 5600, 2),
         ("hold", "f" * 32, 3, "prefill-1", "10.0.0.2", 5700, 1),
     ]
-    assert w.stats.data == {"requests_dropped": 1}
+    assert w.stats.counts() == {"requests_dropped": 1}
     # Nothing is owed to vLLM for it: no finished set names it.
     assert w.outcomes.take(HEX, 1) is None
