@@ -373,6 +373,7 @@ fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             LayerwiseArg::Auto => demo::LayerwiseFlag::Auto,
             LayerwiseArg::Compare => a.layerwise_engine,
         },
+        whole_block_bytes: false,
     };
     if a.layerwise != LayerwiseArg::Off && a.prefill_us_per_layer == 0 {
         return Err("--layerwise needs --prefill-us-per-layer N: without per-layer compute there is nothing to \

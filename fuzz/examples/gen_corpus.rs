@@ -45,7 +45,9 @@ const COMPLETION: u8 = 3;
 const FAILURE: u8 = 4;
 const ABORT: u8 = 5;
 const HEARTBEAT: u8 = 6;
+const GRANT: u8 = 7;
 const LAYERS: u8 = 8;
+const HOLD: u8 = 9;
 
 /// Mirror of kvpush's crate-private `RegistrationWire` (same fields, same order).
 #[derive(Clone, Serialize)]
@@ -139,7 +141,9 @@ fn kind_byte(name: &str) -> u8 {
         "failure" => FAILURE,
         "abort" => ABORT,
         "heartbeat" => HEARTBEAT,
+        "grant" => GRANT,
         "layers" => LAYERS,
+        "hold" => HOLD,
         _ => unreachable!("kind {name}"),
     }
 }
@@ -168,7 +172,7 @@ fn header_faults(c: &mut Corpus, valid: &[(&'static str, Vec<u8>)]) {
     f[2..4].copy_from_slice(&2u16.to_le_bytes());
     c.add("hdr_version_2_handshake.bin", f, false, "UnsupportedVersion", "valid handshake payload, version 2");
 
-    for k in [0u8, 9, 0x80, 0xff] {
+    for k in [0u8, HOLD + 1, 0x80, 0xff] {
         let mut f = hb.clone();
         f[4] = k;
         c.add(format!("hdr_kind_{k}.bin"), f, false, "UnknownKind", format!("heartbeat payload under kind byte {k}"));
@@ -278,7 +282,7 @@ fn header_flip_expectation(kind: u8, payload: usize, byte: usize, bit: u8) -> Op
         }
         4 => {
             let k = kind ^ (1 << bit);
-            if (HANDSHAKE..=LAYERS).contains(&k) {
+            if (HANDSHAKE..=HOLD).contains(&k) {
                 return None;
             }
             ("UnknownKind", format!("kind byte {k}"))

@@ -250,8 +250,18 @@ def describe_kv_caches(
     }
 
 
-def expand_block_ids(groups: list[list[int]], ratio: int) -> list[list[int]]:
-    """vLLM block ids → the engine's kernel block ids: ``b`` becomes ``b·ratio … b·ratio + ratio − 1``."""
+def expand_block_ids(
+    groups: list[list[int]], ratio: int, num_tokens: int = 0, kernel_tokens: int = 0
+) -> list[list[int]]:
+    """vLLM block ids → the engine's kernel block ids: ``b`` becomes ``b·ratio … b·ratio + ratio − 1``.
+
+    Given the request's exact ``num_tokens`` and the ``kernel_tokens`` of a kernel block, each list
+    (the *last* blocks of the request) also loses the kernel blocks of its last vLLM block past the
+    request's last token: the engine takes at most ``ceil(num_tokens / kernel_tokens)`` blocks."""
     if ratio == 1:
         return groups
-    return [[b * ratio + i for b in g for i in range(ratio)] for g in groups]
+    out = [[b * ratio + i for b in g for i in range(ratio)] for g in groups]
+    if num_tokens <= 0 or kernel_tokens <= 0:
+        return out
+    unused = -(-num_tokens // (ratio * kernel_tokens)) * ratio - -(-num_tokens // kernel_tokens)
+    return [g[: max(len(g) - unused, 0)] for g in out]

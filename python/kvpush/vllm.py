@@ -23,6 +23,7 @@ import ctypes
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+from kvpush._metrics import EngineFigures, KVPushPromMetrics, KVPushStats
 from vllm.logger import init_logger
 
 from kvpush._layouts import describe_kv_caches, expand_block_ids
@@ -171,8 +173,11 @@ class Finished:
 
 
 @dataclass
-class Receive:
-    """D: blocks allocated for ``req_id``; register them (push) or read into them (pull)."""
+class ToProducer:
+    """D: a request and where its producer listens. Alone, a word to the producer about a request that
+    has no blocks here yet: in ``dropped``, it ended before its blocks were allocated (aborted while it
+    waited in vLLM's queue), so P frees its blocks now rather than when its lease ends; in ``holds``, it
+    still waits, so P restarts its lease."""
 
     req_id: str
     transfer_id: str
@@ -181,6 +186,12 @@ class Receive:
     host: str
     port: int
     producer_tp: int
+
+
+@dataclass
+class Receive(ToProducer):
+    """D: blocks allocated for ``req_id``; register them (push) or read into them (pull)."""
+
     block_ids: list[list[int]]
     num_tokens: int
     remote_block_ids: list[list[int]] | None = None
@@ -203,6 +214,8 @@ class KVPushMetadata(KVConnectorMetadata):
     prefilled: list[Finished] = field(default_factory=list)
     receives: list[Receive] = field(default_factory=list)
     aborts: list[Abort] = field(default_factory=list)
+    dropped: list[ToProducer] = field(default_factory=list)
+    holds: list[ToProducer] = field(default_factory=list)
 
 
 def _dial_allow(value: Any) -> str | None:
@@ -218,6 +231,10 @@ def _dial_allow(value: Any) -> str | None:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# The engine's lease when ``lease_ms`` is 0 (src/proto/rendezvous.rs, RendezvousConfig::default).
+ENGINE_LEASE_MS = 30_000
 
 
 class _Scheduler:
@@ -242,20 +259,26 @@ class _Scheduler:
         # P: requests handed to the engine at the end of their prefill step that vLLM has not yet
         # finished (``request_finished``): their blocks must not be preempted meanwhile.
         self.released_early: set[str] = set()
+        # D: requests that asked for remote KV and wait in vLLM's queue for blocks (req_id -> the word
+        # to P, and when to send it next, monotonic seconds). P's lease runs from the end of its
+        # prefill; while D queues, D restarts it every third of a lease.
+        self.queued: dict[str, tuple[ToProducer, float]] = {}
+        self.hold_every = (cfg.lease_ms or ENGINE_LEASE_MS) / 3000.0
         self.timeline = timeline.SchedulerTrack()
 
-    def _whole_blocks(self, request: Request) -> tuple[int, int]:
-        return self._whole_blocks_of(len(request.prompt_token_ids or ()))
+    def _prompt(self, request: Request) -> tuple[int, int]:
+        return self._prompt_of(len(request.prompt_token_ids or ()))
 
-    def _whole_blocks_of(self, prompt_tokens: int) -> tuple[int, int]:
-        """The tokens to move, rounded up to whole blocks, and the blocks per group.
+    def _prompt_of(self, prompt_tokens: int) -> tuple[int, int]:
+        """The tokens to move — the exact prompt length — and the blocks per group that hold them.
 
-        Whole blocks move: the bytes of a block's unused tail slots are copied too (D overwrites them
-        as it appends). Attention backends may pack tokens inside a block (vLLM CPU's ISA-specific
-        layouts do), so a partial-block copy could miss or garble the tokens that matter.
+        The count is exact, never rounded to whole blocks: a sliding-window group counts its window
+        back from it, and a count rounded up would miss the window's first real tokens. Whole blocks
+        still move where P's and D's block sizes are equal (the engine's planner widens the tokens to
+        them: attention backends may pack tokens inside a block, as vLLM CPU's ISA-specific layouts
+        do, so a partial-block copy could garble them; D overwrites the tail slots as it appends).
         """
-        blocks = _cdiv(prompt_tokens, self.block_size)
-        return blocks * self.block_size, blocks
+        return prompt_tokens, _cdiv(prompt_tokens, self.block_size)
 
     def _consumer(self, request: Request) -> tuple[Transfer, Producer] | None:
         """D: the transfer and producer of a request that asks for remote KV, or None. Params that
@@ -285,6 +308,10 @@ class _Scheduler:
         if self._consumer(request) is not None:
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
+                if request.request_id not in self.queued:
+                    note = self._to_producer(request)
+                    if note is not None:
+                        self.queued[request.request_id] = (note, time.monotonic() + self.hold_every)
                 return count, True
         return 0, False
 
@@ -295,7 +322,8 @@ class _Scheduler:
         if parsed is None:
             return
         transfer, producer = parsed
-        num_tokens, needed = self._whole_blocks(request)
+        self.queued.pop(request.request_id, None)
+        num_tokens, needed = self._prompt(request)
         local = [list(g)[:needed] for g in blocks.get_unhashed_block_ids_all_groups()]
         self.meta.receives.append(
             Receive(
@@ -322,12 +350,18 @@ class _Scheduler:
         params = request.kv_transfer_params
         rid = request.request_id
         self.timeline.forget(rid)
+        self.queued.pop(rid, None)
         if rid in self.receiving:
             # D: a request still waiting for its KV can only finish by being aborted. Peers may still
             # be writing into its blocks: they are freed when the workers report the transfer over.
             tid, attempt = self.receiving[rid]
             self.meta.aborts.append(Abort(rid, tid, attempt))
             return True, None
+        if is_consumer(params):
+            # D: it still asks for remote KV, so it never got blocks (a registered request stops
+            # asking): dropped while queued. P holds the prompt's blocks for it: tell P to free them.
+            self._drop(request)
+            return False, None
         if not is_producer(params):
             return False, None
         transfer = producer_transfer(params, rid)
@@ -341,7 +375,7 @@ class _Scheduler:
             # The engine has had its blocks since the end of the prefill step: they stay held until it
             # reports them sent, whatever the outcome; an abort only tells the engine (and so D).
             self.released_early.discard(rid)
-            num_tokens, needed = self._whole_blocks(request)
+            num_tokens, needed = self._prompt(request)
             if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
                 self.meta.aborts.append(Abort(rid, tid, attempt))
                 return True, None
@@ -351,7 +385,7 @@ class _Scheduler:
             # P: aborted before its KV was complete; D is told and fails or recomputes at once.
             self.meta.aborts.append(Abort(rid, tid, attempt))
             return False, None
-        num_tokens, needed = self._whole_blocks(request)
+        num_tokens, needed = self._prompt(request)
         groups = [list(g)[:needed] for g in block_ids]
         if not any(groups):
             return False, None
@@ -359,6 +393,31 @@ class _Scheduler:
         timeline.record("p_finished", tid, attempt)
         self.sending[rid] = (tid, attempt)
         return True, self._decode_params(transfer, groups, num_tokens)
+
+    def _drop(self, request: Request) -> None:
+        """D: ``request`` ended before allocation; its producer is told through the workers."""
+        note = self._to_producer(request)
+        if note is None:
+            return  # nothing names the producer's transfer: its lease ends it
+        request.kv_transfer_params["do_remote_prefill"] = False
+        self.meta.dropped.append(note)
+        timeline.record("d_dropped", note.transfer_id, note.attempt)
+
+    def _to_producer(self, request: Request) -> ToProducer | None:
+        parsed = consumer_transfer(request.kv_transfer_params, self.cfg.mode)
+        if isinstance(parsed, Refused):
+            return None
+        t, p = parsed
+        return ToProducer(request.request_id, t.key, t.attempt, p.engine_id, p.host, p.port, p.tp_size)
+
+    def _holds(self, meta: KVPushMetadata) -> None:
+        """D: tells P to hold on to the requests that still wait here for blocks (each every
+        ``hold_every`` seconds while it waits)."""
+        now = time.monotonic()
+        for rid, (note, due) in list(self.queued.items()):
+            if due <= now:
+                self.queued[rid] = (note, now + self.hold_every)
+                meta.holds.append(note)
 
     def _decode_params(self, transfer: Transfer, groups: list[list[int]], num_tokens: int) -> dict[str, Any]:
         """The ``kv_transfer_params`` P's response carries to D."""
@@ -385,6 +444,8 @@ class _Scheduler:
         meta, self.meta = self.meta, KVPushMetadata()
         if self.producing:
             self._release_prefilled(scheduler_output, meta)
+        if self.queued:
+            self._holds(meta)
         self.timeline.step(scheduler_output)
         return meta
 
@@ -403,7 +464,7 @@ class _Scheduler:
             sp = new.sampling_params
             if sp is None or sp.max_tokens != 1 or prompt == 0 or new.num_computed_tokens + scheduled < prompt:
                 continue
-            num_tokens, needed = self._whole_blocks_of(prompt)
+            num_tokens, needed = self._prompt_of(prompt)
             groups = [list(g)[:needed] for g in new.block_ids]
             if not any(groups):
                 continue
@@ -425,7 +486,8 @@ class _Scheduler:
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping while P holds blocks for D or D waits: outcomes arrive only
         # through get_finished, which runs in a step.
-        return bool(self.sending or self.receiving or self.meta.finished or self.meta.receives or self.meta.aborts)
+        m = self.meta
+        return bool(self.sending or self.receiving or m.finished or m.receives or m.aborts or m.dropped)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -517,10 +579,12 @@ class _Worker:
         self.native: Any = None
         # Kernel blocks per vLLM block (describe_kv_caches): block ids are expanded before the engine.
         self.blocks_per_block = 1
+        self.kernel_tokens = 0
         # Which request each outcome ends; role "p" or "d".
         self.outcomes = OutcomeMatcher()
         self.load_errors: set[int] = set()
         self.stats = KVPushStats()
+        self.figures = EngineFigures()
         # Requests the engine refused outright: reported at the next get_finished.
         self._pending_sent: set[str] = set()
         self._pending_failed: dict[str, list[int]] = {}
@@ -557,6 +621,7 @@ class _Worker:
         self.on_cuda = device.startswith("cuda")
         layout.pop("_local_heads")
         self.blocks_per_block = layout.pop("_blocks_per_block")
+        self.kernel_tokens = int(layout["block_tokens"])
         if self.blocks_per_block > 1 and self.cfg.mode == "pull":
             # D would read P's kernel blocks by P's vLLM block ids, and nothing tells D P's ratio.
             raise ValueError(
@@ -611,13 +676,21 @@ class _Worker:
                 n.abort(a.transfer_id, a.attempt)
             except Exception as e:  # the engine may not know it (never registered): nothing to stop
                 logger.debug("kvpush: abort of %s: %s", a.transfer_id, e)
+        for word, notes in (("drop", meta.dropped), ("hold", meta.holds)):
+            for t in notes:
+                try:
+                    n.tell_producer(word, t.transfer_id, t.attempt, t.producer, t.host, t.port, t.producer_tp)
+                    if word == "drop":
+                        self.stats.record("requests_dropped", 1)
+                except Exception as e:  # P's lease ends it (a drop), or runs out (a hold: D then recomputes)
+                    logger.warning("kvpush: request %s: producer %s not told %r: %s", t.req_id, t.producer, word, e)
         self._release(meta.finished)
         for r in meta.receives:
             self.outcomes.expect(r.transfer_id, r.attempt, r.req_id, "d")
             timeline.record("d_register", r.transfer_id, r.attempt)
             try:
                 if r.remote_block_ids is None:
-                    blocks = expand_block_ids(r.block_ids, self.blocks_per_block)
+                    blocks = expand_block_ids(r.block_ids, self.blocks_per_block, r.num_tokens, self.kernel_tokens)
                     n.blocks_allocated(
                         r.transfer_id, r.attempt, r.producer, r.host, r.port, r.producer_tp, blocks, r.num_tokens
                     )
@@ -646,7 +719,7 @@ class _Worker:
             self.outcomes.expect(f.transfer_id, f.attempt, f.req_id, "p")
             timeline.record("p_release", f.transfer_id, f.attempt)
             try:
-                blocks = expand_block_ids(f.block_ids, self.blocks_per_block)
+                blocks = expand_block_ids(f.block_ids, self.blocks_per_block, f.num_tokens, self.kernel_tokens)
                 n.request_finished(f.transfer_id, f.attempt, blocks, f.num_tokens)
             except Exception as e:
                 logger.error("kvpush: request %s (transfer %s) not sent: %s", f.req_id, f.transfer_id, e)
@@ -704,52 +777,18 @@ class _Worker:
         out, self.load_errors = self.load_errors, set()
         return out
 
-
-class KVPushStats(KVConnectorStats):
-    """Counters since the last interval, plus the engine's own figures (bytes, descriptors, latencies)."""
-
-    def record(self, key: str, value: int | float) -> None:
-        self.data[key] = self.data.get(key, 0) + value
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for k, v in other.data.items():
-            if isinstance(v, (int, float)):
-                self.data[k] = self.data.get(k, 0) + v
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return {k: v for k, v in self.data.items() if isinstance(v, (int, float))}
-
-    def is_empty(self) -> bool:
-        return not self.data
-
-
-class KVPushPromMetrics(KVConnectorPromMetrics):
-    """Prometheus counters: ``vllm:kvpush_requests_{registered,sent,received,failed}_total``."""
-
-    KEYS = ("requests_registered", "requests_sent", "requests_received", "requests_failed")
-
-    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any):
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        from vllm.v1.metrics.utils import create_metric_per_engine
-
-        self.counters = {}
-        for key in self.KEYS:
-            c = self._counter_cls(
-                name=f"vllm:kvpush_{key}",
-                documentation=f"kvpush: {key.replace('_', ' ')}",
-                labelnames=labelnames,
-            )
-            self.counters[key] = create_metric_per_engine(c, self.per_engine_labelvalues)
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for key in self.KEYS:
-            v = transfer_stats_data.get(key)
-            if v:
-                self.counters[key][engine_idx].inc(v)
+    def take_stats(self) -> KVPushStats | None:
+        """The figures since the last call (the engine's transfers and failures, the connector's
+        requests), or None when there are none. Never raises into vLLM."""
+        if self.native is not None:
+            try:
+                self.figures.collect(self.native, self.stats)
+            except Exception as e:  # the figures of this step are lost, nothing else
+                logger.debug("kvpush: engine figures unreadable: %s", e)
+        if self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, KVPushStats()
+        return stats
 
 
 class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
@@ -848,10 +887,9 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._worker is None or self._worker.stats.is_empty():
+        if self._worker is None:
             return None
-        stats, self._worker.stats = self._worker.stats, KVPushStats()
-        return stats
+        return self._worker.take_stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

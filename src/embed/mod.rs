@@ -792,6 +792,18 @@ impl FfiEngine {
         Ok(self.engine.abort(key)?)
     }
 
+    /// See [`Engine::hold`].
+    pub fn hold(&self, key: Key, producer: &str) -> Result<(), FfiError> {
+        check_producer(producer)?;
+        Ok(self.engine.hold(key, producer)?)
+    }
+
+    /// See [`Engine::abort_producer`].
+    pub fn abort_producer(&self, key: Key, producer: &str) -> Result<(), FfiError> {
+        check_producer(producer)?;
+        Ok(self.engine.abort_producer(key, producer)?)
+    }
+
     /// Hands at most `max` finished results to `sink`, oldest first; returns how many. Results beyond
     /// `max` stay queued for the next call.
     pub fn poll(&self, max: usize, mut sink: impl FnMut(Outcome)) -> usize {
@@ -807,6 +819,11 @@ impl FfiEngine {
             sink(f.into());
         }
         n
+    }
+
+    /// See [`Engine::take_transfers`].
+    pub fn take_transfers(&self, out: &mut Vec<crate::engine::stats::TransferRecord>) -> usize {
+        self.engine.take_transfers(out)
     }
 
     /// See [`Engine::stats`].
@@ -843,6 +860,7 @@ fn kind_name(m: &Message) -> &'static str {
         Message::Heartbeat(_) => "heartbeat",
         Message::Grant(_) => "grant",
         Message::Layers(_) => "layers",
+        Message::Hold(_) => "hold",
     }
 }
 

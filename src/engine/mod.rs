@@ -404,6 +404,16 @@ pub(crate) enum Cmd {
     Abort {
         key: Key,
     },
+    /// Consumer: `key` waits for blocks; tell `producer`'s ranks to keep holding theirs.
+    Hold {
+        key: Key,
+        producer: String,
+    },
+    /// Consumer: `key` was dropped before it registered anything; tell `producer`'s ranks.
+    AbortProducer {
+        key: Key,
+        producer: String,
+    },
     /// `incarnation`: the sender's process, where the side channel told it. `via`: which path
     /// carried it (only the data path may say that data landed). `credit`: its room in the control
     /// budget (control frames), given back when the command is dropped.
@@ -561,6 +571,7 @@ pub(crate) fn message_key(msg: &Message) -> Option<Key> {
         Message::Grant(g) => Some(g.key),
         Message::Failure(f) => Some(f.key),
         Message::Abort(a) => Some(a.key),
+        Message::Hold(h) => Some(h.key),
         Message::Handshake(_) | Message::Heartbeat(_) => None,
     }
 }
@@ -992,6 +1003,24 @@ impl Engine {
         self.shared.send_local(key, Cmd::Abort { key })
     }
 
+    /// Consumer: `key` ended here before this worker registered (push) or read (pull) anything for
+    /// it — the serving engine dropped the request while it waited for blocks — so every rank of
+    /// engine `producer` that writes into this worker is told to release its blocks now rather than
+    /// hold them until the lease runs out. No outcome follows on this side (nothing was handed to
+    /// the engine); a producer not handshaken with this worker is not told (its lease ends it).
+    pub fn abort_producer(&self, key: Key, producer: &str) -> Result<(), EngineError> {
+        self.shared.send_local(key, Cmd::AbortProducer { key, producer: producer.to_owned() })
+    }
+
+    /// Consumer: `key` is still waiting in the serving engine's queue for blocks (nothing registered
+    /// yet): every rank of engine `producer` that writes into this worker restarts its lease of the
+    /// request's blocks now, so a request that queues longer than the lease is not dropped by P while
+    /// D still means to take it. Call it more often than the producer's lease while the request
+    /// waits; nothing follows on this side.
+    pub fn hold(&self, key: Key, producer: &str) -> Result<(), EngineError> {
+        self.shared.send_local(key, Cmd::Hold { key, producer: producer.to_owned() })
+    }
+
     /// Moves finished results into `out`; returns how many. Costs one atomic load when there are none.
     pub fn poll(&self, out: &mut Vec<Finished>) -> usize {
         self.shared.outbox.drain_into(out)
@@ -1012,6 +1041,16 @@ impl Engine {
     /// What staging did (`None` where staging is off).
     pub fn staging_counts(&self) -> Option<StagingCounts> {
         self.shared.staged.as_ref().map(|s| s.counts())
+    }
+
+    /// Moves the transfers finished since the last call (each writer keeps at most
+    /// [`stats::Recent::CAP`]) into `out`; returns how many.
+    pub fn take_transfers(&self, out: &mut Vec<stats::TransferRecord>) -> usize {
+        let before = out.len();
+        for s in &self.shared.shards {
+            crate::sync::lock(&s.stats).recent.take_into(out);
+        }
+        out.len() - before
     }
 
     /// Counters and latency histograms of all writer shards.

@@ -115,6 +115,53 @@ pub struct Stats {
     pub transfer: Latency,
     /// Consumer: time from registration to every part received.
     pub receive: Latency,
+    /// Transfers finished since [`super::Engine::take_transfers`] last took them (not merged by
+    /// [`Stats::add`]: each is taken once).
+    pub recent: Recent,
+}
+
+/// One transfer a writer posted and saw end (a WRITE in push mode, a READ in pull mode): what
+/// vLLM's KV-connector metrics observe per transfer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct TransferRecord {
+    /// Bytes it moved.
+    pub bytes: u64,
+    /// Descriptors posted (after merging).
+    pub descriptors: u64,
+    /// Time to post it: plan, merge and the post call (µs).
+    pub post_us: u64,
+    /// Time from post to its end (µs).
+    pub transfer_us: u64,
+    /// Whether it ended well.
+    pub ok: bool,
+}
+
+/// The finished transfers a writer keeps until they are taken: at most [`Recent::CAP`]; older ones
+/// are dropped (and counted) so that an embedder that never takes them costs bounded memory.
+#[derive(Clone, Debug, Default)]
+pub struct Recent {
+    records: std::collections::VecDeque<TransferRecord>,
+    /// Records dropped because nobody took them in time.
+    pub dropped: u64,
+}
+
+impl Recent {
+    /// Records kept per writer at most.
+    pub const CAP: usize = 4096;
+
+    /// Keeps `r`, dropping the oldest record when full.
+    pub fn push(&mut self, r: TransferRecord) {
+        if self.records.len() >= Self::CAP {
+            self.records.pop_front();
+            self.dropped += 1;
+        }
+        self.records.push_back(r);
+    }
+
+    /// Moves every record into `out`, oldest first.
+    pub fn take_into(&mut self, out: &mut Vec<TransferRecord>) {
+        out.extend(self.records.drain(..));
+    }
 }
 
 /// Monotonic counters.

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant as StdInstant};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use super::side::Incarnation;
+use super::stats::TransferRecord;
 use super::timeline;
 use super::{addr_of, fan_out, producer_ranks, target_of, Cmd, Finished, PeerAddr, Shared, Stats, Via};
 use crate::pool::handoff::Inbox;
@@ -22,7 +23,7 @@ use crate::proto::completion::{Completions, Event, FailReason, QuarantineCause};
 use crate::proto::ids::Instant;
 use crate::proto::layerwise::{part_layers, restrict_grid, LayerCompletion, LayerSend, LayerSet};
 use crate::proto::msg::{
-    clip_block_lists, common_tokens, Abort, Completion, Failure, FailureKind, Grant, Message, Mode, Registration,
+    clip_block_lists, common_tokens, Abort, Completion, Failure, FailureKind, Grant, Hold, Message, Mode, Registration,
 };
 use crate::proto::plan::{Grid, PlanInput, PlanStats, Planner};
 use crate::proto::rendezvous::{Action, Order, ReleaseReason, Rendezvous, Slot, SourceBlocks};
@@ -41,6 +42,9 @@ const LINGER_TICK: Duration = Duration::from_micros(100);
 const POLL_WAITING_MAX: Duration = Duration::from_micros(200);
 /// How long shutdown waits for the transfers a writer posted to end ([`Writer::fence`]).
 const SHUTDOWN_FENCE: Duration = Duration::from_secs(5);
+/// Dropped requests whose producers' answers a writer waits for at most (answers that never come,
+/// from a producer lost meanwhile, are forgotten past this).
+const MAX_DROPPED: usize = 4096;
 /// How long after its last progress a writer with transfers in flight polls back to back. A transfer
 /// that has not finished by then is waiting on something else (a peer that is not scheduled, a slow
 /// link): the writer then polls at growing intervals, sleeping between polls, so a stalled transfer
@@ -54,6 +58,9 @@ struct InFlight {
     peer: PeerAddr,
     op: Op,
     posted_at: Instant,
+    /// Bytes and descriptors of the plan, and the time to post it (µs), for its [`TransferRecord`].
+    plan: PlanStats,
+    post_us: u64,
     /// The peer was lost and the transfer cancelled: it ends as a failure, reported only when the
     /// transport says it ended (until then it may still read our sources or fill our blocks).
     lost: bool,
@@ -114,6 +121,9 @@ pub(super) struct Writer {
     producers: HashMap<Key, String>,
     /// Producer: requests reported layer by layer ([`super::Engine::layers_ready`]).
     layered: HashMap<Key, Layered>,
+    /// Consumer: requests dropped before they registered, and how many producer ranks that were
+    /// told have not answered yet ([`Writer::answered_drop`]).
+    dropped: HashMap<Key, usize>,
     /// Producer: which consumer workers registered each live request (for peer loss).
     registered_by: HashMap<Key, Vec<(PeerAddr, Option<Incarnation>)>>,
     /// Consumer: outcomes of requests whose own READ was still in flight when they ended; each goes
@@ -154,6 +164,7 @@ impl Writer {
             pulls: HashMap::new(),
             producers: HashMap::new(),
             layered: HashMap::new(),
+            dropped: HashMap::new(),
             registered_by: HashMap::new(),
             owed: Vec::new(),
             quarantined: HashMap::new(),
@@ -345,7 +356,13 @@ impl Writer {
                         self.send_frame(&from, &Message::Failure(f));
                     }
                     // Everything this shard held was failed above; nothing else is waited for.
-                    Cmd::Abort { .. } | Cmd::Msg { .. } | Cmd::PeerLost { .. } | Cmd::PeerAdded { .. } | Cmd::Wake => {}
+                    Cmd::Abort { .. }
+                    | Cmd::AbortProducer { .. }
+                    | Cmd::Hold { .. }
+                    | Cmd::Msg { .. }
+                    | Cmd::PeerLost { .. }
+                    | Cmd::PeerAdded { .. }
+                    | Cmd::Wake => {}
                 }
             }
         }
@@ -448,6 +465,31 @@ impl Writer {
             Cmd::Abort { key } => {
                 self.forget_unstarted(key);
                 self.abort(now, key)
+            }
+            Cmd::Hold { key, producer } => {
+                if let Some(any) = self.shared.any_peer_of(&producer) {
+                    let msg = Message::Hold(Hold { key, rank: self.shared.me.rank });
+                    for rank in producer_ranks(&any.layout, &self.shared.layout) {
+                        self.send_frame(&PeerAddr { engine: producer.clone(), rank }, &msg);
+                    }
+                }
+            }
+            Cmd::AbortProducer { key, producer } => {
+                if self.producers.contains_key(&key) {
+                    // Registered after all (the two calls raced): the ordinary abort tells them.
+                    self.abort(now, key);
+                } else {
+                    self.stats().counters.aborted += 1;
+                    let told =
+                        self.abort_producers(key, &producer, "the consumer dropped the request before allocating");
+                    if told > 0 {
+                        if self.dropped.len() >= MAX_DROPPED {
+                            // Answers that never came (a producer lost meanwhile): forget them.
+                            self.dropped.clear();
+                        }
+                        self.dropped.insert(key, told);
+                    }
+                }
             }
             Cmd::Msg { from, incarnation, msg, via, credit } => {
                 // Taken off the queue: its room in the control budget is free again.
@@ -754,13 +796,26 @@ impl Writer {
 
     /// Consumer: tells every producer rank of `producer` that writes into this worker that `key` is
     /// over here, so they release its blocks now and write nothing more into ours.
-    fn abort_producers(&mut self, key: Key, producer: &str, reason: &str) {
-        if let Some(any) = self.shared.any_peer_of(producer) {
-            let msg = Message::Abort(Abort { key, rank: self.shared.me.rank, reason: reason.into() });
-            for rank in producer_ranks(&any.layout, &self.shared.layout) {
-                self.send_frame(&PeerAddr { engine: producer.to_owned(), rank }, &msg);
-            }
+    /// Returns how many ranks were told.
+    fn abort_producers(&mut self, key: Key, producer: &str, reason: &str) -> usize {
+        let Some(any) = self.shared.any_peer_of(producer) else { return 0 };
+        let msg = Message::Abort(Abort { key, rank: self.shared.me.rank, reason: reason.into() });
+        let ranks = producer_ranks(&any.layout, &self.shared.layout);
+        for rank in &ranks {
+            self.send_frame(&PeerAddr { engine: producer.to_owned(), rank: *rank }, &msg);
         }
+        ranks.len()
+    }
+
+    /// Whether a failure for `key` answers an [`Engine::abort_producer`](super::Engine::abort_producer)
+    /// (counted down: each rank told answers once).
+    fn answered_drop(&mut self, key: Key) -> bool {
+        let Some(left) = self.dropped.get_mut(&key) else { return false };
+        *left -= 1;
+        if *left == 0 {
+            self.dropped.remove(&key);
+        }
+        true
     }
 
     fn message(&mut self, now: Instant, from: PeerAddr, incarnation: Option<Incarnation>, msg: Message, via: Via) {
@@ -840,6 +895,8 @@ impl Writer {
             Message::Failure(f) => {
                 if self.grants.contains_key(&(f.key, from.clone())) {
                     self.read_done(now, f.key, from, Err(f.kind));
+                } else if f.kind == FailureKind::Aborted && self.answered_drop(f.key) {
+                    // A producer rank's answer to `abort_producer`: nothing of ours waited for it.
                 } else {
                     self.stats().failures.remote += 1;
                     self.comp.handle_failure(now, &f);
@@ -881,6 +938,7 @@ impl Writer {
                 }
             }
             Message::Layers(c) => self.layers_landed(now, &from, c, via),
+            Message::Hold(h) => self.rdv.handle_hold(now, h.key),
             Message::Handshake(_) | Message::Heartbeat(_) => {}
         }
     }
@@ -927,7 +985,18 @@ impl Writer {
                 any = true;
                 let Some(f) = self.inflight.remove(&id) else { continue };
                 let now = self.now();
-                self.stats().transfer.record(now.micros_since(f.posted_at));
+                let transfer_us = now.micros_since(f.posted_at);
+                let record = TransferRecord {
+                    bytes: f.plan.bytes,
+                    descriptors: f.plan.merged,
+                    post_us: f.post_us,
+                    transfer_us,
+                    ok: state.is_ok(),
+                };
+                let mut st = self.stats();
+                st.transfer.record(transfer_us);
+                st.recent.push(record);
+                drop(st);
                 let result = match state {
                     // Its peer was lost: whatever the transport says, the request failed here.
                     _ if f.lost => Err(FailureKind::PeerLost),
@@ -1151,7 +1220,8 @@ impl Writer {
         };
         timeline::record(if op == Op::Write { "eng_write_post" } else { "eng_read_post" }, key);
         let mut st = self.stats();
-        st.post.record(started.elapsed().as_micros() as u64);
+        let post_us = started.elapsed().as_micros() as u64;
+        st.post.record(post_us);
         match result {
             Ok(id) => {
                 st.counters.posts += 1;
@@ -1161,7 +1231,8 @@ impl Writer {
                 drop(st);
                 match id {
                     Some(id) => {
-                        self.inflight.insert(id, InFlight { key, peer, op, posted_at: now, lost: false });
+                        let f = InFlight { key, peer, op, posted_at: now, plan, post_us, lost: false };
+                        self.inflight.insert(id, f);
                     }
                     None if op == Op::Write => self.write_done(now, key, peer, Ok(())),
                     None => self.read_finished(now, key, peer, Ok(())),

@@ -22,7 +22,7 @@ use super::ids::Rank;
 use super::layerwise::LayerCompletion;
 use super::layout::KvLayout;
 use super::msg::{
-    check_block_lists, check_len, Abort, Completion, Failure, Grant, Handshake, Heartbeat, Message, RangeError,
+    check_block_lists, check_len, Abort, Completion, Failure, Grant, Handshake, Heartbeat, Hold, Message, RangeError,
     Registration, RegistrationWire, MAX_AGENT_METADATA, MAX_DETAIL, MAX_ENGINE_ID, MAX_TOKENS,
 };
 
@@ -57,6 +57,8 @@ pub enum Kind {
     Grant = 7,
     /// [`LayerCompletion`].
     Layers = 8,
+    /// [`Hold`].
+    Hold = 9,
 }
 
 impl Kind {
@@ -70,6 +72,7 @@ impl Kind {
             6 => Kind::Heartbeat,
             7 => Kind::Grant,
             8 => Kind::Layers,
+            9 => Kind::Hold,
             _ => return None,
         })
     }
@@ -92,6 +95,7 @@ impl Kind {
             Kind::Heartbeat => "heartbeat",
             Kind::Grant => "grant",
             Kind::Layers => "layers",
+            Kind::Hold => "hold",
         }
     }
 }
@@ -216,6 +220,7 @@ fn kind_of(msg: &Message) -> Kind {
         Message::Heartbeat(_) => Kind::Heartbeat,
         Message::Grant(_) => Kind::Grant,
         Message::Layers(_) => Kind::Layers,
+        Message::Hold(_) => Kind::Hold,
     }
 }
 
@@ -233,7 +238,8 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         | Message::Completion(_)
         | Message::Heartbeat(_)
         | Message::Grant(_)
-        | Message::Layers(_) => {}
+        | Message::Layers(_)
+        | Message::Hold(_) => {}
     }
     let start = out.len();
     out.extend_from_slice(&MAGIC);
@@ -255,6 +261,7 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         Message::Heartbeat(h) => postcard::to_allocvec(h).map(|p| out.extend_from_slice(&p)),
         Message::Grant(g) => postcard::to_allocvec(g).map(|p| out.extend_from_slice(&p)),
         Message::Layers(c) => postcard::to_allocvec(c).map(|p| out.extend_from_slice(&p)),
+        Message::Hold(h) => postcard::to_allocvec(h).map(|p| out.extend_from_slice(&p)),
     };
     if let Err(e) = serialized {
         out.truncate(start);
@@ -457,6 +464,11 @@ pub fn decode(bytes: &[u8], peer: Option<&KvLayout>) -> Result<Message, DecodeEr
             Message::Abort(a)
         }
         Kind::Heartbeat => Message::Heartbeat(parse::<Heartbeat>(kind, payload)?),
+        Kind::Hold => {
+            let h: Hold = parse(kind, payload)?;
+            check_rank(h.rank, need_peer()?).map_err(range)?;
+            Message::Hold(h)
+        }
         Kind::Grant => {
             let layout = need_peer()?;
             let g: Grant = parse(kind, payload)?;

@@ -329,6 +329,17 @@ pub struct Failure {
     pub detail: String,
 }
 
+/// D → P: "`key` waits in my serving engine's queue for blocks: keep holding yours for it". The
+/// producer restarts the lease of a request it holds (it registers nothing, so it is not a
+/// registration); a consumer sends it while the request stays queued, more often than the lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hold {
+    /// Which transfer and attempt.
+    pub key: Key,
+    /// The sender's rank.
+    pub rank: Rank,
+}
+
 /// Either direction: "forget `key`; release what you hold for it".
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Abort {
@@ -366,6 +377,8 @@ pub enum Message {
     Heartbeat(Heartbeat),
     /// See [`LayerCompletion`] (layer-wise push).
     Layers(LayerCompletion),
+    /// See [`Hold`].
+    Hold(Hold),
 }
 
 /// Wire form of [`Registration`]; only the codec turns it into a checked value.

@@ -6,8 +6,10 @@
 //! 1. finds the KV heads this producer supplies to this consumer ([`tp_sources`]; heterogeneous TP,
 //!    replicated heads and latent KV) and the layers both hold (PP);
 //! 2. per KV group, finds the tokens to move — the tail the consumer listed (a prefix hit on D
-//!    shortens its list), cut to the window for sliding-window groups — and splits them into
-//!    *pieces*, each inside one block on both sides (block sizes may differ);
+//!    shortens its list), cut to the window for sliding-window groups and widened to whole blocks
+//!    where both block sizes are equal ([`whole_blocks`]: the token count is exact, so a window
+//!    counts back from the real last token) — and splits them into *pieces*, each inside one block
+//!    on both sides (block sizes may differ);
 //! 3. turns pieces into copies *relative to a layer's region bases*, merging on the fly. Every layer of
 //!    a group has the same geometry, so this relative plan is built once per group and instantiated
 //!    per layer by adding region bases: planning cost grows with blocks, not blocks × layers.
@@ -37,7 +39,7 @@ pub struct PlanInput<'a> {
     pub src_blocks: &'a [Vec<u32>],
     /// Destination block ids per KV group (tails).
     pub dst_blocks: &'a [Vec<u32>],
-    /// Tokens of the request.
+    /// Tokens of the request, exact (the planner widens what moves to whole blocks itself).
     pub num_tokens: u64,
 }
 
@@ -107,6 +109,24 @@ pub enum PlanError {
         /// First token the source lists.
         held: u64,
     },
+}
+
+/// `tokens` widened to the whole blocks that hold them where both sides' blocks are the same size;
+/// unchanged otherwise.
+///
+/// A request is named by its exact token count, so a sliding window counts back from its real last
+/// token; what moves is whole blocks: backends may lay a block's tokens out by block size (vLLM's
+/// CPU backend packs them per ISA, [`KvPlacement::HeadJoint`]), so a copy of part of a block could
+/// garble them. The extra slots are the tail of the last block (D overwrites it as it appends) and
+/// the head of a window's first block (tokens D may hold but never attends to). With different block
+/// sizes no block maps onto one block of the other side: the exact tokens move (packed layouts of
+/// different sizes are refused before this).
+pub fn whole_blocks(tokens: Range<u64>, src_block_tokens: u32, dst_block_tokens: u32) -> Range<u64> {
+    if src_block_tokens != dst_block_tokens || tokens.is_empty() {
+        return tokens;
+    }
+    let bt = u64::from(dst_block_tokens.max(1));
+    tokens.start / bt * bt..tokens.end.div_ceil(bt) * bt
 }
 
 /// A token run that lies inside one block on each side.
@@ -393,7 +413,7 @@ impl Planner {
         if held > start {
             return Err(PlanError::MissingSource { group: g, needed: start, held });
         }
-        Ok(Some(start..n))
+        Ok(Some(whole_blocks(start..n, input.src.block_tokens, input.dst.block_tokens)))
     }
 
     /// Splits `tokens` into pieces inside one block on each side (no division in the loop).
@@ -698,8 +718,42 @@ mod tests {
         let mut out = Vec::new();
         let st = Planner::new().plan(&input, &mut out).expect("plans");
         let elem = 8;
-        // Full group: 64 tokens x K,V; window group: last 20 tokens x K,V.
-        assert_eq!(st.bytes, (64 + 20) * 2 * elem);
+        // Full group: 64 tokens x K,V; window group: the last 20 tokens (44..64) in whole blocks:
+        // 32..64, x K,V.
+        assert_eq!(st.bytes, (64 + 32) * 2 * elem);
+    }
+
+    #[test]
+    fn window_counts_back_from_the_exact_count_and_moves_whole_blocks() {
+        let groups = vec![
+            KvGroup { kind: GroupKind::Full, layers: vec![0] },
+            KvGroup { kind: GroupKind::SlidingWindow { window_tokens: 20 }, layers: vec![1] },
+        ];
+        let m = model(2, 1, groups);
+        let elem = 8;
+        let plan = |bts: (u32, u32), n: u64| {
+            let (s, d) = single_rank(&m, bts, BlockOrder::Hnd, (KvPlacement::Separate, KvPlacement::Separate));
+            let (ls, ld): (Vec<u32>, Vec<u32>) =
+                ((0..blocks_for(n, bts.0) as u32).collect(), (0..blocks_for(n, bts.1) as u32).collect());
+            let lists: (Vec<Vec<u32>>, Vec<Vec<u32>>) = (vec![ls.clone(), ls], vec![ld.clone(), ld]);
+            let input = PlanInput { src: &s, dst: &d, src_blocks: &lists.0, dst_blocks: &lists.1, num_tokens: n };
+            let mut out = Vec::new();
+            let st = Planner::new().plan(&input, &mut out).expect("plans");
+            (st.bytes, out)
+        };
+        // 50 tokens in 16-token blocks: the window is tokens 30..50, in blocks 1..4 (tokens 16..64);
+        // the full group's 50 tokens are blocks 0..4 (0..64). Counted back from 64 (the count rounded
+        // up) the window would start at token 44 and miss 30..44.
+        let (bytes, out) = plan((16, 16), 50);
+        assert_eq!(bytes, (64 + 48) * 2 * elem);
+        // Every copy is whole blocks: 16 tokens of one head (the layouts' blocks are one head).
+        assert!(out.iter().all(|c| c.len % (16 * elem) == 0 && c.src_addr % (16 * elem) == 0), "{out:?}");
+        // Different block sizes: the exact tokens, the window from token 30.
+        let (bytes, _) = plan((16, 32), 50);
+        assert_eq!(bytes, (50 + 20) * 2 * elem);
+        assert_eq!(whole_blocks(30..50, 16, 16), 16..64);
+        assert_eq!(whole_blocks(30..50, 16, 32), 30..50);
+        assert_eq!(whole_blocks(32..48, 16, 16), 32..48);
     }
 
     #[test]

@@ -191,6 +191,8 @@ pub struct RendezvousStats {
     pub transfer_failures: u64,
     /// Registrations refused because another consumer engine had registered the key first.
     pub foreign: u64,
+    /// Leases restarted by a consumer's hold (its request still queued for blocks).
+    pub held: u64,
 }
 
 /// A transfer id's live attempt, by state.
@@ -543,6 +545,21 @@ impl Rendezvous {
         } else if self.ended(key, None).is_none() {
             // Unknown: remembered. (An attempt that already ended keeps the answer it has.)
             self.bury(now, key, FailureKind::Aborted);
+        }
+    }
+
+    /// A consumer still waits for blocks for `key` (it has not registered): the lease of blocks held
+    /// for it restarts at `now`. Anything else (unknown, stale, already registered) is left as is.
+    pub fn handle_hold(&mut self, now: Instant, key: Key) {
+        let lease_deadline = now.plus_micros(self.config.lease_us);
+        let held = match self.entries.get_mut(&key.transfer_id) {
+            Some(Entry { attempt, slot: Slot::AwaitingRegistration(w) }) if *attempt == key.attempt.0 => w,
+            _ => return,
+        };
+        if lease_deadline > held.lease_deadline {
+            held.lease_deadline = lease_deadline;
+            self.stats.held += 1;
+            self.arm(lease_deadline, key);
         }
     }
 

@@ -67,14 +67,36 @@ fn transfer_id_of(key: Key) -> String {
 /// A request waiting for its producer's handshake.
 #[derive(Clone)]
 enum Queued {
-    Push { key: Key, blocks: Vec<Vec<u32>>, tokens: u64 },
-    Pull { key: Key, remote: Vec<Vec<u32>>, local: Vec<Vec<u32>>, tokens: u64 },
+    Push {
+        key: Key,
+        blocks: Vec<Vec<u32>>,
+        tokens: u64,
+    },
+    Pull {
+        key: Key,
+        remote: Vec<Vec<u32>>,
+        local: Vec<Vec<u32>>,
+        tokens: u64,
+    },
+    /// A request dropped before it was allocated: its producer is told (no outcome follows).
+    Drop {
+        key: Key,
+    },
+    /// A request still queued for blocks: its producer keeps holding its own (no outcome follows).
+    Hold {
+        key: Key,
+    },
 }
 
 impl Queued {
+    /// Whether it hands the engine blocks (an outcome follows), rather than only telling the producer.
+    fn registers(&self) -> bool {
+        matches!(self, Queued::Push { .. } | Queued::Pull { .. })
+    }
+
     fn key(&self) -> Key {
         match self {
-            Queued::Push { key, .. } | Queued::Pull { key, .. } => *key,
+            Queued::Push { key, .. } | Queued::Pull { key, .. } | Queued::Drop { key } | Queued::Hold { key } => *key,
         }
     }
 }
@@ -108,6 +130,8 @@ impl Inner {
         match q {
             Queued::Push { key, blocks, tokens } => self.engine.blocks_allocated(key, producer, blocks, tokens),
             Queued::Pull { key, remote, local, tokens } => self.engine.start_pull(key, producer, remote, local, tokens),
+            Queued::Drop { key } => self.engine.abort_producer(key, producer),
+            Queued::Hold { key } => self.engine.hold(key, producer),
         }
     }
 
@@ -116,6 +140,8 @@ impl Inner {
         let invalid = match q {
             Queued::Push { blocks, .. } => blocks.clone(),
             Queued::Pull { local, .. } => local.clone(),
+            // Nothing was handed over for it: no outcome is owed (P's lease ends its blocks).
+            Queued::Drop { .. } | Queued::Hold { .. } => return,
         };
         lock(&self.local).push_back(("failed", transfer_id_of(key), key.attempt.0, why, invalid));
     }
@@ -464,6 +490,32 @@ impl Worker {
         py.detach(|| self.inner.route(producer, host, port, producer_tp, q))
     }
 
+    /// Consumer, about a request that has no blocks here yet: `word` `"drop"` (it was dropped
+    /// before its blocks were allocated: the producer ranks that write into this worker release
+    /// theirs now) or `"hold"` (it still waits in the serving engine's queue: they restart their
+    /// lease of its blocks). Dials the producer at `host:port` the first time. No outcome follows
+    /// from `poll`.
+    #[allow(clippy::too_many_arguments)]
+    fn tell_producer(
+        &self,
+        py: Python<'_>,
+        word: &str,
+        transfer_id: &str,
+        attempt: u32,
+        producer: &str,
+        host: &str,
+        port: u16,
+        producer_tp: u16,
+    ) -> PyResult<()> {
+        let key = key_of(transfer_id, attempt)?;
+        let q = match word {
+            "drop" => Queued::Drop { key },
+            "hold" => Queued::Hold { key },
+            other => return Err(ConfigError::new_err(format!("tell_producer: word {other:?} is not drop or hold"))),
+        };
+        py.detach(|| self.inner.route(producer, host, port, producer_tp, q))
+    }
+
     /// Aborts the transfer on this worker, in whatever state it is; peers are told. Its outcome
     /// (`sent` with the blocks released, or `ended`/`failed`) still comes out of `poll`.
     fn abort(&self, py: Python<'_>, transfer_id: &str, attempt: u32) -> PyResult<()> {
@@ -473,7 +525,7 @@ impl Worker {
             let mut producers = lock(&self.inner.producers);
             for state in producers.values_mut() {
                 if let ProducerState::Dialing(w) = state {
-                    if let Some(i) = w.iter().position(|q| q.key() == key) {
+                    if let Some(i) = w.iter().position(|q| q.key() == key && q.registers()) {
                         w.remove(i);
                         drop(producers);
                         let tid = transfer_id_of(key);
@@ -521,6 +573,17 @@ impl Worker {
             out
         });
         PyList::new(py, out)
+    }
+
+    /// The transfers this worker finished well since the last call, oldest first: a list of
+    /// `(bytes, descriptors, post_us, transfer_us)` (what vLLM's connector metrics observe per
+    /// transfer; failed ones are counted in `stats()["failures"]`).
+    fn take_transfers(&self, py: Python<'_>) -> Vec<(u64, u64, u64, u64)> {
+        py.detach(|| {
+            let mut records = Vec::new();
+            self.inner.engine.take_transfers(&mut records);
+            records.into_iter().filter(|r| r.ok).map(|r| (r.bytes, r.descriptors, r.post_us, r.transfer_us)).collect()
+        })
     }
 
     /// Statistics of this worker, as nested dicts: `counters`, `failures` and the latency summaries

@@ -84,8 +84,24 @@ fn each_side_rounding_to_its_own_whole_blocks() {
         let mut t = topology(2, 1, pb, db);
         t.whole_blocks = true;
         // Full attention only: a sliding window counted back from a rounded-up count misses the
-        // window's first real tokens (the rounding and windows do not compose yet; see docs/vllm.md).
+        // window's first real tokens, which is why the vLLM connector hands over exact counts (see
+        // `windows_count_back_from_exact_counts_and_whole_blocks_move`).
         t.window_every = 0;
         check(&t, &[Mode::Push, Mode::Pull], 40 + u64::from(pb));
+    }
+}
+
+#[test]
+fn windows_count_back_from_exact_counts_and_whole_blocks_move() {
+    // What the vLLM connector does: both sides hand their engine the exact prompt length, and where
+    // the block sizes are equal the planner moves whole blocks (vLLM CPU packs a block's tokens by
+    // block size). With sliding windows on, P fills and D checks every slot of every block that holds
+    // the prompt or a window: the window's first real tokens (missed by a window counted back from a
+    // count rounded up to whole blocks: 3 of 12 requests failed so) and the blocks' tail slots and
+    // the head of a window's first block (missed by a copy of the exact tokens).
+    for (p_tp, d_tp, block) in [(1, 1, 16), (2, 1, 16), (1, 2, 32), (2, 2, 64)] {
+        let mut t = topology(p_tp, d_tp, block, block);
+        t.whole_block_bytes = true;
+        check(&t, &[Mode::Push, Mode::Pull], 70 + u64::from(block));
     }
 }

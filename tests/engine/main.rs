@@ -6,4 +6,5 @@ mod engine_matrix;
 mod engine_stress;
 mod fail_closed;
 mod layerwise;
+mod lifecycle;
 mod side_channel;

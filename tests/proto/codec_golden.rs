@@ -19,7 +19,8 @@ use kvpush::proto::layout::{
     BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, ModelShape, Parallel,
 };
 use kvpush::proto::msg::{
-    Abort, Completion, Failure, FailureKind, Grant, Handshake, Heartbeat, Message, Mode, RangeError, Registration,
+    Abort, Completion, Failure, FailureKind, Grant, Handshake, Heartbeat, Hold, Message, Mode, RangeError,
+    Registration,
 };
 
 /// Parses hex bytes; on each line, `--` starts a comment (the field the bytes encode).
@@ -271,6 +272,14 @@ fn goldens() -> Vec<Golden> {
                  00 00  -- rank tp0/pp0
                  03 62 79 65  -- reason \"bye\""),
             msg: Message::Abort(Abort { key: Key::new(0x1234, 3), rank, reason: "bye".into() }),
+            peer: true,
+        },
+        Golden {
+            name: "hold",
+            bytes: hex("4b 50 01 00 09 05 00 00 00  -- kind 9 (Hold), length 5
+                 b4 24 03  -- key 0x1234#3
+                 00 00  -- rank tp0/pp0"),
+            msg: Message::Hold(Hold { key: Key::new(0x1234, 3), rank }),
             peer: true,
         },
         Golden {

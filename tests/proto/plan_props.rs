@@ -89,6 +89,16 @@ fn first_needed(model: &ModelShape, g: usize, dst: &KvLayout, dst_blocks: &[Vec<
     }
 }
 
+/// The tokens that move when `first..n` are needed: whole blocks where both sides' blocks are the
+/// same size (backends may pack a block's tokens by block size), exactly those tokens otherwise.
+fn moved(first: u64, n: u64, src_block_tokens: u32, dst_block_tokens: u32) -> std::ops::Range<u64> {
+    if src_block_tokens != dst_block_tokens {
+        return first..n;
+    }
+    let bt = u64::from(dst_block_tokens);
+    (first - first % bt)..n.div_ceil(bt) * bt
+}
+
 /// The block id and in-block token offset of token `t` in a tail list.
 fn locate(list: &[u32], n: u64, block_tokens: u32, t: u64) -> (u32, u64) {
     let bt = u64::from(block_tokens);
@@ -166,7 +176,7 @@ fn reference(src: &KvLayout, dst: &KvLayout, src_blocks: &[Vec<u32>], dst_blocks
             }
             continue;
         }
-        for t in first..n {
+        for t in moved(first, n, src.block_tokens, dst.block_tokens) {
             let (sb, st) = locate(&src_blocks[g], n, src.block_tokens, t);
             let (db, dt) = locate(&dst_blocks[g], n, dst.block_tokens, t);
             for h in heads.clone() {
@@ -186,14 +196,19 @@ fn reference(src: &KvLayout, dst: &KvLayout, src_blocks: &[Vec<u32>], dst_blocks
 }
 
 /// Every element consumer `dst` needs, from its own layout and lists alone (no TP sources): every
-/// local head of every held layer for every needed token.
-fn needed_by(dst: &KvLayout, dst_blocks: &[Vec<u32>], n: u64) -> Vec<Move> {
+/// local head of every held layer for every needed token (in whole blocks where the producers' blocks,
+/// `src_block_tokens`, are the same size).
+fn needed_by(dst: &KvLayout, dst_blocks: &[Vec<u32>], n: u64, src_block_tokens: u32) -> Vec<Move> {
     let model = &dst.model;
     let elem = elem_bytes(model);
     let mut out = Vec::new();
     for layer in dst.layer_range() {
         let g = model.groups.iter().position(|g| g.layers.contains(&layer)).expect("every layer is in a group");
-        for t in first_needed(model, g, dst, dst_blocks, n)..n {
+        let first = first_needed(model, g, dst, dst_blocks, n);
+        if first >= n {
+            continue;
+        }
+        for t in moved(first, n, src_block_tokens, dst.block_tokens) {
             let (db, dt) = locate(&dst_blocks[g], n, dst.block_tokens, t);
             for h in dst.head_range() {
                 for part in 0..parts(model) {
@@ -709,7 +724,7 @@ fn check_scenario(s: &Scenario, check_maximal: bool) -> Result<(), TestCaseError
         prop_assert_eq!(ok, expected_notifications(&s.model, s.src[0].parallel, dst.parallel), "D rank {:?}", rank);
         let written = canonical(written, true)
             .map_err(|e| TestCaseError::fail(format!("producers together into D rank {rank:?}: {e}")))?;
-        let needed = canonical(needed_by(dst, &s.dst_blocks, s.num_tokens), true)
+        let needed = canonical(needed_by(dst, &s.dst_blocks, s.num_tokens, s.src[0].block_tokens), true)
             .map_err(|e| TestCaseError::fail(format!("needed by D rank {rank:?}: {e}")))?;
         same_runs(&format!("bytes written into D rank {rank:?} by all producers"), &written, &needed)?;
     }

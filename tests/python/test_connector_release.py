@@ -9,7 +9,9 @@ keeps the blocks held and does not hand them over a second time.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -20,7 +22,9 @@ TID = "0123456789abcdef0123456789abcdef"
 BLOCK = 16
 
 
-def scheduler() -> "kv._Scheduler":
+def scheduler(**config: Any) -> "kv._Scheduler":
+    """A scheduler half (P's or D's: the role comes from each request's params); ``config`` overrides
+    ``KVPushConfig`` fields."""
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(engine_id="prefill-0"),
         cache_config=SimpleNamespace(block_size=BLOCK),
@@ -31,7 +35,7 @@ def scheduler() -> "kv._Scheduler":
         nixl_backend="UCX", lease_ms=0, timeout_ms=0, peer_timeout_ms=15000, writers=1, secret=None,
         insecure=True, device=None, staging="auto",
     )  # fmt: skip
-    return kv._Scheduler(vllm_config, None, cfg)
+    return kv._Scheduler(vllm_config, None, dataclasses.replace(cfg, **config))
 
 
 def request(rid: str, prompt: int, status: RequestStatus = RequestStatus.FINISHED_LENGTH_CAPPED) -> SimpleNamespace:
@@ -65,7 +69,7 @@ def test_whole_prompt_of_a_one_token_request_is_released_with_its_step() -> None
     meta = s.build_connector_meta(step(req, 100))
     assert meta.finished == []
     assert [(f.req_id, f.transfer_id, f.block_ids, f.num_tokens) for f in meta.prefilled] == [
-        ("r1", TID, [list(range(100, 107))], 112)  # 100 tokens: 7 whole blocks of 16
+        ("r1", TID, [list(range(100, 107))], 100)  # 100 tokens (exact) in 7 blocks of 16
     ]
     # Until vLLM finishes it, it must not be preempted, and the engine loop keeps stepping.
     assert s.has_pending_block_frees() and s.has_pending_push_work()

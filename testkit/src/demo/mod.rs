@@ -73,6 +73,11 @@ pub struct Topology {
     /// Each side hands its engine the request's tokens rounded up to its own whole blocks (what the
     /// vLLM connector does), rather than the exact count.
     pub whole_blocks: bool,
+    /// P fills and D checks every slot of the blocks that hold a request (the tail of its last block,
+    /// the head of a window's first block), not only its tokens: what the engine moves where both
+    /// sides' blocks are the same size, and what vLLM CPU's packed blocks need. Only meaningful with
+    /// `p_block == d_block`.
+    pub whole_block_bytes: bool,
     /// P's engine setting for requests reported layer by layer ([`Workload::prefill_ns_per_layer`]).
     pub layerwise: LayerwiseFlag,
 }
@@ -178,6 +183,7 @@ impl Default for Topology {
             allocator: AllocatorFlag::Runs,
             whole_blocks: false,
             layerwise: LayerwiseFlag::Auto,
+            whole_block_bytes: false,
         }
     }
 }
@@ -548,7 +554,8 @@ pub(crate) fn median(values: &[f64]) -> Option<f64> {
 
 /// The bytes D must hold after workload `w` on topology `t`, from the two alone: every token of the
 /// full-attention layers and the last `window_tokens` tokens of the sliding-window layers, K and V of
-/// every head, in bf16.
+/// every head, in bf16; with [`Topology::whole_block_bytes`], every slot of the blocks holding those
+/// tokens.
 pub fn expected_bytes(t: &Topology, w: &Workload) -> u64 {
     let per_token_layer = 2 * u64::from(t.kv_heads) * u64::from(t.head_dim) * 2; // K and V, bf16
     let window_layers =
@@ -558,7 +565,15 @@ pub fn expected_bytes(t: &Topology, w: &Workload) -> u64 {
         .iter()
         .map(|&(n, _)| {
             let window = n.min(u64::from(t.window_tokens));
-            per_token_layer * (full_layers * n + window_layers * window)
+            let (full, window) = if t.whole_block_bytes {
+                // Whole blocks: up to the end of the last block, from the start of the window's first.
+                let bt = u64::from(t.d_block);
+                let end = n.div_ceil(bt) * bt;
+                (end, end - (n - window) / bt * bt)
+            } else {
+                (n, window)
+            };
+            per_token_layer * (full_layers * full + window_layers * window)
         })
         .sum()
 }
@@ -578,10 +593,15 @@ pub fn run(t: &Topology, w: &Workload, modes: &[Mode], tick: &dyn Fn()) -> Resul
     Ok(report)
 }
 
-/// One [`pattern::Mover`] per worker of an engine on `dev`, or why they cannot be made.
-pub(crate) fn movers(dev: &dyn Device, workers: usize) -> Result<Vec<pattern::Mover>, String> {
+/// One [`pattern::Mover`] per worker of an engine on `dev` (whole blocks: see
+/// [`Topology::whole_block_bytes`]), or why they cannot be made.
+pub(crate) fn movers(dev: &dyn Device, workers: usize, whole: bool) -> Result<Vec<pattern::Mover>, String> {
     (0..workers)
-        .map(|_| pattern::Mover::new(dev).map_err(|e| format!("demo fill/verify on {}: {e}", dev.kind())))
+        .map(|_| {
+            pattern::Mover::new(dev)
+                .map(|m| m.whole_blocks(whole))
+                .map_err(|e| format!("demo fill/verify on {}: {e}", dev.kind()))
+        })
         .collect()
 }
 

@@ -47,16 +47,29 @@ pub fn tokens_of(l: &KvLayout, g: usize, listed: usize, n: u64) -> std::ops::Ran
     start.min(n)..n
 }
 
+/// [`tokens_of`] widened to the whole blocks that hold them: every slot of those blocks, the tail of
+/// the last one (past the request's tokens) and, in a sliding-window group, the head of the window's
+/// first one. What the engine moves where both sides' blocks are the same size.
+pub fn whole_tokens_of(l: &KvLayout, g: usize, listed: usize, n: u64) -> std::ops::Range<u64> {
+    let tokens = tokens_of(l, g, listed, n);
+    if tokens.is_empty() {
+        return tokens;
+    }
+    let bt = u64::from(l.block_tokens);
+    tokens.start / bt * bt..blocks_for(n, l.block_tokens) * bt
+}
+
 /// Calls `f(region, offset, position)` for every element of a request held in `blocks` (per group,
-/// tails) on this worker, in logical order; `position` is the element's [`position`].
-fn for_each_element(l: &KvLayout, blocks: &[Vec<u32>], n: u64, mut f: impl FnMut(usize, u64, u64)) {
+/// tails) on this worker, in logical order; `position` is the element's [`position`]. With `whole`,
+/// every slot of the blocks that hold them ([`whole_tokens_of`]).
+fn for_each_element(l: &KvLayout, blocks: &[Vec<u32>], n: u64, whole: bool, mut f: impl FnMut(usize, u64, u64)) {
     let layers = l.layer_range();
     let heads = l.head_range();
     let bt = u64::from(l.block_tokens);
     for (g, group) in l.model.groups.iter().enumerate() {
         let ids = &blocks[g];
         let skip = blocks_for(n, l.block_tokens) - ids.len() as u64;
-        let tokens = tokens_of(l, g, ids.len(), n);
+        let tokens = if whole { whole_tokens_of(l, g, ids.len(), n) } else { tokens_of(l, g, ids.len(), n) };
         for &layer in group.layers.iter().filter(|x| layers.contains(x)) {
             let ll = layer - layers.start;
             for part in 0..l.parts() {
@@ -109,10 +122,10 @@ struct Image {
 impl Image {
     /// The layout of the request's elements, without their bytes. (Copies check that each run lies
     /// in its buffer.)
-    fn plan(l: &KvLayout, blocks: &[Vec<u32>], n: u64) -> Image {
+    fn plan(l: &KvLayout, blocks: &[Vec<u32>], n: u64, whole: bool) -> Image {
         let elem = u64::from(l.model.head_dim) * l.model.dtype.size();
         let mut at: Vec<(usize, u64, u64)> = Vec::new();
-        for_each_element(l, blocks, n, |region, off, pos| at.push((region, off, pos)));
+        for_each_element(l, blocks, n, whole, |region, off, pos| at.push((region, off, pos)));
         at.sort_unstable();
         let mut runs: Vec<Run> = Vec::new();
         for (i, &(region, off, _)) in at.iter().enumerate() {
@@ -125,8 +138,8 @@ impl Image {
     }
 
     /// [`Image::plan`] with the expected bytes of request `seed`.
-    fn expected(l: &KvLayout, blocks: &[Vec<u32>], n: u64, seed: u64) -> Image {
-        let mut image = Image::plan(l, blocks, n);
+    fn expected(l: &KvLayout, blocks: &[Vec<u32>], n: u64, whole: bool, seed: u64) -> Image {
+        let mut image = Image::plan(l, blocks, n, whole);
         image.bytes = vec![0u8; image.positions.len() * image.elem];
         if image.elem > 0 {
             for (chunk, &pos) in image.bytes.chunks_exact_mut(image.elem).zip(&image.positions) {
@@ -184,7 +197,7 @@ pub fn fill(
     n: u64,
     seed: u64,
 ) -> Result<(), DeviceError> {
-    Image::expected(l, blocks, n, seed).write_runs(buffers)
+    Image::expected(l, blocks, n, false, seed).write_runs(buffers)
 }
 
 /// Outcome of [`verify`].
@@ -235,7 +248,7 @@ pub fn verify(
     n: u64,
     seed: u64,
 ) -> Result<Verified, DeviceError> {
-    Image::expected(l, blocks, n, seed).read_runs(buffers)
+    Image::expected(l, blocks, n, false, seed).read_runs(buffers)
 }
 
 /// Entries of one device scatter or gather at most (a table of 16 bytes each).
@@ -253,6 +266,8 @@ pub const SCRATCH_BYTES: u64 = 64 << 20;
 /// 8 bytes, say), it falls back to one copy per run ([`fill`], [`verify`]).
 pub struct Mover {
     staged: Option<(Box<dyn Stager>, Box<dyn Buffer>)>,
+    /// Fill and verify every slot of the blocks that hold a request ([`whole_tokens_of`]).
+    whole_blocks: bool,
 }
 
 impl std::fmt::Debug for Mover {
@@ -267,7 +282,7 @@ impl Mover {
     /// a memcpy). A device that offers a stager but cannot make one is an error.
     pub fn new(dev: &dyn Device) -> Result<Mover, DeviceError> {
         if dev.access() == Access::Cpu {
-            return Ok(Mover { staged: None });
+            return Ok(Mover { staged: None, whole_blocks: false });
         }
         Self::staged(dev)
     }
@@ -275,9 +290,16 @@ impl Mover {
     /// The mover that stages through `dev`'s stager whatever its memory (falls back to one copy per
     /// run only where the device has no stager).
     pub fn staged(dev: &dyn Device) -> Result<Mover, DeviceError> {
-        let Some(stager) = dev.stager(1, MAX_ENTRIES)? else { return Ok(Mover { staged: None }) };
+        let Some(stager) = dev.stager(1, MAX_ENTRIES)? else { return Ok(Mover { staged: None, whole_blocks: false }) };
         let scratch = dev.alloc(SCRATCH_BYTES)?;
-        Ok(Mover { staged: Some((stager, scratch)) })
+        Ok(Mover { staged: Some((stager, scratch)), whole_blocks: false })
+    }
+
+    /// This mover filling and verifying every slot of the blocks that hold a request
+    /// ([`whole_tokens_of`]) when `on`, only the request's tokens otherwise (the default).
+    pub fn whole_blocks(mut self, on: bool) -> Mover {
+        self.whole_blocks = on;
+        self
     }
 
     /// Whether requests move through a device stager.
@@ -306,7 +328,7 @@ impl Mover {
         n: u64,
         seed: u64,
     ) -> Result<(), DeviceError> {
-        let image = Image::expected(l, blocks, n, seed);
+        let image = Image::expected(l, blocks, n, self.whole_blocks, seed);
         let Some((stager, scratch, rounds)) = self.rounds(&image, buffers)? else {
             return image.write_runs(buffers);
         };
@@ -341,7 +363,7 @@ impl Mover {
         n: u64,
         seed: u64,
     ) -> Result<Verified, DeviceError> {
-        let image = Image::expected(l, blocks, n, seed);
+        let image = Image::expected(l, blocks, n, self.whole_blocks, seed);
         let Some((stager, scratch, rounds)) = self.rounds(&image, buffers)? else {
             return image.read_runs(buffers);
         };
@@ -445,7 +467,7 @@ mod tests {
         let elem = (u64::from(l.model.head_dim) * l.model.dtype.size()) as usize;
         let (mut got, mut want) = (vec![0u8; elem], vec![0u8; elem]);
         let mut bad = 0;
-        for_each_element(l, blocks, n, |region, off, pos| {
+        for_each_element(l, blocks, n, false, |region, off, pos| {
             buffers[region].read_at(off, &mut got).unwrap();
             position_bytes(seed, pos, &mut want);
             bad += u64::from(got != want);
@@ -521,7 +543,7 @@ mod tests {
         let t = Topology { layers: 5, kv_heads: 8, head_dim: 128, num_blocks: 300, ..Topology::default() };
         let (l, buffers) = worker_layout(&t, &dev, 0, 1, 16).unwrap();
         let blocks = vec![(10..266).collect::<Vec<u32>>()];
-        let image = Image::plan(&l, &blocks, 4096);
+        let image = Image::plan(&l, &blocks, 4096, false);
         assert!(image.positions.len() as u64 * 256 > SCRATCH_BYTES);
         assert!(rounds(DeviceKind::Mock, &image, &buffers).unwrap().unwrap().len() >= 2);
         let mut staged = Mover::staged(&dev).unwrap();
@@ -538,7 +560,7 @@ mod tests {
         // head_dim 4 in bf16: 8-byte elements; the last block's 5 tokens are 40 bytes.
         let (l, buffers) = worker_layout(&topology(BlockOrder::Hnd, 4), &dev, 0, 1, 16).unwrap();
         let blocks: Vec<Vec<u32>> = l.model.groups.iter().map(|_| vec![1, 7]).collect();
-        let image = Image::plan(&l, &blocks, 21);
+        let image = Image::plan(&l, &blocks, 21, false);
         assert!(rounds(DeviceKind::Mock, &image, &buffers).unwrap().is_none());
         let mut staged = Mover::staged(&dev).unwrap();
         // SAFETY: no transfer touches these buffers.
@@ -546,5 +568,19 @@ mod tests {
         assert_eq!(per_element(&l, &buffers, &blocks, 21, 1), 0);
         // SAFETY: as above.
         assert!(unsafe { staged.verify(&l, &buffers, &blocks, 21, 1) }.unwrap().ok());
+    }
+
+    #[test]
+    fn whole_tokens_are_the_blocks_that_hold_the_tokens() {
+        // 16-token blocks; group 0 full attention, group 1 a 64-token window.
+        let l = crate::layouts::small(0, 1);
+        assert_eq!(l.block_tokens, 16);
+        assert_eq!((tokens_of(&l, 0, 7, 100), whole_tokens_of(&l, 0, 7, 100)), (0..100, 0..112));
+        // The window starts at token 36, inside block 2 (32..48): its whole block moves.
+        assert_eq!((tokens_of(&l, 1, 7, 100), whole_tokens_of(&l, 1, 7, 100)), (36..100, 32..112));
+        // A prefix hit of 3 blocks: the list covers tokens 48.., already whole blocks at the start.
+        assert_eq!((tokens_of(&l, 0, 4, 100), whole_tokens_of(&l, 0, 4, 100)), (48..100, 48..112));
+        // Nothing listed: nothing, widened or not.
+        assert!(whole_tokens_of(&l, 0, 0, 100).is_empty());
     }
 }

@@ -196,6 +196,9 @@ pub struct WorkerSpec {
     /// P's engine setting for requests reported layer by layer ([`Topology::layerwise`]).
     #[arg(long, value_enum, default_value = "auto")]
     pub layerwise: super::LayerwiseFlag,
+    /// Fill and verify every slot of a request's blocks ([`Topology::whole_block_bytes`]).
+    #[arg(long)]
+    pub whole_block_bytes: bool,
 }
 
 impl WorkerSpec {
@@ -228,6 +231,7 @@ impl WorkerSpec {
             allocator: t.allocator,
             whole_blocks: t.whole_blocks,
             layerwise: t.layerwise,
+            whole_block_bytes: t.whole_block_bytes,
             lease_ms: 30_000,
             timeout_ms: 120_000,
             heartbeat_ms: 1_000,
@@ -271,6 +275,7 @@ impl WorkerSpec {
             allocator: self.allocator,
             whole_blocks: self.whole_blocks,
             layerwise: self.layerwise,
+            whole_block_bytes: self.whole_block_bytes,
         }
     }
 
@@ -313,6 +318,9 @@ impl WorkerSpec {
             v.push("--whole-blocks".into());
         }
         flag(&mut v, "layerwise", self.layerwise.as_str().into());
+        if self.whole_block_bytes {
+            v.push("--whole-block-bytes".into());
+        }
         v
     }
 }
@@ -1357,11 +1365,12 @@ impl WorkerState {
         let (res_tx, results) = unbounded();
         let ws = Arc::clone(&workers);
         let hdev = Arc::clone(&dev);
+        let whole = spec.whole_block_bytes;
         let helper = std::thread::Builder::new()
             .name(format!("kvpush-{role}-{}", if role == Role::Prefill { "fill" } else { "verify" }))
             .spawn(move || {
                 // Bulk copies (through the device for GPU memory), one mover per worker.
-                let mut movers = super::movers(hdev.as_ref(), ws.len());
+                let mut movers = super::movers(hdev.as_ref(), ws.len(), whole);
                 for (req, blocks, n, seed) in job_rx {
                     let mut total = pattern::Verified::default();
                     let mut res = Ok(());
