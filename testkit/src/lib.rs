@@ -1,7 +1,8 @@
 //! kvpush's test kit: the workload the demo plays (in one process over the loopback transport, or
 //! P and D as two processes over NIXL), deterministic KV contents and their verification, the one
 //! PRNG ([`rng`]), the shared layouts ([`layouts`]), host-memory engines ([`engines`]), the engine
-//! stress driver ([`stress`]) and the rule for tests whose prerequisites are missing ([`require`]).
+//! stress driver ([`stress`]), the fault suite ([`faults`]) and the rule for tests whose
+//! prerequisites are missing ([`require`]).
 //! Used by the `kvpush` command (`cli/`), the integration tests and the benches; never by the
 //! library itself.
 
@@ -9,6 +10,7 @@ pub mod child;
 pub mod corpus;
 pub mod demo;
 pub mod engines;
+pub mod faults;
 pub mod hostile;
 pub mod layouts;
 pub mod require;

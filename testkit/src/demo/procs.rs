@@ -733,6 +733,8 @@ pub(crate) struct Pair {
     pub(crate) p: WorkerProc,
     pub(crate) d: WorkerProc,
     rx: Receiver<(Role, Incoming)>,
+    /// The stream's sender, for a child started in place of one that died ([`Pair::respawn`]).
+    tx: Sender<(Role, Incoming)>,
 }
 
 impl Pair {
@@ -741,6 +743,27 @@ impl Pair {
             Role::Prefill => &mut self.p,
             Role::Decode => &mut self.d,
         }
+    }
+
+    /// The next line of either child as it came (a child's exit included), waiting up to `timeout`:
+    /// for a caller that kills a child on purpose and must see what the other says meanwhile.
+    pub(crate) fn recv(&mut self, timeout: Duration) -> Option<(Role, Incoming)> {
+        self.rx.recv_timeout(timeout).ok()
+    }
+
+    /// Starts `exe demo-worker <spec>` with `env` in place of the child of `spec.role` (which the
+    /// caller killed and reaped), its lines on the same stream.
+    pub(crate) fn respawn(
+        &mut self,
+        exe: &Path,
+        spec: &WorkerSpec,
+        env: &[(String, String)],
+        log: Option<LogFn>,
+    ) -> Result<(), ProcsError> {
+        let proc = WorkerProc::spawn(exe, spec, env, self.tx.clone(), log)
+            .map_err(|source| ProcsError::Spawn { role: spec.role, exe: exe.display().to_string(), source })?;
+        *self.proc(spec.role) = proc;
+        Ok(())
     }
 
     /// Closes both children's stdin and reaps them (killing one that lingers).
@@ -872,8 +895,7 @@ pub(crate) fn start_with(
     // Both start at once (engine and NIXL start-up overlap); a failure of either kills both.
     let p = spawn(Role::Prefill)?;
     let d = spawn(Role::Decode)?;
-    drop(tx);
-    let mut pair = Pair { p, d, rx };
+    let mut pair = Pair { p, d, rx, tx };
     let limit = Duration::from_secs(120);
     let (mut p_ports, mut d_ports) = (None, None);
     while p_ports.is_none() || d_ports.is_none() {
