@@ -173,6 +173,8 @@ pub enum Cond {
     PDone(u32),
     /// Worker 0 of that side has a transfer open on its endpoint.
     InFlight(Who),
+    /// No worker of that side has a transfer open (so a later `InFlight` is a new transfer's).
+    Idle(Who),
     /// P's worker 0 has seen at least this many registrations in all.
     PRegistrations(u64),
 }
@@ -538,6 +540,7 @@ impl Rig {
             Cond::DOut(a) => self.legs.get(&Key::new(id, a)).is_some_and(|l| l.d_out.iter().all(Option::is_some)),
             Cond::PDone(a) => self.legs.get(&Key::new(id, a)).is_some_and(|l| l.p_done),
             Cond::InFlight(who) => self.side(who)[0].transport.open_transfers() > 0,
+            Cond::Idle(who) => self.side(who).iter().all(|n| n.transport.open_transfers() == 0),
             Cond::PRegistrations(n) => {
                 self.p[0].engine().is_some_and(|e| e.stats().counters.registrations >= n)
             }

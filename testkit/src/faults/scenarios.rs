@@ -62,6 +62,8 @@ fn staged(p: &mut Params, slots: usize) {
 fn cut_while_delayed(opts: &Options, seed: u64, n: usize, mut p: Params, period: u64) -> Outcome {
     let mut rng = Rng::new(seed);
     p.max_delay = ms(200);
+    // Requests whose registration a cut swallowed wait for D's timeout: many at once keep it short.
+    p.concurrency = 128;
     let mut scripts = Vec::new();
     let cuts = (n / 40).max(2);
     let mut control = Vec::new();
@@ -95,6 +97,8 @@ pub fn w1_lost_side_channel(opts: &Options) -> Outcome {
                 "cut mid-WRITE",
                 tokens(&mut rng),
                 vec![
+                    // The previous request's WRITE, still held, must not pass for this one's.
+                    Step::Wait(Cond::Idle(Who::P)),
                     Step::DAlloc(1),
                     Step::Inject(Who::P, 0, Fault::Delay(ms(150))),
                     Step::PFinish(1),
