@@ -32,7 +32,9 @@ pub(crate) fn run(a: FaultsArgs) -> ExitCode {
         );
     };
     let report = faults::run(&opts, &progress);
-    println!("| scenario | requests | received | failed | corrupt blocks | leaked blocks | hung | quarantined max | s |");
+    println!(
+        "| scenario | requests | received | failed | corrupt blocks | leaked blocks | hung | quarantined max | s |"
+    );
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &report.scenarios {
         println!(

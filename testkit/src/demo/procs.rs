@@ -760,8 +760,11 @@ impl Pair {
         env: &[(String, String)],
         log: Option<LogFn>,
     ) -> Result<(), ProcsError> {
-        let proc = WorkerProc::spawn(exe, spec, env, self.tx.clone(), log)
-            .map_err(|source| ProcsError::Spawn { role: spec.role, exe: exe.display().to_string(), source })?;
+        let proc = WorkerProc::spawn(exe, spec, env, self.tx.clone(), log).map_err(|source| ProcsError::Spawn {
+            role: spec.role,
+            exe: exe.display().to_string(),
+            source,
+        })?;
         *self.proc(spec.role) = proc;
         Ok(())
     }

@@ -217,7 +217,9 @@ pub fn run(opts: &Options, progress: &dyn Fn(&ScenarioReport)) -> Report {
         let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| play(opts)));
         let mut line = match got {
             Ok(Ok(line)) => line,
-            Ok(Err(e)) => ScenarioReport { violations: 1, notes: vec![format!("did not run: {e}")], ..Default::default() },
+            Ok(Err(e)) => {
+                ScenarioReport { violations: 1, notes: vec![format!("did not run: {e}")], ..Default::default() }
+            }
             Err(p) => {
                 let msg = p
                     .downcast_ref::<String>()

@@ -78,7 +78,8 @@ impl Traffic {
             return Err(DemoError::Config("NIXL is not available: run `. scripts/nixl.sh` first".into()).into());
         }
         let t = topology();
-        let popts = ProcsOptions { exe: opts.exe.clone(), backend: "UCX".into(), log: opts.log.clone(), references: false };
+        let popts =
+            ProcsOptions { exe: opts.exe.clone(), backend: "UCX".into(), log: opts.log.clone(), references: false };
         let (pair, secret, p_ports, _) = procs::start_with(&t, Mode::Push, &popts, &tweak)?;
         Ok(Traffic {
             pair,
@@ -105,10 +106,8 @@ impl Traffic {
         let tokens = self.rng.between(16, 512);
         let key = Key::new(u128::from(self.rng.next()) << 64 | u128::from(req), 1);
         let seed = self.rng.next() >> 1;
-        self.pair.send(
-            Role::Decode,
-            &Command::Decode { req, key, tokens, seed, remote_blocks: None, hold_verify: false },
-        )?;
+        self.pair
+            .send(Role::Decode, &Command::Decode { req, key, tokens, seed, remote_blocks: None, hold_verify: false })?;
         self.pair.send(Role::Prefill, &Command::Prefill { req, key, tokens, seed, delay_ns: Some(0) })?;
         self.live.insert(req, Live { tokens, p_done: false, d_done: false, d_gone: false, at: Instant::now() });
         self.requests += 1;

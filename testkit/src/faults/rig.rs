@@ -27,8 +27,8 @@ use kvpush::device::host::HostDevice;
 use kvpush::device::{Buffer, Device};
 use kvpush::engine::side::{SideChannel, SideConfig};
 use kvpush::engine::{Config, Engine, Finished, Staging};
-use kvpush::proto::layout::KvLayout;
 use kvpush::proto::codec;
+use kvpush::proto::layout::KvLayout;
 use kvpush::proto::msg::{blocks_for, Completion, Message};
 use kvpush::proto::rendezvous::ReleaseReason;
 use kvpush::proto::{Key, Mode};
@@ -142,8 +142,9 @@ impl Node {
         // returned node, which drops its engine first (field order). Precondition 2: the rig reuses,
         // reads or rewrites a request's blocks only after the outcome that frees them (the Scribbler
         // is given blocks from `Rig::on_p` / `Rig::on_d` only) or after the engine was shut down.
-        let engine = unsafe { Engine::new(params.config(engine_id), layout.clone(), dev, transport.clone(), side.clone()) }
-            .expect("engine starts");
+        let engine =
+            unsafe { Engine::new(params.config(engine_id), layout.clone(), dev, transport.clone(), side.clone()) }
+                .expect("engine starts");
         side.serve(engine.endpoint());
         Node { engine: Some(engine), side, transport, layout, buffers }
     }
@@ -541,9 +542,7 @@ impl Rig {
             Cond::PDone(a) => self.legs.get(&Key::new(id, a)).is_some_and(|l| l.p_done),
             Cond::InFlight(who) => self.side(who)[0].transport.open_transfers() > 0,
             Cond::Idle(who) => self.side(who).iter().all(|n| n.transport.open_transfers() == 0),
-            Cond::PRegistrations(n) => {
-                self.p[0].engine().is_some_and(|e| e.stats().counters.registrations >= n)
-            }
+            Cond::PRegistrations(n) => self.p[0].engine().is_some_and(|e| e.stats().counters.registrations >= n),
         }
     }
 
@@ -590,8 +589,14 @@ impl Rig {
                 return false;
             };
             for node in &self.p {
-                pattern::fill(&node.layout, &node.buffers, &[f.clone()], tokens.min(f.len() as u64 * 16), 0x0bad)
-                    .expect("another request's KV");
+                pattern::fill(
+                    &node.layout,
+                    &node.buffers,
+                    std::slice::from_ref(&f),
+                    tokens.min(f.len() as u64 * 16),
+                    0x0bad,
+                )
+                .expect("another request's KV");
             }
             Some(f)
         } else {
@@ -600,7 +605,8 @@ impl Rig {
         if prefix > 0 {
             // The prefix D already holds: the request's own KV, as a prefix cache keeps it.
             for node in &self.d {
-                pattern::fill(&node.layout, &node.buffers, &[ids.clone()], tokens, seed_of(key)).expect("prefix");
+                pattern::fill(&node.layout, &node.buffers, std::slice::from_ref(&ids), tokens, seed_of(key))
+                    .expect("prefix");
             }
         }
         let mode = self.params.mode;
@@ -808,7 +814,8 @@ impl Rig {
             self.received += 1;
             let mut wrong = false;
             for n in &self.d {
-                let v = pattern::verify(&n.layout, &n.buffers, &[blocks.clone()], tokens, seed_of(key)).expect("read");
+                let v = pattern::verify(&n.layout, &n.buffers, std::slice::from_ref(&blocks), tokens, seed_of(key))
+                    .expect("read");
                 wrong |= !v.ok();
             }
             if wrong {
