@@ -54,7 +54,7 @@ fn staged(p: &mut Params, slots: usize) {
     p.staging = crate::stress::small_staging(slots);
 }
 
-/// Requests whose WRITEs are delayed, D registered first, while a control script cuts the side
+/// Requests, a third of whose WRITEs are delayed, D registered first, while a control script cuts the side
 /// channel and restores it every `period` ms. On a cut D fails its requests at once and P releases
 /// the sources; the delayed WRITEs still land (the data path is not the side channel): into D's
 /// blocks, already reused and canaried, unless D holds them until the data path said nothing more
@@ -71,15 +71,16 @@ fn cut_while_delayed(opts: &Options, seed: u64, n: usize, mut p: Params, period:
         control.extend([Step::Sleep(ms(period)), Step::Cut, Step::Sleep(ms(20)), Step::Reconnect]);
     }
     scripts.push(Script::new("control", 0, control));
-    for _ in 0..opts.n(n) {
+    for i in 0..opts.n(n) {
         let t = tokens(&mut rng);
-        let delay = ms(rng.between(20, 200));
-        let w = rng.below(u64::from(p.p_tp)) as usize;
-        scripts.push(Script::new(
-            "delayed",
-            t,
-            vec![Step::DAlloc(1), Step::Inject(Who::P, w, Fault::Delay(delay)), nap(&mut rng, 2), Step::PFinish(1)],
-        ));
+        let mut steps = vec![Step::DAlloc(1)];
+        // A third of the WRITEs are held (and hold back those queued behind them on their pair).
+        if i % 3 == 0 {
+            let w = rng.below(u64::from(p.p_tp)) as usize;
+            steps.push(Step::Inject(Who::P, w, Fault::Delay(ms(rng.between(20, 200)))));
+        }
+        steps.extend([nap(&mut rng, 2), Step::PFinish(1)]);
+        scripts.push(Script::new("delayed", t, steps));
     }
     play(p, scripts, Duration::from_secs(120))
 }
