@@ -299,6 +299,8 @@ pub struct Rig {
     late: u64,
     quarantined_max: u64,
     waits_given_up: Vec<String>,
+    /// The first few distinct reasons D gave for failures, for the report.
+    reasons: Vec<String>,
     /// Raw connections held open to P's side channel (a slow handshake, vLLM S2).
     pub stalled: Vec<TcpStream>,
     _fabric: Fabric,
@@ -340,6 +342,7 @@ impl Rig {
             late: 0,
             quarantined_max: 0,
             waits_given_up: Vec::new(),
+            reasons: Vec::new(),
             stalled: Vec::new(),
             _fabric: fabric,
             started: Instant::now(),
@@ -728,7 +731,13 @@ impl Rig {
             match (side, f) {
                 (0, Finished::Sent { key, reason }) => self.on_p(w, key, reason),
                 (1, Finished::Received { key }) => self.on_d(w, key, DOut::Received),
-                (1, Finished::Failed { key, .. }) => self.on_d(w, key, DOut::Failed),
+                (1, Finished::Failed { key, reason, .. }) => {
+                    let head: String = reason.chars().take(24).collect();
+                    if self.reasons.len() < 3 && !self.reasons.iter().any(|r| r.starts_with(&head)) {
+                        self.reasons.push(reason);
+                    }
+                    self.on_d(w, key, DOut::Failed)
+                }
                 (1, Finished::Ended { key }) => self.on_d(w, key, DOut::Ended),
                 (2, Finished::Received { key }) => self.on_x(key, DOut::Received),
                 (2, Finished::Failed { key, .. }) => self.on_x(key, DOut::Failed),
@@ -903,6 +912,7 @@ impl Rig {
             notes.push(format!("{n} waits gave up after 5 s, e.g. {:?}", &self.waits_given_up[..n.min(3)]));
         }
         notes.extend(self.violations.iter().take(8).cloned());
+        notes.extend(self.reasons.iter().map(|r| format!("D failed, e.g.: {r}")));
         ScenarioReport {
             name: name.to_owned(),
             requests: self.requests,

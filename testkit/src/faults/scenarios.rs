@@ -62,8 +62,6 @@ fn staged(p: &mut Params, slots: usize) {
 fn cut_while_delayed(opts: &Options, seed: u64, n: usize, mut p: Params, period: u64) -> Outcome {
     let mut rng = Rng::new(seed);
     p.max_delay = ms(200);
-    // Requests whose registration a cut swallowed wait for D's timeout: many at once keep it short.
-    p.concurrency = 128;
     let mut scripts = Vec::new();
     let cuts = (n / 40).max(2);
     let mut control = Vec::new();
@@ -116,11 +114,14 @@ pub fn w1_lost_side_channel(opts: &Options) -> Outcome {
 }
 
 /// Window 2: as window 1 under load with staging on (two slots): D's staging receiver frees its
-/// slots on the cut while P's pieces into them are still on the wire.
+/// slots on the cut while P's pieces into them are still on the wire, and grants them again to
+/// requests served between cuts (every 400 ms), whose received bytes are checked.
 pub fn w2_staged_slots(opts: &Options) -> Outcome {
     let mut p = Params::new(Mode::Push, 1, 1);
     staged(&mut p, 2);
-    cut_while_delayed(opts, 0xf2, 400, p, 150)
+    // Few at once: staged pieces through two slots are slow, and requests should end between cuts.
+    p.concurrency = 8;
+    cut_while_delayed(opts, 0xf2, 400, p, 400)
 }
 
 /// Window 3: D aborts while P's staged pieces queue behind a delayed one; the drain timeout (150
@@ -292,7 +293,10 @@ pub fn w10_no_silent_hang(opts: &Options) -> Outcome {
 
 /// The side channel cut every 100 ms under load while WRITEs are delayed, P and D with two workers.
 pub fn cut_under_load(opts: &Options) -> Outcome {
-    cut_while_delayed(opts, 0xc07, 800, Params::new(Mode::Push, 2, 2), 100)
+    let mut p = Params::new(Mode::Push, 2, 2);
+    // Requests whose registration a cut swallowed wait for D's timeout: many at once keep it short.
+    p.concurrency = 128;
+    cut_while_delayed(opts, 0xc07, 800, p, 100)
 }
 
 /// D registers late (0 to 400 ms after P finished) with a 150 ms lease: many registrations come
