@@ -193,6 +193,10 @@ pub struct WorkerSpec {
     /// ([`Topology::whole_blocks`]).
     #[arg(long)]
     pub whole_blocks: bool,
+    /// P overwrites a request's blocks the moment its engine released them (the fault suite's
+    /// Scribbler), so that a transfer still reading them delivers other bytes, which D's check sees.
+    #[arg(long)]
+    pub scribble: bool,
 }
 
 impl WorkerSpec {
@@ -232,6 +236,7 @@ impl WorkerSpec {
             host: "127.0.0.1".into(),
             backend: "UCX".into(),
             engine_id: None,
+            scribble: false,
         }
     }
 
@@ -306,6 +311,9 @@ impl WorkerSpec {
         }
         if self.whole_blocks {
             v.push("--whole-blocks".into());
+        }
+        if self.scribble {
+            v.push("--scribble".into());
         }
         v
     }
@@ -1715,6 +1723,19 @@ impl WorkerState {
         }
     }
 
+    /// P (`--scribble`): overwrites released blocks with the request's contents under another seed.
+    fn scribble(&mut self, blocks: &BlockLists, tokens: u64, seed: u64) {
+        let mut failed = None;
+        for w in self.workers.iter() {
+            if let Err(e) = pattern::fill(w.engine.layout(), &w.buffers, blocks, tokens, !seed) {
+                failed = Some(format!("scribble: {e}"));
+            }
+        }
+        if let Some(m) = failed {
+            self.error(m);
+        }
+    }
+
     /// D: every worker reported the request; verify it or report the failure.
     fn d_outcome(&mut self, req: u64) {
         let at_us = child::now_us();
@@ -1847,6 +1868,9 @@ impl WorkerState {
                 if r.released == workers {
                     let r = self.reqs.remove(&req).expect("present");
                     self.by_key.remove(&key);
+                    if self.spec.scribble {
+                        self.scribble(&r.blocks, r.tokens, r.seed);
+                    }
                     self.pool.give(r.blocks.into_iter().flatten());
                     self.out.emit(&Event::Sent {
                         req,

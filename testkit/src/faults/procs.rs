@@ -4,9 +4,11 @@
 //!
 //! Read [`Traffic`]: it keeps `concurrency` requests in flight (D registers first, so P's WRITE
 //! starts the moment its prefill ends), tracks both legs of each and, at the end, asks both
-//! children for their block pools. The D child checks every byte of a received request before it
-//! frees the blocks, and its pool is LIFO, so a WRITE of an older request that lands in a reused
-//! block after D freed it corrupts the next request there and is caught by that request's check.
+//! children for their block pools. The P child overwrites a request's blocks the moment its engine
+//! releases them (`--scribble`), so a WRITE that still reads them delivers other bytes. The D child
+//! checks every byte of a received request before it frees the blocks, and its pool hands out the
+//! lowest free ids first, so a WRITE of an older request that lands in a reused block after D freed
+//! it corrupts the next request there and is caught by that request's check.
 //! Corrupt blocks are the blocks of requests received wrong; leaked blocks are blocks missing from a
 //! child's pool at the end; hung requests are legs without an outcome within the outcome limit
 //! (the legs a killed process held died with it and owe nothing).
@@ -30,13 +32,14 @@ use crate::rng::Rng;
 const OUTCOME_LIMIT: Duration = Duration::from_secs(20);
 
 /// The children's flags: short peer timeout and heartbeats, leases and timeouts well under the
-/// outcome limit.
+/// outcome limit, and P's Scribbler (its sources overwritten the moment they are released).
 fn tweak(s: &mut WorkerSpec) {
     s.lease_ms = 5_000;
     s.timeout_ms = 5_000;
     s.heartbeat_ms = 200;
     s.peer_timeout_ms = 1_000;
     s.handshake_timeout_ms = 5_000;
+    s.scribble = true;
 }
 
 fn topology() -> Topology {
