@@ -49,6 +49,9 @@ cargo run --release --quiet -p kvpush-cli -- demo --requests 40 --quiet --json t
 step "hostile probe: the P/D pair attacked from separate processes (scripts/hostile.sh; ~75 s)"
 ./scripts/hostile.sh --json target/hostile-ci.json
 
+step "fault suite, CI setting: every scenario, a tenth of the requests (scripts/faults.sh --ci)"
+./scripts/faults.sh --ci --json target/faults-ci.json
+
 step "Python: vLLM (CPU build), NIXL wheels, test tools (scripts/python.sh; cached in .cache/)"
 # shellcheck source=scripts/python.sh
 . scripts/python.sh

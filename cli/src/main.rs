@@ -1,6 +1,7 @@
 //! The `kvpush` command: `kvpush demo` runs the main job (see `kvpush --help`).
 
 mod doctor;
+mod faults;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -37,6 +38,9 @@ enum Command {
     /// One attacker process of `kvpush hostile` (internal).
     #[command(hide = true)]
     HostileAttack(kvpush_testkit::hostile::attack::AttackArgs),
+    /// Play every scenario of the fault suite (issue 16) and report corrupt, leaked and hung blocks
+    /// and requests per scenario (scripts/faults.sh; docs/reliability.md).
+    Faults(faults::FaultsArgs),
     /// Serve an OpenAI-compatible P/D router in front of prefill and decode servers: in push mode it sends
     /// both legs of every request at once (docs/router.md).
     Router(kvpush_router::RouterArgs),
@@ -260,6 +264,7 @@ fn main() -> ExitCode {
             Err(_) => ExitCode::FAILURE,
         },
         Command::Hostile(a) => hostile_cmd(a),
+        Command::Faults(a) => faults::run(a),
         Command::Demo(args) => match demo_cmd(args) {
             Ok(code) => code,
             Err(e) => {
@@ -273,15 +278,7 @@ fn main() -> ExitCode {
 /// `kvpush hostile`: one line per attack as it ends, the table, the JSON; exit 1 if a target is missed.
 fn hostile_cmd(a: HostileArgs) -> ExitCode {
     use kvpush_testkit::hostile::{self, AttackReport};
-    let exe = match std::env::current_exe() {
-        Ok(e) => e,
-        Err(e) => {
-            eprintln!("kvpush hostile: cannot find this executable: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let log: Option<kvpush_testkit::child::LogFn> =
-        if a.verbose { None } else { Some(std::sync::Arc::new(|_: &str| {})) };
+    let Some((exe, log)) = children("kvpush hostile", a.verbose) else { return ExitCode::FAILURE };
     let opts = hostile::Options { exe, connections: a.connections, rounds: a.rounds, log };
     let progress = |r: &AttackReport| {
         eprintln!(
@@ -307,15 +304,8 @@ fn hostile_cmd(a: HostileArgs) -> ExitCode {
     let t = &report.totals;
     println!("| **total** | {} | {} | ({}) | | |", t.attempts, t.accepted, t.served_failed);
     if let Some(path) = &a.json {
-        let text = match serde_json::to_string_pretty(&report) {
-            Ok(s) => s,
-            Err(e) => {
-                eprintln!("kvpush hostile: {e}");
-                return ExitCode::FAILURE;
-            }
-        };
-        if let Err(e) = std::fs::write(path, text + "\n") {
-            eprintln!("kvpush hostile: cannot write {}: {e}", path.display());
+        if let Err(e) = write_json(path, &report) {
+            eprintln!("kvpush hostile: {e}");
             return ExitCode::FAILURE;
         }
     }
@@ -480,4 +470,27 @@ fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Writes `report` as pretty JSON (and a newline) to `path`; the error says which file.
+fn write_json(path: &std::path::Path, report: &impl serde::Serialize) -> std::io::Result<()> {
+    let text = serde_json::to_string_pretty(report).map_err(std::io::Error::other)?;
+    std::fs::write(path, text + "\n")
+        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot write {}: {e}", path.display())))
+}
+
+/// This executable (children run it) and where their log lines go (dropped unless `verbose`);
+/// `None` after saying why on stderr, prefixed with `cmd`.
+fn children(cmd: &str, verbose: bool) -> Option<(PathBuf, Option<kvpush_testkit::child::LogFn>)> {
+    match std::env::current_exe() {
+        Ok(exe) => {
+            let log: Option<kvpush_testkit::child::LogFn> =
+                if verbose { None } else { Some(std::sync::Arc::new(|_: &str| {})) };
+            Some((exe, log))
+        }
+        Err(e) => {
+            eprintln!("{cmd}: cannot find this executable: {e}");
+            None
+        }
+    }
 }

@@ -1,8 +1,8 @@
 //! kvpush's test kit: the workload the demo plays (in one process over the loopback transport, or
 //! P and D as two processes over NIXL), deterministic KV contents and their verification, the one
 //! PRNG ([`rng`]), the shared layouts ([`layouts`]), host-memory engines ([`engines`]), the engine
-//! stress driver ([`stress`]), the fake libnrt ([`neuron_fake`]) and the rule for tests whose
-//! prerequisites are missing ([`require`]).
+//! stress driver ([`stress`]), the fault suite ([`faults`]), the fake libnrt ([`neuron_fake`]) and the
+//! rule for tests whose prerequisites are missing ([`require`]).
 //! Used by the `kvpush` command (`cli/`), the integration tests and the benches; never by the
 //! library itself.
 
@@ -11,6 +11,7 @@ pub mod child;
 pub mod corpus;
 pub mod demo;
 pub mod engines;
+pub mod faults;
 pub mod hostile;
 pub mod layouts;
 pub mod neuron_fake;

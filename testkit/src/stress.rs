@@ -38,6 +38,7 @@ use kvpush::proto::msg::blocks_for;
 use kvpush::proto::rendezvous::{ReleaseReason, RendezvousConfig};
 use kvpush::proto::{Key, Mode};
 use kvpush::transport::loopback::{Fabric, Fault};
+use kvpush::transport::staged::{PathChoice, StagingConfig};
 
 use crate::demo::pattern;
 use crate::engines::{self, Worker};
@@ -171,6 +172,22 @@ impl Cluster {
             })
             .count()
     }
+}
+
+/// Staging always on, in `slots` small slots (8 KiB, 16 entries of at most 1 KiB), so that every
+/// WRITE of the small test layouts goes through the slots in several pieces.
+pub fn small_staging(slots: usize) -> Staging {
+    Staging::On(StagingConfig {
+        slots,
+        slot_bytes: 8192,
+        max_entries: 16,
+        max_entry_bytes: 1024,
+        min_descs: 1,
+        max_mean_desc: u64::MAX,
+        stall_timeout: Duration::from_secs(10),
+        quarantine: Duration::from_secs(120),
+        choice: PathChoice::Always,
+    })
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ use kvpush::engine::{Finished, LocalHub, Staging};
 use kvpush::proto::rendezvous::ReleaseReason;
 use kvpush::proto::{Key, Mode};
 use kvpush::transport::loopback::{Fabric, Fault, FaultRates};
-use kvpush::transport::staged::{PathChoice, StagingConfig};
+use kvpush::transport::staged::PathChoice;
 use kvpush_testkit::demo::pattern;
 use kvpush_testkit::engines::{self, poll_until, wait_for};
 use kvpush_testkit::rng::Rng;
@@ -783,17 +783,7 @@ fn consumer_abort_while_another_producer_writes_keeps_reused_blocks_intact() {
 // request, slots reused constantly), under load, aborts and faults.
 
 pub(crate) fn staged(mut s: Setup) -> Setup {
-    s.staging = Staging::On(StagingConfig {
-        slots: 2,
-        slot_bytes: 8192,
-        max_entries: 16,
-        max_entry_bytes: 1024,
-        min_descs: 1,
-        max_mean_desc: u64::MAX,
-        stall_timeout: Duration::from_secs(10),
-        quarantine: Duration::from_secs(120),
-        choice: PathChoice::Always,
-    });
+    s.staging = kvpush_testkit::stress::small_staging(2);
     s
 }
 

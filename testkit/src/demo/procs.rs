@@ -199,6 +199,10 @@ pub struct WorkerSpec {
     /// Fill and verify every slot of a request's blocks ([`Topology::whole_block_bytes`]).
     #[arg(long)]
     pub whole_block_bytes: bool,
+    /// P overwrites a request's blocks the moment its engine released them (the fault suite's
+    /// Scribbler), so that a transfer still reading them delivers other bytes, which D's check sees.
+    #[arg(long)]
+    pub scribble: bool,
 }
 
 impl WorkerSpec {
@@ -240,6 +244,7 @@ impl WorkerSpec {
             host: "127.0.0.1".into(),
             backend: "UCX".into(),
             engine_id: None,
+            scribble: false,
         }
     }
 
@@ -320,6 +325,9 @@ impl WorkerSpec {
         flag(&mut v, "layerwise", self.layerwise.as_str().into());
         if self.whole_block_bytes {
             v.push("--whole-block-bytes".into());
+        }
+        if self.scribble {
+            v.push("--scribble".into());
         }
         v
     }
@@ -770,6 +778,8 @@ pub(crate) struct Pair {
     pub(crate) p: WorkerProc,
     pub(crate) d: WorkerProc,
     rx: Receiver<(Role, Incoming)>,
+    /// The stream's sender, for a child started in place of one that died ([`Pair::respawn`]).
+    tx: Sender<(Role, Incoming)>,
 }
 
 impl Pair {
@@ -778,6 +788,30 @@ impl Pair {
             Role::Prefill => &mut self.p,
             Role::Decode => &mut self.d,
         }
+    }
+
+    /// The next line of either child as it came (a child's exit included), waiting up to `timeout`:
+    /// for a caller that kills a child on purpose and must see what the other says meanwhile.
+    pub(crate) fn recv(&mut self, timeout: Duration) -> Option<(Role, Incoming)> {
+        self.rx.recv_timeout(timeout).ok()
+    }
+
+    /// Starts `exe demo-worker <spec>` with `env` in place of the child of `spec.role` (which the
+    /// caller killed and reaped), its lines on the same stream.
+    pub(crate) fn respawn(
+        &mut self,
+        exe: &Path,
+        spec: &WorkerSpec,
+        env: &[(String, String)],
+        log: Option<LogFn>,
+    ) -> Result<(), ProcsError> {
+        let proc = WorkerProc::spawn(exe, spec, env, self.tx.clone(), log).map_err(|source| ProcsError::Spawn {
+            role: spec.role,
+            exe: exe.display().to_string(),
+            source,
+        })?;
+        *self.proc(spec.role) = proc;
+        Ok(())
     }
 
     /// Closes both children's stdin and reaps them (killing one that lingers).
@@ -909,8 +943,7 @@ pub(crate) fn start_with(
     // Both start at once (engine and NIXL start-up overlap); a failure of either kills both.
     let p = spawn(Role::Prefill)?;
     let d = spawn(Role::Decode)?;
-    drop(tx);
-    let mut pair = Pair { p, d, rx };
+    let mut pair = Pair { p, d, rx, tx };
     let limit = Duration::from_secs(120);
     let (mut p_ports, mut d_ports) = (None, None);
     while p_ports.is_none() || d_ports.is_none() {
@@ -1777,6 +1810,19 @@ impl WorkerState {
         }
     }
 
+    /// P (`--scribble`): overwrites released blocks with the request's contents under another seed.
+    fn scribble(&mut self, blocks: &BlockLists, tokens: u64, seed: u64) {
+        let mut failed = None;
+        for w in self.workers.iter() {
+            if let Err(e) = pattern::fill(w.engine.layout(), &w.buffers, blocks, tokens, !seed) {
+                failed = Some(format!("scribble: {e}"));
+            }
+        }
+        if let Some(m) = failed {
+            self.error(m);
+        }
+    }
+
     /// D: every worker reported the request; verify it or report the failure.
     fn d_outcome(&mut self, req: u64) {
         let at_us = child::now_us();
@@ -1944,6 +1990,9 @@ impl WorkerState {
                 if r.released == workers {
                     let r = self.reqs.remove(&req).expect("present");
                     self.by_key.remove(&key);
+                    if self.spec.scribble {
+                        self.scribble(&r.blocks, r.tokens, r.seed);
+                    }
                     self.pool.give(r.blocks.into_iter().flatten());
                     self.out.emit(&Event::Sent {
                         req,
