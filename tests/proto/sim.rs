@@ -129,6 +129,7 @@ fn params() -> impl Strategy<Value = Params> {
                         tombstone_us: tomb,
                         max_tombstones: max_tombs,
                         max_waiting_bytes_per_engine: usize::MAX,
+                        max_engines_per_key: 4,
                     },
                     completion: CompletionConfig {
                         timeout_us: d_timeout,
@@ -772,6 +773,7 @@ fn fixed(d_ranks: u16) -> Params {
             tombstone_us: 5_000,
             max_tombstones: 64,
             max_waiting_bytes_per_engine: usize::MAX,
+            max_engines_per_key: 4,
         },
         completion: CompletionConfig { timeout_us: 3_000, max_pending: UNBOUNDED, drain_timeout_us: 3_000 },
         net_us: (10, 10),
@@ -964,6 +966,7 @@ fn a_forgotten_tombstone_does_not_revive_a_draining_attempt() {
             tombstone_us: 0,
             max_tombstones: 1,
             max_waiting_bytes_per_engine: usize::MAX,
+            max_engines_per_key: 4,
         },
         completion: CompletionConfig { timeout_us: 300, max_pending: UNBOUNDED, drain_timeout_us: 300 },
         net_us: (0, 0),
