@@ -377,9 +377,9 @@ impl Writer {
     fn handle(&mut self, cmd: Cmd) {
         let now = self.now();
         match cmd {
-            Cmd::BlocksReady { key, blocks } => {
+            Cmd::BlocksReady { key, blocks, consumer } => {
                 timeline::record("eng_blocks_ready", key);
-                self.rdv.handle_blocks_ready(now, key, blocks);
+                self.rdv.handle_blocks_ready_for(now, key, blocks, consumer);
                 if self.feeds_no_consumer() {
                     // With more TP ranks than KV heads some ranks write nothing into any known
                     // consumer: release at once instead of holding the blocks for the lease.
