@@ -234,8 +234,8 @@ class _Recorder:
         self.calls: list[tuple[Any, ...]] = []
         self.outcomes: list[tuple[Any, ...]] = []
 
-    def request_finished(self, *args: Any) -> None:
-        self.calls.append(("request_finished", *args))
+    def request_finished(self, *args: Any, consumer_engine_id: str | None = None) -> None:
+        self.calls.append(("request_finished", *args, consumer_engine_id))
 
     def blocks_allocated(self, *args: Any) -> None:
         self.calls.append(("blocks_allocated", *args))
@@ -254,12 +254,12 @@ def test_worker_expands_vllm_block_ids_to_kernel_blocks_and_back() -> None:
     w.stats, w.load_errors, w._pending_sent, w._pending_failed = kvv.KVPushStats(), set(), set(), {}
     p_key, d_key = "1" * 32, "2" * 32
     meta = kvv.KVPushMetadata(
-        finished=[kvv.Finished("p-req", p_key, 1, [[2, 0]], 128)],
+        finished=[kvv.Finished("p-req", p_key, 1, [[2, 0]], 128, "decode-1")],
         receives=[kvv.Receive("d-req", d_key, 1, "prefill-0", "10.0.0.1", 5600, 1, [[5]], 64)],
     )
     w.start_load_kv(meta)
     assert w.native.calls == [
-        ("request_finished", p_key, 1, [[8, 9, 10, 11, 0, 1, 2, 3]], 128),
+        ("request_finished", p_key, 1, [[8, 9, 10, 11, 0, 1, 2, 3]], 128, "decode-1"),
         ("blocks_allocated", d_key, 1, "prefill-0", "10.0.0.1", 5600, 1, [[20, 21, 22, 23]], 64),
     ]
     # A failure names kernel blocks; vLLM is told its own block.
