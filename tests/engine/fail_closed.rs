@@ -189,7 +189,7 @@ fn an_intruder_registering_first_gets_nothing_when_p_names_the_consumer() {
     poll_until("P sees D", LIMIT, || p.engine.stats().counters.registrations, |n| *n == 2);
     let seed = 0x5eed;
     pattern::fill(p.engine.layout(), &p.buffers, &blocks, tokens, seed).expect("prefill");
-    p.engine.request_finished_for(key, blocks.clone(), tokens, None).expect("finished");
+    p.engine.request_finished_for(key, blocks.clone(), tokens, Some(D_ENGINE)).expect("finished");
     wait_for(&d.engine, "D receives", LIMIT, |f| matches!(f, Finished::Received { key: k } if *k == key));
     let v = pattern::verify(d.engine.layout(), &d.buffers, &blocks, tokens, seed).expect("reads");
     assert!(v.ok(), "received but wrong: {v:?}");
