@@ -177,7 +177,12 @@ void push(Worker &p, Worker &d, const std::string &producer, int count, std::uin
     p_ids.push_back(pb);
     d_ids.push_back(db);
     d.engine.blocks_allocated(keys[r], producer, {db}, tokens[r]);
-    p.engine.request_finished(keys[r], {pb}, tokens[r]);
+    // Odd requests name their consumer (every D here is engine "decode"): served the same.
+    if (r % 2) {
+      p.engine.request_finished(keys[r], {pb}, tokens[r], "decode");
+    } else {
+      p.engine.request_finished(keys[r], {pb}, tokens[r]);
+    }
   }
   auto sent = wait_for(p.engine, count);
   auto received = wait_for(d.engine, count);
