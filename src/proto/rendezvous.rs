@@ -535,6 +535,9 @@ impl Rendezvous {
                     self.actions.push_back(Action::Fail { key, target, kind: FailureKind::Refused });
                 } else {
                     if !known {
+                        // Another engine's registration came first: this engine's registrations
+                        // wait their own registration timeout, no longer and no shorter (see
+                        // `expire_engines`).
                         self.stats.contended += 1;
                     }
                     w.registrations.push((registration, now, fan_out));
@@ -613,7 +616,7 @@ impl Rendezvous {
                 },
                 _ => false,
             };
-            if live {
+            if live && !self.expire_engines(now, key) {
                 self.stats.expired += 1;
                 self.end(now, key, ReleaseReason::LeaseExpired, FailureKind::LeaseExpired);
             }
@@ -664,6 +667,45 @@ impl Rendezvous {
             return Some((t.kind, served(&t.served)));
         }
         self.draining.get(&key).map(|d| (d.kind, served(&d.served)))
+    }
+
+    /// Registrations of several engines wait for `key`'s prefill and the deadline passed: each engine's
+    /// registrations expire at its first registration's timeout, so one engine (an intruder) can make
+    /// another wait neither longer nor shorter than its own timeout. Fails the engines that are due
+    /// and re-arms for the rest; `false` (nothing changed) when every engine is due (the attempt
+    /// ends) or `key` is not waiting for blocks.
+    fn expire_engines(&mut self, now: Instant, key: Key) -> bool {
+        let timeout = self.config.registration_timeout_us;
+        if !matches!(self.entries.get(&key.transfer_id), Some(Entry { slot: Slot::AwaitingBlocks(_), .. })) {
+            return false;
+        }
+        let Some(Entry { attempt, slot: Slot::AwaitingBlocks(mut w) }) = self.entries.remove(&key.transfer_id) else {
+            return false; // just checked
+        };
+        let mut firsts: HashMap<&str, Instant> = HashMap::new();
+        for (r, at, _) in &w.registrations {
+            firsts.entry(r.engine_id()).or_insert(*at);
+        }
+        let due: Vec<String> =
+            firsts.iter().filter(|(_, at)| at.plus_micros(timeout) <= now).map(|(e, _)| (*e).to_owned()).collect();
+        let next = firsts.values().map(|at| at.plus_micros(timeout)).filter(|d| *d > now).min();
+        let Some(next) = next.filter(|_| due.len() < firsts.len()) else {
+            self.entries.insert(key.transfer_id, Entry { attempt, slot: Slot::AwaitingBlocks(w) });
+            return false;
+        };
+        let (gone, kept): (Vec<_>, Vec<_>) =
+            w.registrations.into_iter().partition(|(r, _, _)| due.iter().any(|e| e == r.engine_id()));
+        for (r, _, _) in gone {
+            self.refund(&r);
+            self.stats.expired += 1;
+            let target = Target { engine: r.engine_id().to_owned(), rank: r.rank() };
+            self.actions.push_back(Action::Fail { key, target, kind: FailureKind::LeaseExpired });
+        }
+        w.registrations = kept;
+        w.deadline = next;
+        self.arm(next, key);
+        self.entries.insert(key.transfer_id, Entry { attempt, slot: Slot::AwaitingBlocks(w) });
+        true
     }
 
     /// Charges `r` to its engine's waiting bytes; `false` (counted, nothing charged) past the budget.
@@ -978,6 +1020,31 @@ mod tests {
             r.handle_registration(t(11), reg_from("intruder", 8), 1);
             expect_fail(&mut r, key, &intruder(), FailureKind::Refused);
         }
+    }
+
+    /// Each engine's registrations wait their own registration timeout: an intruder registering
+    /// first neither cuts D's wait short nor (registering later) stretches it.
+    #[test]
+    fn each_engine_waits_its_own_registration_timeout() {
+        let key = Key::new(10, 1);
+        let mut r = rdv();
+        r.handle_registration(t(0), reg_from("intruder", 10), 1);
+        r.handle_registration(t(100), reg(10, 1), 1);
+        r.handle_timeout(t(REG_TIMEOUT));
+        expect_fail(&mut r, key, &intruder(), FailureKind::LeaseExpired);
+        assert_eq!(r.poll_timeout(), Some(t(100 + REG_TIMEOUT)));
+        r.handle_blocks_ready_for(t(REG_TIMEOUT + 50), key, blocks(100), Some("d".into()));
+        expect_transfer(&mut r, key, &target(0), Order::RegistrationFirst, REG_TIMEOUT - 50);
+        // D first, the intruder later: D's registration expires at D's own deadline.
+        let mut r = rdv();
+        r.handle_registration(t(0), reg(10, 1), 1);
+        r.handle_registration(t(100), reg_from("intruder", 10), 1);
+        r.handle_timeout(t(REG_TIMEOUT));
+        expect_fail(&mut r, key, &target(0), FailureKind::LeaseExpired);
+        r.handle_timeout(t(100 + REG_TIMEOUT));
+        expect_fail(&mut r, key, &intruder(), FailureKind::LeaseExpired);
+        assert_eq!(r.pending(), 0);
+        assert_eq!(r.stats().expired, 2);
     }
 
     #[test]
