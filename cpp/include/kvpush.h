@@ -282,6 +282,11 @@ int kvpush_request_finished(kvpush_engine *engine, kvpush_key key, const kvpush_
  * below). Call it as the last prefill chunk computes each layer; earlier chunks call nothing. */
 int kvpush_layers_ready(kvpush_engine *engine, kvpush_key key, const kvpush_block_list *groups,
                         size_t num_groups, uint64_t num_tokens, uint32_t first_layer, uint32_t end_layer);
+/* Producer: as kvpush_request_finished, for consumer engine `consumer` (the decode engine the router
+ * chose): only that engine receives the KV (push) or a grant to read it (pull); another engine that
+ * registers `key` is refused. NULL or "": the first engine to register (kvpush_request_finished). */
+int kvpush_request_finished_for(kvpush_engine *engine, kvpush_key key, const kvpush_block_list *groups,
+                                size_t num_groups, uint64_t num_tokens, const char *consumer);
 /* Consumer, push mode: blocks for `key` are allocated; registers them with every worker of engine
  * `producer` that writes into this one. RECEIVED or FAILED follows. */
 int kvpush_blocks_allocated(kvpush_engine *engine, kvpush_key key, const char *producer,

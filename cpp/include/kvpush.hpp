@@ -191,6 +191,11 @@ class Engine {
   // below). Call it as the last prefill chunk computes each layer.
   void layers_ready(const Key &key, const BlockLists &blocks, std::uint64_t num_tokens, std::uint32_t first_layer,
                     std::uint32_t end_layer);
+  // Producer: as above, for consumer engine `consumer` (the decode engine the router chose): only
+  // that engine receives the KV or a grant to read it; another engine's registration is refused.
+  // "": the first engine to register.
+  void request_finished(const Key &key, const BlockLists &blocks, std::uint64_t num_tokens,
+                        const std::string &consumer);
   // Consumer, push mode: blocks for `key` are allocated; registers them with engine `producer`.
   void blocks_allocated(const Key &key, const std::string &producer, const BlockLists &blocks,
                         std::uint64_t num_tokens);

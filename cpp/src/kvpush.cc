@@ -159,8 +159,16 @@ std::uint16_t Engine::listen_port() const {
 }
 
 void Engine::request_finished(const Key &key, const BlockLists &blocks, std::uint64_t num_tokens) {
+  request_finished(key, blocks, num_tokens, std::string());
+}
+
+void Engine::request_finished(const Key &key, const BlockLists &blocks, std::uint64_t num_tokens,
+                              const std::string &consumer) {
   Flat f(blocks);
-  call([&] { impl().engine->request_finished(to_bridge(key), f.id_slice(), f.len_slice(), num_tokens); });
+  call([&] {
+    impl().engine->request_finished(to_bridge(key), f.id_slice(), f.len_slice(), num_tokens,
+                                    rust::Str(consumer));
+  });
 }
 
 void Engine::layers_ready(const Key &key, const BlockLists &blocks, std::uint64_t num_tokens,

@@ -299,7 +299,8 @@ static void pull_request(kvpush_hub *hub, const memory *mem) {
   kvpush_block_list pg = one_group(rq.p_ids, rq.nblocks), dg = one_group(rq.d_ids, rq.nblocks);
   EXPECT_ERR(kvpush_blocks_allocated(d.engine, rq.key, "prefill-pull", &dg, 1, rq.tokens), KVPUSH_ERR_WRONG_MODE,
              "pull mode");
-  CHECK(kvpush_request_finished(p.engine, rq.key, &pg, 1, rq.tokens));
+  /* P names its consumer: the grant goes to decode-pull only. */
+  CHECK(kvpush_request_finished_for(p.engine, rq.key, &pg, 1, rq.tokens, "decode-pull"));
   CHECK(kvpush_start_pull(d.engine, rq.key, "prefill-pull", &pg, 1, &dg, 1, rq.tokens));
   kvpush_completion pc[1], dc[1];
   poll_until(&d, dc, 0, 1);
@@ -410,6 +411,15 @@ static void error_paths(kvpush_hub *hub, worker *p, worker *d) {
   EXPECT_ERR(kvpush_blocks_allocated(d->engine, k, "prefill", &g, 1, 16), KVPUSH_ERR_BLOCKS, "9999");
   EXPECT_ERR(kvpush_blocks_allocated(d->engine, k, "prefill", NULL, 1, 16), KVPUSH_ERR_NULL, "groups");
   EXPECT_ERR(kvpush_blocks_allocated(d->engine, k, NULL, &g, 1, 16), KVPUSH_ERR_NULL, "producer");
+  {
+    uint32_t ok_ids[1] = {1};
+    kvpush_block_list okg = one_group(ok_ids, 1);
+    char long_id[300];
+    memset(long_id, 'd', sizeof long_id - 1);
+    long_id[sizeof long_id - 1] = '\0';
+    EXPECT_ERR(kvpush_request_finished_for(p->engine, k, &okg, 1, 16, long_id), KVPUSH_ERR_INVALID_ARGUMENT,
+               "consumer engine id");
+  }
   EXPECT_ERR(kvpush_start_pull(d->engine, k, "prefill", &g, 1, &g, 1, 16), KVPUSH_ERR_WRONG_MODE, "start_pull");
 
   /* Handshakes: a short buffer, garbage, an incompatible peer. */

@@ -177,8 +177,11 @@ void push(Worker &p, Worker &d, const std::string &producer, int count, std::uin
     p_ids.push_back(pb);
     d_ids.push_back(db);
     d.engine.blocks_allocated(keys[r], producer, {db}, tokens[r]);
-    if (r % 2 == 0) {
+    if (r % 3 == 0) {
       p.engine.request_finished(keys[r], {pb}, tokens[r]);
+    } else if (r % 3 == 1) {
+      // Naming the consumer (every D here is engine "decode"): served the same.
+      p.engine.request_finished(keys[r], {pb}, tokens[r], "decode");
     } else {
       // Layer by layer (issue #21): the request is sent once its last layer is final.
       for (std::uint32_t layer = 0; layer < kLayers; layer++) {

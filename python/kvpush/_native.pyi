@@ -17,7 +17,12 @@ class Worker:
     @property
     def side_channel_port(self) -> int | None: ...
     def request_finished(
-        self, transfer_id: str, attempt: int, block_ids: list[list[int]], num_tokens: int
+        self,
+        transfer_id: str,
+        attempt: int,
+        block_ids: list[list[int]],
+        num_tokens: int,
+        consumer_engine_id: str | None = None,
     ) -> None: ...
     def layers_ready(
         self,

@@ -25,6 +25,7 @@ from typing import Any
 _HEX32 = re.compile(r"^[0-9a-fA-F]{32}$")
 _PERSON = b"kvpush.transfer"
 U32_MAX = 2**32 - 1
+MAX_ENGINE_ID = 256  # bytes of an engine id (MAX_ENGINE_ID in src/proto/msg.rs)
 
 
 def transfer_key(transfer_id: str) -> str:
@@ -43,6 +44,9 @@ class Transfer:
     transfer_id: str  # as the router (or P) named it: what P hands back to D
     key: str  # transfer_key(transfer_id): what the engine is given
     attempt: int
+    # P only: the decode engine the router chose (``consumer_engine_id``); only it receives the KV.
+    # None: the first engine to register the transfer does.
+    consumer_engine_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,27 @@ def _attempt(params: dict[str, Any]) -> int:
     return _int(params, "attempt", 1, U32_MAX, default=1)
 
 
+def _consumer_engine_id(params: dict[str, Any]) -> str | None:
+    """``consumer_engine_id`` (the decode engine the router chose), or None when absent or null.
+
+    A malformed one refuses the transfer rather than falling back to "first engine to register": the
+    router meant to bind the KV to one engine, and a request that cannot say which is not sent."""
+    if _present(params, "consumer_engine_id") is None:
+        return None
+    v = params["consumer_engine_id"]
+    if not isinstance(v, str):
+        raise _Bad(f"consumer_engine_id is {type(v).__name__} {v!r:.80}, not a string")
+    if not v.strip():
+        raise _Bad("consumer_engine_id is empty")
+    try:
+        n = len(v.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise _Bad(f"consumer_engine_id {v!r:.80} is not valid UTF-8") from None
+    if n > MAX_ENGINE_ID:
+        raise _Bad(f"consumer_engine_id is {n} bytes, over {MAX_ENGINE_ID}")
+    return v
+
+
 def is_producer(params: Any) -> bool:
     """Whether the params ask this server to prefill for a remote decode (P's role)."""
     return isinstance(params, dict) and bool(params.get("do_remote_decode"))
@@ -149,12 +174,13 @@ def producer_transfer(params: Any, request_id: str) -> Transfer | Refused:
     """P: the transfer of a request whose params carry ``do_remote_decode``.
 
     Without a ``transfer_id`` the transfer is named after the vLLM request id (vLLM's proxies send
-    none; P hands the id back to D in its ``kv_transfer_params``)."""
+    none; P hands the id back to D in its ``kv_transfer_params``). ``consumer_engine_id`` (optional)
+    binds the transfer to that decode engine."""
     if not isinstance(params, dict):
         return Refused(f"kv_transfer_params is {type(params).__name__}, not an object")
     try:
         tid = _transfer_id(params, None, request_id)
-        return Transfer(tid, transfer_key(tid), _attempt(params))
+        return Transfer(tid, transfer_key(tid), _attempt(params), _consumer_engine_id(params))
     except _Bad as e:
         return Refused(str(e))
 

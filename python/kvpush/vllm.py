@@ -170,6 +170,7 @@ class Finished:
     attempt: int
     block_ids: list[list[int]]
     num_tokens: int
+    consumer: str | None = None  # the decode engine the router chose (None: the first to register)
 
 
 @dataclass
@@ -389,7 +390,7 @@ class _Scheduler:
         groups = [list(g)[:needed] for g in block_ids]
         if not any(groups):
             return False, None
-        self.meta.finished.append(Finished(rid, tid, attempt, groups, num_tokens))
+        self.meta.finished.append(Finished(rid, tid, attempt, groups, num_tokens, transfer.consumer_engine_id))
         timeline.record("p_finished", tid, attempt)
         self.sending[rid] = (tid, attempt)
         return True, self._decode_params(transfer, groups, num_tokens)
@@ -468,7 +469,9 @@ class _Scheduler:
             groups = [list(g)[:needed] for g in new.block_ids]
             if not any(groups):
                 continue
-            meta.prefilled.append(Finished(new.req_id, transfer.key, transfer.attempt, groups, num_tokens))
+            meta.prefilled.append(
+                Finished(new.req_id, transfer.key, transfer.attempt, groups, num_tokens, transfer.consumer_engine_id)
+            )
             self.sending[new.req_id] = (transfer.key, transfer.attempt)
             self.released_early.add(new.req_id)
 
@@ -720,7 +723,7 @@ class _Worker:
             timeline.record("p_release", f.transfer_id, f.attempt)
             try:
                 blocks = expand_block_ids(f.block_ids, self.blocks_per_block, f.num_tokens, self.kernel_tokens)
-                n.request_finished(f.transfer_id, f.attempt, blocks, f.num_tokens)
+                n.request_finished(f.transfer_id, f.attempt, blocks, f.num_tokens, consumer_engine_id=f.consumer)
             except Exception as e:
                 logger.error("kvpush: request %s (transfer %s) not sent: %s", f.req_id, f.transfer_id, e)
                 self._pending_sent.add(f.req_id)

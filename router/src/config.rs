@@ -59,8 +59,10 @@ pub struct RouterArgs {
     /// the two). Repeat for more servers; replaces the config file's list.
     #[arg(long = "prefill", value_name = "SPEC")]
     pub prefill: Vec<String>,
-    /// A decode (D) server: `URL` (extra keys are accepted but unused). Repeat for more servers; replaces
-    /// the config file's list.
+    /// A decode (D) server: `URL[,engine_id=ID]`. engine_id is D's KV engine id, sent to P as
+    /// `consumer_engine_id` in push mode so that P serves the KV to that engine only (default: from D's
+    /// /v1/kvpush/info, else none: P serves the first engine that registers). Other keys are accepted
+    /// but unused. Repeat for more servers; replaces the config file's list.
     #[arg(long = "decode", value_name = "SPEC")]
     pub decode: Vec<String>,
     /// Seconds between GET /health probes of every server; a server that fails `--unhealthy-after` probes in

@@ -226,8 +226,14 @@ pub(crate) fn mint_transfer_id() -> Result<String, getrandom::Error> {
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
-/// P's request: one token, not streamed, asked to keep its KV for a remote decode.
-pub(crate) fn prefill_body(request: &Map<String, Value>, transfer_id: &str) -> Map<String, Value> {
+/// P's request: one token, not streamed, asked to keep its KV for a remote decode. `consumer` is the
+/// KV engine id of the D chosen for the request when known: P then serves its KV to that engine only
+/// (`consumer_engine_id`; another engine holding the secret that registers the transfer is refused).
+pub(crate) fn prefill_body(
+    request: &Map<String, Value>,
+    transfer_id: &str,
+    consumer: Option<&str>,
+) -> Map<String, Value> {
     let mut m = request.clone();
     m.insert("max_tokens".into(), json!(1));
     if m.contains_key("max_completion_tokens") {
@@ -236,7 +242,11 @@ pub(crate) fn prefill_body(request: &Map<String, Value>, transfer_id: &str) -> M
     m.remove("min_tokens");
     m.insert("stream".into(), json!(false));
     m.remove("stream_options");
-    m.insert("kv_transfer_params".into(), json!({ "do_remote_decode": true, "transfer_id": transfer_id }));
+    let mut params = json!({ "do_remote_decode": true, "transfer_id": transfer_id });
+    if let (Some(c), Some(p)) = (consumer, params.as_object_mut()) {
+        p.insert("consumer_engine_id".into(), json!(c));
+    }
+    m.insert("kv_transfer_params".into(), params);
     m
 }
 
@@ -375,7 +385,8 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
         let msg = format!("prefill server {} has no engine id", p_lease.instance().base);
         return Outcome::Response(error_response(StatusCode::INTERNAL_SERVER_ERROR, ErrorKind::Internal, &msg));
     };
-    let p_body = to_bytes(&prefill_body(request, tid));
+    let consumer = d_lease.instance().engine_id();
+    let p_body = to_bytes(&prefill_body(request, tid, consumer.as_deref()));
     let d_body = to_bytes(&push_decode_body(request, path, tid, &target));
     let d_inst = Arc::clone(d_lease.instance());
 
@@ -438,7 +449,8 @@ async fn pull(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
     let Proxied { path, headers, request, received } = proxied;
     let p_lease = or_reject!(pick(shared, Leg::Prefill));
     timeline::record_at("router_recv", tid, received);
-    let p_body = to_bytes(&prefill_body(request, tid));
+    // D is chosen after P answers (and may be retried on another D): P is not told a consumer.
+    let p_body = to_bytes(&prefill_body(request, tid, None));
     let p_url = format!("{}{path}", p_lease.instance().base);
     // Run inline: a client that goes away drops this future, and with it P's request.
     let p_json = match prefill_leg(Arc::clone(shared), p_lease, path, headers.clone(), tid.to_owned(), p_body).await {
@@ -713,12 +725,23 @@ mod tests {
                 "stream_options":{"include_usage":true},"kv_transfer_params":{"evil":1}}"#,
         )
         .unwrap();
-        let p = prefill_body(&req, "t1");
+        let p = prefill_body(&req, "t1", None);
         assert_eq!(p["max_tokens"], 1);
         assert_eq!(p["max_completion_tokens"], 1);
         assert_eq!(p["stream"], false);
         assert!(!p.contains_key("min_tokens") && !p.contains_key("stream_options"));
         assert_eq!(p["kv_transfer_params"], json!({"do_remote_decode": true, "transfer_id": "t1"}));
         assert_eq!(p["prompt"], "hi");
+    }
+
+    #[test]
+    fn prefill_body_names_the_consumer_engine_when_known() {
+        let req = parse_request(br#"{"prompt":"hi","kv_transfer_params":{"consumer_engine_id":"evil"}}"#).unwrap();
+        let p = prefill_body(&req, "t1", Some("d-engine-0"));
+        let want = json!({"do_remote_decode": true, "transfer_id": "t1", "consumer_engine_id": "d-engine-0"});
+        assert_eq!(p["kv_transfer_params"], want);
+        // The client's own kv_transfer_params never reach P, with or without a known consumer.
+        let p = prefill_body(&req, "t1", None);
+        assert_eq!(p["kv_transfer_params"], json!({"do_remote_decode": true, "transfer_id": "t1"}));
     }
 }

@@ -157,13 +157,20 @@ impl Instance {
         }
     }
 
+    /// The server's KV engine id: configured (`engine_id=`), else what its /v1/kvpush/info reported.
+    pub(crate) fn engine_id(&self) -> Option<String> {
+        let reported = || self.state.lock().ok().and_then(|s| s.info.as_ref().and_then(|i| i.engine_id.clone()));
+        self.config.engine_id.clone().or_else(reported)
+    }
+
     /// P's KV coordinates for D: the configuration first, then what the server reported, then defaults.
     /// None without an engine id.
     pub(crate) fn push_target(&self) -> Option<PushTarget> {
+        let engine_id = self.engine_id()?;
         let info = self.state.lock().ok().and_then(|s| s.info.clone()).unwrap_or_default();
         let c = &self.config;
         Some(PushTarget {
-            engine_id: c.engine_id.clone().or(info.engine_id)?,
+            engine_id,
             host: c.side_channel_host.clone().or(info.side_channel_host).unwrap_or_else(|| self.url_host.clone()),
             port: c.side_channel_port.or(info.side_channel_port).unwrap_or(DEFAULT_SIDE_CHANNEL_PORT),
             tp_size: c.tp_size.or(info.tp_size).unwrap_or(1),

@@ -1193,3 +1193,38 @@ fn every_cli_option_is_explained_in_help() {
         assert!(help.contains(flag), "{flag}");
     }
 }
+
+/// Issue #16, window 8: P is told which decode engine the request is for (`consumer_engine_id`), from
+/// the `--decode` spec's engine_id or else D's /v1/kvpush/info, so that another engine holding the
+/// secret cannot take the KV; a D whose engine id is unknown gets none (P serves the first engine).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_names_the_chosen_decode_engine_to_p() {
+    let arrivals = Arc::new(Arrivals::default());
+    let answered = Arc::new(Mutex::new(Vec::new()));
+    let p = Fake::start(None, waiting_prefill(arrivals.clone(), answered.clone())).await;
+    let d_conf = Fake::start(None, recording_decode(arrivals.clone(), "decoded")).await;
+    let d_info = Fake::start(Some(json!({"engine_id": "d-info"})), recording_decode(arrivals.clone(), "decoded")).await;
+    let d_none = Fake::start(None, recording_decode(arrivals.clone(), "decoded")).await;
+    let mut c = config(TransferMode::Push, &[&p], &[&d_conf, &d_info, &d_none]);
+    c.decode[0].engine_id = Some("d-conf".into());
+    let (_r, base) = start(c).await;
+    let cl = client();
+    for _ in 0..3 {
+        let req = json!({"model": "m", "prompt": "hello", "max_tokens": 4});
+        let resp = within(10.0, "the response", post(&cl, &format!("{base}/v1/completions"), req.to_string())).await;
+        let (status, _, body) = read_all(resp).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    }
+    // Each D got one request (least outstanding, ties round-robin); P's leg named that D's engine.
+    let by_tid: std::collections::HashMap<String, Option<String>> = p
+        .requests()
+        .iter()
+        .map(|pr| (tid(pr), pr.json["kv_transfer_params"]["consumer_engine_id"].as_str().map(str::to_owned)))
+        .collect();
+    for (d, want) in [(&d_conf, Some("d-conf")), (&d_info, Some("d-info")), (&d_none, None)] {
+        let seen = d.requests();
+        assert_eq!(seen.len(), 1, "each D gets one request");
+        let id = seen[0].json["kv_transfer_params"]["transfer_id"].as_str().unwrap_or_default().to_owned();
+        assert_eq!(by_tid.get(&id).cloned().flatten().as_deref(), want, "P's consumer for D {}", d.url);
+    }
+}

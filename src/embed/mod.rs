@@ -176,6 +176,7 @@ impl FfiError {
                 EngineError::Transport(_) => status::TRANSPORT,
                 EngineError::Incompatible(_) | EngineError::NoDataPath { .. } => status::INCOMPATIBLE,
                 EngineError::Blocks { .. } => status::BLOCKS,
+                EngineError::ConsumerId { .. } => status::INVALID_ARGUMENT,
                 EngineError::Decode { .. } | EngineError::StalePeer { .. } => status::DECODE,
                 EngineError::WrongMode { .. } => status::WRONG_MODE,
                 EngineError::Closed(_) => status::CLOSED,
@@ -743,9 +744,15 @@ impl FfiEngine {
         }
     }
 
-    /// See [`Engine::request_finished`].
-    pub fn request_finished(&self, key: Key, block_ids: Vec<Vec<u32>>, num_tokens: u64) -> Result<(), FfiError> {
-        Ok(self.engine.request_finished(key, block_ids, num_tokens)?)
+    /// See [`Engine::request_finished_for`] (`consumer`: `None` for [`Engine::request_finished`]).
+    pub fn request_finished(
+        &self,
+        key: Key,
+        block_ids: Vec<Vec<u32>>,
+        num_tokens: u64,
+        consumer: Option<&str>,
+    ) -> Result<(), FfiError> {
+        Ok(self.engine.request_finished_for(key, block_ids, num_tokens, consumer)?)
     }
 
     /// See [`Engine::layers_ready`].

@@ -249,6 +249,14 @@ pub enum EngineError {
         #[source]
         source: RangeError,
     },
+    /// The consumer engine id named for a request is empty or longer than an engine id can be.
+    #[error("request {key}: consumer engine id of {len} bytes (1 to {max} allowed)", max = crate::proto::msg::MAX_ENGINE_ID)]
+    ConsumerId {
+        /// The request.
+        key: Key,
+        /// The id's length in bytes.
+        len: usize,
+    },
     /// A frame from a peer could not be decoded.
     #[error("frame from {peer}: {source}")]
     Decode {
@@ -379,6 +387,8 @@ pub(crate) enum Cmd {
     BlocksReady {
         key: Key,
         blocks: SourceBlocks,
+        /// The consumer engine the router chose (only it is served); `None`: the first to register.
+        consumer: Option<crate::proto::ids::EngineId>,
     },
     /// Producer: layers `layers` of `key` are final in `blocks`; `layerwise`: push them now (else
     /// only once every layer of this rank is).
@@ -927,10 +937,31 @@ impl Engine {
 
     /// Producer: prefill of `key` finished; its KV is in `block_ids` (per KV group) and stays there
     /// until [`Finished::Sent`] for `key` comes out of [`Engine::poll`].
+    /// The KV goes to the first consumer engine that registers `key`; [`Engine::request_finished_for`]
+    /// names the consumer instead.
     pub fn request_finished(&self, key: Key, block_ids: Vec<Vec<u32>>, num_tokens: u64) -> Result<(), EngineError> {
+        self.request_finished_for(key, block_ids, num_tokens, None)
+    }
+
+    /// As [`Engine::request_finished`], for consumer engine `consumer` (the decode engine the router
+    /// chose): only that engine's workers receive `key`'s KV (push) or a grant to read it (pull);
+    /// another engine that registers `key` is refused. `None`: the first engine to register.
+    pub fn request_finished_for(
+        &self,
+        key: Key,
+        block_ids: Vec<Vec<u32>>,
+        num_tokens: u64,
+        consumer: Option<&str>,
+    ) -> Result<(), EngineError> {
         check_block_lists(&block_ids, num_tokens, &self.shared.layout)
             .map_err(|source| EngineError::Blocks { key, source })?;
-        self.shared.send_local(key, Cmd::BlocksReady { key, blocks: SourceBlocks { block_ids, num_tokens } })
+        if let Some(c) = consumer {
+            if c.is_empty() || c.len() > crate::proto::msg::MAX_ENGINE_ID {
+                return Err(EngineError::ConsumerId { key, len: c.len() });
+            }
+        }
+        let blocks = SourceBlocks { block_ids, num_tokens };
+        self.shared.send_local(key, Cmd::BlocksReady { key, blocks, consumer: consumer.map(str::to_owned) })
     }
 
     /// Producer, push mode: layers `layers` (global layer numbers, end exclusive; layers this worker

@@ -444,12 +444,12 @@ impl Writer {
         let now = self.now();
         match cmd {
             // A request reported layer by layer and then finished as a whole: every layer is final.
-            Cmd::BlocksReady { key, blocks } if self.layered.contains_key(&key) => {
+            Cmd::BlocksReady { key, blocks, .. } if self.layered.contains_key(&key) => {
                 self.layers_ready(now, key, blocks, 0..u32::MAX, true)
             }
-            Cmd::BlocksReady { key, blocks } => {
+            Cmd::BlocksReady { key, blocks, consumer } => {
                 self.supersede_unstarted(key);
-                self.blocks_ready(now, key, blocks)
+                self.blocks_ready(now, key, blocks, consumer)
             }
             Cmd::LayersReady { key, blocks, layers, layerwise } => {
                 self.layers_ready(now, key, blocks, layers, layerwise)
@@ -506,9 +506,9 @@ impl Writer {
     }
 
     /// Producer: prefill of `key` finished (or, layer-wise, started): its blocks go to the rendezvous.
-    fn blocks_ready(&mut self, now: Instant, key: Key, blocks: SourceBlocks) {
+    fn blocks_ready(&mut self, now: Instant, key: Key, blocks: SourceBlocks, consumer: Option<String>) {
         timeline::record("eng_blocks_ready", key);
-        self.rdv.handle_blocks_ready(now, key, blocks);
+        self.rdv.handle_blocks_ready_for(now, key, blocks, consumer);
         if self.feeds_no_consumer() {
             // With more TP ranks than KV heads some ranks write nothing into any known
             // consumer: release at once instead of holding the blocks for the lease.
@@ -534,7 +534,7 @@ impl Writer {
         let start = l.blocks.is_some() && (l.layerwise || l.final_layers.is_full());
         if start {
             if let Some(b) = l.blocks.take() {
-                self.blocks_ready(now, key, b);
+                self.blocks_ready(now, key, b, None);
             }
             return;
         }

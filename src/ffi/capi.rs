@@ -972,7 +972,33 @@ pub unsafe extern "C" fn kvpush_request_finished(
         let e = engine_of(engine)?;
         // SAFETY: the caller's contract (1).
         let blocks = unsafe { block_lists("groups", groups, num_groups) }?;
-        e.request_finished(key.key(), blocks, num_tokens)
+        e.request_finished(key.key(), blocks, num_tokens, None)
+    })
+}
+
+/// Producer: as [`kvpush_request_finished`], for consumer engine `consumer` (the decode engine the
+/// router chose): only that engine receives the KV (push) or a grant to read it (pull); another
+/// engine that registers `key` is refused. Null or empty `consumer`: the first engine to register.
+///
+/// # Safety
+///
+/// 1. `groups` as in [`kvpush_request_finished`].
+/// 2. `consumer` is null or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn kvpush_request_finished_for(
+    engine: *mut kvpush_engine,
+    key: kvpush_key,
+    groups: *const kvpush_block_list,
+    num_groups: usize,
+    num_tokens: u64,
+    consumer: *const c_char,
+) -> c_int {
+    guard("kvpush_request_finished_for", || {
+        let e = engine_of(engine)?;
+        // SAFETY: the caller's contracts (1) and (2).
+        let (blocks, consumer) =
+            unsafe { (block_lists("groups", groups, num_groups)?, optional_str("consumer", consumer)?) };
+        e.request_finished(key.key(), blocks, num_tokens, consumer.as_deref())
     })
 }
 

@@ -213,9 +213,11 @@ impl RustEngine {
         block_ids: &[u32],
         group_lens: &[usize],
         num_tokens: u64,
+        consumer: &str,
     ) -> Result<(), BridgeError> {
         run("Engine::request_finished", || {
-            self.0.request_finished(key(k), lists("block_ids", block_ids, group_lens)?, num_tokens)
+            let consumer = (!consumer.is_empty()).then_some(consumer);
+            self.0.request_finished(key(k), lists("block_ids", block_ids, group_lens)?, num_tokens, consumer)
         })
     }
 

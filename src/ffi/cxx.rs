@@ -118,12 +118,14 @@ mod bridge {
         fn connect(self: &RustEngine, other: &RustEngine) -> Result<()>;
         fn connect_addr(self: &RustEngine, addr: &str) -> Result<()>;
         fn listen_port(self: &RustEngine) -> Result<u16>;
+        /// `consumer`: the decode engine the router chose, "" for the first engine to register.
         fn request_finished(
             self: &RustEngine,
             key: &Key,
             block_ids: &[u32],
             group_lens: &[usize],
             num_tokens: u64,
+            consumer: &str,
         ) -> Result<()>;
         fn layers_ready(
             self: &RustEngine,

@@ -26,6 +26,13 @@
 //!   one peer cannot hold the producer's memory for everyone ([`registration_cost`]), and never
 //!   number more than [`RendezvousConfig::max_waiting_per_engine`], so one peer cannot take all of
 //!   `max_pending`'s transfer ids either.
+//! * a key is served to one consumer engine only. Until prefill finishes, registrations of one key
+//!   from several engines are held side by side (at most [`RendezvousConfig::max_engines_per_key`]
+//!   engines; counted in [`RendezvousStats::contended`]); when the blocks come, the consumer the
+//!   producer named ([`Rendezvous::handle_blocks_ready_for`]) is served, or — named none — the
+//!   engine that registered first, and every other engine is refused ([`RendezvousStats::foreign`]).
+//!   Once the blocks are held with a named consumer, or a transfer started, another engine's
+//!   registration is refused at once.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -53,6 +60,9 @@ pub struct RendezvousConfig {
     /// Most registrations of one consumer engine waiting for prefill at once (a quarter of
     /// `max_pending` by default, so one engine cannot take every transfer id).
     pub max_waiting_per_engine: usize,
+    /// Most consumer engines whose registrations of one key are held until prefill finishes
+    /// (another engine's registration beyond them is refused and counted as foreign).
+    pub max_engines_per_key: usize,
 }
 
 impl Default for RendezvousConfig {
@@ -65,6 +75,7 @@ impl Default for RendezvousConfig {
             max_tombstones: 65_536,
             max_waiting_bytes_per_engine: 64 << 20,
             max_waiting_per_engine: 16_384,
+            max_engines_per_key: 4,
         }
     }
 }
@@ -189,10 +200,15 @@ pub struct RendezvousStats {
     pub over_count: u64,
     /// Transfers that finished with an error.
     pub transfer_failures: u64,
-    /// Registrations refused because another consumer engine had registered the key first.
+    /// Registrations refused because the key is another consumer engine's: the one the producer
+    /// named, the one that registered first when none was named, or the one already served; or
+    /// because `max_engines_per_key` engines registered the key already.
     pub foreign: u64,
     /// Leases restarted by a consumer's hold (its request still queued for blocks).
     pub held: u64,
+    /// Registrations held next to another consumer engine's registration of the same key while
+    /// prefill runs (one of them is an intruder or a stale router's choice).
+    pub contended: u64,
 }
 
 /// A transfer id's live attempt, by state.
@@ -212,13 +228,15 @@ pub struct AwaitingRegistration {
     blocks: Arc<SourceBlocks>,
     ready_at: Instant,
     lease_deadline: Instant,
+    /// The consumer engine the producer named: only its registrations are served.
+    consumer: Option<EngineId>,
 }
 
 /// See [`Slot::AwaitingBlocks`].
 #[derive(Debug)]
 pub struct AwaitingBlocks {
-    registrations: Vec<(Registration, Instant)>,
-    fan_out: u16,
+    /// Each registration, when it came, and the fan-out of its engine's layout.
+    registrations: Vec<(Registration, Instant, u16)>,
     deadline: Instant,
 }
 
@@ -355,7 +373,22 @@ impl Rendezvous {
     // ---- inputs ----
 
     /// Prefill of `key` finished: the producer now holds `blocks` until this machine releases them.
+    /// The consumer is whichever engine registered first ([`Rendezvous::handle_blocks_ready_for`]
+    /// with `None`).
     pub fn handle_blocks_ready(&mut self, now: Instant, key: Key, blocks: SourceBlocks) {
+        self.handle_blocks_ready_for(now, key, blocks, None);
+    }
+
+    /// Prefill of `key` finished, for consumer engine `consumer` (the one the router chose): only
+    /// that engine's registrations are served, any other engine's are refused. `None`: the engine
+    /// that registered first is served.
+    pub fn handle_blocks_ready_for(
+        &mut self,
+        now: Instant,
+        key: Key,
+        blocks: SourceBlocks,
+        consumer: Option<EngineId>,
+    ) {
         self.stats.blocks_ready += 1;
         let blocks = Arc::new(blocks);
         let (id, attempt) = (key.transfer_id, key.attempt.0);
@@ -382,30 +415,51 @@ impl Rendezvous {
             }
             let lease_deadline = now.plus_micros(self.config.lease_us);
             self.arm(lease_deadline, key);
-            let slot = Slot::AwaitingRegistration(AwaitingRegistration { blocks, ready_at: now, lease_deadline });
+            let slot =
+                Slot::AwaitingRegistration(AwaitingRegistration { blocks, ready_at: now, lease_deadline, consumer });
             self.entries.insert(id, Entry { attempt, slot });
             return;
         };
         let slot = match entry.slot {
             Slot::AwaitingBlocks(w) => {
                 let lease_deadline = now.plus_micros(self.config.lease_us);
+                // The named consumer, or else the engine that registered first.
+                let chosen =
+                    consumer.clone().or_else(|| w.registrations.first().map(|(r, _, _)| r.engine_id().to_owned()));
+                let fan_out = w
+                    .registrations
+                    .iter()
+                    .find(|(r, _, _)| chosen.as_deref() == Some(r.engine_id()))
+                    .map_or(1, |&(_, _, f)| f);
                 let mut active = Active {
                     blocks,
                     ready_at: now,
                     lease_deadline,
-                    fan_out: w.fan_out,
+                    fan_out,
                     started: Vec::new(),
                     in_flight: 0,
                     failed: false,
                 };
-                for (reg, at) in w.registrations {
+                for (reg, at, _) in w.registrations {
                     self.refund(&reg);
-                    self.start(key, &mut active, reg, Order::RegistrationFirst, now.micros_since(at));
+                    if chosen.as_deref() == Some(reg.engine_id()) {
+                        self.start(key, &mut active, reg, Order::RegistrationFirst, now.micros_since(at));
+                    } else {
+                        self.stats.foreign += 1;
+                        let target = Target { engine: reg.engine_id().to_owned(), rank: reg.rank() };
+                        self.actions.push_back(Action::Fail { key, target, kind: FailureKind::Refused });
+                    }
                 }
                 if usize::from(active.fan_out) > active.started.len() {
                     self.arm(lease_deadline, key);
                 }
-                Slot::Active(active)
+                if active.started.is_empty() {
+                    // Only other engines registered: the named consumer may still come.
+                    let Active { blocks, .. } = active;
+                    Slot::AwaitingRegistration(AwaitingRegistration { blocks, ready_at: now, lease_deadline, consumer })
+                } else {
+                    Slot::Active(active)
+                }
             }
             other => {
                 // Same attempt reported ready twice: keep the first blocks, hand the second back.
@@ -456,11 +510,17 @@ impl Rendezvous {
             let deadline = now.plus_micros(self.config.registration_timeout_us);
             self.arm(deadline, key);
             let slot =
-                Slot::AwaitingBlocks(AwaitingBlocks { registrations: vec![(registration, now)], fan_out, deadline });
+                Slot::AwaitingBlocks(AwaitingBlocks { registrations: vec![(registration, now, fan_out)], deadline });
             self.entries.insert(id, Entry { attempt, slot });
             return;
         };
         let slot = match entry.slot {
+            Slot::AwaitingRegistration(w) if w.consumer.as_ref().is_some_and(|c| *c != target.engine) => {
+                // The producer named another consumer: this engine never receives the key's KV.
+                self.stats.foreign += 1;
+                self.actions.push_back(Action::Fail { key, target, kind: FailureKind::Refused });
+                Slot::AwaitingRegistration(w)
+            }
             Slot::AwaitingRegistration(w) => {
                 let mut active = Active {
                     blocks: w.blocks,
@@ -475,17 +535,29 @@ impl Rendezvous {
                 Slot::Active(active)
             }
             Slot::AwaitingBlocks(mut w) => {
-                if w.registrations.iter().any(|(r, _)| r.engine_id() == target.engine && r.rank() == target.rank) {
+                // Several engines' registrations wait side by side: which one the key belongs to is
+                // decided when the producer's blocks (and the consumer it names) arrive, not by
+                // whoever registered first (an intruder holding the secret could race the real one).
+                let mut engines: Vec<&str> = w.registrations.iter().map(|(r, _, _)| r.engine_id()).collect();
+                engines.sort_unstable();
+                engines.dedup();
+                let known = engines.contains(&target.engine.as_str());
+                let ranks = w.registrations.iter().filter(|(r, _, _)| r.engine_id() == target.engine).count();
+                if w.registrations.iter().any(|(r, _, _)| r.engine_id() == target.engine && r.rank() == target.rank) {
                     self.stats.duplicates += 1;
-                } else if w.registrations.iter().any(|(r, _)| r.engine_id() != target.engine) {
-                    // A key belongs to the first consumer engine that registered it: another engine
-                    // (a stale router's choice, a confused peer) never receives its KV.
+                } else if !known && engines.len() >= self.config.max_engines_per_key.max(1) {
                     self.stats.foreign += 1;
                     self.actions.push_back(Action::Fail { key, target, kind: FailureKind::Refused });
-                } else if w.registrations.len() >= usize::from(w.fan_out) || !self.charge(&registration) {
+                } else if ranks >= usize::from(fan_out) || !self.charge(&registration) {
                     self.actions.push_back(Action::Fail { key, target, kind: FailureKind::Refused });
                 } else {
-                    w.registrations.push((registration, now));
+                    if !known {
+                        // Another engine's registration came first: this engine's registrations
+                        // wait their own registration timeout, no longer and no shorter (see
+                        // `expire_engines`).
+                        self.stats.contended += 1;
+                    }
+                    w.registrations.push((registration, now, fan_out));
                 }
                 Slot::AwaitingBlocks(w)
             }
@@ -576,7 +648,7 @@ impl Rendezvous {
                 },
                 _ => false,
             };
-            if live {
+            if live && !self.expire_engines(now, key) {
                 self.stats.expired += 1;
                 self.end(now, key, ReleaseReason::LeaseExpired, FailureKind::LeaseExpired);
             }
@@ -629,6 +701,45 @@ impl Rendezvous {
         self.draining.get(&key).map(|d| (d.kind, served(&d.served)))
     }
 
+    /// Registrations of several engines wait for `key`'s prefill and the deadline passed: each engine's
+    /// registrations expire at its first registration's timeout, so one engine (an intruder) can make
+    /// another wait neither longer nor shorter than its own timeout. Fails the engines that are due
+    /// and re-arms for the rest; `false` (nothing changed) when every engine is due (the attempt
+    /// ends) or `key` is not waiting for blocks.
+    fn expire_engines(&mut self, now: Instant, key: Key) -> bool {
+        let timeout = self.config.registration_timeout_us;
+        if !matches!(self.entries.get(&key.transfer_id), Some(Entry { slot: Slot::AwaitingBlocks(_), .. })) {
+            return false;
+        }
+        let Some(Entry { attempt, slot: Slot::AwaitingBlocks(mut w) }) = self.entries.remove(&key.transfer_id) else {
+            return false; // just checked
+        };
+        let mut firsts: HashMap<&str, Instant> = HashMap::new();
+        for (r, at, _) in &w.registrations {
+            firsts.entry(r.engine_id()).or_insert(*at);
+        }
+        let due: Vec<String> =
+            firsts.iter().filter(|(_, at)| at.plus_micros(timeout) <= now).map(|(e, _)| (*e).to_owned()).collect();
+        let next = firsts.values().map(|at| at.plus_micros(timeout)).filter(|d| *d > now).min();
+        let Some(next) = next.filter(|_| due.len() < firsts.len()) else {
+            self.entries.insert(key.transfer_id, Entry { attempt, slot: Slot::AwaitingBlocks(w) });
+            return false;
+        };
+        let (gone, kept): (Vec<_>, Vec<_>) =
+            w.registrations.into_iter().partition(|(r, _, _)| due.iter().any(|e| e == r.engine_id()));
+        for (r, _, _) in gone {
+            self.refund(&r);
+            self.stats.expired += 1;
+            let target = Target { engine: r.engine_id().to_owned(), rank: r.rank() };
+            self.actions.push_back(Action::Fail { key, target, kind: FailureKind::LeaseExpired });
+        }
+        w.registrations = kept;
+        w.deadline = next;
+        self.arm(next, key);
+        self.entries.insert(key.transfer_id, Entry { attempt, slot: Slot::AwaitingBlocks(w) });
+        true
+    }
+
     /// Charges `r` to its engine's waiting registrations; `false` (counted, nothing charged) past the
     /// engine's byte or count budget.
     fn charge(&mut self, r: &Registration) -> bool {
@@ -678,7 +789,7 @@ impl Rendezvous {
         match entry.slot {
             Slot::AwaitingRegistration(w) => self.release(key, w.blocks, reason),
             Slot::AwaitingBlocks(w) => {
-                for (r, _) in w.registrations {
+                for (r, _, _) in w.registrations {
                     self.refund(&r);
                     let target = Target { engine: r.engine_id().to_owned(), rank: r.rank() };
                     self.actions.push_back(Action::Fail { key, target, kind });
@@ -767,6 +878,7 @@ mod tests {
             max_tombstones: 16,
             max_waiting_bytes_per_engine: usize::MAX,
             max_waiting_per_engine: usize::MAX,
+            max_engines_per_key: 4,
         }
     }
 
@@ -866,16 +978,22 @@ mod tests {
         assert_eq!((s.registrations, s.blocks_ready, s.matches, s.expired), (1, 1, 1, 0));
     }
 
-    /// Issue #16, window 8: a key is bound to the first consumer engine that registered it, before
-    /// and after the transfer started; another engine's registration is refused and moves nothing.
-    #[test]
-    fn a_key_belongs_to_the_first_consumer_engine() {
+    /// A registration of key `(id, 1)` from engine `engine`, TP rank 0 of 1.
+    fn reg_from(engine: &str, id: u128) -> Registration {
         let l = layout(0, 1);
-        let from = |engine: &str, id: u128| {
-            Registration::new(Key::new(id, 1), engine.into(), l.parallel.rank(), 40, vec![vec![9, 9, 9], vec![9]], &l)
-                .expect("fits")
-        };
-        let other = Target { engine: "intruder".into(), rank: Rank::new(0, 0) };
+        Registration::new(Key::new(id, 1), engine.into(), l.parallel.rank(), 40, vec![vec![9, 9, 9], vec![9]], &l)
+            .expect("fits")
+    }
+
+    fn intruder() -> Target {
+        Target { engine: "intruder".into(), rank: Rank::new(0, 0) }
+    }
+
+    /// Issue #16, window 8: with no consumer named, a key is bound to the first consumer engine that
+    /// registered it, before and after the transfer started; another engine's registration is
+    /// refused and moves nothing.
+    #[test]
+    fn a_key_belongs_to_the_first_consumer_engine_when_none_is_named() {
         for blocks_first in [false, true] {
             let mut r = rdv();
             let key = Key::new(7, 1);
@@ -890,14 +1008,119 @@ mod tests {
                 assert!(drain(&mut r).is_empty());
             }
             // The fan-out (2) leaves room for one more rank, but not of another engine.
-            r.handle_registration(t(3), from("intruder", 7), 2);
-            expect_fail(&mut r, key, &other, FailureKind::Refused);
-            assert_eq!(r.stats().foreign, 1);
-            if !blocks_first {
+            r.handle_registration(t(3), reg_from("intruder", 7), 2);
+            if blocks_first {
+                expect_fail(&mut r, key, &intruder(), FailureKind::Refused);
+            } else {
+                // Held until prefill finishes, then refused: "d" registered first.
+                assert!(drain(&mut r).is_empty());
+                assert_eq!(r.stats().contended, 1);
                 r.handle_blocks_ready(t(4), key, blocks(100));
-                expect_transfer(&mut r, key, &target(0), Order::RegistrationFirst, 2);
+                let actions = drain(&mut r);
+                assert_eq!(actions.len(), 2, "{actions:?}");
+                assert!(
+                    matches!(&actions[0], Action::Transfer { registration, .. } if registration.engine_id() == "d"),
+                    "{actions:?}"
+                );
+                assert_eq!(actions[1], Action::Fail { key, target: intruder(), kind: FailureKind::Refused });
             }
+            assert_eq!(r.stats().foreign, 1);
         }
+    }
+
+    /// Issue #16, window 8 (fault scenario `w8_intruder`): an engine holding the secret registers the
+    /// key before the real consumer. With the consumer named by the producer, the real one is served
+    /// and the intruder is refused and never written to, whatever the order of the three events.
+    #[test]
+    fn the_named_consumer_is_served_even_when_an_intruder_registers_first() {
+        let key = Key::new(8, 1);
+        let named = || Some("d".to_owned());
+        // Events: I = intruder registers, D = "d" registers, B = blocks ready naming "d".
+        for order in ["IDB", "IBD", "BID"] {
+            let mut r = rdv();
+            let mut actions = Vec::new();
+            for (i, ev) in order.chars().enumerate() {
+                let now = t(i as u64 + 1);
+                match ev {
+                    'I' => r.handle_registration(now, reg_from("intruder", 8), 1),
+                    'D' => r.handle_registration(now, reg(8, 1), 1),
+                    _ => r.handle_blocks_ready_for(now, key, blocks(100), named()),
+                }
+                actions.extend(drain(&mut r));
+            }
+            let transfers: Vec<&str> = actions
+                .iter()
+                .filter_map(|a| match a {
+                    Action::Transfer { registration, .. } => Some(registration.engine_id()),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(transfers, vec!["d"], "{order}: {actions:?}");
+            let refused = Action::Fail { key, target: intruder(), kind: FailureKind::Refused };
+            assert_eq!(actions.iter().filter(|a| **a == refused).count(), 1, "{order}: {actions:?}");
+            assert_eq!(r.stats().foreign, 1, "{order}");
+            // The transfer finishes; the intruder registering again is still refused.
+            r.handle_transfer_done(t(10), key, &target(0), Ok(()));
+            expect_release(&mut r, key, ReleaseReason::Sent);
+            r.handle_registration(t(11), reg_from("intruder", 8), 1);
+            expect_fail(&mut r, key, &intruder(), FailureKind::Refused);
+        }
+    }
+
+    /// Each engine's registrations wait their own registration timeout: an intruder registering
+    /// first neither cuts D's wait short nor (registering later) stretches it.
+    #[test]
+    fn each_engine_waits_its_own_registration_timeout() {
+        let key = Key::new(10, 1);
+        let mut r = rdv();
+        r.handle_registration(t(0), reg_from("intruder", 10), 1);
+        r.handle_registration(t(100), reg(10, 1), 1);
+        r.handle_timeout(t(REG_TIMEOUT));
+        expect_fail(&mut r, key, &intruder(), FailureKind::LeaseExpired);
+        assert_eq!(r.poll_timeout(), Some(t(100 + REG_TIMEOUT)));
+        r.handle_blocks_ready_for(t(REG_TIMEOUT + 50), key, blocks(100), Some("d".into()));
+        expect_transfer(&mut r, key, &target(0), Order::RegistrationFirst, REG_TIMEOUT - 50);
+        // D first, the intruder later: D's registration expires at D's own deadline.
+        let mut r = rdv();
+        r.handle_registration(t(0), reg(10, 1), 1);
+        r.handle_registration(t(100), reg_from("intruder", 10), 1);
+        r.handle_timeout(t(REG_TIMEOUT));
+        expect_fail(&mut r, key, &target(0), FailureKind::LeaseExpired);
+        r.handle_timeout(t(100 + REG_TIMEOUT));
+        expect_fail(&mut r, key, &intruder(), FailureKind::LeaseExpired);
+        assert_eq!(r.pending(), 0);
+        assert_eq!(r.stats().expired, 2);
+    }
+
+    #[test]
+    fn engines_held_per_key_are_bounded_and_the_rest_refused() {
+        let mut r = Rendezvous::new(RendezvousConfig { max_engines_per_key: 2, ..config(8) });
+        let key = Key::new(9, 1);
+        r.handle_registration(t(1), reg_from("e1", 9), 1);
+        r.handle_registration(t(2), reg_from("e2", 9), 1);
+        assert!(drain(&mut r).is_empty());
+        // A third engine is refused at once and never held; the named one, too, is now too late.
+        r.handle_registration(t(3), reg(9, 1), 1);
+        expect_fail(&mut r, key, &target(0), FailureKind::Refused);
+        assert_eq!((r.stats().contended, r.stats().foreign), (1, 1));
+        // Blocks naming "d": both held engines are refused, and the blocks wait for "d".
+        r.handle_blocks_ready_for(t(4), key, blocks(100), Some("d".into()));
+        let actions = drain(&mut r);
+        assert_eq!(actions.len(), 2, "{actions:?}");
+        assert!(actions.iter().all(|a| matches!(a, Action::Fail { kind: FailureKind::Refused, .. })), "{actions:?}");
+        assert_eq!(r.stats().foreign, 3);
+        assert!(matches!(r.slot(key.transfer_id), Some((1, Slot::AwaitingRegistration(_)))));
+        assert_eq!(r.waiting_bytes("e1") + r.waiting_bytes("e2"), 0, "refused registrations are refunded");
+        r.handle_registration(t(5), reg(9, 1), 1);
+        expect_transfer(&mut r, key, &target(0), Order::BlocksFirst, 1);
+        // No one came: the lease still runs out.
+        let mut r = rdv();
+        r.handle_registration(t(1), reg_from("intruder", 9), 1);
+        r.handle_blocks_ready_for(t(2), key, blocks(100), Some("d".into()));
+        expect_fail(&mut r, key, &intruder(), FailureKind::Refused);
+        r.handle_timeout(t(2 + LEASE));
+        expect_release(&mut r, key, ReleaseReason::LeaseExpired);
+        assert_eq!(r.pending(), 0);
     }
 
     #[test]

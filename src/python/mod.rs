@@ -419,6 +419,9 @@ impl Worker {
 
     /// Producer: prefill of the transfer finished; its KV sits in `block_ids` (per KV group) until
     /// `poll` reports it `sent`.
+    /// `consumer_engine_id`: the decode engine the router chose; only it receives the KV (or a
+    /// grant to read it), another engine's registration is refused. `None`: the first to register.
+    #[pyo3(signature = (transfer_id, attempt, block_ids, num_tokens, consumer_engine_id=None))]
     fn request_finished(
         &self,
         py: Python<'_>,
@@ -426,9 +429,10 @@ impl Worker {
         attempt: u32,
         block_ids: Vec<Vec<u32>>,
         num_tokens: u64,
+        consumer_engine_id: Option<&str>,
     ) -> PyResult<()> {
         let key = key_of(transfer_id, attempt)?;
-        py.detach(|| self.inner.engine.request_finished(key, block_ids, num_tokens)).map_err(py_err)
+        py.detach(|| self.inner.engine.request_finished(key, block_ids, num_tokens, consumer_engine_id)).map_err(py_err)
     }
 
     /// Producer, push: layers `first_layer..end_layer` of the transfer are final in `block_ids` (the

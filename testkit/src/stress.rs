@@ -161,6 +161,18 @@ impl Cluster {
         Cluster { setup, p, d, _hub: hub, _fabric: fabric }
     }
 
+    /// Another consumer engine `engine_id` of `tp` workers on the same hub and fabric, connected to
+    /// every P worker (an intruder holding the secret, or a second D). Drop it before the cluster.
+    pub fn extra_consumer(&self, engine_id: &str, tp: u16) -> Vec<Worker> {
+        let x = build_side(&self.setup, engine_id, tp, &self._fabric, &self._hub);
+        for a in &self.p {
+            for b in &x {
+                engines::connect(&a.engine, &b.engine);
+            }
+        }
+        x
+    }
+
     /// How many D workers P worker `i` writes into (their KV heads overlap).
     pub fn p_fan_out(&self, i: usize) -> usize {
         let mine = self.p[i].engine.layout().head_range();

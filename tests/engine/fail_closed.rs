@@ -13,7 +13,7 @@ use kvpush::proto::{Key, Mode};
 use kvpush::transport::loopback::{Fabric, Fault, LoopbackStats};
 use kvpush_testkit::demo::pattern;
 use kvpush_testkit::engines::{connect_as, cut, poll_until, wait_for, Worker};
-use kvpush_testkit::stress::{build_side, Cluster, Setup, BLOCK_TOKENS, D_ENGINE, P_ENGINE};
+use kvpush_testkit::stress::{build_side, outcome_key, Cluster, Setup, BLOCK_TOKENS, D_ENGINE, P_ENGINE};
 
 const LIMIT: Duration = Duration::from_secs(10);
 
@@ -380,4 +380,37 @@ fn a_staged_slot_granted_to_a_lost_sender_is_not_granted_again_while_its_write_c
     assert!(v.ok(), "received but wrong: {v:?}");
     let counts = d.engine.staging_counts().expect("staged");
     assert_eq!(counts.slots_quarantined, 1, "{counts:?}");
+}
+
+/// Issue 16, window 8: an engine holding the secret that knows the transfer id registers it before
+/// the real D. P names D as the request's consumer: D receives every byte, the intruder is told the
+/// request failed and its blocks are never written. (Before the fix the key went to the first engine
+/// that registered: the intruder received the KV and D was refused.)
+#[test]
+fn an_intruder_registering_first_gets_nothing_when_p_names_the_consumer() {
+    let c = Cluster::new(Setup::new(Mode::Push, 1, 1));
+    let intruders = c.extra_consumer("intruder", 1);
+    let (p, d, x) = (&c.p[0], &c.d[0], &intruders[0]);
+    let key = Key::new(0x8_0001, 1);
+    let tokens = 2 * u64::from(BLOCK_TOKENS);
+    let blocks = vec![vec![3, 4]];
+    pattern::fill(x.engine.layout(), &x.buffers, &blocks, tokens, 0xd00d).expect("intruder's blocks marked");
+    x.engine.blocks_allocated(key, P_ENGINE, blocks.clone(), tokens).expect("intruder registers");
+    poll_until("P sees the intruder", LIMIT, || p.engine.stats().counters.registrations, |n| *n == 1);
+    d.engine.blocks_allocated(key, P_ENGINE, blocks.clone(), tokens).expect("D registers");
+    poll_until("P sees D", LIMIT, || p.engine.stats().counters.registrations, |n| *n == 2);
+    let seed = 0x5eed;
+    pattern::fill(p.engine.layout(), &p.buffers, &blocks, tokens, seed).expect("prefill");
+    p.engine.request_finished_for(key, blocks.clone(), tokens, Some(D_ENGINE)).expect("finished");
+    wait_for(&d.engine, "D receives", LIMIT, |f| matches!(f, Finished::Received { key: k } if *k == key));
+    let v = pattern::verify(d.engine.layout(), &d.buffers, &blocks, tokens, seed).expect("reads");
+    assert!(v.ok(), "received but wrong: {v:?}");
+    let told = wait_for(&x.engine, "the intruder is answered", LIMIT, |f| outcome_key(f) == key);
+    assert!(matches!(told, Finished::Failed { .. }), "the intruder got {told:?}");
+    let untouched = pattern::verify(x.engine.layout(), &x.buffers, &blocks, tokens, 0xd00d).expect("reads");
+    assert!(untouched.ok(), "the intruder's blocks were written: {untouched:?}");
+    wait_for(&p.engine, "sent", LIMIT, |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
+    // An empty consumer id is refused at the call, not taken for "no consumer".
+    let other = Key::new(0x8_0002, 1);
+    assert!(p.engine.request_finished_for(other, blocks, tokens, Some("")).is_err());
 }

@@ -46,6 +46,8 @@ use proptest::strategy::ValueTree;
 const P_RANK: Rank = Rank::new(0, 0);
 /// The consumer engine's id.
 const D_ENGINE: &str = "decode-0";
+/// Another engine holding the secret, registering keys it learned ([`Op::Intrude`]).
+const INTRUDER: &str = "intruder";
 /// Tokens of every request (3 blocks of 16).
 const TOKENS: u64 = 40;
 /// First block id handed to the producer; each `handle_blocks_ready` gets a fresh one as its token.
@@ -70,6 +72,9 @@ enum Op {
     AbortD { id: u8 },
     /// The router retries `id`: both sides move on to a newer attempt.
     Retry { id: u8 },
+    /// Another engine holding the secret registers rank `rank` of transfer `id`'s current attempt
+    /// (it learned the id); the producer was told the consumer is `D_ENGINE`.
+    Intrude { id: u8, rank: u8 },
     /// Nothing (the delay before it is what matters).
     Wait,
 }
@@ -130,6 +135,7 @@ fn params() -> impl Strategy<Value = Params> {
                         max_tombstones: max_tombs,
                         max_waiting_bytes_per_engine: usize::MAX,
                         max_waiting_per_engine: usize::MAX,
+                        max_engines_per_key: 4,
                     },
                     completion: CompletionConfig {
                         timeout_us: d_timeout,
@@ -156,7 +162,8 @@ fn op(ids: u8) -> BoxedStrategy<Op> {
         6 => (id.clone(), prop::bool::weighted(0.05)).prop_map(|(id, stale)| Op::BlocksReady { id, stale }),
         1 => id.clone().prop_map(|id| Op::AbortP { id }),
         1 => id.clone().prop_map(|id| Op::AbortD { id }),
-        1 => id.prop_map(|id| Op::Retry { id }),
+        1 => id.clone().prop_map(|id| Op::Retry { id }),
+        2 => (id, any::<u8>()).prop_map(|(id, rank)| Op::Intrude { id, rank }),
         1 => Just(Op::Wait),
     ]
     .boxed()
@@ -270,6 +277,9 @@ struct Sim {
     /// The router's current attempt per transfer id.
     attempt: HashMap<u128, u32>,
     next_token: u32,
+    /// Registrations the intruder sent, and failures the producer sent it (it never gets a transfer).
+    intrusions: usize,
+    intruder_fails: usize,
     // ---- oracle ----
     held: HashMap<u32, Held>,
     transfers: HashMap<(Key, u16), TransferRec>,
@@ -309,6 +319,8 @@ impl Sim {
             seq: 0,
             attempt: HashMap::new(),
             next_token: FIRST_TOKEN,
+            intrusions: 0,
+            intruder_fails: 0,
             held: HashMap::new(),
             transfers: HashMap::new(),
             accepted: HashMap::new(),
@@ -389,7 +401,7 @@ impl Sim {
                 self.held.insert(token, Held { key, in_flight: 0, ok: 0, failed: 0, released: None });
                 self.blocks_ready_at.entry(key).or_insert(self.now);
                 let blocks = SourceBlocks { block_ids: vec![vec![token], vec![]], num_tokens: TOKENS };
-                self.rdv.handle_blocks_ready(self.now, key, blocks);
+                self.rdv.handle_blocks_ready_for(self.now, key, blocks, Some(D_ENGINE.into()));
                 self.drain_p();
             }
             Op::AbortP { id } => {
@@ -411,6 +423,20 @@ impl Sim {
                 let id = u128::from(id);
                 self.dirty.insert(id);
                 *self.attempt.entry(id).or_insert(1) += 1;
+            }
+            Op::Intrude { id, rank } => {
+                let r = u16::from(rank) % self.p.d_ranks;
+                let key = self.key(id, false);
+                // Exempt from "nothing is lost": an intruder's registration that waits out its
+                // registration timeout before D registers ends the attempt (a denial of service for
+                // that request, docs/security.md). Every transfer still goes to D only (`drain_p`).
+                self.dirty.insert(u128::from(id));
+                let l = &self.d_layouts[usize::from(r)];
+                let ids = vec![vec![60, 61, 62], vec![63]];
+                let reg = Registration::new(key, INTRUDER.into(), l.parallel.rank(), TOKENS, ids, l)
+                    .expect("simulated registration fits");
+                self.intrusions += 1;
+                self.send(Msg::ToP(ToP::Registration(reg, self.fan_out)));
             }
             Op::Wait => {}
         }
@@ -466,6 +492,10 @@ impl Sim {
                     }
                     held.released = Some(reason);
                     *self.outcomes.entry(format!("release {reason:?}")).or_default() += 1;
+                }
+                Action::Fail { target, .. } if target.engine == INTRUDER => {
+                    self.intruder_fails += 1;
+                    *self.outcomes.entry("intruder refused".into()).or_default() += 1;
                 }
                 Action::Fail { key, target, kind } => {
                     assert_eq!(target.engine, D_ENGINE);
@@ -560,7 +590,7 @@ impl Sim {
         match ev {
             Ev::Deliver(Msg::ToP(ToP::Registration(reg, fan_out))) => {
                 let r = reg.rank().tp;
-                if let Some(acc) = self.accepted.get_mut(&(reg.key(), r)) {
+                if let Some(acc) = self.accepted.get_mut(&(reg.key(), r)).filter(|_| reg.engine_id() == D_ENGINE) {
                     acc.arrived_at_p.get_or_insert(self.now);
                 }
                 self.rdv.handle_registration(self.now, reg, fan_out);
@@ -766,6 +796,7 @@ fn random_schedules_reach_every_outcome() {
         "failed timeout",
         "aborted",
         "superseded",
+        "intruder refused",
     ];
     for w in want {
         assert!(outcomes.get(w).is_some_and(|&n| n > 0), "no `{w}` in 500 random schedules: {outcomes:#?}");
@@ -789,6 +820,7 @@ fn fixed(d_ranks: u16) -> Params {
             max_tombstones: 64,
             max_waiting_bytes_per_engine: usize::MAX,
             max_waiting_per_engine: usize::MAX,
+            max_engines_per_key: 4,
         },
         completion: CompletionConfig {
             timeout_us: 3_000,
@@ -814,6 +846,20 @@ fn register(id: u8, rank: u8) -> Op {
 
 fn ready(id: u8) -> Op {
     Op::BlocksReady { id, stale: false }
+}
+
+/// Issue #16, window 8: an engine holding the secret registers the key before D (and again after
+/// the transfer started); P names D as the consumer. D receives, the intruder is refused both times
+/// and never written to (`drain_p` asserts every transfer goes to D).
+#[test]
+fn an_intruder_registering_first_is_refused_and_d_receives() {
+    let intrude = |id| Op::Intrude { id, rank: 0 };
+    let steps = [at(0, intrude(1)), at(100, register(1, 0)), at(500, ready(1)), at(5, intrude(1))];
+    let sim = Sim::run(fixed(1), &steps);
+    let key = Key::new(1, 1);
+    assert!(matches!(sim.end(key, 0), Event::Received { .. }), "{:?}", sim.end(key, 0));
+    assert_eq!(sim.releases(key), vec![ReleaseReason::Sent]);
+    assert_eq!((sim.intrusions, sim.intruder_fails), (2, 2));
 }
 
 #[test]
@@ -987,6 +1033,7 @@ fn a_forgotten_tombstone_does_not_revive_a_draining_attempt() {
             max_tombstones: 1,
             max_waiting_bytes_per_engine: usize::MAX,
             max_waiting_per_engine: usize::MAX,
+            max_engines_per_key: 4,
         },
         completion: CompletionConfig {
             timeout_us: 300,

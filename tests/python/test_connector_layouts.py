@@ -238,8 +238,8 @@ class _Recorder:
         self.calls: list[tuple[Any, ...]] = []
         self.outcomes: list[tuple[Any, ...]] = []
 
-    def request_finished(self, *args: Any) -> None:
-        self.calls.append(("request_finished", *args))
+    def request_finished(self, *args: Any, consumer_engine_id: str | None = None) -> None:
+        self.calls.append(("request_finished", *args, consumer_engine_id))
 
     def blocks_allocated(self, *args: Any) -> None:
         self.calls.append(("blocks_allocated", *args))
@@ -258,14 +258,14 @@ def test_worker_expands_vllm_block_ids_to_kernel_blocks_and_back() -> None:
     w.stats, w.load_errors, w._pending_sent, w._pending_failed = kvv.KVPushStats(), set(), set(), {}
     p_key, d_key = "1" * 32, "2" * 32
     meta = kvv.KVPushMetadata(
-        finished=[kvv.Finished("p-req", p_key, 1, [[2, 0]], 100)],
+        finished=[kvv.Finished("p-req", p_key, 1, [[2, 0]], 100, "decode-1")],
         receives=[kvv.Receive("d-req", d_key, 1, "prefill-0", "10.0.0.1", 5600, 1, [[5]], 40)],
     )
     w.start_load_kv(meta)
     # Exact counts: 100 tokens are 7 kernel blocks of 16, 40 tokens 3; the rest of the last vLLM block
     # holds none of the request and is not handed over.
     assert w.native.calls == [
-        ("request_finished", p_key, 1, [[8, 9, 10, 11, 0, 1, 2]], 100),
+        ("request_finished", p_key, 1, [[8, 9, 10, 11, 0, 1, 2]], 100, "decode-1"),
         ("blocks_allocated", d_key, 1, "prefill-0", "10.0.0.1", 5600, 1, [[20, 21, 22]], 40),
     ]
     # A failure names kernel blocks; vLLM is told its own block.

@@ -144,6 +144,16 @@ def test_producer_names_the_transfer_after_the_request_without_an_id() -> None:
     assert (t.transfer_id, t.key, t.attempt) == (u, tr.transfer_key(u), 2)
 
 
+def test_producer_reads_the_consumer_engine_the_router_chose() -> None:
+    params = {"do_remote_decode": True, "transfer_id": HEX}
+    assert tr.producer_transfer(params, "r").consumer_engine_id is None
+    assert tr.producer_transfer({**params, "consumer_engine_id": None}, "r").consumer_engine_id is None
+    t = tr.producer_transfer({**params, "consumer_engine_id": "decode-1"}, "r")
+    assert (t.key, t.consumer_engine_id) == (HEX.lower(), "decode-1")
+    bad = tr.producer_transfer({**params, "consumer_engine_id": "é" * 129}, "r")  # 258 bytes
+    assert isinstance(bad, tr.Refused) and "258 bytes" in bad.reason
+
+
 # ---- the scheduler half, with vLLM's objects stood in
 
 
@@ -249,6 +259,11 @@ def test_p_hands_a_router_id_back_in_both_fields() -> None:
         {"do_remote_decode": True, "transfer_id": ""},
         {"do_remote_decode": True, "transfer_id": HEX, "attempt": "first"},
         {"do_remote_decode": True, "transfer_id": HEX, "attempt": -3},
+        {"do_remote_decode": True, "transfer_id": HEX, "consumer_engine_id": ""},
+        {"do_remote_decode": True, "transfer_id": HEX, "consumer_engine_id": 7},
+        {"do_remote_decode": True, "transfer_id": HEX, "consumer_engine_id": ["decode-0"]},
+        {"do_remote_decode": True, "transfer_id": HEX, "consumer_engine_id": "d" * 257},
+        {"do_remote_decode": True, "transfer_id": HEX, "consumer_engine_id": "\udc80"},
     ],
 )
 def test_p_releases_at_once_on_unusable_params(params: dict[str, Any]) -> None:
@@ -256,6 +271,18 @@ def test_p_releases_at_once_on_unusable_params(params: dict[str, Any]) -> None:
     for status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED):
         assert s.request_finished(request(params, status=status), ([1, 2, 3],)) == (False, None)
     assert not s.meta.finished and not s.meta.aborts and not s.sending and not s.has_pending_push_work()
+
+
+def test_p_hands_the_named_consumer_to_its_worker() -> None:
+    s = scheduler()
+    params = {"do_remote_decode": True, "transfer_id": HEX, "consumer_engine_id": "decode-1"}
+    delay, _ = s.request_finished(request(params), ([1, 2, 3],))
+    assert delay is True
+    [f] = s.meta.finished
+    assert (f.transfer_id, f.consumer) == (HEX.lower(), "decode-1")
+    s2 = scheduler()
+    s2.request_finished(request({"do_remote_decode": True, "transfer_id": HEX}), ([1, 2, 3],))
+    assert s2.meta.finished[0].consumer is None
 
 
 def test_p_abort_of_a_string_id_is_staged_under_its_key() -> None:

@@ -568,10 +568,12 @@ impl Rig {
         l.p_given_at = Some(Instant::now());
         self.open.insert(key);
         let mut refused = Vec::new();
+        // With an intruder about, P names D as the consumer, as kvpush router does (window 8).
+        let consumer = self.params.intruder.then_some(D_ENGINE);
         for (w, node) in self.p.iter().enumerate() {
             match node.engine() {
                 Some(e) => {
-                    if let Err(err) = e.request_finished(key, blocks.clone(), tokens) {
+                    if let Err(err) = e.request_finished_for(key, blocks.clone(), tokens, consumer) {
                         refused.push((w, err.to_string()));
                     }
                 }
