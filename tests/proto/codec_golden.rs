@@ -19,8 +19,7 @@ use kvpush::proto::layout::{
     BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, ModelShape, Parallel,
 };
 use kvpush::proto::msg::{
-    Abort, Completion, Failure, FailureKind, Grant, Handshake, Heartbeat, Hold, Message, Mode, RangeError,
-    Registration,
+    Abort, Completion, Failure, FailureKind, Grant, Handshake, Heartbeat, Hold, Message, Mode, RangeError, Registration,
 };
 
 /// Parses hex bytes; on each line, `--` starts a comment (the field the bytes encode).

@@ -130,7 +130,8 @@ impl Sim {
             d.parallel,
         );
         assert_eq!(expected as usize, producers.len(), "every producer rank writes into the one consumer rank");
-        let cfg = CompletionConfig { timeout_us, max_pending: 8, drain_timeout_us: 100_000_000, quarantine_us: 100_000_000 };
+        let cfg =
+            CompletionConfig { timeout_us, max_pending: 8, drain_timeout_us: 100_000_000, quarantine_us: 100_000_000 };
         let mut comp = Completions::new(cfg);
         let landed = producers.iter().map(|p| LayerSet::new(p.part.clone())).collect();
         let posted = producers.iter().map(|_| HashSet::new()).collect();

@@ -928,7 +928,8 @@ impl Rig {
         }
         // Requests that ended in time but whose blocks a quarantine still holds: neither hung nor
         // leaked (the engine releases them within its bound), counted as quarantined.
-        let held: Vec<Key> = self.open.iter().copied().filter(|k| self.legs[k].d_done && self.legs[k].d_held > 0).collect();
+        let held: Vec<Key> =
+            self.open.iter().copied().filter(|k| self.legs[k].d_done && self.legs[k].d_held > 0).collect();
         let held_blocks: u64 = held.iter().map(|k| self.legs[k].d_blocks.as_ref().map_or(0, Vec::len) as u64).sum();
         for k in &held {
             self.open.remove(k);
