@@ -87,6 +87,9 @@ DEFAULTS: dict[str, Any] = {
     "dial_allow": None,
     "device": None,
     "staging": "auto",
+    # This worker's memory offer in its handshakes (docs/deployment.md §4), e.g. "neuron,device=none":
+    # where the NIC cannot reach the KV's device memory, WRITEs go through host slots. None: no offer.
+    "memory_offer": None,
 }
 
 @dataclass
@@ -110,6 +113,8 @@ class KVPushConfig:
     kv_buffer_device: str = "cpu"
     # The producers D may dial (``_dial_allow``); None: the engine's default.
     dial_allow: str | None = None
+    # The memory offer (``memory_offer``), checked by the engine at start-up; None: none.
+    memory_offer: str | None = None
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> KVPushConfig:
@@ -137,7 +142,11 @@ class KVPushConfig:
             raise ValueError(
                 f"kvpush: kv_buffer_device {buffer!r} is not one it knows; known: {', '.join(KV_BUFFER_DEVICES)}"
             )
+        offer = values["memory_offer"]
+        if offer is not None and not isinstance(offer, str):
+            raise ValueError(f"kvpush: memory_offer must be a string such as 'neuron,device=none', got {offer!r}")
         return cls(
+            memory_offer=offer,
             mode=values["mode"],
             side_channel_host=str(values["side_channel_host"]),
             side_channel_listen=str(values["side_channel_listen"]),
@@ -653,6 +662,8 @@ class _Worker:
             device=_device_spec(self.cfg.device, device),
             staging=self.cfg.staging,
         )
+        if self.cfg.memory_offer is not None:
+            config["memory_offer"] = self.cfg.memory_offer
         lib = _load_nixl()
         kvpush.init_logging()
         self.native = kvpush.Worker(config)

@@ -532,6 +532,9 @@ pub struct EngineSpec {
     pub staging: Staging,
     /// How [`FfiEngine::layers_ready`] pushes ([`Layerwise::AUTO`]: layer by layer above a size).
     pub layerwise: Layerwise,
+    /// The memory offer in this engine's handshakes ([`crate::engine::Config::memory`]; `None`: no
+    /// offer, read as direct only).
+    pub memory: Option<crate::proto::bounce::MemoryOffer>,
 }
 
 /// In-process medium for loopback engines: the transport fabric and the control-link hub.
@@ -605,6 +608,7 @@ impl FfiEngine {
         config.writers = (spec.writers as usize).max(1);
         config.staging = spec.staging;
         config.layerwise = spec.layerwise;
+        config.memory = spec.memory;
         if spec.lease_ms > 0 {
             config.rendezvous.lease_us = spec.lease_ms.saturating_mul(1000);
         }

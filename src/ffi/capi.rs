@@ -826,6 +826,8 @@ pub unsafe extern "C" fn kvpush_engine_create(
             transport,
             staging: crate::engine::Staging::Auto,
             layerwise: crate::engine::Layerwise::AUTO,
+            // The C and C++ configs carry no memory offer (yet): direct only.
+            memory: None,
         };
         // SAFETY: the caller's contract (1) for the layout's arrays.
         let layout = unsafe { layout_spec(l) }?;

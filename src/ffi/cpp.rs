@@ -90,6 +90,8 @@ fn engine_spec(s: &EngineSpec, transport: TransportSpec) -> crate::embed::Engine
         transport,
         staging: crate::engine::Staging::Auto,
         layerwise: crate::engine::Layerwise::AUTO,
+        // The C and C++ configs carry no memory offer (yet): direct only.
+        memory: None,
     }
 }
 

@@ -98,6 +98,73 @@ impl MemoryOffer {
     }
 }
 
+/// A memory offer's text that [`MemoryOffer::parse`] refuses.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("memory offer {text:?}: {why} (expected KIND[,device=OPS][,host=OPS] with KIND host, cuda or neuron and OPS all, none or write+read+target)")]
+pub struct ParseOfferError {
+    /// The text given.
+    pub text: String,
+    /// What is wrong with it.
+    pub why: String,
+}
+
+impl RdmaOps {
+    /// Parses `all`, `none`, or operation names joined by `+` (`write`, `read`, `target`).
+    fn parse(s: &str) -> Option<RdmaOps> {
+        match s {
+            "all" => return Some(RdmaOps::ALL),
+            "none" => return Some(RdmaOps::NONE),
+            _ => {}
+        }
+        let mut ops = RdmaOps::NONE;
+        for name in s.split('+') {
+            match name {
+                "write" if !ops.write => ops.write = true,
+                "read" if !ops.read => ops.read = true,
+                "target" if !ops.target => ops.target = true,
+                _ => return None,
+            }
+        }
+        Some(ops)
+    }
+}
+
+impl MemoryOffer {
+    /// Parses an offer as an operator writes it: `KIND[,device=OPS][,host=OPS]`, e.g.
+    /// `neuron,device=none` (a NIC that reaches no Neuron memory: every WRITE goes through host
+    /// slots) or `cuda,device=target` (a GPU the peer may write into but this NIC cannot read).
+    /// What is not said is `all`; for `host` memory `device` and `host` are the same and must agree.
+    pub fn parse(text: &str) -> Result<MemoryOffer, ParseOfferError> {
+        let bad = |why: &str| ParseOfferError { text: text.to_owned(), why: why.to_owned() };
+        let lower = text.trim().to_ascii_lowercase();
+        let mut parts = lower.split(',').map(str::trim);
+        let kind = match parts.next().unwrap_or_default() {
+            "host" => MemoryKind::Host,
+            "cuda" => MemoryKind::Cuda,
+            "neuron" => MemoryKind::Neuron,
+            other => return Err(bad(&format!("unknown memory kind {other:?}"))),
+        };
+        let (mut device, mut host) = (None, None);
+        for part in parts {
+            let (name, value) = part.split_once('=').ok_or_else(|| bad(&format!("{part:?} is not NAME=OPS")))?;
+            let ops = RdmaOps::parse(value.trim()).ok_or_else(|| bad(&format!("unknown operations {value:?}")))?;
+            let slot = match name.trim() {
+                "device" => &mut device,
+                "host" => &mut host,
+                other => return Err(bad(&format!("unknown field {other:?}"))),
+            };
+            if slot.replace(ops).is_some() {
+                return Err(bad(&format!("{name} given twice")));
+            }
+        }
+        let (device, host) = (device.unwrap_or(RdmaOps::ALL), host.unwrap_or(RdmaOps::ALL));
+        if kind == MemoryKind::Host && device != host {
+            return Err(bad("host memory's device and host operations differ"));
+        }
+        Ok(MemoryOffer { kind, device, host })
+    }
+}
+
 impl fmt::Display for MemoryOffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if *self == MemoryOffer::DIRECT_ONLY {
@@ -196,6 +263,28 @@ pub fn decide_built(mode: Mode, p: Option<&MemoryOffer>, d: Option<&MemoryOffer>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn offers_parse_as_operators_write_them_and_bad_ones_say_why() {
+        let neuron = MemoryOffer::parse("neuron,device=none").expect("parses");
+        assert_eq!(neuron, MemoryOffer { kind: MemoryKind::Neuron, device: RdmaOps::NONE, host: RdmaOps::ALL });
+        let cuda = MemoryOffer::parse(" CUDA , device=target, host=write+read+target ").expect("parses");
+        let target_only = RdmaOps { write: false, read: false, target: true };
+        assert_eq!(cuda, MemoryOffer { kind: MemoryKind::Cuda, device: target_only, host: RdmaOps::ALL });
+        assert_eq!(MemoryOffer::parse("host").expect("parses").device, RdmaOps::ALL);
+        for (text, why) in [
+            ("tpu", "unknown memory kind"),
+            ("neuron,device", "is not NAME=OPS"),
+            ("neuron,device=fly", "unknown operations"),
+            ("neuron,device=write+write", "unknown operations"),
+            ("neuron,nic=all", "unknown field"),
+            ("neuron,device=none,device=all", "given twice"),
+            ("host,device=none", "differ"),
+        ] {
+            let e = MemoryOffer::parse(text).expect_err(text);
+            assert!(e.to_string().contains(why), "{text}: {e}");
+        }
+    }
 
     const NO_WRITE: RdmaOps = RdmaOps { write: false, ..RdmaOps::ALL };
     const NO_READ: RdmaOps = RdmaOps { read: false, ..RdmaOps::ALL };

@@ -326,6 +326,12 @@ fn specs(d: &Bound<'_, PyDict>) -> PyResult<(EngineSpec, LayoutSpec)> {
             Some(s) => crate::engine::Layerwise::parse(&s).map_err(|e| ConfigError::new_err(e.to_string()))?,
             None => crate::engine::Layerwise::AUTO,
         },
+        memory: match get::<String>(d, "memory_offer")? {
+            Some(s) => {
+                Some(crate::proto::bounce::MemoryOffer::parse(&s).map_err(|e| ConfigError::new_err(e.to_string()))?)
+            }
+            None => None,
+        },
         transport: match get::<String>(d, "transport")?.as_deref() {
             None | Some("nixl") => TransportSpec::Nixl {
                 agent_name: get(d, "agent_name")?,
