@@ -1,8 +1,8 @@
-//! The side channel's cost per control frame: a registration is encoded, sealed (Noise,
-//! ChaCha20-Poly1305), written to a loopback TCP socket, read from its peer socket, verified and
-//! decrypted, and decoded against the sender's layout — what one frame costs between a consumer's
-//! writer and a producer's engine, without the thread hand-offs around it (those are the engine's,
-//! measured by `benches/engine_thread.rs`).
+//! The side channel's cost per control frame: a registration is encoded, sealed (Noise, the
+//! channel's own parameters: `side::NOISE_PSK`), written to a loopback TCP socket, read from its
+//! peer socket, verified and decrypted, and decoded against the sender's layout — what one frame
+//! costs between a consumer's writer and a producer's engine, without the thread hand-offs around it
+//! (those are the engine's, measured by `benches/engine_thread.rs`).
 //!
 //! Two sizes: a 64-token request (4 blocks) and a 16k-token one (1024 blocks, a 4 KiB block list).
 //! The session is the real one ([`kvpush::engine::side::LoopbackSession`]: the `NNpsk0` handshake
@@ -18,7 +18,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvpush::engine::side::LoopbackSession;
+use kvpush::engine::side::{self, LoopbackSession};
 use kvpush::proto::codec;
 use kvpush::proto::layout::{KvLayout, Parallel};
 use kvpush::proto::msg::{Message, Registration};
@@ -49,7 +49,7 @@ fn round_trip(s: &mut LoopbackSession, msg: &Message, l: &KvLayout, frame: &mut 
 
 /// A Noise transport pair with the side channel's parameters, handshaken in memory.
 fn noise_pair() -> (snow::TransportState, snow::TransportState) {
-    let params: snow::params::NoiseParams = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s".parse().expect("params");
+    let params: snow::params::NoiseParams = side::NOISE_PSK.parse().expect("params");
     let psk = [7u8; 32];
     let build = || snow::Builder::new(params.clone()).psk(0, &psk).expect("psk");
     let mut i = build().build_initiator().expect("initiator");

@@ -73,7 +73,9 @@ const MAGIC: &[u8; 8] = b"KVPSIDE2";
 /// Version of the side channel's framing (not the proto codec's, which the handshake checks).
 const SIDE_VERSION: u16 = 2;
 const PROLOGUE_LABEL: &[u8] = b"kvpush side channel v2";
-const NOISE_PSK: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
+/// The Noise protocol of a channel with a secret (public so that `benches/side_channel.rs` measures
+/// the channel's own cipher; docs/security.md says why these primitives).
+pub const NOISE_PSK: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
 const NOISE_INSECURE: &str = "Noise_NN_25519_ChaChaPoly_BLAKE2s";
 const PSK_LABEL: &[u8] = b"kvpush side-channel psk v1\0";
 /// The greeting's fixed part: magic, version, role, auth, rank, engine id length.
