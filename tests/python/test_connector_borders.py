@@ -17,14 +17,16 @@ proxy does; ``servers.vllm_proxy_complete``):
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
-import requests
 
 import servers as srv
 import tiny_model
@@ -164,30 +166,46 @@ def waiting_requests(server: srv.VllmServer) -> float:
     return kvpush_sum(server, "vllm:num_requests_waiting")
 
 
+def _post_without_waiting(url: str, body: dict[str, Any]) -> socket.socket:
+    """Sends a POST and returns its open socket without reading anything: a client whose request
+    stays queued (a streaming response may send no header before its first token) and that can
+    go away at any moment (close the socket)."""
+    u = urlsplit(url)
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((u.hostname, u.port), timeout=10)
+    head = (
+        f"POST {u.path} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
 def test_request_dropped_while_queued_on_d_frees_p_at_once(pair: Pair) -> None:
     p, d = pair.p, pair.d
     [hog_prompt, prompt] = tiny_model.make_prompts([20, 200], seed=43)
+    # P prefills the prompt and holds its blocks for D (its lease is 120 s).
+    tid = str(uuid.uuid4())
+    p_params = {"do_remote_decode": True, "transfer_id": tid}
+    first = srv.complete(p.url, prompt, 1, extra={"kv_transfer_params": p_params})
+    assert srv.kv_usage(p) > 0, "P holds nothing for D"
     with ThreadPoolExecutor(1) as pool:
-        # D runs one request at a time (--max-num-seqs 1): a long local one takes the slot.
+        # D runs one request at a time (--max-num-seqs 1): a long local one takes the slot. It starts
+        # after P's prefill, so P's time cannot use it up.
         hog = pool.submit(srv.complete, d.url, hog_prompt, 3000, False)
         deadline = time.monotonic() + 60
         while kvpush_sum(d, "vllm:num_requests_running") < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert kvpush_sum(d, "vllm:num_requests_running") >= 1, "the long request never ran on D"
-        # P prefills the prompt and holds its blocks for D (its lease is 120 s).
-        tid = str(uuid.uuid4())
-        p_params = {"do_remote_decode": True, "transfer_id": tid}
-        first = srv.complete(p.url, prompt, 1, extra={"kv_transfer_params": p_params})
-        assert srv.kv_usage(p) > 0, "P holds nothing for D"
         # D's leg queues behind the long request; then its client goes away.
         dropped = kvpush_sum(d, "vllm:kvpush_requests_dropped_total")
         d_params = first.kv_transfer_params
         body = srv.completion_body(prompt, MAX_TOKENS, True, True, extra={"kv_transfer_params": d_params})
-        r = requests.post(d.url + "/v1/completions", json=body, stream=True, timeout=60)
+        client = _post_without_waiting(d.url + "/v1/completions", body)
         while waiting_requests(d) < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert waiting_requests(d) >= 1, "D's leg never waited"
-        r.close()
+        client.close()
         t0 = time.monotonic()
         while srv.kv_usage(p) > 0 and time.monotonic() - t0 < 60:
             time.sleep(0.2)
