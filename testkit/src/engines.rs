@@ -28,7 +28,7 @@ pub struct Worker {
 }
 
 /// Starts an engine with `config` on `layout`, whose regions it allocates on `dev`, over an endpoint
-/// of `fabric` named `endpoint`, attached to `hub`.
+/// of `fabric` named `endpoint` that copies `dev`'s memory, attached to `hub`.
 ///
 /// # Safety
 ///
@@ -45,7 +45,8 @@ pub unsafe fn loopback_worker(
     hub: &Arc<LocalHub>,
 ) -> Worker {
     let buffers = layouts::allocate(&mut layout, dev.as_ref()).expect("host memory");
-    let transport = Arc::new(fabric.endpoint(endpoint).expect("endpoint"));
+    // The endpoint knows the memory's device, so it copies device memory (GPU) the device's way.
+    let transport = Arc::new(fabric.endpoint_on(endpoint, dev.clone()).expect("endpoint"));
     // SAFETY: precondition 1: the regions are `buffers`, allocated just above on `dev` and owned by
     // the returned `Worker`, which drops its engine first. Precondition 2 is the caller's (this
     // function's own precondition).
