@@ -96,10 +96,11 @@ fn push_500_requests_every_byte_verified() {
         "500",
         &["--mode", "push", "--requests", "500", "--min-tokens", "1", "--max-tokens", "512", "--concurrency", "64"],
     );
-    assert_verified(&v, "push", 500, expected_bytes(500, 1, 512));
     // Same TP and block size on both sides: the engine moves the whole 16-token blocks that hold the
-    // prompt, nothing more (D checks the prompt's tokens among them).
-    assert_eq!(num(&v, "push", "bytes") as u64, whole_block_bytes(500, 1, 512, 16), "{v}");
+    // prompt, nothing more, and D checks every byte of them.
+    let whole = whole_block_bytes(500, 1, 512, 16);
+    assert_verified(&v, "push", 500, whole);
+    assert_eq!(num(&v, "push", "bytes") as u64, whole, "{v}");
     assert!(v.get("pull").is_none(), "{v}");
     // The references are reported (their ratio is a benchmark, not a test).
     assert!(num(&v, "push", "ceiling_gbps") > 0.0, "{v}");
@@ -112,9 +113,10 @@ fn heterogeneous_tp_across_processes() {
     // P TP 2 -> D TP 1, push and pull: each D rank gathers its heads from both P processes' ranks.
     let v =
         demo("tp2to1", &["--mode", "both", "--p-tp", "2", "--d-tp", "1", "--requests", "120", "--max-tokens", "512"]);
-    let bytes = expected_bytes(120, 32, 512);
-    assert_verified(&v, "push", 120, bytes);
-    assert_verified(&v, "pull", 120, bytes);
+    // Same block size on both sides: whole blocks move and are checked.
+    let whole = whole_block_bytes(120, 32, 512, 16);
+    assert_verified(&v, "push", 120, whole);
+    assert_verified(&v, "pull", 120, whole);
     assert!(v["pull"].get("push_gbps").is_none(), "{v}");
     // P TP 1 -> D TP 2, push, with different block sizes on the two sides.
     let v = demo(
@@ -134,7 +136,8 @@ fn heterogeneous_tp_across_processes() {
             "512",
         ],
     );
-    assert_verified(&v, "push", 120, bytes);
+    // Blocks of 16 and 32 tokens: exactly the prompt's tokens move.
+    assert_verified(&v, "push", 120, expected_bytes(120, 32, 512));
 }
 
 #[test]
@@ -161,7 +164,7 @@ fn layerwise_compare_across_processes_every_byte_verified() {
         "on",
     ];
     let v = demo("layerwise", &args);
-    assert_verified(&v, "push", 40, expected_bytes(40, 32, 512));
+    assert_verified(&v, "push", 40, whole_block_bytes(40, 32, 512, 16));
     let l = &v["layerwise"];
     // Paired from both runs' received requests: a failed or missing request of either run is missing.
     assert_eq!(l["requests"].as_u64(), Some(40), "{v}");

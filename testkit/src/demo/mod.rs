@@ -82,6 +82,16 @@ pub struct Topology {
     pub layerwise: LayerwiseFlag,
 }
 
+impl Topology {
+    /// Whether P fills and D checks every slot of the blocks that hold a request, not only its tokens:
+    /// when [`Topology::whole_block_bytes`] asks for it, and always where both sides' blocks are the
+    /// same size, because the planner then moves whole blocks ([`kvpush::proto::plan::whole_blocks`])
+    /// and every byte moved must be a byte checked.
+    pub fn checks_whole_blocks(&self) -> bool {
+        self.whole_block_bytes || self.p_block == self.d_block
+    }
+}
+
 /// `--layerwise` of an engine: [`Layerwise`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -565,7 +575,7 @@ pub fn expected_bytes(t: &Topology, w: &Workload) -> u64 {
         .iter()
         .map(|&(n, _)| {
             let window = n.min(u64::from(t.window_tokens));
-            let (full, window) = if t.whole_block_bytes {
+            let (full, window) = if t.checks_whole_blocks() {
                 // Whole blocks: up to the end of the last block, from the start of the window's first.
                 let bt = u64::from(t.d_block);
                 let end = n.div_ceil(bt) * bt;

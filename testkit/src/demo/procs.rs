@@ -235,7 +235,7 @@ impl WorkerSpec {
             allocator: t.allocator,
             whole_blocks: t.whole_blocks,
             layerwise: t.layerwise,
-            whole_block_bytes: t.whole_block_bytes,
+            whole_block_bytes: t.checks_whole_blocks(),
             lease_ms: 30_000,
             timeout_ms: 120_000,
             heartbeat_ms: 1_000,
