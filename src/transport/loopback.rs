@@ -1209,6 +1209,25 @@ mod tests {
         Desc { local: src.as_mut_ptr() as u64, remote: dst.as_mut_ptr() as u64, len: src.len() as u64 }
     }
 
+    /// Endpoints "a" and "b" of `fabric`, connected, with `src` registered on a and `dst` on b.
+    ///
+    /// # Safety
+    ///
+    /// `src` and `dst` outlive both endpoints' use of them (declare them before the endpoints).
+    unsafe fn registered_pair(
+        fabric: &Fabric,
+        src: &mut [u8],
+        dst: &mut [u8],
+    ) -> (LoopbackTransport, LoopbackTransport) {
+        let (a, b) = (fabric.endpoint("a").unwrap(), fabric.endpoint("b").unwrap());
+        connect(&a, &b);
+        // SAFETY: the caller keeps `src` alive past a's use of it (this function's contract).
+        unsafe { a.register(&region(src)) }.unwrap();
+        // SAFETY: as above, for `dst` and b.
+        unsafe { b.register(&region(dst)) }.unwrap();
+        (a, b)
+    }
+
     #[test]
     fn metadata_round_trips() {
         let md = Metadata { pid: 7, fabric: 9, endpoint: 11, name: "p0/rank1" };
@@ -1313,13 +1332,9 @@ mod tests {
     #[test]
     fn deregistered_before_the_copy_fails_and_copies_nothing() {
         let fabric = Fabric::new();
-        let (a, b) = (fabric.endpoint("a").unwrap(), fabric.endpoint("b").unwrap());
-        connect(&a, &b);
         let (mut src, mut dst) = (vec![7u8; 4096], vec![0u8; 4096]);
-        // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-        unsafe { a.register(&region(&mut src)) }.unwrap();
-        // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-        unsafe { b.register(&region(&mut dst)) }.unwrap();
+        // SAFETY: both buffers are this test's, declared before the endpoints and so dropped after them.
+        let (a, b) = unsafe { registered_pair(&fabric, &mut src, &mut dst) };
         a.inject_once(Fault::Delay(Duration::from_millis(100)));
         let id = a.post(Op::Write, "b", &[whole(&mut src, &mut dst)], Some(b"n")).unwrap();
         b.deregister(&region(&mut dst)).unwrap();
@@ -1339,13 +1354,9 @@ mod tests {
     #[test]
     fn target_dropped_before_the_copy_fails_with_remote_disconnect() {
         let fabric = Fabric::new();
-        let (a, b) = (fabric.endpoint("a").unwrap(), fabric.endpoint("b").unwrap());
-        connect(&a, &b);
         let (mut src, mut dst) = (vec![7u8; 4096], vec![0u8; 4096]);
-        // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-        unsafe { a.register(&region(&mut src)) }.unwrap();
-        // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-        unsafe { b.register(&region(&mut dst)) }.unwrap();
+        // SAFETY: both buffers are this test's, declared before the endpoints and so dropped after them.
+        let (a, b) = unsafe { registered_pair(&fabric, &mut src, &mut dst) };
         a.inject_once(Fault::Delay(Duration::from_millis(50)));
         let id = a.post(Op::Write, "b", &[whole(&mut src, &mut dst)], Some(b"n")).unwrap();
         drop(b);
@@ -1397,13 +1408,9 @@ mod tests {
     #[test]
     fn a_waker_owning_the_last_fabric_handle_does_not_join_itself() {
         let fabric = Fabric::new();
-        let (a, b) = (fabric.endpoint("a").unwrap(), fabric.endpoint("b").unwrap());
-        connect(&a, &b);
         let (mut src, mut dst) = (vec![1u8; 64], vec![0u8; 64]);
-        // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-        unsafe { a.register(&region(&mut src)) }.unwrap();
-        // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-        unsafe { b.register(&region(&mut dst)) }.unwrap();
+        // SAFETY: both buffers are this test's, declared before the endpoints and so dropped after them.
+        let (a, b) = unsafe { registered_pair(&fabric, &mut src, &mut dst) };
         let (entered_tx, entered_rx) = crossbeam_channel::bounded::<()>(1);
         let (release_tx, release_rx) = crossbeam_channel::bounded::<()>(1);
         let owned = Mutex::new(Some(fabric.clone()));
@@ -1425,13 +1432,9 @@ mod tests {
     #[test]
     fn a_panicking_waker_does_not_stop_the_worker() {
         let fabric = Fabric::new();
-        let (a, b) = (fabric.endpoint("a").unwrap(), fabric.endpoint("b").unwrap());
-        connect(&a, &b);
         let (mut src, mut dst) = (vec![1u8; 64], vec![0u8; 64]);
-        // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-        unsafe { a.register(&region(&mut src)) }.unwrap();
-        // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-        unsafe { b.register(&region(&mut dst)) }.unwrap();
+        // SAFETY: both buffers are this test's, declared before the endpoints and so dropped after them.
+        let (a, _b) = unsafe { registered_pair(&fabric, &mut src, &mut dst) };
         let calls = Arc::new(AtomicUsize::new(0));
         let seen = calls.clone();
         a.set_waker(Arc::new(move || {
