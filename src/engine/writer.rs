@@ -183,9 +183,6 @@ impl Writer {
 
     pub(super) fn run(mut self) {
         super::sched::fine_timer_slack();
-        if !super::sched::batch_current_thread() {
-            tracing::debug!(worker = %self.shared.me, "SCHED_BATCH not applied to the writer thread");
-        }
         // A panic must not leave this shard's requests waiting forever: catch it, fail closed, and
         // keep answering the shard's commands until the engine stops. The state may be mid-update;
         // `fail_closed` reads only what the state machines still hold and decides nothing new.
