@@ -8,4 +8,3 @@ mod fail_closed;
 mod layerwise;
 mod lifecycle;
 mod side_channel;
-mod wakeups;
