@@ -7,15 +7,11 @@
 //! This binary holds one test, so every writer thread in the process is one of its two engines'
 //! (named `kvpush-writer-p…` and `kvpush-writer-d…`).
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpush::device::{host::HostDevice, Device};
-use kvpush::engine::{Config, Finished, LocalHub};
-use kvpush::proto::layout::Parallel;
-use kvpush::proto::{Key, Mode};
-use kvpush::transport::loopback::Fabric;
-use kvpush_testkit::engines::{self, wait_for, Worker};
+use kvpush::engine::Finished;
+use kvpush::proto::Key;
+use kvpush_testkit::engines::{self, wait_for};
 use kvpush_testkit::layouts;
 
 const LIMIT: Duration = Duration::from_secs(10);
@@ -57,21 +53,12 @@ fn until(engine: char, what: &str, want: impl Fn(&[(String, u32)]) -> bool) {
     }
 }
 
-fn engine(id: &str, dev: &Arc<dyn Device>, fabric: &Fabric, hub: &Arc<LocalHub>) -> Worker {
-    let layout = layouts::separate(layouts::full_model(2, 1, 64), 64, Parallel::SINGLE);
-    // SAFETY: (precondition 2) the one request's blocks are neither written nor reused before its
-    // outcome: nothing else touches these buffers.
-    unsafe { engines::loopback_worker(Config::new(id, Mode::Push), layout, dev, fabric, id, hub) }
-}
-
 #[test]
 fn writers_are_batch_while_idle_and_default_while_awaiting_a_transfer() {
-    let dev: Arc<dyn Device> = Arc::new(HostDevice::new());
-    let fabric = Fabric::new();
-    let hub = LocalHub::new();
-    let p = engine("p", &dev, &fabric, &hub);
-    let d = engine("d", &dev, &fabric, &hub);
-    engines::connect(&p.engine, &d.engine);
+    // SAFETY: (precondition 2) the one request's blocks are neither written nor reused before its
+    // outcome: nothing else touches these buffers.
+    let pair = unsafe { engines::small_pair() };
+    let (p, d) = (&pair.p, &pair.d);
     let all = |policy: u32| move |w: &[(String, u32)]| !w.is_empty() && w.iter().all(|(_, p)| *p == policy);
     until('p', "idle", all(SCHED_BATCH));
     until('d', "idle", all(SCHED_BATCH));
