@@ -134,6 +134,9 @@ pub(super) struct Writer {
     poll_interval: Duration,
     /// When this writer last did work (for lingering).
     last_active: StdInstant,
+    /// Whether this thread runs `SCHED_BATCH` now ([`super::sched`]: batch while it waits for
+    /// commands, the default policy while it polls the transport for its transfers).
+    batch: bool,
 }
 
 /// The channel from the engine loop is closed: the engine is gone and the writer stops.
@@ -170,6 +173,7 @@ impl Writer {
             quarantined: HashMap::new(),
             poll_interval: POLL_MIN,
             last_active: StdInstant::now(),
+            batch: false,
         }
     }
 
@@ -183,9 +187,6 @@ impl Writer {
 
     pub(super) fn run(mut self) {
         super::sched::fine_timer_slack();
-        if !super::sched::batch_current_thread() {
-            tracing::debug!(worker = %self.shared.me, "SCHED_BATCH not applied to the writer thread");
-        }
         // A panic must not leave this shard's requests waiting forever: catch it, fail closed, and
         // keep answering the shard's commands until the engine stops. The state may be mid-update;
         // `fail_closed` reads only what the state machines still hold and decides nothing new.
@@ -200,6 +201,7 @@ impl Writer {
         let mut commands = Vec::new();
         loop {
             let mut wait = self.next_wait();
+            self.set_policy();
             // Right after work the writer lingers: it polls its transport at least every LINGER_TICK
             // (a peer's next frame is likely soon). Its sleeps are still rung by the engine loop's
             // commands, so a push that arrives meanwhile starts at once, not at the next tick.
@@ -266,6 +268,20 @@ impl Writer {
     /// answers each command with a failure until the engine stops. A request with a transfer still
     /// posted gets its outcome only once the transport says that transfer ended (fail closed: its
     /// blocks are not handed back while a WRITE or READ can still touch them).
+    /// `SCHED_BATCH` while the writer only waits for commands (the engine loop that wakes it must not
+    /// lose its core to it), the default policy while it polls the transport for a transfer of its
+    /// own or a notification it expects (the poll's wake is then on a request's path: a batch thread
+    /// waits for the scheduler's tick on a busy core). A system call only when that changes.
+    fn set_policy(&mut self) {
+        let batch = self.inflight.is_empty() && self.comp.pending() == 0;
+        if batch != self.batch {
+            self.batch = batch;
+            if !super::sched::set_batch(batch) {
+                tracing::debug!(worker = %self.shared.me, batch, "writer thread's scheduling policy not changed");
+            }
+        }
+    }
+
     /// Sleeps up to `wait` for the next command, unless commands reached the inbox while we were
     /// about to sleep (then look at those). `Err` when the engine loop is gone: the writer stops.
     fn sleep_for_command(&self, inbox: &Inbox<Cmd>, wait: Duration) -> Result<Option<Cmd>, Hangup> {

@@ -9,10 +9,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpush::device::{Buffer, Device};
+use kvpush::device::{host::HostDevice, Buffer, Device};
 use kvpush::engine::side::Incarnation;
 use kvpush::engine::{Config, Engine, Finished, LocalHub};
-use kvpush::proto::layout::KvLayout;
+use kvpush::proto::layout::{KvLayout, Parallel};
+use kvpush::proto::Mode;
 use kvpush::transport::loopback::{Fabric, LoopbackTransport};
 use kvpush::transport::trust::DataKeys;
 
@@ -54,6 +55,38 @@ pub unsafe fn loopback_worker(
         unsafe { Engine::new(config, layout, dev.clone(), transport.clone(), hub.clone()) }.expect("engine starts");
     hub.attach(engine.addr().clone(), engine.sink());
     Worker { engine, transport, buffers }
+}
+
+/// Two small push engines, `p` and `d` (two layers, one KV head of dimension 64, 64 blocks each, on
+/// host memory), over one loopback fabric and introduced to each other: the engines of the tests that
+/// watch every thread of their process (tests/idle_cpu.rs, tests/writer_policy.rs). Field order is
+/// drop order: the engines first.
+#[derive(Debug)]
+pub struct SmallPair {
+    pub p: Worker,
+    pub d: Worker,
+    pub fabric: Fabric,
+    pub hub: Arc<LocalHub>,
+}
+
+/// Starts a [`SmallPair`].
+///
+/// # Safety
+///
+/// [`loopback_worker`]'s precondition 2, for both engines: a request's blocks are not written while
+/// an engine reads them nor read or reused while the peer writes them, until the request's outcome.
+pub unsafe fn small_pair() -> SmallPair {
+    let dev: Arc<dyn Device> = Arc::new(HostDevice::new());
+    let fabric = Fabric::new();
+    let hub = LocalHub::new();
+    let worker = |id: &str| {
+        let layout = layouts::separate(layouts::full_model(2, 1, 64), 64, Parallel::SINGLE);
+        // SAFETY: precondition 2 is this function's own, passed on to its caller.
+        unsafe { loopback_worker(Config::new(id, Mode::Push), layout, &dev, &fabric, id, &hub) }
+    };
+    let (p, d) = (worker("p"), worker("d"));
+    connect(&p.engine, &d.engine);
+    SmallPair { p, d, fabric, hub }
 }
 
 /// Introduces `a` and `b` to each other (each accepts the other's handshake).
