@@ -2,7 +2,7 @@
 
 from typing import Any, Literal
 
-OutcomeKind = Literal["sent", "received", "failed", "ended"]
+OutcomeKind = Literal["sent", "received", "failed", "ended", "quarantined", "released"]
 
 class KvpushError(Exception): ...
 class ConfigError(KvpushError): ...

@@ -760,13 +760,26 @@ class _Worker:
         if self.native is None:
             return sending, recving
         for kind, tid, attempt, message, invalid in self.native.poll():
+            if kind == "released":
+                # A quarantine ends: only now may vLLM free (D) or reuse (P) the request's blocks.
+                held = self.outcomes.release(tid, attempt)
+                if held is None:
+                    logger.debug("kvpush: release of unknown transfer %s attempt %s", tid, attempt)
+                    continue
+                rid, role = held
+                (sending if role == "p" else recving).add(rid)
+                self.stats.record("requests_released", 1)
+                logger.warning("kvpush: request %s (transfer %s): quarantined blocks released", rid, tid)
+                continue
             owner = self.outcomes.take(tid, attempt)
             if owner is None:
                 logger.debug("kvpush: outcome %s for unknown transfer %s attempt %s", kind, tid, attempt)
                 continue
             rid, role = owner
             timeline.record(f"{role}_reported", tid, attempt)
-            if role == "p":
+            if kind == "quarantined":
+                self._quarantine(rid, role, tid, attempt, message, invalid)
+            elif role == "p":
                 sending.add(rid)
                 self.stats.record("requests_sent", 1)
                 if message not in ("Sent", ""):
@@ -775,17 +788,38 @@ class _Worker:
                 recving.add(rid)
                 if kind == "received":
                     self.stats.record("requests_received", 1)
-                elif kind in ("failed", "quarantined"):
+                elif kind == "failed":
                     self.stats.record("requests_failed", 1)
                     # The engine names kernel blocks; vLLM wants its own block ids.
                     self.load_errors.update(b // self.blocks_per_block for g in invalid for b in g)
                     logger.warning("kvpush: request %s (transfer %s) failed: %s", rid, tid, message)
-                    if kind == "quarantined":
-                        # A lost producer may still write into these blocks, and vLLM's worker
-                        # connector cannot keep the scheduler from reusing them (docs/reliability.md).
-                        logger.error("kvpush: request %s (transfer %s): blocks quarantined by the engine "
-                                     "are handed back to vLLM", rid, tid)
         return sending, recving
+
+    def _quarantine(
+        self, rid: str, role: str, tid: str, attempt: int, message: str, blocks: list[list[int]]
+    ) -> None:
+        """The request ended, but a lost or silent peer may still write into its blocks: vLLM hears of
+        the end now and gets the blocks back only with the engine's "released" (≤ 120 s).
+
+        D: the blocks are reported as load errors now and the request is kept out of
+        ``finished_recving`` until "released". vLLM's scheduler then keeps the request in
+        WAITING_FOR_REMOTE_KVS, which holds its blocks: with ``kv_load_failure_policy`` ``fail`` it
+        ends the request with an error at once and, because its transfer has not finished, delays
+        the free (``finish_requests``) until the request shows up in ``finished_recving``; with
+        ``recompute`` the request waits, and is recomputed only once released. P: the request stays out of ``finished_sending``, so its
+        sources stay held."""
+        self.outcomes.quarantine(tid, attempt, (rid, role))
+        self.stats.record("requests_quarantined", 1)
+        if role == "d":
+            self.stats.record("requests_failed", 1)
+            self.load_errors.update(b // self.blocks_per_block for g in blocks for b in g)
+        logger.error(
+            "kvpush: request %s (transfer %s) ended with its blocks quarantined until the engine releases "
+            "them: %s",
+            rid,
+            tid,
+            message,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self.load_errors = self.load_errors, set()
