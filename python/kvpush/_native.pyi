@@ -32,6 +32,7 @@ class Worker:
         num_tokens: int,
         first_layer: int,
         end_layer: int,
+        consumer_engine_id: str | None = None,
     ) -> None: ...
     def blocks_allocated(
         self,
