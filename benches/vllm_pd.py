@@ -395,14 +395,14 @@ def run_ttft(args: argparse.Namespace) -> int:
     model_dir = tiny_model.model_dir()
     lengths = args.lengths if args.lengths_given else TTFT_LENGTHS
     prompts = tiny_model.make_prompts(lengths * args.ttft_rounds, seed=18)
-    pairs = args.ttft_setups
-    setups_ = ["alone", *pairs]
+    pd_setups = args.ttft_setups
+    setups_ = ["alone", *pd_setups]
     result: dict[str, Any] = {
         "bench": "vllm_pd --ttft",
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "started_at": started_at,
         "params": {"lengths": lengths, "rounds": args.ttft_rounds, "max_tokens": args.max_tokens,
-                   "pause_s": args.ttft_pause_s, "setups": {n: TTFT_SETUPS[n] for n in pairs},
+                   "pause_s": args.ttft_pause_s, "setups": {n: TTFT_SETUPS[n] for n in pd_setups},
                    "rate_qps": args.ttft_rate, "streaming": True, "greedy": True,
                    "kvpush_extra": json.loads(args.kvpush_extra),
                    "model": json.loads((model_dir / "params.json").read_text())},  # fmt: skip
@@ -411,7 +411,7 @@ def run_ttft(args: argparse.Namespace) -> int:
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "timeline_dir": str(timeline_dir),
     }
-    urls, started = _ttft_targets(model_dir, json.loads(args.kvpush_extra), timeline_dir, pairs)
+    urls, started = _ttft_targets(model_dir, json.loads(args.kvpush_extra), timeline_dir, pd_setups)
     try:
         sessions = {k: requests.Session() for k in setups_}
         for w in tiny_model.make_prompts([64, 300, 64, 300], seed=999):
@@ -431,7 +431,7 @@ def run_ttft(args: argparse.Namespace) -> int:
                 c = srv.complete(urls[k], prompt, args.max_tokens, stream=True, timeout_s=300, session=sessions[k])
                 got[k] = c
                 records[k].append({"input_tokens": len(prompt), "ttft_s": c.ttft_s, "latency_s": c.latency_s})
-            for k in pairs:
+            for k in pd_setups:
                 try:
                     gap = srv.assert_same_output(got[k], got["alone"], f"{k}, prompt {i} ({len(prompt)} tokens)")
                     worst_logprob_gap = max(worst_logprob_gap, gap)
@@ -446,7 +446,7 @@ def run_ttft(args: argparse.Namespace) -> int:
             summary[k] = {"requests": len(records[k]), "ttft_p50_s": percentile(ttft, 50),
                           "ttft_p99_s": percentile(ttft, 99), "ttft_mean_s": statistics.fmean(ttft)}  # fmt: skip
         alone = summary["alone"]["ttft_p50_s"]
-        for k in pairs:
+        for k in pd_setups:
             factor = TTFT_SETUPS[k][2]
             s_ = summary[k]
             s_["ratio_median"] = s_["ttft_p50_s"] / alone
@@ -458,7 +458,7 @@ def run_ttft(args: argparse.Namespace) -> int:
             pairs = [(a["ttft_s"], b["ttft_s"]) for a, b in zip(records["alone"], records[k])]
             s_["paired_ratio_median"] = statistics.median(b / a for a, b in pairs)
             s_["paired_diff_median_s"] = statistics.median(b - a for a, b in pairs)
-        for k in pairs:
+        for k in pd_setups:
             result[f"ttft_ratio_{k.replace('-', '_')}_median"] = summary[k]["ratio_median"]
         result["sequential"] = summary
         result["outputs_equal"] = not mismatches
@@ -472,7 +472,7 @@ def run_ttft(args: argparse.Namespace) -> int:
                 cell = run_cell(urls[k], rate_prompts, args.ttft_rate, args.max_tokens, 18)
                 result["rate"][k] = {**summarize(cell), "records": cell}
         result["timeline"] = {}
-        for mode in pairs:
+        for mode in pd_setups:
             reqs = tl.load([timeline_dir / mode])
             seq = {t: e for t, e in reqs.items() if t_measured_ns <= min(e.values()) < t_rate_ns}
             result["timeline"][mode] = tl.summarize(seq)
