@@ -461,7 +461,8 @@ impl Worker {
     ) -> PyResult<()> {
         let key = key_of(transfer_id, attempt)?;
         let layers = first_layer..end_layer;
-        py.detach(|| self.inner.engine.layers_ready(key, block_ids, num_tokens, layers, consumer_engine_id)).map_err(py_err)
+        py.detach(|| self.inner.engine.layers_ready(key, block_ids, num_tokens, layers, consumer_engine_id))
+            .map_err(py_err)
     }
 
     /// Consumer, push: blocks are allocated; registers them with the producer ranks that write into
