@@ -39,6 +39,12 @@ equals the engine alone's, and the request timeline's gap medians (``KVPUSH_TIME
 kvpush.timeline``) of each P/D setup; the plot has TTFT per prompt and the median timelines:
 
     python benches/vllm_pd.py --ttft                         # ttft-<UTC time>.json and .png
+
+``--ttft-setups`` picks the P/D setups beside the engine alone: ``push``, ``pull`` and ``push-layerwise``
+(push with P's ``layerwise: on``, issue 21: each layer's KV leaves P as its forward computes it), e.g.
+whole-request and layer-wise push side by side:
+
+    python benches/vllm_pd.py --ttft --ttft-setups push,push-layerwise
 """
 
 from __future__ import annotations
@@ -323,43 +329,51 @@ def run_setup(setup: Setup, args: argparse.Namespace, model_dir: Path, prompt_se
 
 
 TTFT_LENGTHS = [20, 48, 96, 127, 160, 200, 256, 285, 320, 384, 448, 512, 576, 640, 720, 800]
+# --ttft's P/D setups: the router's mode, what P's kv_connector_extra_config adds, the TTFT target as a
+# factor of the engine alone's.
+TTFT_SETUPS: dict[str, tuple[str, dict[str, Any], float]] = {
+    "push": ("push", {}, 1.1),
+    "pull": ("pull", {}, 1.2),
+    "push-layerwise": ("push", {"layerwise": "on"}, 1.1),
+}
 
 
 def _ttft_targets(
-    model_dir: Path, extra: dict[str, Any], timeline_dir: Path
+    model_dir: Path, extra: dict[str, Any], timeline_dir: Path, names: list[str]
 ) -> tuple[dict[str, str], list[srv.Server]]:
-    """Starts the engine alone and a push and a pull P/D pair, each pair behind its router (every P/D
-    process writes its timeline under ``timeline_dir/<mode>``). Returns each setup's URL and the servers."""
+    """Starts the engine alone and the P/D pairs ``names`` (TTFT_SETUPS), each pair behind its router
+    (every P/D process writes its timeline under ``timeline_dir/<name>``). Returns each setup's URL and
+    the servers."""
     started: list[srv.Server] = []
-    ports = srv.free_ports(4)
+    ports = srv.free_ports(2 * len(names))
 
-    def pair(mode: str, p_port: int, d_port: int) -> tuple[srv.Server, srv.Server]:
-        env = {"KVPUSH_TIMELINE": str(timeline_dir / mode)}
-        cfg = {r: kvpush_config(r, mode, f"ttft-{mode}-{r}", extra) for r in ("prefill", "decode")}
-        cfg["prefill"]["kv_connector_extra_config"]["side_channel_port"] = p_port
+    def pair(name: str, p_port: int, d_port: int) -> tuple[srv.Server, srv.Server]:
+        mode, p_extra = TTFT_SETUPS[name][:2]
+        env = {"KVPUSH_TIMELINE": str(timeline_dir / name)}
+        cfg = {r: kvpush_config(r, mode, f"ttft-{name}-{r}", extra) for r in ("prefill", "decode")}
+        cfg["prefill"]["kv_connector_extra_config"].update(p_extra, side_channel_port=p_port)
         cfg["decode"]["kv_connector_extra_config"]["side_channel_port"] = d_port
-        p = srv.start_vllm(f"ttft-{mode}-P", model_dir, kv_transfer_config=cfg["prefill"], extra_env=env,
+        p = srv.start_vllm(f"ttft-{name}-P", model_dir, kv_transfer_config=cfg["prefill"], extra_env=env,
                            side_channel_port=p_port)  # fmt: skip
         started.append(p)
-        d = srv.start_vllm(f"ttft-{mode}-D", model_dir, kv_transfer_config=cfg["decode"], extra_env=env,
+        d = srv.start_vllm(f"ttft-{name}-D", model_dir, kv_transfer_config=cfg["decode"], extra_env=env,
                            side_channel_port=d_port)  # fmt: skip
         started.append(d)
         return p, d
 
     try:
-        with ThreadPoolExecutor(3) as pool:
+        with ThreadPoolExecutor(1 + len(names)) as pool:
             alone_f = pool.submit(srv.start_vllm, "ttft-alone", model_dir, prefix_caching=False)
-            push_f = pool.submit(pair, "push", ports[0], ports[1])
-            pull_f = pool.submit(pair, "pull", ports[2], ports[3])
+            pair_f = {n: pool.submit(pair, n, ports[2 * i], ports[2 * i + 1]) for i, n in enumerate(names)}
             alone = alone_f.result()
             started.append(alone)
             urls = {"alone": alone.url}
-            for mode, f in (("push", push_f), ("pull", pull_f)):
+            for name, f in pair_f.items():
                 p, d = f.result()
-                env = {"KVPUSH_TIMELINE": str(timeline_dir / mode)}
-                router = srv.start_router(mode, [p], [d], name=f"ttft-{mode}-router", extra_env=env)
+                env = {"KVPUSH_TIMELINE": str(timeline_dir / name)}
+                router = srv.start_router(TTFT_SETUPS[name][0], [p], [d], name=f"ttft-{name}-router", extra_env=env)
                 started.append(router)
-                urls[mode] = router.url
+                urls[name] = router.url
     except BaseException:
         for s in reversed(started):
             s.stop()
@@ -381,13 +395,14 @@ def run_ttft(args: argparse.Namespace) -> int:
     model_dir = tiny_model.model_dir()
     lengths = args.lengths if args.lengths_given else TTFT_LENGTHS
     prompts = tiny_model.make_prompts(lengths * args.ttft_rounds, seed=18)
-    setups_ = ["alone", "push", "pull"]
+    pd_setups = args.ttft_setups
+    setups_ = ["alone", *pd_setups]
     result: dict[str, Any] = {
         "bench": "vllm_pd --ttft",
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "started_at": started_at,
         "params": {"lengths": lengths, "rounds": args.ttft_rounds, "max_tokens": args.max_tokens,
-                   "pause_s": args.ttft_pause_s,
+                   "pause_s": args.ttft_pause_s, "setups": {n: TTFT_SETUPS[n] for n in pd_setups},
                    "rate_qps": args.ttft_rate, "streaming": True, "greedy": True,
                    "kvpush_extra": json.loads(args.kvpush_extra),
                    "model": json.loads((model_dir / "params.json").read_text())},  # fmt: skip
@@ -396,7 +411,7 @@ def run_ttft(args: argparse.Namespace) -> int:
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "timeline_dir": str(timeline_dir),
     }
-    urls, started = _ttft_targets(model_dir, json.loads(args.kvpush_extra), timeline_dir)
+    urls, started = _ttft_targets(model_dir, json.loads(args.kvpush_extra), timeline_dir, pd_setups)
     try:
         sessions = {k: requests.Session() for k in setups_}
         for w in tiny_model.make_prompts([64, 300, 64, 300], seed=999):
@@ -407,7 +422,7 @@ def run_ttft(args: argparse.Namespace) -> int:
         mismatches: list[str] = []
         worst_logprob_gap = 0.0
         for i, prompt in enumerate(prompts):
-            order = setups_[i % 3 :] + setups_[: i % 3]
+            order = setups_[i % len(setups_) :] + setups_[: i % len(setups_)]
             got: dict[str, srv.Completion] = {}
             for k in order:
                 # Let the other servers go idle first: vLLM's worker and engine-core processes busy-poll
@@ -416,7 +431,7 @@ def run_ttft(args: argparse.Namespace) -> int:
                 c = srv.complete(urls[k], prompt, args.max_tokens, stream=True, timeout_s=300, session=sessions[k])
                 got[k] = c
                 records[k].append({"input_tokens": len(prompt), "ttft_s": c.ttft_s, "latency_s": c.latency_s})
-            for k in ("push", "pull"):
+            for k in pd_setups:
                 try:
                     gap = srv.assert_same_output(got[k], got["alone"], f"{k}, prompt {i} ({len(prompt)} tokens)")
                     worst_logprob_gap = max(worst_logprob_gap, gap)
@@ -431,7 +446,8 @@ def run_ttft(args: argparse.Namespace) -> int:
             summary[k] = {"requests": len(records[k]), "ttft_p50_s": percentile(ttft, 50),
                           "ttft_p99_s": percentile(ttft, 99), "ttft_mean_s": statistics.fmean(ttft)}  # fmt: skip
         alone = summary["alone"]["ttft_p50_s"]
-        for k, factor in (("push", 1.1), ("pull", 1.2)):
+        for k in pd_setups:
+            factor = TTFT_SETUPS[k][2]
             s_ = summary[k]
             s_["ratio_median"] = s_["ttft_p50_s"] / alone
             s_["ratio_p99"] = s_["ttft_p99_s"] / summary["alone"]["ttft_p99_s"]
@@ -442,8 +458,8 @@ def run_ttft(args: argparse.Namespace) -> int:
             pairs = [(a["ttft_s"], b["ttft_s"]) for a, b in zip(records["alone"], records[k])]
             s_["paired_ratio_median"] = statistics.median(b / a for a, b in pairs)
             s_["paired_diff_median_s"] = statistics.median(b - a for a, b in pairs)
-        result["ttft_ratio_push_median"] = summary["push"]["ratio_median"]
-        result["ttft_ratio_pull_median"] = summary["pull"]["ratio_median"]
+        for k in pd_setups:
+            result[f"ttft_ratio_{k.replace('-', '_')}_median"] = summary[k]["ratio_median"]
         result["sequential"] = summary
         result["outputs_equal"] = not mismatches
         result["mismatches"] = mismatches
@@ -456,7 +472,7 @@ def run_ttft(args: argparse.Namespace) -> int:
                 cell = run_cell(urls[k], rate_prompts, args.ttft_rate, args.max_tokens, 18)
                 result["rate"][k] = {**summarize(cell), "records": cell}
         result["timeline"] = {}
-        for mode in ("push", "pull"):
+        for mode in pd_setups:
             reqs = tl.load([timeline_dir / mode])
             seq = {t: e for t, e in reqs.items() if t_measured_ns <= min(e.values()) < t_rate_ns}
             result["timeline"][mode] = tl.summarize(seq)
@@ -490,7 +506,10 @@ def plot_ttft(result_path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     data = json.loads(result_path.read_text())
-    fig, (ax, *gantt) = plt.subplots(1, 3, figsize=(18, 6.5), gridspec_kw={"width_ratios": [1.1, 1, 1]})
+    modes = list(data["timeline"])
+    fig, (ax, *gantt) = plt.subplots(
+        1, 1 + len(modes), figsize=(6 + 6 * len(modes), 6.5), gridspec_kw={"width_ratios": [1.1] + [1] * len(modes)}
+    )
     for k, recs in data["records"].items():
         xs = [r["input_tokens"] for r in recs]
         p50 = data["sequential"][k]["ttft_p50_s"] * 1000
@@ -500,7 +519,7 @@ def plot_ttft(result_path: Path) -> Path:
     ax.set_title("TTFT per request, sequential, interleaved")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    for bx, mode in zip(gantt, ("push", "pull")):
+    for bx, mode in zip(gantt, modes):
         # One row per event, in order of its median time: a bar from the previous event's median time.
         events = data["timeline"][mode]["events"]
         prev = 0.0
@@ -513,9 +532,9 @@ def plot_ttft(result_path: Path) -> Path:
         bx.set_xlabel("median time from the request's first event (ms)")
         bx.set_title(f"{mode}: median timeline (python -m kvpush.timeline)")
         bx.grid(True, axis="x", alpha=0.3)
+    ratios = ", ".join(f"{m}/alone {data['sequential'][m]['ratio_median']:.2f}" for m in modes)
     fig.suptitle(f"ttft: alone vs kvpush P/D, tiny Llama, {data['machine']['cpus']} CPUs, {data['started_at']}; "
-                 f"push/alone {data['ttft_ratio_push_median']:.2f}, pull/alone {data['ttft_ratio_pull_median']:.2f}",
-                 fontsize=9)  # fmt: skip
+                 f"{ratios}", fontsize=9)  # fmt: skip
     fig.tight_layout()
     out = result_path.with_suffix(".png")
     fig.savefig(out, dpi=110)
@@ -595,6 +614,8 @@ def main() -> int:
     ap.add_argument("--ttft-rounds", type=int, default=2, help="--ttft: rounds over the lengths")
     ap.add_argument("--ttft-rate", type=float, default=0.0, help="--ttft: then this many QPS per setup (0: none)")
     ap.add_argument("--timeline-dir", default=None, help="--ttft: where the timelines go (default under /tmp)")
+    ap.add_argument("--ttft-setups", default="push,pull",
+                    help=f"--ttft: P/D setups beside the engine alone, of {', '.join(TTFT_SETUPS)}")
     ap.add_argument("--ttft-pause-s", type=float, default=1.5,
                     help="--ttft: pause before each sequential request (vLLM's queues spin for 1 s after use)")
     args = ap.parse_args()
@@ -614,6 +635,9 @@ def main() -> int:
     args.lengths = [int(x) for x in str(args.lengths).split(",")]
     args.rates = [float(x) for x in str(args.rates).split(",")]
     if args.ttft:
+        args.ttft_setups = [n.strip() for n in args.ttft_setups.split(",") if n.strip()]
+        if not args.ttft_setups or any(n not in TTFT_SETUPS for n in args.ttft_setups):
+            ap.error(f"--ttft-setups {args.ttft_setups}: known {', '.join(TTFT_SETUPS)}")
         if "--max-tokens" not in sys.argv:
             args.max_tokens = 8
         return run_ttft(args)

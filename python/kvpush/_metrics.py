@@ -26,7 +26,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 # Per-transfer observations (lists, concatenated across ranks and steps).
 OBSERVED = ("transfer_duration", "post_duration", "bytes_transferred", "num_descriptors")
 # The connector's request counters.
-REQUESTS = ("requests_registered", "requests_sent", "requests_received", "requests_failed", "requests_dropped")
+REQUESTS = (
+    "requests_registered",
+    "requests_sent",
+    "requests_received",
+    "requests_failed",
+    "requests_dropped",
+    "requests_quarantined",
+    "requests_released",
+)
 # The engine's failure counters (``failures`` of ``Worker.stats()``, src/engine/stats.rs) published by kind.
 FAILURE_KINDS = ("post", "transfer", "plan", "lease_expired", "timeout", "remote", "malformed", "unknown_peer", "link")
 # How often a worker reads its engine's counters (the per-transfer records are taken every step).

@@ -2,7 +2,7 @@
 
 from typing import Any, Literal
 
-OutcomeKind = Literal["sent", "received", "failed", "ended"]
+OutcomeKind = Literal["sent", "received", "failed", "ended", "quarantined", "released"]
 
 class KvpushError(Exception): ...
 class ConfigError(KvpushError): ...
@@ -32,6 +32,7 @@ class Worker:
         num_tokens: int,
         first_layer: int,
         end_layer: int,
+        consumer_engine_id: str | None = None,
     ) -> None: ...
     def blocks_allocated(
         self,

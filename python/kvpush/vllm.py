@@ -90,7 +90,12 @@ DEFAULTS: dict[str, Any] = {
     # This worker's memory offer in its handshakes (docs/deployment.md §4), e.g. "neuron,device=none":
     # where the NIC cannot reach the KV's device memory, WRITEs go through host slots. None: no offer.
     "memory_offer": None,
+    # Push layer by layer from save_kv_layer (docs/vllm.md): "off" (the whole request after its last
+    # layer), "on", or "auto" (the engine sends requests below 512 tokens whole).
+    "layerwise": "off",
 }
+
+LAYERWISE = ("auto", "on", "off")
 
 @dataclass
 class KVPushConfig:
@@ -115,6 +120,8 @@ class KVPushConfig:
     dial_allow: str | None = None
     # The memory offer (``memory_offer``), checked by the engine at start-up; None: none.
     memory_offer: str | None = None
+    # ``layerwise``: one of LAYERWISE.
+    layerwise: str = "off"
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> KVPushConfig:
@@ -131,6 +138,11 @@ class KVPushConfig:
             raise ValueError(f"kvpush: mode must be 'push' or 'pull', got {values['mode']!r}")
         if str(values["staging"]).lower() not in ("auto", "on", "off"):
             raise ValueError(f"kvpush: staging must be 'auto', 'on' or 'off', got {values['staging']!r}")
+        layerwise = values["layerwise"]
+        if not isinstance(layerwise, str) or layerwise.lower() not in LAYERWISE:
+            raise ValueError(f"kvpush: layerwise must be one of {', '.join(LAYERWISE)}, got {layerwise!r}")
+        if layerwise.lower() != "off" and values["mode"] != "push":
+            raise ValueError(f"kvpush: layerwise {layerwise!r} needs mode 'push' (pull reads after prefill)")
         # One meaning of "secret" everywhere (docs/security.md): unset here means $KVPUSH_SECRET, and
         # an empty one is refused by the engine; insecure mode is only ever explicit.
         if values["secret"] is None:
@@ -162,6 +174,7 @@ class KVPushConfig:
             device=values["device"],
             staging=str(values["staging"]).lower(),
             kv_buffer_device=buffer,
+            layerwise=layerwise.lower(),
         )
 
 
@@ -266,6 +279,9 @@ class _Scheduler:
         self.receiving: dict[str, tuple[str, int]] = {}
         # P: requests with a transfer id, from scheduling until their prefill is scheduled.
         self.producing: dict[str, Transfer] = {}
+        # P, layer-wise: one-token requests whose prompt takes several steps (chunked prefill), until
+        # the step that computes their last chunk: req_id -> (transfer, prompt tokens, blocks so far).
+        self.chunking: dict[str, tuple[Transfer, int, list[list[int]]]] = {}
         # P: requests handed to the engine at the end of their prefill step that vLLM has not yet
         # finished (``request_finished``): their blocks must not be preempted meanwhile.
         self.released_early: set[str] = set()
@@ -381,6 +397,7 @@ class _Scheduler:
             return False, None
         tid, attempt = transfer.key, transfer.attempt
         self.producing.pop(rid, None)
+        self.chunking.pop(rid, None)
         if rid in self.released_early:
             # The engine has had its blocks since the end of the prefill step: they stay held until it
             # reports them sent, whatever the outcome; an abort only tells the engine (and so D).
@@ -452,7 +469,7 @@ class _Scheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
         meta, self.meta = self.meta, KVPushMetadata()
-        if self.producing:
+        if self.producing or self.chunking:
             self._release_prefilled(scheduler_output, meta)
         if self.queued:
             self._holds(meta)
@@ -462,9 +479,12 @@ class _Scheduler:
     def _release_prefilled(self, scheduler_output: SchedulerOutput, meta: KVPushMetadata) -> None:
         """P: a request whose whole prompt this step computes and that asks for one token (the
         router's prefill leg) is finished as soon as this step's forward pass ends. Its blocks go to
-        the engine then (``wait_for_save``), a step or two before vLLM calls ``request_finished``:
-        until then ``has_pending_block_frees`` keeps vLLM from preempting it (its blocks are the
-        engine's to read), and ``request_finished`` holds them until the engine reports them sent."""
+        the engine then (``wait_for_save``; layer-wise, from each layer's ``save_kv_layer``), a step
+        or two before vLLM calls ``request_finished``: until then ``has_pending_block_frees`` keeps
+        vLLM from preempting it (its blocks are the engine's to read), and ``request_finished``
+        holds them until the engine reports them sent. Layer-wise, a prompt computed over several
+        steps (chunked prefill) is followed until the step of its last chunk: only that step makes
+        its layers final (the earlier chunks' KV of a layer is final once the last chunk's is)."""
         for new in scheduler_output.scheduled_new_reqs:
             transfer = self.producing.pop(new.req_id, None)
             if transfer is None:
@@ -472,17 +492,44 @@ class _Scheduler:
             prompt = len(new.prompt_token_ids or ())
             scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
             sp = new.sampling_params
-            if sp is None or sp.max_tokens != 1 or prompt == 0 or new.num_computed_tokens + scheduled < prompt:
+            if sp is None or sp.max_tokens != 1 or prompt == 0:
                 continue
-            num_tokens, needed = self._prompt_of(prompt)
-            groups = [list(g)[:needed] for g in new.block_ids]
-            if not any(groups):
+            groups = [list(g) for g in new.block_ids]
+            if new.num_computed_tokens + scheduled < prompt:
+                if self.cfg.layerwise != "off":
+                    self.chunking[new.req_id] = (transfer, prompt, groups)
                 continue
-            meta.prefilled.append(
-                Finished(new.req_id, transfer.key, transfer.attempt, groups, num_tokens, transfer.consumer_engine_id)
-            )
-            self.sending[new.req_id] = (transfer.key, transfer.attempt)
-            self.released_early.add(new.req_id)
+            self._prefilled(meta, new.req_id, transfer, prompt, groups)
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if not self.chunking or cached is None:
+            return
+        for i, rid in enumerate(cached.req_ids):
+            entry = self.chunking.get(rid)
+            if entry is None:
+                continue
+            transfer, prompt, groups = entry
+            added = cached.new_block_ids[i]
+            if added is not None:
+                if rid in cached.resumed_req_ids:  # preempted and resumed: its blocks anew
+                    groups = [list(g) for g in added]
+                else:
+                    groups = [g + list(a) for g, a in zip(groups, added)]
+            scheduled = scheduler_output.num_scheduled_tokens.get(rid, 0)
+            if cached.num_computed_tokens[i] + scheduled < prompt:
+                self.chunking[rid] = (transfer, prompt, groups)
+                continue
+            del self.chunking[rid]
+            self._prefilled(meta, rid, transfer, prompt, groups)
+
+    def _prefilled(self, meta: KVPushMetadata, rid: str, transfer: Transfer, prompt: int, groups: list[list[int]]) -> None:
+        """P: ``rid``'s prefill ends with this step: its blocks go to the engine with it."""
+        num_tokens, needed = self._prompt_of(prompt)
+        groups = [g[:needed] for g in groups]
+        if not any(groups):
+            return
+        meta.prefilled.append(Finished(rid, transfer.key, transfer.attempt, groups, num_tokens, transfer.consumer_engine_id))
+        self.sending[rid] = (transfer.key, transfer.attempt)
+        self.released_early.add(rid)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_sending or ():
@@ -578,6 +625,33 @@ def _backend_name(vllm_config: VllmConfig) -> str | None:
         return None
 
 
+class _LayerFeeder:
+    """CUDA, layer-wise: hands layers to the engine in order, each once its event completed, from a
+    thread of its own, so ``save_kv_layer`` only records an event on the forward path."""
+
+    def __init__(self, ready: Any) -> None:
+        import queue
+
+        self._ready = ready
+        self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvpush-layers", daemon=True)
+        self._thread.start()
+
+    def submit(self, event: Any, *work: Any) -> None:
+        """Calls ``ready(*work)`` once ``event`` (a ``torch.cuda.Event``, recorded) completed."""
+        self._queue.put((event, work))
+
+    def _run(self) -> None:
+        while True:
+            event, work = self._queue.get()
+            try:
+                event.synchronize()
+            except Exception as e:  # the device failed: the layers are not final, nothing is sent
+                self._ready(*work, failed=e)
+                continue
+            self._ready(*work)
+
+
 class _Worker:
     """The worker half: owns the native engine worker of this rank."""
 
@@ -601,6 +675,14 @@ class _Worker:
         self._pending_sent: set[str] = set()
         self._pending_failed: dict[str, list[int]] = {}
         self.on_cuda = False
+        # Layer-wise (``layerwise`` not "off"): the global layer number of each KV cache this worker
+        # holds, the step's requests that reported layers (req_id -> layers reported), and on CUDA
+        # the thread that hands each layer to the engine once its event completed.
+        self.layer_of: dict[str, int] = {}
+        self._layered: dict[str, set[int]] = {}
+        self._kernel_blocks: dict[str, list[list[int]]] = {}
+        self._feeder: _LayerFeeder | None = None
+        self._lock = threading.Lock()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
@@ -631,6 +713,7 @@ class _Worker:
         device = layout.pop("_device")
         _check_buffer_device(self.cfg.kv_buffer_device, device)
         self.on_cuda = device.startswith("cuda")
+        self.layer_of = {name: int(extract_layer_index(name)) for name in kv_caches}
         layout.pop("_local_heads")
         self.blocks_per_block = layout.pop("_blocks_per_block")
         self.kernel_tokens = int(layout["block_tokens"])
@@ -661,6 +744,7 @@ class _Worker:
             dial_allow=self.cfg.dial_allow,
             device=_device_spec(self.cfg.device, device),
             staging=self.cfg.staging,
+            layerwise=self.cfg.layerwise,
         )
         if self.cfg.memory_offer is not None:
             config["memory_offer"] = self.cfg.memory_offer
@@ -739,10 +823,96 @@ class _Worker:
                 logger.error("kvpush: request %s (transfer %s) not sent: %s", f.req_id, f.transfer_id, e)
                 self._pending_sent.add(f.req_id)
 
+    def save_kv_layer(self, layer_name: str, meta: KVPushMetadata) -> None:
+        """Layer-wise: ``layer_name``'s KV of this step is written; for the requests whose prefill
+        this step completes, that layer is final. On CPU the engine hears it now; on CUDA an event
+        recorded on the current stream marks it, and the feeder thread tells the engine once the
+        event completed: the forward pass never waits for the host."""
+        if self.cfg.layerwise == "off" or not meta.prefilled or self.native is None:
+            return
+        layer = self.layer_of.get(layer_name)
+        if layer is None:
+            return
+        for f in meta.prefilled:
+            seen = self._layered.setdefault(f.req_id, set())
+            if layer in seen:
+                continue
+            first = not seen
+            seen.add(layer)
+            if first:
+                self.outcomes.expect(f.transfer_id, f.attempt, f.req_id, "p")
+                timeline.record("p_release", f.transfer_id, f.attempt)
+            self._submit(f, first, [(layer, layer + 1)])
+
+    def _submit(self, f: Finished, first: bool, ranges: list[tuple[int, int]]) -> None:
+        """Layers ``ranges`` of ``f`` are final once the work queued so far on the device is done."""
+        blocks = self._kernel_blocks.get(f.req_id)
+        if blocks is None:
+            blocks = expand_block_ids(f.block_ids, self.blocks_per_block, f.num_tokens, self.kernel_tokens)
+            self._kernel_blocks[f.req_id] = blocks
+        if not self.on_cuda:
+            self._layers_ready(f, blocks, first, ranges)
+            return
+        if self._feeder is None:
+            self._feeder = _LayerFeeder(self._layers_ready)
+        self._feeder.submit(self._new_event(), f, blocks, first, ranges)
+
+    @staticmethod
+    def _new_event() -> Any:
+        event = torch.cuda.Event()
+        event.record()  # on the current stream, after this layer's KV writes
+        return event
+
+    def _layers_ready(
+        self,
+        f: Finished,
+        blocks: list[list[int]],
+        first: bool,
+        ranges: list[tuple[int, int]],
+        failed: Exception | None = None,
+    ) -> None:
+        n = self.native
+        if n is None:
+            return
+        try:
+            if failed is not None:
+                raise failed
+            for start, end in ranges:
+                n.layers_ready(f.transfer_id, f.attempt, blocks, f.num_tokens, start, end, consumer_engine_id=f.consumer)
+        except Exception as e:
+            logger.error("kvpush: request %s (transfer %s) layers %s not sent: %s", f.req_id, f.transfer_id, ranges, e)
+            if first:
+                # The engine never took the blocks: vLLM may free them. (After a first call it has:
+                # its outcome frees them.)
+                with self._lock:
+                    self._pending_sent.add(f.req_id)
+
     def wait_for_save(self, meta: KVPushMetadata) -> None:
-        """After the forward pass: the prefills it completed go to the engine now."""
+        """After the forward pass: the prefills it completed go to the engine now (layer-wise: the
+        layers no ``save_kv_layer`` reported, if any)."""
         if not meta.prefilled:
             return
+        if self.cfg.layerwise != "off":
+            layered, self._layered, self._kernel_blocks = self._layered, {}, {}
+            mine = sorted(set(self.layer_of.values()))
+            whole = []
+            for f in meta.prefilled:
+                seen = layered.get(f.req_id)
+                if not seen:
+                    whole.append(f)
+                    continue
+                missing = [(l, l + 1) for l in mine if l not in seen]
+                if missing:
+                    self._submit(f, False, missing)
+            if not whole:
+                return
+            if self.on_cuda and self._feeder is not None:
+                # Behind the layers already queued, so a request is never handed over twice apart.
+                for f in whole:
+                    self.outcomes.expect(f.transfer_id, f.attempt, f.req_id, "p")
+                    self._submit(f, True, [(0, max(mine, default=0) + 1)])
+                return
+            meta = KVPushMetadata(prefilled=whole)
         if self.on_cuda:
             # The forward pass may still be running on the GPU: its KV must be written before a WRITE
             # reads it.
@@ -750,9 +920,10 @@ class _Worker:
         self._release(meta.prefilled)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
-        sending: set[str] = set(self._pending_sent)
+        with self._lock:
+            sending: set[str] = set(self._pending_sent)
+            self._pending_sent.clear()
         recving: set[str] = set()
-        self._pending_sent.clear()
         for rid, blocks in self._pending_failed.items():
             recving.add(rid)
             self.load_errors.update(blocks)
@@ -760,13 +931,26 @@ class _Worker:
         if self.native is None:
             return sending, recving
         for kind, tid, attempt, message, invalid in self.native.poll():
+            if kind == "released":
+                # A quarantine ends: only now may vLLM free (D) or reuse (P) the request's blocks.
+                held = self.outcomes.release(tid, attempt)
+                if held is None:
+                    logger.debug("kvpush: release of unknown transfer %s attempt %s", tid, attempt)
+                    continue
+                rid, role = held
+                (sending if role == "p" else recving).add(rid)
+                self.stats.record("requests_released", 1)
+                logger.warning("kvpush: request %s (transfer %s): quarantined blocks released", rid, tid)
+                continue
             owner = self.outcomes.take(tid, attempt)
             if owner is None:
                 logger.debug("kvpush: outcome %s for unknown transfer %s attempt %s", kind, tid, attempt)
                 continue
             rid, role = owner
             timeline.record(f"{role}_reported", tid, attempt)
-            if role == "p":
+            if kind == "quarantined":
+                self._quarantine(rid, role, tid, attempt, message, invalid)
+            elif role == "p":
                 sending.add(rid)
                 self.stats.record("requests_sent", 1)
                 if message not in ("Sent", ""):
@@ -775,17 +959,38 @@ class _Worker:
                 recving.add(rid)
                 if kind == "received":
                     self.stats.record("requests_received", 1)
-                elif kind in ("failed", "quarantined"):
+                elif kind == "failed":
                     self.stats.record("requests_failed", 1)
                     # The engine names kernel blocks; vLLM wants its own block ids.
                     self.load_errors.update(b // self.blocks_per_block for g in invalid for b in g)
                     logger.warning("kvpush: request %s (transfer %s) failed: %s", rid, tid, message)
-                    if kind == "quarantined":
-                        # A lost producer may still write into these blocks, and vLLM's worker
-                        # connector cannot keep the scheduler from reusing them (docs/reliability.md).
-                        logger.error("kvpush: request %s (transfer %s): blocks quarantined by the engine "
-                                     "are handed back to vLLM", rid, tid)
         return sending, recving
+
+    def _quarantine(
+        self, rid: str, role: str, tid: str, attempt: int, message: str, blocks: list[list[int]]
+    ) -> None:
+        """The request ended, but a lost or silent peer may still write into its blocks: vLLM hears of
+        the end now and gets the blocks back only with the engine's "released" (≤ 120 s).
+
+        D: the blocks are reported as load errors now and the request is kept out of
+        ``finished_recving`` until "released". vLLM's scheduler then keeps the request in
+        WAITING_FOR_REMOTE_KVS, which holds its blocks: with ``kv_load_failure_policy`` ``fail`` it
+        ends the request with an error at once and, because its transfer has not finished, delays
+        the free (``finish_requests``) until the request shows up in ``finished_recving``; with
+        ``recompute`` the request waits, and is recomputed only once released. P: the request stays out of ``finished_sending``, so its
+        sources stay held."""
+        self.outcomes.quarantine(tid, attempt, (rid, role))
+        self.stats.record("requests_quarantined", 1)
+        if role == "d":
+            self.stats.record("requests_failed", 1)
+            self.load_errors.update(b // self.blocks_per_block for g in blocks for b in g)
+        logger.error(
+            "kvpush: request %s (transfer %s) ended with its blocks quarantined until the engine releases "
+            "them: %s",
+            rid,
+            tid,
+            message,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self.load_errors = self.load_errors, set()
@@ -883,7 +1088,10 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPushMetadata)
+        self._worker.save_kv_layer(layer_name, meta)
 
     def wait_for_save(self) -> None:
         assert self._worker is not None

@@ -766,11 +766,12 @@ impl FfiEngine {
         block_ids: Vec<Vec<u32>>,
         num_tokens: u64,
         layers: std::ops::Range<u32>,
+        consumer: Option<&str>,
     ) -> Result<(), FfiError> {
         if layers.start > layers.end {
             return Err(FfiError::invalid("layers", format!("{}..{} ends before it starts", layers.start, layers.end)));
         }
-        Ok(self.engine.layers_ready(key, block_ids, num_tokens, layers)?)
+        Ok(self.engine.layers_ready_for(key, block_ids, num_tokens, layers, consumer)?)
     }
 
     /// See [`Engine::blocks_allocated`].

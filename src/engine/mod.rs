@@ -397,6 +397,8 @@ pub(crate) enum Cmd {
         blocks: SourceBlocks,
         layers: std::ops::Range<u32>,
         layerwise: bool,
+        /// As in `BlocksReady`; the first report's counts.
+        consumer: Option<crate::proto::ids::EngineId>,
     },
     Register {
         key: Key,
@@ -955,11 +957,7 @@ impl Engine {
     ) -> Result<(), EngineError> {
         check_block_lists(&block_ids, num_tokens, &self.shared.layout)
             .map_err(|source| EngineError::Blocks { key, source })?;
-        if let Some(c) = consumer {
-            if c.is_empty() || c.len() > crate::proto::msg::MAX_ENGINE_ID {
-                return Err(EngineError::ConsumerId { key, len: c.len() });
-            }
-        }
+        check_consumer(key, consumer)?;
         let blocks = SourceBlocks { block_ids, num_tokens };
         self.shared.send_local(key, Cmd::BlocksReady { key, blocks, consumer: consumer.map(str::to_owned) })
     }
@@ -982,14 +980,30 @@ impl Engine {
         num_tokens: u64,
         layers: std::ops::Range<u32>,
     ) -> Result<(), EngineError> {
+        self.layers_ready_for(key, block_ids, num_tokens, layers, None)
+    }
+
+    /// As [`Engine::layers_ready`], for consumer engine `consumer` (as in
+    /// [`Engine::request_finished_for`]: only that engine's workers receive `key`'s KV). The first
+    /// call's `consumer` counts.
+    pub fn layers_ready_for(
+        &self,
+        key: Key,
+        block_ids: Vec<Vec<u32>>,
+        num_tokens: u64,
+        layers: std::ops::Range<u32>,
+        consumer: Option<&str>,
+    ) -> Result<(), EngineError> {
         if self.shared.config.mode != Mode::Push {
             return Err(EngineError::WrongMode { call: "layers_ready", mode: self.shared.config.mode });
         }
         check_block_lists(&block_ids, num_tokens, &self.shared.layout)
             .map_err(|source| EngineError::Blocks { key, source })?;
+        check_consumer(key, consumer)?;
         let layerwise = self.shared.config.layerwise.applies(num_tokens);
         let blocks = SourceBlocks { block_ids, num_tokens };
-        self.shared.send_local(key, Cmd::LayersReady { key, blocks, layers, layerwise })
+        let consumer = consumer.map(str::to_owned);
+        self.shared.send_local(key, Cmd::LayersReady { key, blocks, layers, layerwise, consumer })
     }
 
     /// Consumer, push mode: blocks for `key` are allocated; registers them with every worker of
@@ -1121,6 +1135,16 @@ impl Engine {
 impl Drop for Engine {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// Refuses a consumer engine id that no handshake could carry.
+fn check_consumer(key: Key, consumer: Option<&str>) -> Result<(), EngineError> {
+    match consumer {
+        Some(c) if c.is_empty() || c.len() > crate::proto::msg::MAX_ENGINE_ID => {
+            Err(EngineError::ConsumerId { key, len: c.len() })
+        }
+        _ => Ok(()),
     }
 }
 

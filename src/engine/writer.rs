@@ -76,6 +76,8 @@ struct Layered {
     final_layers: LayerSet,
     /// Pushed range by range (else whole).
     layerwise: bool,
+    /// The consumer engine the router chose, until the blocks reach the rendezvous.
+    consumer: Option<String>,
     /// Layer-wise pushes under way, per consumer worker.
     pushes: HashMap<PeerAddr, LayerPush>,
 }
@@ -460,15 +462,15 @@ impl Writer {
         let now = self.now();
         match cmd {
             // A request reported layer by layer and then finished as a whole: every layer is final.
-            Cmd::BlocksReady { key, blocks, .. } if self.layered.contains_key(&key) => {
-                self.layers_ready(now, key, blocks, 0..u32::MAX, true)
+            Cmd::BlocksReady { key, blocks, consumer } if self.layered.contains_key(&key) => {
+                self.layers_ready(now, key, blocks, 0..u32::MAX, true, consumer)
             }
             Cmd::BlocksReady { key, blocks, consumer } => {
                 self.supersede_unstarted(key);
                 self.blocks_ready(now, key, blocks, consumer)
             }
-            Cmd::LayersReady { key, blocks, layers, layerwise } => {
-                self.layers_ready(now, key, blocks, layers, layerwise)
+            Cmd::LayersReady { key, blocks, layers, layerwise, consumer } => {
+                self.layers_ready(now, key, blocks, layers, layerwise, consumer)
             }
             Cmd::Register { key, producer, block_ids, num_tokens } => {
                 self.register(now, key, producer, block_ids, num_tokens)
@@ -536,7 +538,15 @@ impl Writer {
     /// the rendezvous and every call posts what became final to the consumers already matched
     /// (the rest is posted when they match, in [`Writer::push`]); whole, the blocks go once every
     /// layer of this worker is final.
-    fn layers_ready(&mut self, now: Instant, key: Key, blocks: SourceBlocks, layers: Range<u32>, layerwise: bool) {
+    fn layers_ready(
+        &mut self,
+        now: Instant,
+        key: Key,
+        blocks: SourceBlocks,
+        layers: Range<u32>,
+        layerwise: bool,
+        consumer: Option<String>,
+    ) {
         timeline::record("eng_layers_ready", key);
         self.supersede_unstarted(key);
         let mine = self.shared.layout.layer_range();
@@ -544,13 +554,15 @@ impl Writer {
             blocks: Some(blocks),
             final_layers: LayerSet::new(mine),
             layerwise,
+            consumer,
             pushes: HashMap::new(),
         });
         let added = l.final_layers.insert(layers.clone());
         let start = l.blocks.is_some() && (l.layerwise || l.final_layers.is_full());
         if start {
             if let Some(b) = l.blocks.take() {
-                self.blocks_ready(now, key, b, None);
+                let consumer = l.consumer.take();
+                self.blocks_ready(now, key, b, consumer);
             }
             return;
         }

@@ -1027,7 +1027,7 @@ pub unsafe extern "C" fn kvpush_layers_ready(
         let e = engine_of(engine)?;
         // SAFETY: the caller's contract (1).
         let blocks = unsafe { block_lists("groups", groups, num_groups) }?;
-        e.layers_ready(key.key(), blocks, num_tokens, first_layer..end_layer)
+        e.layers_ready(key.key(), blocks, num_tokens, first_layer..end_layer, None)
     })
 }
 

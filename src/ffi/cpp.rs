@@ -234,7 +234,7 @@ impl RustEngine {
     ) -> Result<(), BridgeError> {
         run("Engine::layers_ready", || {
             let lists = lists("block_ids", block_ids, group_lens)?;
-            self.0.layers_ready(key(k), lists, num_tokens, first_layer..end_layer)
+            self.0.layers_ready(key(k), lists, num_tokens, first_layer..end_layer, None)
         })
     }
 

@@ -444,8 +444,10 @@ impl Worker {
     /// Producer, push: layers `first_layer..end_layer` of the transfer are final in `block_ids` (the
     /// whole prompt's blocks, the same on every call); the first call holds them until `poll`
     /// reports it `sent`. Per the config's `layerwise` (auto, on, off), each range is written at once
-    /// or the request goes whole once every layer is final.
+    /// or the request goes whole once every layer is final. `consumer_engine_id` as in
+    /// `request_finished` (the first call's counts).
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (transfer_id, attempt, block_ids, num_tokens, first_layer, end_layer, consumer_engine_id=None))]
     fn layers_ready(
         &self,
         py: Python<'_>,
@@ -455,9 +457,12 @@ impl Worker {
         num_tokens: u64,
         first_layer: u32,
         end_layer: u32,
+        consumer_engine_id: Option<&str>,
     ) -> PyResult<()> {
         let key = key_of(transfer_id, attempt)?;
-        py.detach(|| self.inner.engine.layers_ready(key, block_ids, num_tokens, first_layer..end_layer)).map_err(py_err)
+        let layers = first_layer..end_layer;
+        py.detach(|| self.inner.engine.layers_ready(key, block_ids, num_tokens, layers, consumer_engine_id))
+            .map_err(py_err)
     }
 
     /// Consumer, push: blocks are allocated; registers them with the producer ranks that write into

@@ -388,6 +388,29 @@ fn a_staged_slot_granted_to_a_lost_sender_is_not_granted_again_while_its_write_c
 /// that registered: the intruder received the KV and D was refused.)
 #[test]
 fn an_intruder_registering_first_gets_nothing_when_p_names_the_consumer() {
+    let c = intruder_gets_nothing(|p, key, blocks, tokens| {
+        p.request_finished_for(key, blocks, tokens, Some(D_ENGINE)).expect("finished");
+    });
+    // An empty consumer id is refused at the call, not taken for "no consumer".
+    let other = Key::new(0x8_0002, 1);
+    assert!(c.p[0].engine.request_finished_for(other, vec![vec![3, 4]], 32, Some("")).is_err());
+    assert!(c.p[0].engine.layers_ready_for(other, vec![vec![3, 4]], 32, 0..1, Some("")).is_err());
+}
+
+/// As above, with P reporting the request layer by layer (issue 21: the vLLM connector's
+/// `save_kv_layer`): the consumer named in the first report is the only one served. (Before, the
+/// layer-wise path handed the blocks to the rendezvous with no consumer.)
+#[test]
+fn an_intruder_registering_first_gets_nothing_when_p_names_the_consumer_layer_by_layer() {
+    intruder_gets_nothing(|p, key, blocks, tokens| {
+        p.layers_ready_for(key, blocks.clone(), tokens, 0..1, Some(D_ENGINE)).expect("layer 0");
+        p.layers_ready_for(key, blocks, tokens, 1..u32::MAX, Some(D_ENGINE)).expect("the other layers");
+    });
+}
+
+/// The intruder case of window 8, with `finish` handing P's blocks over for consumer D. Returns the
+/// cluster, its engines still running.
+fn intruder_gets_nothing(finish: impl Fn(&kvpush::engine::Engine, Key, Vec<Vec<u32>>, u64)) -> Cluster {
     let c = Cluster::new(Setup::new(Mode::Push, 1, 1));
     let intruders = c.extra_consumer("intruder", 1);
     let (p, d, x) = (&c.p[0], &c.d[0], &intruders[0]);
@@ -401,7 +424,7 @@ fn an_intruder_registering_first_gets_nothing_when_p_names_the_consumer() {
     poll_until("P sees D", LIMIT, || p.engine.stats().counters.registrations, |n| *n == 2);
     let seed = 0x5eed;
     pattern::fill(p.engine.layout(), &p.buffers, &blocks, tokens, seed).expect("prefill");
-    p.engine.request_finished_for(key, blocks.clone(), tokens, Some(D_ENGINE)).expect("finished");
+    finish(&p.engine, key, blocks.clone(), tokens);
     wait_for(&d.engine, "D receives", LIMIT, |f| matches!(f, Finished::Received { key: k } if *k == key));
     let v = pattern::verify(d.engine.layout(), &d.buffers, &blocks, tokens, seed).expect("reads");
     assert!(v.ok(), "received but wrong: {v:?}");
@@ -410,7 +433,6 @@ fn an_intruder_registering_first_gets_nothing_when_p_names_the_consumer() {
     let untouched = pattern::verify(x.engine.layout(), &x.buffers, &blocks, tokens, 0xd00d).expect("reads");
     assert!(untouched.ok(), "the intruder's blocks were written: {untouched:?}");
     wait_for(&p.engine, "sent", LIMIT, |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
-    // An empty consumer id is refused at the call, not taken for "no consumer".
-    let other = Key::new(0x8_0002, 1);
-    assert!(p.engine.request_finished_for(other, blocks, tokens, Some("")).is_err());
+    drop(intruders);
+    c
 }

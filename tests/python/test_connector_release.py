@@ -9,7 +9,6 @@ keeps the blocks held and does not hand them over a second time.
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,6 +17,8 @@ import pytest
 kv = pytest.importorskip("kvpush.vllm", reason="the kvpush package (maturin develop) and vLLM")
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+import connector_kit as kit  # noqa: E402
+
 TID = "0123456789abcdef0123456789abcdef"
 BLOCK = 16
 
@@ -25,17 +26,7 @@ BLOCK = 16
 def scheduler(**config: Any) -> "kv._Scheduler":
     """A scheduler half (P's or D's: the role comes from each request's params); ``config`` overrides
     ``KVPushConfig`` fields."""
-    vllm_config = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(engine_id="prefill-0"),
-        cache_config=SimpleNamespace(block_size=BLOCK),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-    )
-    cfg = kv.KVPushConfig(
-        mode="push", side_channel_host="127.0.0.1", side_channel_listen="0.0.0.0", side_channel_port=5600,
-        nixl_backend="UCX", lease_ms=0, timeout_ms=0, peer_timeout_ms=15000, writers=1, secret=None,
-        insecure=True, device=None, staging="auto",
-    )  # fmt: skip
-    return kv._Scheduler(vllm_config, None, dataclasses.replace(cfg, **config))
+    return kv._Scheduler(kit.vllm_config("prefill-0", BLOCK), None, kit.config(**config))
 
 
 def request(rid: str, prompt: int, status: RequestStatus = RequestStatus.FINISHED_LENGTH_CAPPED) -> SimpleNamespace:

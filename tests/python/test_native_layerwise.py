@@ -94,3 +94,22 @@ def test_an_unknown_layerwise_setting_is_refused() -> None:
     buf = ctypes.create_string_buffer(LAYERS * REGION)
     with pytest.raises(kvpush.ConfigError, match="layerwise"):
         worker("bad-lw", buf, layerwise="sometimes")
+
+
+def test_layers_ready_serves_only_the_consumer_it_names() -> None:
+    # The router names D; the vLLM connector passes it on with every layer (consumer_engine_id). A
+    # registration from another engine is refused and its blocks are never written.
+    if not kvpush.nixl_available():
+        pytest.skip("NIXL is not available (libnixl_capi.so): run scripts/nixl.sh / scripts/python.sh")
+    p_buf = ctypes.create_string_buffer(b"\x5a" * (LAYERS * REGION))
+    d_buf = ctypes.create_string_buffer(LAYERS * REGION)
+    p = worker("prefill-lc", p_buf, layerwise="on")
+    d = worker("decode-lc", d_buf)
+    tid, tokens = "%032x" % 0x22, 32
+    d.blocks_allocated(tid, 1, "prefill-lc", "127.0.0.1", p.side_channel_port, 1, [[4, 5]], tokens)
+    time.sleep(0.2)  # the registration reaches P first
+    for layer in range(LAYERS):
+        p.layers_ready(tid, 1, [[0, 1]], tokens, layer, layer + 1, consumer_engine_id="decode-elsewhere")
+    kind = wait_for(d, "failed", [])[0]
+    assert kind == "failed"
+    assert d_buf.raw == bytes(LAYERS * REGION), "a refused consumer's blocks were written"
