@@ -304,6 +304,7 @@ class Side:
         self.copies: list[tuple[str, list[int]]] = []
         self.cache_untouched_at_h2d: bool | None = None
         self.configs: list[dict[str, Any]] = []
+        self.t0: float | None = None
         real = kvpush.Worker
 
         def record(config: dict[str, Any]) -> Any:
@@ -353,7 +354,8 @@ class Side:
         hosts = [(r.data_ptr(), r.numel()) for r in mirror.values()]
         return "mirror" if all(any(a == b for a, _ in hosts) for b in config["region_bases"]) else "neither"
 
-    def run(self, reqs: list[dict[str, Any]], p_port: int, limit_s: float) -> dict[str, Any]:
+    def start(self, reqs: list[dict[str, Any]], p_port: int) -> None:
+        """The step's metadata to ``start_load_kv``: P's finished requests, D's registrations or reads."""
         kvv, case = self.kvv, self.case
         meta = kvv.KVPushMetadata()
         for r in reqs:
@@ -364,9 +366,14 @@ class Side:
                     r["req"], r["tid"], 1, f"prefill-{case.index}", "127.0.0.1", p_port, 1, [r["d"]], r["tokens"],
                     [r["p"]] if case.mode == "pull" else None,
                 ))  # fmt: skip
-        want = {r["req"] for r in reqs}
-        t0 = time.perf_counter()
+        self.t0 = time.perf_counter()
         self.worker.start_load_kv(meta)
+
+    def run(self, reqs: list[dict[str, Any]], p_port: int, limit_s: float) -> dict[str, Any]:
+        """Starts (unless ``start`` did), then polls ``get_finished`` until every request is reported."""
+        if self.t0 is None:
+            self.start(reqs, p_port)
+        t0, want = self.t0, {r["req"] for r in reqs}
         done: set[str] = set()
         deadline = time.monotonic() + limit_s
         while done != want and time.monotonic() < deadline:
@@ -436,6 +443,10 @@ def child(role: str, conn: Any, forced_staging: bool, corrupt: bool, stand_ins: 
             if cmd == "setup":
                 side = Side(args["case"], role, kvv, forced_staging, corrupt)
                 conn.send(("ok", side.port))
+            elif cmd == "start":
+                assert side is not None
+                side.start(args["reqs"], args["p_port"])
+                conn.send(("ok", None))
             elif cmd == "run":
                 assert side is not None
                 conn.send(("ok", side.run(args["reqs"], args["p_port"], args["limit_s"])))
@@ -484,6 +495,9 @@ def run_case(case: Case, p: Any, d: Any, limit_s: float, forced_staging: bool) -
         p_port = call(p, "setup", limit_s, case=case)
         call(d, "setup", limit_s, case=case)
         reqs = requests(case)
+        if case.mode == "pull":
+            # As in vLLM: P's request has finished (its blocks are the engine's) before D learns of it.
+            call(p, "start", limit_s, reqs=reqs, p_port=p_port)
         d.send(("run", {"reqs": reqs, "p_port": p_port, "limit_s": limit_s}))
         p.send(("run", {"reqs": reqs, "p_port": p_port, "limit_s": limit_s}))
         results = {}

@@ -46,7 +46,7 @@ def drive(tmp_path: Path, *args: str, name: str = "rows") -> tuple[int, str, lis
     out = tmp_path / f"{name}.json"
     proc = subprocess.run(
         [sys.executable, str(DRIVER), "--device", "cpu", "--fast", "--json", str(out), *args],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        capture_output=True, text=True, timeout=1200, cwd=ROOT,
     )  # fmt: skip
     text = proc.stdout + proc.stderr
     assert out.exists(), text[-4000:]
