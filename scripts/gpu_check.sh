@@ -2,21 +2,27 @@
 # Everything kvpush does on a GPU, in one run on a machine with one NVIDIA GPU, no Rust toolchain and
 # no network (the H200): the test binaries that touch devices, then the demo matrix on GPU memory
 # (one process over the loopback transport, two processes over NIXL; staging auto/on/off; run and
-# FIFO block pools; the default 200 requests, every byte verified). Built and collected here, carried,
-# run there.
+# FIFO block pools; the default 200 requests, every byte verified), then the vLLM connector's worker
+# half on CUDA tensors laid out as each attention backend lays them out (benches/connector_layouts.py,
+# from the kvpush wheel; torch must be installed there, vLLM need not be). Built and collected here,
+# carried, run there.
 #
 #   scripts/gpu_check.sh --prepare [DIR]   # on a build machine (cargo, network): fills DIR (default
 #                                          # .gpu-carry) with this script, gpu_env.sh, bin.tar.xz (release kvpush
 #                                          # and the test binaries: lib, cuda, device, transport,
-#                                          # engine, proto), and from .cache/gpu (scripts/gpu_bench.sh
-#                                          # --prepare, run if missing) nixl-cu13.tar.xz and kernels.ptx
+#                                          # engine, proto), the abi3 kvpush wheel (maturin build
+#                                          # --release, in .cache/venv) with connector_layouts.py, and
+#                                          # from .cache/gpu (scripts/gpu_bench.sh --prepare, run if
+#                                          # missing) nixl-cu13.tar.xz and kernels.ptx
 #   bash DIR/gpu_check.sh                  # on the GPU machine: unpacks, records the machine, runs the
 #                                          # tests and the demos, prints a summary. $OUT (default
 #                                          # target/gpu-check) gets four files: gpu_check.log, summary.txt,
 #                                          # machine.txt and results.tar.gz (each test binary's output,
-#                                          # each demo's table and JSON).
+#                                          # each demo's table and JSON, the layouts' table and JSON).
 #
-# Environment (run step): OUT, KVPUSH_CHECK_DEMOS=0 (tests only), KVPUSH_CHECK_TESTS=0 (demos only),
+# Environment (run step): OUT, KVPUSH_CHECK_DEMOS=0 (no demos), KVPUSH_CHECK_TESTS=0 (no test binaries),
+# KVPUSH_CHECK_LAYOUTS=0 (no connector layouts), KVPUSH_CHECK_LAYOUTS_S (its limit, default 180 s, kept
+# out of the demos' budget; it starts no case after three quarters of it), KVPUSH_CHECK_LAYOUTS_ARGS (more arguments for connector_layouts.py),
 # KVPUSH_CHECK_REQUESTS (default 200), KVPUSH_CHECK_LIMIT_S (per demo, default 90), KVPUSH_CHECK_BUDGET_S
 # (the whole run, default 560: demos left when it runs out are reported as skipped), KVPUSH_CHECK_EXTRA
 # (more two-process push demos after the matrix: "name:args;name:args", e.g.
@@ -55,7 +61,12 @@ for l in sys.stdin:
   tar -C "$stage" -cJf "$dir/bin.tar.xz" bin
   rm -rf "$stage"
   cp "$g/nixl-cu13.tar.xz" "$g/kernels.ptx" "$dir/"
-  cp scripts/gpu_check.sh scripts/gpu_env.sh "$dir/"
+  cp scripts/gpu_check.sh scripts/gpu_env.sh benches/connector_layouts.py "$dir/"
+  # The kvpush wheel (abi3: any CPython >= 3.10 there) for the connector layouts run.
+  rm -f "$dir"/kvpush-*.whl
+  # shellcheck source=scripts/python.sh
+  . scripts/python.sh
+  maturin build --release --quiet --out "$dir"
   ls -la "$dir"
   du -sh "$dir"
 }
@@ -125,6 +136,9 @@ fi
 if [ "${KVPUSH_CHECK_DEMOS:-1}" = 1 ]; then
   requests=${KVPUSH_CHECK_REQUESTS:-200}
   limit=${KVPUSH_CHECK_LIMIT_S:-90}
+  # The connector layouts run after the demos: its time is kept out of theirs.
+  demo_budget=$budget
+  [ "${KVPUSH_CHECK_LAYOUTS:-1}" = 1 ] && demo_budget=$(( budget - ${KVPUSH_CHECK_LAYOUTS_S:-180} ))
   runs=()
   for procs in 1 2; do
     for staging in auto on off; do
@@ -141,8 +155,8 @@ if [ "${KVPUSH_CHECK_DEMOS:-1}" = 1 ]; then
   done
   for run in "${runs[@]}"; do
     name="${run%%:*}"
-    if [ $(( $(elapsed) + limit )) -gt "$budget" ]; then
-      printf '%-24s skipped: the run budget (%ss) is spent\n' "$name" "$budget" >> "$summary"
+    if [ $(( $(elapsed) + limit )) -gt "$demo_budget" ]; then
+      printf '%-24s skipped: the demo budget (%ss) is spent\n' "$name" "$demo_budget" >> "$summary"
       continue
     fi
     # shellcheck disable=SC2206 # the arguments are meant to split
@@ -177,6 +191,36 @@ for mode in ("push", "pull"):
 print("%-24s exit %3d  process %5.1f s  %s" % (name, rc, t1 - t0, "; ".join(parts) or "no JSON"))
 PY
   done
+fi
+
+if [ "${KVPUSH_CHECK_LAYOUTS:-1}" = 1 ]; then
+  # The connector's worker half (python/kvpush/vllm.py) driven without vLLM on CUDA tensors of every
+  # backend layout, P and D as two processes, kv_buffer_device cuda and cpu (host mirror), push and pull.
+  name=connector-layouts
+  llimit=${KVPUSH_CHECK_LAYOUTS_S:-180}
+  whl="$(find "$C" -maxdepth 1 -name "kvpush-*.whl" | head -1)"
+  if [ -z "$whl" ] || [ ! -e "$C/connector_layouts.py" ]; then
+    printf '%-24s not run: no kvpush wheel or connector_layouts.py in %s\n' "$name" "$C" >> "$summary"
+  elif [ $(( $(elapsed) + llimit )) -gt "$budget" ]; then
+    printf '%-24s skipped: the run budget (%ss) is spent\n' "$name" "$budget" >> "$summary"
+  else
+    step "$name: $(basename "$whl")"
+    PY="$W/py"
+    # No network there: the wheel alone (torch is the machine's). A platform tag pip will not take
+    # is no reason to fail: a wheel is a zip.
+    if ! python3 -m pip install --no-deps --no-index --target "$PY" "$whl" > "$R/$name-pip.txt" 2>&1; then
+      echo "pip refused the wheel (see $name-pip.txt): unzipping it"
+      python3 -m zipfile -e "$whl" "$PY"
+    fi
+    # shellcheck disable=SC2086 # the extra arguments are meant to split
+    PYTHONPATH="$PY" KVPUSH_NIXL_LIB_DIR="$W/nixl-cu13/lib" timeout "$llimit" python3 "$C/connector_layouts.py" \
+      --device cuda:0 --budget-s $(( llimit * 3 / 4 )) --json "$R/$name.json" ${KVPUSH_CHECK_LAYOUTS_ARGS:-} \
+      > "$R/$name.txt" 2>&1
+    rc=$?
+    tail -50 "$R/$name.txt"
+    line="$(grep -E '^connector_layouts: [0-9]' "$R/$name.txt" | tail -1)"
+    printf '%-24s exit %3d  %s\n' "$name" "$rc" "${line:-no summary line (see $name.txt)}" >> "$summary"
+  fi
 fi
 
 step "summary"

@@ -585,25 +585,31 @@ def _load_nixl() -> str | None:
 
 
 def _check_buffer_device(kv_buffer_device: str, from_tensors: str) -> None:
-    """Refuses a ``kv_buffer_device`` the KV cache tensors do not live on: ``cuda`` is the GPU memory
-    the cache is in (registered as device memory), ``cpu`` host memory (vLLM's CPU build). A GPU cache
-    moved through host buffers (vLLM's host-buffer contract, for hosts without GPUDirect) is not
-    implemented: refused at start-up rather than read as host memory."""
+    """Refuses a ``kv_buffer_device`` the KV cache tensors cannot use: ``cuda`` is the GPU memory the
+    cache is in (registered as device memory), so a cache in host memory is refused; ``cpu`` is host
+    memory: the cache itself in vLLM's CPU build, else a host mirror of a GPU cache
+    (:func:`_stages_through_host`)."""
     if from_tensors == _neuron.DEVICE:
         _neuron.check_buffer_device(kv_buffer_device)
         return
-    on_gpu = from_tensors.startswith("cuda")
-    if kv_buffer_device == "cuda" and not on_gpu:
+    if kv_buffer_device == "cuda" and not from_tensors.startswith("cuda"):
         raise ValueError(
             "kvpush: kv_buffer_device is 'cuda' but the KV cache is in host memory (vLLM's CPU build?): "
             "set kv_buffer_device to 'cpu'"
         )
-    if kv_buffer_device == "cpu" and on_gpu:
-        raise ValueError(
-            f"kvpush: kv_buffer_device is 'cpu' but the KV cache is on {from_tensors}: staging it through "
-            "host buffers is not supported; set kv_buffer_device to 'cuda' (NIXL reads and writes GPU "
-            "memory directly)"
-        )
+
+
+def _stages_through_host(kv_buffer_device: str, from_tensors: str) -> bool:
+    """Whether the engine moves a host mirror of the KV cache rather than the cache: ``cpu`` on a GPU
+    (hosts without GPUDirect), vLLM's host-buffer contract (``set_host_xfer_buffer_ops``)."""
+    return kv_buffer_device == "cpu" and from_tensors.startswith("cuda")
+
+
+def _byte_blocks(storage: Any, offset: int, blocks: int, block_bytes: int) -> torch.Tensor:
+    """``blocks`` rows of ``block_bytes`` bytes of ``storage`` from byte ``offset``: a region as vLLM's
+    block copy wants it, blocks on dimension 0."""
+    t = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    return t.set_(storage, offset, (blocks, block_bytes), (block_bytes, 1))
 
 
 def _device_spec(configured: str | None, from_tensors: str) -> str:
@@ -655,6 +661,11 @@ class _LayerFeeder:
 class _Worker:
     """The worker half: owns the native engine worker of this rank."""
 
+    # kv_buffer_device "cpu" on a GPU: the engine's regions are host mirrors of the cache's (byte
+    # blocks, keyed as ``device_regions``), filled and emptied by vLLM's copy op
+    # (set_host_xfer_buffer_ops). None: the engine moves the cache itself.
+    host_regions: dict[str, torch.Tensor] | None = None
+
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: KVPushConfig):
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
@@ -683,6 +694,11 @@ class _Worker:
         self._kernel_blocks: dict[str, list[list[int]]] = {}
         self._feeder: _LayerFeeder | None = None
         self._lock = threading.Lock()
+        self.device_regions: dict[str, torch.Tensor] = {}
+        self.copy_blocks: Any = None
+        # D with host mirrors: the blocks each (transfer, attempt) receives into, copied to the GPU
+        # when the engine reports them received.
+        self._staged: dict[tuple[str, int], list[int]] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
@@ -714,6 +730,17 @@ class _Worker:
         _check_buffer_device(self.cfg.kv_buffer_device, device)
         self.on_cuda = device.startswith("cuda")
         self.layer_of = {name: int(extract_layer_index(name)) for name in kv_caches}
+        if _stages_through_host(self.cfg.kv_buffer_device, device):
+            if self.cfg.layerwise != "off":
+                # The host mirror is filled by one copy before request_finished: a layer pushed as
+                # its hook runs would leave from a mirror not yet copied.
+                raise ValueError(
+                    f"kvpush: layerwise {self.cfg.layerwise!r} needs the KV cache registered where it "
+                    f"lives; with kv_buffer_device 'cpu' on {device} blocks go through a host copy "
+                    "after prefill: set layerwise 'off'"
+                )
+            layout["region_bases"] = self._mirror_on_host(kv_caches, layout)
+            device = "host"
         layout.pop("_local_heads")
         self.blocks_per_block = layout.pop("_blocks_per_block")
         self.kernel_tokens = int(layout["block_tokens"])
@@ -765,6 +792,41 @@ class _Worker:
             lib or "from LD_LIBRARY_PATH",
         )
 
+    def _mirror_on_host(self, kv_caches: dict[str, torch.Tensor], layout: dict[str, Any]) -> list[int]:
+        """Host memory laid out as the KV cache: one host buffer per cache allocation (pinned where
+        CUDA is), each region at the same offset as on the GPU. Returns the regions' host bases,
+        which the engine registers instead of the cache's."""
+        storages: dict[int, tuple[Any, Any]] = {}
+        for t in kv_caches.values():
+            s = t.untyped_storage()
+            if s.data_ptr() not in storages:
+                host = torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+                storages[s.data_ptr()] = (s, host.untyped_storage())
+        blocks, block_bytes = int(layout["num_blocks"]), int(layout["block_stride"])
+        self.host_regions, self.device_regions, bases = {}, {}, []
+        for i, (base, length) in enumerate(zip(layout["region_bases"], layout["region_lens"])):
+            dev, host = next((d, h) for a, (d, h) in storages.items() if a <= base and base + length <= a + d.nbytes())
+            off = base - dev.data_ptr()
+            self.device_regions[str(i)] = _byte_blocks(dev, off, blocks, block_bytes)
+            self.host_regions[str(i)] = _byte_blocks(host, off, blocks, block_bytes)
+            bases.append(host.data_ptr() + off)
+        return bases
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        """vLLM's block copy between the cache and host buffers (``CopyBlocksOp``); used only when the
+        engine moves host mirrors."""
+        self.copy_blocks = copy_operation
+
+    def _copy(self, blocks: list[list[int]], direction: str) -> None:
+        """Copies ``blocks`` (the engine's block ids, every group) between the cache and its host
+        mirror: ``d2h`` before P's engine reads them, ``h2d`` once D's engine has received them."""
+        if self.copy_blocks is None:
+            raise RuntimeError("kvpush: kv_buffer_device 'cpu' needs vLLM's host-buffer copy (set_host_xfer_buffer_ops)")
+        ids = sorted({b for g in blocks for b in g})
+        host, device = self.host_regions, self.device_regions
+        src, dst = (device, host) if direction == "d2h" else (host, device)
+        self.copy_blocks(src, dst, ids, ids, direction)
+
     def start_load_kv(self, meta: KVPushMetadata) -> None:
         n = self.native
         if n is None:
@@ -805,6 +867,11 @@ class _Worker:
                         r.num_tokens,
                     )
                 self.stats.record("requests_registered", 1)
+                if self.host_regions is not None:
+                    self._staged[(r.transfer_id, r.attempt)] = [
+                        b for g in expand_block_ids(r.block_ids, self.blocks_per_block, r.num_tokens, self.kernel_tokens)
+                        for b in g
+                    ]
             except Exception as e:
                 logger.error("kvpush: request %s (transfer %s) cannot receive: %s", r.req_id, r.transfer_id, e)
                 self._pending_failed[r.req_id] = [b for g in r.block_ids for b in g]
@@ -818,6 +885,8 @@ class _Worker:
             timeline.record("p_release", f.transfer_id, f.attempt)
             try:
                 blocks = expand_block_ids(f.block_ids, self.blocks_per_block, f.num_tokens, self.kernel_tokens)
+                if self.host_regions is not None:
+                    self._copy(blocks, "d2h")
                 n.request_finished(f.transfer_id, f.attempt, blocks, f.num_tokens, consumer_engine_id=f.consumer)
             except Exception as e:
                 logger.error("kvpush: request %s (transfer %s) not sent: %s", f.req_id, f.transfer_id, e)
@@ -957,6 +1026,12 @@ class _Worker:
                     logger.warning("kvpush: request %s released without a transfer: %s", rid, message)
             else:
                 recving.add(rid)
+                staged = None if self.host_regions is None else self._staged.pop((tid, attempt), None)
+                if kind == "received" and staged is not None:
+                    try:
+                        self._copy([staged], "h2d")
+                    except Exception as e:  # the KV never reached the GPU: vLLM's load-failure policy
+                        kind, message, invalid = "failed", f"copy to the GPU failed: {e}", [staged]
                 if kind == "received":
                     self.stats.record("requests_received", 1)
                 elif kind == "failed":
@@ -1077,6 +1152,10 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        if self._worker is not None:
+            self._worker.set_host_xfer_buffer_ops(copy_operation)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None

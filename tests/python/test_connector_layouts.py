@@ -272,3 +272,97 @@ def test_worker_expands_vllm_block_ids_to_kernel_blocks_and_back() -> None:
     w.native.outcomes = [("failed", d_key, 1, "read failed", [[21, 22]])]
     assert w.get_finished() == (set(), {"d-req"})
     assert w.get_block_ids_with_load_errors() == {5}
+
+
+# ---- kv_buffer_device "cpu" on a GPU: the engine moves a host mirror (host tensors stand in for the GPU's)
+
+
+class _Engine(_Recorder):
+    """The native worker as register_kv_caches starts it: keeps its config, logs into ``log``."""
+
+    side_channel_port = 0
+
+    def __init__(self, config: dict[str, Any], log: list[tuple[Any, ...]]) -> None:
+        super().__init__()
+        self.config, self.calls = config, log
+
+
+def staged_worker(monkeypatch: pytest.MonkeyPatch, log: list[tuple[Any, ...]], engine_id: str) -> tuple[Any, dict[str, Any]]:
+    """A worker half on FlashAttention HND caches with kv_buffer_device "cpu", taking the GPU's path."""
+    from types import SimpleNamespace as ns
+
+    kvv = pytest.importorskip("kvpush.vllm", reason="vLLM")
+    from vllm.distributed import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(parallel_state, "get_pp_group", lambda: ns(rank_in_group=0))
+    monkeypatch.setattr(kvv, "_backend_name", lambda _cfg: "FLASH_ATTN")
+    monkeypatch.setattr(kvv, "_stages_through_host", lambda buffer, _device: buffer == "cpu")
+    monkeypatch.setattr(kvpush, "Worker", lambda config: _Engine(config, log))
+    vcfg = ns(
+        kv_transfer_config=ns(engine_id=engine_id, kv_connector_extra_config={"side_channel_port": 0}, kv_buffer_device="cpu"),
+        model_config=ns(get_total_num_kv_heads=lambda: HEADS, get_head_size=lambda: D, use_mla=False,
+                        hf_config=ns(num_hidden_layers=LAYERS)),
+        parallel_config=ns(tensor_parallel_size=1, pipeline_parallel_size=1),
+        cache_config=ns(block_size=N),
+    )  # fmt: skip
+    kcc = ns(kv_cache_groups=[ns(layer_names=NAMES, kv_cache_spec=ns(sliding_window=None))], num_blocks=BLOCKS)
+    caches = per_layer(lambda: physical((2, BLOCKS, HEADS, N, D), (0, 1, 3, 2, 4)))
+    for i, t in enumerate(caches.values()):
+        t.view(torch.int16).copy_(torch.arange(t.numel(), dtype=torch.int16).view(t.shape) * (i + 2) + len(engine_id))
+    w = kvv._Worker(vcfg, kcc, kvv.KVPushConfig.from_vllm(vcfg))
+    w.register_kv_caches(caches)
+
+    def copy(src: dict, dst: dict, src_ids: list[int], dst_ids: list[int], direction: str) -> None:
+        log.append(("copy", direction, list(src_ids), list(dst_ids)))
+        for k in src:
+            dst[k][torch.tensor(dst_ids)] = src[k][torch.tensor(src_ids)]
+
+    w.set_host_xfer_buffer_ops(copy)
+    return w, caches
+
+
+def test_kv_buffer_device_cpu_moves_a_host_mirror_through_the_copy_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    kvv = pytest.importorskip("kvpush.vllm", reason="vLLM")
+    p_log: list[tuple[Any, ...]] = []
+    d_log: list[tuple[Any, ...]] = []
+    p, p_caches = staged_worker(monkeypatch, p_log, "prefill-0")
+    d, d_caches = staged_worker(monkeypatch, d_log, "decode-0")
+    d_before = {n: t.clone() for n, t in d_caches.items()}
+    # The engine registered the mirror: every region outside every cache tensor, one per K and V of
+    # each layer, at the cache's own offsets.
+    for w, caches in ((p, p_caches), (d, d_caches)):
+        cfg = w.native.config
+        assert cfg["device"] == "host" and len(cfg["region_bases"]) == 2 * LAYERS
+        for n, t in caches.items():
+            lo, hi = t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()
+            assert not any(lo <= b < hi for b in cfg["region_bases"]), "the engine registered the cache itself"
+        assert cfg["region_bases"] == [r.data_ptr() for r in w.host_regions.values()]
+    tid = "7" * 32
+    # P: the copy to the host comes before the engine hears of the blocks.
+    p.start_load_kv(kvv.KVPushMetadata(finished=[kvv.Finished("p-req", tid, 1, [[4, 1]], 20, None)]))
+    assert [c[:3] for c in p_log] == [("copy", "d2h", [1, 4]), ("request_finished", tid, 1)]
+    for layer, n in enumerate(NAMES):
+        for kv in (0, 1):
+            host = p.host_regions[str(2 * layer + kv)]
+            for b in (1, 4):
+                memory_order = p_caches[n][kv, b].permute(1, 0, 2).contiguous()  # HND: [heads, N, D]
+                assert torch.equal(host[b], memory_order.view(torch.uint8).reshape(-1)), (n, kv, b)
+    # D: the engine writes P's blocks 4, 1 into D's mirror blocks 0, 5 (what NIXL would do).
+    d.start_load_kv(kvv.KVPushMetadata(receives=[kvv.Receive("d-req", tid, 1, "prefill-0", "127.0.0.1", 1, 1, [[0, 5]], 20)]))
+    assert d_log[-1][0] == "blocks_allocated" and d_log[-1][7] == [[0, 5]]
+    for k in p.host_regions:
+        d.host_regions[k][0], d.host_regions[k][5] = p.host_regions[k][4], p.host_regions[k][1]
+    assert all(torch.equal(d_caches[n].view(torch.int16), d_before[n].view(torch.int16)) for n in NAMES)
+    d.native.outcomes = [("received", tid, 1, "", [])]
+    assert d.get_finished() == (set(), {"d-req"})
+    assert d_log[-1] == ("copy", "h2d", [0, 5], [0, 5])
+    for n in NAMES:
+        want = d_before[n].clone()
+        want[:, 0], want[:, 5] = p_caches[n][:, 4], p_caches[n][:, 1]
+        assert torch.equal(d_caches[n].view(torch.int16), want.view(torch.int16)), n
+    # A failed copy to the GPU is a failed load: vLLM is told the blocks.
+    d.start_load_kv(kvv.KVPushMetadata(receives=[kvv.Receive("d-2", tid, 2, "prefill-0", "127.0.0.1", 1, 1, [[3]], 5)]))
+    d.set_host_xfer_buffer_ops(None)
+    d.native.outcomes = [("received", tid, 2, "", [])]
+    assert d.get_finished() == (set(), {"d-2"}) and d.get_block_ids_with_load_errors() == {3}
