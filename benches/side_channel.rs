@@ -4,17 +4,23 @@
 //! costs between a consumer's writer and a producer's engine, without the thread hand-offs around it
 //! (those are the engine's, measured by `benches/engine_thread.rs`).
 //!
-//! Two sizes: a 64-token request (4 blocks) and a 16k-token one (1024 blocks, a 4 KiB block list).
-//! The session is the real one ([`kvpush::engine::side::LoopbackSession`]: the `NNpsk0` handshake
+//! Three registrations: a 64-token request (4 blocks), and two 16k-token ones (1024 blocks): one
+//! whose blocks are contiguous (a fresh pool: one run on the wire) and one whose blocks come from a
+//! pool that served other requests first (vLLM's FIFO free queue: freed blocks go to its tail, each
+//! request's in reverse, and are handed out from its head; [`fifo_blocks`]). The session is the real one ([`kvpush::engine::side::LoopbackSession`]: the `NNpsk0` handshake
 //! with a secret, then the reader's and writer's own per-frame functions).
 //!
 //! `cargo bench --bench side_channel` (needs `. scripts/nixl.sh` for the build only). Besides
 //! criterion's estimate it prints p50/p99 of individually timed round trips, and the p50 of each
-//! part of one on its own (encode, decode, seal and open in memory with the same Noise session
-//! parameters): what a round trip spends outside them is the two system calls and the buffers.
+//! stage of one on its own: encode, seal (in memory, the same Noise parameters), the `write` of the
+//! sealed record and the `read` of it on a loopback TCP pair, open, decode. What a round trip spends
+//! beyond their sum is the channel's buffers and bookkeeping.
 //! Target: p50 ≤ 5 µs (issue #19); results in docs/benchmarks.md.
 
+use std::collections::VecDeque;
 use std::hint::black_box;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
 
 use criterion::{criterion_group, criterion_main, Criterion};
@@ -24,15 +30,44 @@ use kvpush::proto::layout::{KvLayout, Parallel};
 use kvpush::proto::msg::{Message, Registration};
 use kvpush::proto::Key;
 use kvpush_testkit::layouts;
+use kvpush_testkit::rng::Rng;
 
 /// 16 layers, one KV head of dimension 128, 16-token blocks, 4096 blocks.
 fn layout() -> KvLayout {
     layouts::separate(layouts::full_model(16, 1, 128), 4096, Parallel::SINGLE)
 }
 
-fn registration(l: &KvLayout, blocks: u32) -> Message {
-    let ids = vec![(0..blocks).map(|b| (b * 7) % l.num_blocks).collect::<Vec<u32>>()];
-    let tokens = u64::from(blocks) * 16;
+/// The next `n` blocks of a vLLM-like pool of `pool` blocks after it served requests of 1 to 64
+/// blocks, 4 at a time, for a few rounds: a FIFO free queue, allocation from its head, and each
+/// finished request's blocks freed to its tail in reverse order (as vLLM's `KVCacheManager.free`
+/// does), finishing in random order.
+fn fifo_blocks(pool: u32, n: usize, seed: u64) -> Vec<u32> {
+    let mut rng = Rng::new(seed);
+    let mut free: VecDeque<u32> = (0..pool).collect();
+    let mut running: Vec<Vec<u32>> = Vec::new();
+    for _ in 0..2000 {
+        while running.len() < 4 {
+            let want = rng.between(1, 64) as usize;
+            running.push(free.drain(..want).collect());
+        }
+        let done = running.swap_remove(rng.below(running.len() as u64) as usize);
+        free.extend(done.into_iter().rev());
+    }
+    free.drain(..n).collect()
+}
+
+/// Contiguous ids from 100 (a fresh pool), or the FIFO pool's.
+fn block_ids(blocks: u32, fragmented: bool) -> Vec<u32> {
+    if fragmented {
+        fifo_blocks(4096, blocks as usize, 19)
+    } else {
+        (100..100 + blocks).collect()
+    }
+}
+
+fn registration(l: &KvLayout, ids: Vec<u32>) -> Message {
+    let ids = vec![ids];
+    let tokens = ids[0].len() as u64 * 16;
     let r = Registration::new(Key::new(0x1234_5678_9abc, 1), "decode-0".into(), l.parallel.rank(), tokens, ids, l)
         .expect("the bench's registration fits its layout");
     Message::Registration(r)
@@ -74,7 +109,18 @@ fn p50_of(n: usize, mut f: impl FnMut()) -> u64 {
     pct(&mut ns, 0.5)
 }
 
-/// The p50 of each part of a round trip on its own.
+/// A connected loopback TCP pair with Nagle off, as the side channel's sockets.
+fn tcp_pair() -> (TcpStream, TcpStream) {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let tx = TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+    let (rx, _) = listener.accept().expect("accept");
+    for s in [&tx, &rx] {
+        s.set_nodelay(true).expect("nodelay");
+    }
+    (tx, rx)
+}
+
+/// The p50 of each stage of a round trip on its own.
 fn breakdown(msg: &Message, l: &KvLayout, n: usize) -> String {
     let mut frame = Vec::new();
     codec::encode(msg, &mut frame).expect("encodes");
@@ -106,13 +152,34 @@ fn breakdown(msg: &Message, l: &KvLayout, n: usize) -> String {
         ns.push(t.elapsed().as_nanos() as u64);
     }
     let open = pct(&mut ns, 0.5);
+    // The sealed record's bytes through a socket: one `write`, then one `read` of what arrived
+    // (timed apart; the write has returned, so the read finds the bytes there).
+    let record = &sealed[..];
+    let (mut tx, mut rx) = tcp_pair();
+    let mut inbound = vec![0u8; 1 << 17];
+    let (mut w, mut r) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for _ in 0..n {
+        let t = Instant::now();
+        tx.write_all(black_box(record)).expect("writes");
+        w.push(t.elapsed().as_nanos() as u64);
+        let t = Instant::now();
+        let mut got = 0;
+        while got < record.len() {
+            got += rx.read(&mut inbound[got..]).expect("reads");
+        }
+        r.push(t.elapsed().as_nanos() as u64);
+    }
+    let (write, read) = (pct(&mut w, 0.5), pct(&mut r, 0.5));
     let us = |ns: u64| ns as f64 / 1e3;
     format!(
-        "encode {:.2} µs, decode {:.2} µs, seal {:.2} µs, open {:.2} µs (parts p50)",
+        "encode {:.2} µs, seal {:.2} µs, write {:.2} µs, read {:.2} µs, open {:.2} µs, decode {:.2} µs (stages p50; sum {:.2} µs)",
         us(encode),
-        us(decode),
         us(seal),
-        us(open)
+        us(write),
+        us(read),
+        us(open),
+        us(decode),
+        us(encode + seal + write + read + open + decode)
     )
 }
 
@@ -126,10 +193,12 @@ fn bench(c: &mut Criterion) {
     let mut s = LoopbackSession::new(b"0123456789abcdef0123456789abcdef").expect("handshake on loopback");
     let mut frame = Vec::new();
     let mut group = c.benchmark_group("side_channel/registration");
-    for blocks in [4u32, 1024] {
-        let msg = registration(&l, blocks);
+    for (blocks, fragmented) in [(4u32, false), (1024, false), (1024, true)] {
+        let ids = block_ids(blocks, fragmented);
+        let runs = 1 + ids.windows(2).filter(|w| w[1].abs_diff(w[0]) != 1).count();
+        let msg = registration(&l, ids);
         assert_eq!(round_trip(&mut s, &msg, &l, &mut frame), msg, "the frame survives the channel");
-        let name = format!("{blocks}_blocks");
+        let name = if fragmented { format!("{blocks}_blocks_fifo") } else { format!("{blocks}_blocks") };
         group.bench_function(&name, |b| b.iter(|| black_box(round_trip(&mut s, black_box(&msg), &l, &mut frame))));
         let n = if std::env::args().any(|a| a == "--test") { 100 } else { 100_000 };
         let mut ns: Vec<u64> = (0..n)
@@ -141,7 +210,7 @@ fn bench(c: &mut Criterion) {
             .collect();
         let (p50, p99) = (pct(&mut ns, 0.5), pct(&mut ns, 0.99));
         eprintln!(
-            "side_channel/registration/{name}: {} bytes; per frame p50 {:.2} µs, p99 {:.2} µs ({n} timed); {}",
+            "side_channel/registration/{name}: {} bytes ({runs} runs of consecutive ids); per frame p50 {:.2} µs, p99 {:.2} µs ({n} timed); {}",
             frame.len(),
             p50 as f64 / 1e3,
             p99 as f64 / 1e3,

@@ -16,8 +16,10 @@
 //!
 //! Out-of-range messages cannot be built with kvpush's checked constructors, and `to_vec` refuses to
 //! encode them, so their payloads are serialized with postcard directly: public wire types where
-//! kvpush exposes them (`Handshake`, `Completion`, `Failure`, `Abort`, `Heartbeat`), a mirror of the
-//! crate-private `RegistrationWire` otherwise (checked against the real encoding at start).
+//! kvpush exposes them (`Handshake`, `Completion`, `Failure`, `Abort`, `Heartbeat`). Registrations
+//! and grants are written here from docs/protocol.md: postcard for the fields before the block
+//! lists, then the lists in the documented runs-or-deltas form ([`list_bytes`]); the mirror is
+//! checked against the real encoding of a valid registration at start.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -49,8 +51,8 @@ const GRANT: u8 = 7;
 const LAYERS: u8 = 8;
 const HOLD: u8 = 9;
 
-/// Mirror of kvpush's crate-private `RegistrationWire` (same fields, same order).
-#[derive(Clone, Serialize)]
+/// A registration's fields in wire order (docs/protocol.md §2), encoded by [`reg_bytes`].
+#[derive(Clone)]
 struct RegWire {
     key: Key,
     engine_id: String,
@@ -67,6 +69,46 @@ fn valid_reg() -> RegWire {
         num_tokens: 33,
         block_ids: vec![vec![4, 5, 6], vec![9]],
     }
+}
+
+/// A block-id list as docs/protocol.md §1 ("Block-id lists") writes it: the head `count << 1 |
+/// form`, then maximal runs (form 0) or zig-zag deltas (form 1), whichever is shorter, runs on a tie.
+fn list_bytes(ids: &[u32]) -> Vec<u8> {
+    let zz = |d: i64| ((d << 1) ^ (d >> 63)) as u64;
+    let mut deltas = Vec::new();
+    let mut prev = 0i64;
+    for &id in ids {
+        deltas.extend_from_slice(&pc(&zz(i64::from(id) - prev)));
+        prev = id.into();
+    }
+    let mut runs = Vec::new();
+    let (mut i, mut prev) = (0, 0i64);
+    while i < ids.len() {
+        let first = i64::from(ids[i]);
+        let step = if ids.get(i + 1).map(|&b| i64::from(b)) == Some(first - 1) { -1 } else { 1 };
+        let mut len = 1;
+        while ids.get(i + len).map(|&b| i64::from(b)) == Some(first + step * len as i64) {
+            len += 1;
+        }
+        runs.extend_from_slice(&pc(&zz(first - prev)));
+        runs.extend_from_slice(&pc(&(((len as u64 - 1) << 1) | u64::from(step < 0 && len > 1))));
+        prev = first + step * (len as i64 - 1);
+        i += len;
+    }
+    let (form, body) = if ids.is_empty() || runs.len() <= deltas.len() { (0, runs) } else { (1, deltas) };
+    let mut out = pc(&((ids.len() as u64) << 1 | form));
+    out.extend_from_slice(&body);
+    out
+}
+
+/// A registration payload: postcard for key, engine id, rank and token count, then the list count
+/// and each list.
+fn reg_bytes(w: &RegWire) -> Vec<u8> {
+    let mut out = pc(&(w.key, &w.engine_id, w.rank, w.num_tokens, w.block_ids.len()));
+    for ids in &w.block_ids {
+        out.extend_from_slice(&list_bytes(ids));
+    }
+    out
 }
 
 fn pc<T: Serialize + ?Sized>(v: &T) -> Vec<u8> {
@@ -163,14 +205,14 @@ fn header_faults(c: &mut Corpus, valid: &[(&'static str, Vec<u8>)]) {
     f[..2].copy_from_slice(b"{\"");
     c.add("hdr_bad_magic_json.bin", f, false, "BadMagic", "handshake whose magic is the start of a JSON object");
 
-    for v in [0u16, 2, 0x0100, 0xffff] {
+    for v in [0u16, 1, 3, 0x0200, 0xffff] {
         let mut f = hb.clone();
         f[2..4].copy_from_slice(&v.to_le_bytes());
         c.add(format!("hdr_version_{v}.bin"), f, false, "UnsupportedVersion", format!("heartbeat of version {v}"));
     }
     let mut f = hs.clone();
-    f[2..4].copy_from_slice(&2u16.to_le_bytes());
-    c.add("hdr_version_2_handshake.bin", f, false, "UnsupportedVersion", "valid handshake payload, version 2");
+    f[2..4].copy_from_slice(&1u16.to_le_bytes());
+    c.add("hdr_version_1_handshake.bin", f, false, "UnsupportedVersion", "valid handshake payload, version 1");
 
     for k in [0u8, HOLD + 1, 0x80, 0xff] {
         let mut f = hb.clone();
@@ -309,7 +351,8 @@ fn header_flip_expectation(kind: u8, payload: usize, byte: usize, bit: u8) -> Op
 /// the whole frame (the payload starts at 9).
 ///
 /// The frames, for reference (key 0xdeadbeef#3 = `ef fd b6 f5 0d 03`, peer rank tp1/pp0 = `01 00`):
-/// registration `.. | key | 08 "decode-0" | 01 00 | 21 | 02 03 04 05 06 01 09`,
+/// registration `.. | key | 08 "decode-0" | 01 00 | 21 | 02 | 06 08 04 | 03 12` (group 0: 3 ids as
+/// runs, one run from 4 ascending of length 3; group 1: 1 id as a delta, +9),
 /// completion `.. | key | 01 00`, failure `.. | key | 01 00 | 01 05 | 0b "post failed"`,
 /// abort `.. | key | 01 00 | 10 "client went away"`, heartbeat `.. | 2a`; handshake: 9 protocol
 /// `01`, 10 `05 "0.1.0"`, 16 `08 "engine-a"`, 25 mode `00`, 26 `04 01 02 03 04`, 31 total_layers 4,
@@ -340,19 +383,23 @@ const PAYLOAD_FLIPS: &[(&str, usize, u8, &str, &str)] = &[
     // Registration.
     ("registration", 13, 7, "Malformed", "transfer id varint runs on; engine id then claims 100 bytes"),
     ("registration", 14, 7, "Malformed", "attempt varint runs on; engine id then claims 100 bytes"),
-    ("registration", 15, 0, "Malformed", "engine id of 9 bytes shifts the rest: the second list runs past the end"),
+    ("registration", 15, 0, "Malformed", "engine id of 9 bytes shifts the rest: the lists run past the end"),
     ("registration", 16, 7, "Malformed", "engine id starts with 0xe4 then 'e': not UTF-8"),
     ("registration", 24, 1, "Range Rank", "rank tp3/pp0 from peer tp1/pp0"),
     ("registration", 25, 0, "Range Rank", "rank tp1/pp1 from peer tp1/pp0"),
     ("registration", 26, 5, "Range TooManyBlocks", "num_tokens 1: group 0's 3 blocks are more than 1"),
     ("registration", 26, 7, "Malformed", "num_tokens varint takes the list count; the lists then run past the end"),
     ("registration", 27, 0, "Malformed", "3 block lists, 2 present"),
-    ("registration", 27, 1, "TrailingBytes", "0 block lists, the 6 bytes of the lists left over"),
-    ("registration", 28, 0, "Malformed", "group 0 of 2 ids shifts the rest: group 1 claims 6, has 2"),
-    ("registration", 31, 6, "Range BlockId", "block id 70 of 64 in group 0"),
-    ("registration", 32, 1, "Malformed", "group 1 claims 3 ids, has 1"),
-    ("registration", 33, 6, "Range BlockId", "block id 73 of 64 in group 1"),
-    ("registration", 33, 7, "Malformed", "last block id varint runs past the end"),
+    ("registration", 27, 1, "TrailingBytes", "0 block lists, the 5 bytes of the lists left over"),
+    ("registration", 28, 0, "Malformed", "group 0 read as 3 deltas (4, 6, 4); group 1's head 0x12 then claims 9 ids"),
+    ("registration", 28, 1, "Malformed", "group 0 claims 2 ids, its run has 3"),
+    ("registration", 29, 0, "Malformed", "group 0's run starts at 0 - 5"),
+    ("registration", 29, 7, "Malformed", "group 0's first id takes the run length; its last run has no length"),
+    ("registration", 30, 1, "Malformed", "group 0's run of 4 passes its count of 3"),
+    ("registration", 31, 1, "TrailingBytes", "group 1 empty, its delta left over"),
+    ("registration", 31, 2, "Malformed", "group 1 claims 3 deltas with 1 byte left"),
+    ("registration", 32, 0, "Malformed", "group 1's delta -10 takes its id below 0"),
+    ("registration", 32, 7, "Malformed", "group 1's delta varint runs past the end"),
     // Completion.
     ("completion", 13, 7, "Malformed", "transfer id varint takes the attempt; rank.pp missing"),
     ("completion", 14, 7, "Malformed", "attempt varint takes rank.tp; rank.pp missing"),
@@ -457,7 +504,7 @@ fn add_flip(c: &mut Corpus, name: &str, bytes: &[u8], byte: usize, bit: u8, expe
 
 fn registrations(c: &mut Corpus) {
     let reg = |name: &str, w: &RegWire, peer: bool, expect: &str, desc: &str| {
-        (format!("reg_{name}.bin"), frame(REGISTRATION, &pc(w)), peer, expect.to_string(), desc.to_string())
+        (format!("reg_{name}.bin"), frame(REGISTRATION, &reg_bytes(w)), peer, expect.to_string(), desc.to_string())
     };
     let mut out = Vec::new();
     out.push(reg("no_peer", &valid_reg(), false, "NoPeerLayout", "valid registration before the handshake"));
@@ -479,7 +526,7 @@ fn registrations(c: &mut Corpus) {
         &w,
         true,
         "Malformed",
-        "65 empty block lists: refused by the MAX_GROUPS length bound before they are read",
+        "65 empty block lists: refused by the MAX_GROUPS bound on the list count before they are read",
     ));
     let mut w = valid_reg();
     w.block_ids = vec![vec![1, 2, 3, 4], vec![9]];
@@ -519,7 +566,7 @@ fn registrations(c: &mut Corpus) {
     }
 
     // Encodings the parser refuses.
-    let p = pc(&valid_reg());
+    let p = reg_bytes(&valid_reg());
     let mut bad = p.clone();
     bad[find(&p, b"decode-0")] = 0xff;
     c.add("reg_engine_id_bad_utf8.bin", frame(REGISTRATION, &bad), true, "Malformed", "engine id not UTF-8");
@@ -534,10 +581,86 @@ fn registrations(c: &mut Corpus) {
     let mut huge = prefix.clone();
     huge.extend_from_slice(&pc(&1_000_000usize));
     c.add("reg_block_lists_claim_1m.bin", frame(REGISTRATION, &huge), true, "Malformed", "claims 1e6 lists, has none");
-    let mut huge = prefix.clone();
-    huge.extend_from_slice(&pc(&2usize));
-    huge.extend_from_slice(&pc(&(u32::MAX as usize)));
-    c.add("reg_block_ids_claim_4g.bin", frame(REGISTRATION, &huge), true, "Malformed", "a list claiming 2^32-1 ids");
+    // Block lists whose head or body the list reader refuses (docs/protocol.md §1, "Block-id
+    // lists"); each is group 0 of two, with group 1 empty where the reader would get that far.
+    let lists = |body: &[u8]| {
+        let mut p = prefix.clone();
+        p.push(2);
+        p.extend_from_slice(body);
+        p.push(0);
+        frame(REGISTRATION, &p)
+    };
+    let mut claim = pc(&(u64::from(u32::MAX) << 1 | 1));
+    claim.extend_from_slice(&[0x02; 8]);
+    c.add("reg_block_ids_claim_4g.bin", lists(&claim), true, "Malformed", "deltas claiming 2^32-1 ids, 8 present");
+    let mut claim = pc(&(1000u64 << 1 | 1));
+    claim.extend_from_slice(&[0x02; 999]);
+    c.add(
+        "reg_deltas_one_short.bin",
+        lists(&claim),
+        true,
+        "Malformed",
+        "1000 deltas claimed, 999 present: group 1's head is read as the last",
+    );
+    // A run of 2^20 + 1 ids in 7 bytes: over the frame's MAX_BLOCK_IDS budget, refused on its head.
+    let mut run = pc(&(((1u64 << 20) + 1) << 1));
+    run.extend_from_slice(&pc(&0u64));
+    run.extend_from_slice(&pc(&((1u64 << 20) << 1)));
+    c.add("reg_run_over_budget.bin", lists(&run), true, "Malformed", "one run of 2^20 + 1 ids: over MAX_BLOCK_IDS");
+    // Two lists of 2^19 + 1 ids each: within the budget one by one, over it together.
+    let mut p = prefix.clone();
+    p.push(2);
+    for _ in 0..2 {
+        p.extend_from_slice(&pc(&(((1u64 << 19) + 1) << 1)));
+        p.extend_from_slice(&pc(&0u64));
+        p.extend_from_slice(&pc(&((1u64 << 19) << 1)));
+    }
+    c.add("reg_runs_over_budget_together.bin", frame(REGISTRATION, &p), true, "Malformed", "2 x (2^19 + 1) ids");
+    // Exactly the budget, but for 33 tokens: read, then refused by the layout check.
+    let mut run = pc(&((1u64 << 20) << 1));
+    run.extend_from_slice(&pc(&0u64));
+    run.extend_from_slice(&pc(&(((1u64 << 20) - 1) << 1)));
+    c.add(
+        "reg_run_at_budget_too_many_blocks.bin",
+        lists(&run),
+        true,
+        "Range TooManyBlocks",
+        "one run of 2^20 ids (the budget) for 33 tokens",
+    );
+    let cases: [(&str, &[u8], &str); 6] = [
+        ("reg_run_past_count.bin", &[0x06, 0x08, 0x06], "3 ids claimed, a run of 4 from 4"),
+        ("reg_run_past_u32.bin", &[0x04, 0xfe, 0xff, 0xff, 0xff, 0x1f, 0x02], "a run of 2 from u32::MAX"),
+        ("reg_run_below_zero.bin", &[0x06, 0x02, 0x05], "a descending run of 3 from 1"),
+        ("reg_delta_below_zero.bin", &[0x03, 0x01], "one delta of -1 from 0"),
+        ("reg_delta_past_u32.bin", &[0x05, 0xfe, 0xff, 0xff, 0xff, 0x1f, 0x02], "u32::MAX, then +1"),
+        (
+            "reg_delta_varint_overflow.bin",
+            &[0x03, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f],
+            "a delta varint past 64 bits",
+        ),
+    ];
+    for (name, body, desc) in cases {
+        c.add(name, lists(body), true, "Malformed", desc);
+    }
+    // The same list bytes carry ids beyond the peer's 64 blocks in either form: a range error.
+    c.add("reg_run_beyond_num_blocks.bin", lists(&[0x04, 0x7e, 0x02]), true, "Range BlockId", "run 63, 64");
+    c.add("reg_delta_beyond_num_blocks.bin", lists(&[0x03, 0x80, 0x01]), true, "Range BlockId", "one delta to 64");
+    // A grant's lists are read the same way, before its checks.
+    let mut g = pc(&(KEY, peer_layout().parallel.rank(), 33u64));
+    g.push(2);
+    g.extend_from_slice(&run);
+    g.push(0);
+    c.add(
+        "grant_run_at_budget_too_many_blocks.bin",
+        frame(GRANT, &g),
+        true,
+        "Range TooManyBlocks",
+        "2^20 ids, 33 tokens",
+    );
+    let mut g = pc(&(KEY, peer_layout().parallel.rank(), 33u64));
+    g.push(2);
+    g.extend_from_slice(&[0x06, 0x08, 0x06, 0x00]);
+    c.add("grant_run_past_count.bin", frame(GRANT, &g), true, "Malformed", "3 ids claimed, a run of 4 from 4");
     let mut over = prefix.clone();
     over.extend_from_slice(&[0xff; 10]);
     over.push(0x7f);
@@ -855,7 +978,7 @@ fn build() -> (Corpus, Vec<(&'static str, Vec<u8>)>) {
         valid_messages().into_iter().map(|(n, m)| (n, to_vec(&m).expect("valid message encodes"))).collect();
     // The registration mirror must encode exactly as kvpush does.
     let reg = &valid.iter().find(|(k, _)| *k == "registration").expect("registration").1;
-    assert_eq!(&frame(REGISTRATION, &pc(&valid_reg())), reg, "RegWire no longer mirrors RegistrationWire");
+    assert_eq!(&frame(REGISTRATION, &reg_bytes(&valid_reg())), reg, "reg_bytes no longer writes what kvpush writes");
     let mut c = Corpus::default();
     header_faults(&mut c, &valid);
     truncations(&mut c, &valid);

@@ -1,13 +1,15 @@
 //! Versioned binary framing of [`Message`]s with a hard size limit.
 //!
-//! A frame is a fixed 9-byte header followed by a postcard-encoded payload:
+//! A frame is a fixed 9-byte header followed by a postcard-encoded payload (block-id lists, in
+//! registrations and grants, in their own compact form: [`super::idlist`]):
 //!
 //! ```text
 //! offset 0  2 bytes  magic "KP"
 //! offset 2  2 bytes  protocol version, little endian (PROTOCOL_VERSION)
 //! offset 4  1 byte   message kind (Kind)
 //! offset 5  4 bytes  payload length, little endian (<= the kind's limit)
-//! offset 9  payload  postcard (serde) encoding of the message's wire form
+//! offset 9  payload  postcard (serde) encoding of the message's wire form; registrations and grants
+//!                    written by hand in the same format, their block lists as runs or deltas
 //! ```
 //!
 //! [`decode`] never panics and allocates in proportion to the frame it is given: the header's length
@@ -18,16 +20,19 @@
 //! Stream readers call [`frame_len`] on the first [`HEADER_LEN`] bytes to learn how much to read.
 
 use super::compat::compat_hash;
-use super::ids::Rank;
+use super::idlist::{self, ListError, Reader};
+use super::ids::{Key, Rank};
 use super::layerwise::LayerCompletion;
 use super::layout::KvLayout;
+use super::layout::MAX_GROUPS;
 use super::msg::{
-    check_block_lists, check_len, Abort, Completion, Failure, Grant, Handshake, Heartbeat, Hold, Message, RangeError,
-    Registration, RegistrationWire, MAX_AGENT_METADATA, MAX_DETAIL, MAX_ENGINE_ID, MAX_TOKENS,
+    check_block_count, check_block_lists, check_len, Abort, Completion, Failure, Grant, Handshake, Heartbeat, Hold,
+    Message, RangeError, Registration, MAX_AGENT_METADATA, MAX_BLOCK_IDS, MAX_DETAIL, MAX_ENGINE_ID, MAX_TOKENS,
 };
 
-/// Version of the wire format; a peer speaking another version is refused.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Version of the wire format; a peer speaking another version is refused (docs/protocol.md §1,
+/// "Versions": 2 added the Layers and Hold kinds and block-id lists as runs or deltas).
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Bytes of the frame header.
 pub const HEADER_LEN: usize = 9;
 /// Frame magic.
@@ -234,10 +239,11 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         Message::Handshake(h) => check_handshake_fields(h).map_err(range)?,
         Message::Failure(f) => check_len("detail", f.detail.len(), MAX_DETAIL).map_err(range)?,
         Message::Abort(a) => check_len("reason", a.reason.len(), MAX_DETAIL).map_err(range)?,
+        Message::Grant(g) => check_block_count(&g.block_ids).map_err(range)?,
+        // A registration was checked when it was built.
         Message::Registration(_)
         | Message::Completion(_)
         | Message::Heartbeat(_)
-        | Message::Grant(_)
         | Message::Layers(_)
         | Message::Hold(_) => {}
     }
@@ -247,11 +253,16 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
     out.push(kind as u8);
     out.extend_from_slice(&[0; 4]);
     let serialized = match msg {
-        // The one frame that grows with the request: written directly, in postcard's format, into
-        // room reserved from an upper bound of its size. Through serde a 16k-token registration's
-        // 1024 block ids took 5.3 µs, 4× its decoding (docs/benchmarks.md).
+        // The frames that grow with the request: written directly, in postcard's format with
+        // idlist's block lists, into room reserved from an upper bound of their size. Through serde
+        // a 16k-token registration's 1024 block ids took 5.3 µs, 4× its decoding
+        // (docs/benchmarks.md).
         Message::Registration(r) => {
             write_registration(r, out);
+            Ok(())
+        }
+        Message::Grant(g) => {
+            write_grant(g, out);
             Ok(())
         }
         Message::Handshake(h) => handshake_payload(h).map(|p| out.extend_from_slice(&p)),
@@ -259,7 +270,6 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         Message::Failure(f) => postcard::to_allocvec(f).map(|p| out.extend_from_slice(&p)),
         Message::Abort(a) => postcard::to_allocvec(a).map(|p| out.extend_from_slice(&p)),
         Message::Heartbeat(h) => postcard::to_allocvec(h).map(|p| out.extend_from_slice(&p)),
-        Message::Grant(g) => postcard::to_allocvec(g).map(|p| out.extend_from_slice(&p)),
         Message::Layers(c) => postcard::to_allocvec(c).map(|p| out.extend_from_slice(&p)),
         Message::Hold(h) => postcard::to_allocvec(h).map(|p| out.extend_from_slice(&p)),
     };
@@ -277,50 +287,89 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
     Ok(())
 }
 
-/// At least the bytes of `r`'s postcard encoding: varints of at most 19 bytes (u128), 10 (u64), 5
-/// (u32, lengths) and 3 (u16) for the key, rank, token count and lengths, plus the engine id and 5
-/// bytes per block id.
-fn registration_bound(r: &Registration) -> usize {
-    let ids: usize = r.block_ids().iter().map(|g| 5 + 5 * g.len()).sum();
-    (19 + 5) + (5 + r.engine_id().len()) + (3 + 3) + 10 + 5 + ids
+/// At least the bytes of a key, a rank, a token count and `lists` (varints of at most 19 bytes for
+/// a u128, 10 for a u64 and lengths, 5 for a u32, 3 for a u16), plus `extra`.
+fn bound(lists: &[Vec<u32>], extra: usize) -> usize {
+    (19 + 5) + (3 + 3) + 10 + 10 + lists.iter().map(|l| idlist::bound(l)).sum::<usize>() + extra
 }
 
-/// Appends `r`'s wire form (`RegistrationWire`) exactly as postcard serializes it: the fields in
-/// order, every integer above a byte and every length as a varint, the engine id's bytes after its
-/// length.
-fn write_registration(r: &Registration, out: &mut Vec<u8>) {
-    out.reserve(registration_bound(r));
-    let key = r.key();
-    varint(out, key.transfer_id.0);
-    varint(out, key.attempt.0.into());
-    varint(out, r.engine_id().len() as u128);
-    out.extend_from_slice(r.engine_id().as_bytes());
-    varint(out, r.rank().tp.into());
-    varint(out, r.rank().pp.into());
-    varint(out, r.num_tokens().into());
-    varint(out, r.block_ids().len() as u128);
-    for group in r.block_ids() {
-        varint(out, group.len() as u128);
-        for &id in group {
-            // Block ids are most of a registration: the u32 loop, not the u128 one.
-            let mut v = id;
-            while v >= 0x80 {
-                out.push(v as u8 | 0x80);
-                v >>= 7;
-            }
-            out.push(v as u8);
-        }
+fn write_key_rank(out: &mut Vec<u8>, key: Key, engine_id: Option<&str>, rank: Rank) {
+    varint128(out, key.transfer_id.0);
+    idlist::varint(out, key.attempt.0.into());
+    if let Some(id) = engine_id {
+        idlist::varint(out, id.len() as u64);
+        out.extend_from_slice(id.as_bytes());
+    }
+    idlist::varint(out, rank.tp.into());
+    idlist::varint(out, rank.pp.into());
+}
+
+fn write_block_lists(out: &mut Vec<u8>, lists: &[Vec<u32>]) {
+    idlist::varint(out, lists.len() as u64);
+    for ids in lists {
+        idlist::write(out, ids);
     }
 }
 
-/// Appends `v` as postcard's varint: 7 bits a byte, lowest first, the high bit set on all but the
-/// last.
-fn varint(out: &mut Vec<u8>, mut v: u128) {
+/// Appends `r`'s payload: key, engine id, rank and token count as postcard writes them (every
+/// integer above a byte and every length a varint, the engine id's bytes after its length), then
+/// the list count and each list in idlist's form.
+fn write_registration(r: &Registration, out: &mut Vec<u8>) {
+    out.reserve(bound(r.block_ids(), 10 + r.engine_id().len()));
+    write_key_rank(out, r.key(), Some(r.engine_id()), r.rank());
+    idlist::varint(out, r.num_tokens());
+    write_block_lists(out, r.block_ids());
+}
+
+/// Appends `g`'s payload: key, rank, token count, then the lists as a registration's.
+fn write_grant(g: &Grant, out: &mut Vec<u8>) {
+    out.reserve(bound(&g.block_ids, 0));
+    write_key_rank(out, g.key, None, g.rank);
+    idlist::varint(out, g.num_tokens);
+    write_block_lists(out, &g.block_ids);
+}
+
+/// Appends a u128 as postcard's varint.
+fn varint128(out: &mut Vec<u8>, mut v: u128) {
     while v >= 0x80 {
         out.push(v as u8 | 0x80);
         v >>= 7;
     }
     out.push(v as u8);
+}
+
+fn read_key(r: &mut Reader<'_>) -> Result<Key, ListError> {
+    let transfer_id = r.varint(128, "the transfer id")?;
+    Ok(Key::new(transfer_id, r.u32("the attempt")?))
+}
+
+fn read_rank(r: &mut Reader<'_>) -> Result<Rank, ListError> {
+    Ok(Rank::new(r.u16("the TP rank")?, r.u16("the PP rank")?))
+}
+
+/// The list count (at most [`MAX_GROUPS`]) and the lists, [`MAX_BLOCK_IDS`] ids in all at most:
+/// what a frame can make the decoder allocate, however few bytes it has.
+fn read_block_lists(r: &mut Reader<'_>) -> Result<Vec<Vec<u32>>, String> {
+    let n = r.u64("the block list count").map_err(|e| e.to_string())?;
+    if n > MAX_GROUPS as u64 {
+        return Err(format!("{n} block lists, more than the {MAX_GROUPS} KV groups a layout may have"));
+    }
+    let mut lists = Vec::with_capacity(n as usize);
+    let mut left = MAX_BLOCK_IDS;
+    for _ in 0..n {
+        let ids = r.list(left).map_err(|e| e.to_string())?;
+        left -= ids.len() as u64;
+        lists.push(ids);
+    }
+    Ok(lists)
+}
+
+/// Refuses bytes after a hand-read payload.
+fn finish(kind: Kind, r: &Reader<'_>) -> Result<(), DecodeError> {
+    match r.rest().len() {
+        0 => Ok(()),
+        extra => Err(DecodeError::TrailingBytes { kind: kind.name(), extra }),
+    }
 }
 
 /// Encodes `msg` into a new buffer.
@@ -442,8 +491,15 @@ pub fn decode(bytes: &[u8], peer: Option<&KvLayout>) -> Result<Message, DecodeEr
         Kind::Registration => {
             // The peer first: nothing is parsed for a peer that has not handshaken.
             let layout = need_peer()?;
-            let w: RegistrationWire = parse(kind, payload)?;
-            let r = Registration::new(w.key, w.engine_id, w.rank, w.num_tokens, w.block_ids, layout).map_err(range)?;
+            let malformed = |reason: String| DecodeError::Malformed { kind: name, reason };
+            let mut r = Reader::new(payload);
+            let key = read_key(&mut r).map_err(|e| malformed(e.to_string()))?;
+            let engine_id = r.string("the engine id").map_err(|e| malformed(e.to_string()))?;
+            let rank = read_rank(&mut r).map_err(|e| malformed(e.to_string()))?;
+            let num_tokens = r.u64("the token count").map_err(|e| malformed(e.to_string()))?;
+            let block_ids = read_block_lists(&mut r).map_err(malformed)?;
+            finish(kind, &r)?;
+            let r = Registration::new(key, engine_id, rank, num_tokens, block_ids, layout).map_err(range)?;
             Message::Registration(r)
         }
         Kind::Completion => {
@@ -471,7 +527,14 @@ pub fn decode(bytes: &[u8], peer: Option<&KvLayout>) -> Result<Message, DecodeEr
         }
         Kind::Grant => {
             let layout = need_peer()?;
-            let g: Grant = parse(kind, payload)?;
+            let malformed = |reason: String| DecodeError::Malformed { kind: name, reason };
+            let mut r = Reader::new(payload);
+            let key = read_key(&mut r).map_err(|e| malformed(e.to_string()))?;
+            let rank = read_rank(&mut r).map_err(|e| malformed(e.to_string()))?;
+            let num_tokens = r.u64("the token count").map_err(|e| malformed(e.to_string()))?;
+            let block_ids = read_block_lists(&mut r).map_err(malformed)?;
+            finish(kind, &r)?;
+            let g = Grant { key, rank, num_tokens, block_ids };
             if g.num_tokens == 0 || g.num_tokens > MAX_TOKENS {
                 let e = RangeError::OutOfRange { field: "num_tokens", value: g.num_tokens, limit: MAX_TOKENS };
                 return Err(range(e));
@@ -493,7 +556,7 @@ pub fn decode(bytes: &[u8], peer: Option<&KvLayout>) -> Result<Message, DecodeEr
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::ids::Key;
+    use crate::proto::layout::MAX_BLOCKS;
     use crate::proto::msg::{FailureKind, Mode};
     use crate::proto::testutil::{handshake, small_layout};
 
@@ -532,28 +595,90 @@ mod tests {
         }
     }
 
+    /// Block lists encoded as idlist writes them (checked against documented bytes there).
+    fn lists_bytes(lists: &[Vec<u32>]) -> Vec<u8> {
+        let mut out = vec![lists.len() as u8];
+        for ids in lists {
+            idlist::write(&mut out, ids);
+        }
+        out
+    }
+
     #[test]
-    fn a_registration_written_by_hand_is_postcards_encoding() {
+    fn registrations_and_grants_written_by_hand_are_postcards_fields_then_idlists() {
         // The widest values every varint can take: the hand-written encoder must write what postcard
-        // writes for the wire struct, within the bound it reserves, and leave a reused buffer's
-        // earlier bytes alone.
+        // writes for the fields before the lists, within the bound it reserves, and leave a reused
+        // buffer's earlier bytes alone.
         let mut l = small_layout();
         l.num_blocks = u32::MAX;
         let id = "e".repeat(MAX_ENGINE_ID);
-        // Block ids at every varint length (1 to 5 bytes) and its boundaries.
-        let ids = vec![0, 127, 128, 16_383, 16_384, 2_097_152, u32::MAX - 1];
+        // Block ids at every varint length (1 to 5 bytes) and its boundaries, and a run.
+        let ids = vec![0, 127, 128, 16_383, 16_384, 2_097_152, u32::MAX - 1, 5, 6, 7];
         let tokens = ids.len() as u64 * u64::from(l.block_tokens);
         let blocks = vec![ids, vec![268_435_456, 300]];
-        let r =
-            Registration::new(Key::new(u128::MAX, u32::MAX), id, l.parallel.rank(), tokens, blocks, &l).expect("fits");
-        let expected = postcard::to_allocvec(&RegistrationWire::from(&r)).expect("postcard");
-        assert!(registration_bound(&r) >= expected.len(), "{} < {}", registration_bound(&r), expected.len());
+        let key = Key::new(u128::MAX, u32::MAX);
+        let rank = l.parallel.rank();
+        let r = Registration::new(key, id.clone(), rank, tokens, blocks.clone(), &l).expect("fits");
+        let mut expected = postcard::to_allocvec(&(key, &id, rank, tokens)).expect("postcard");
+        expected.extend_from_slice(&lists_bytes(&blocks));
+        let reserved = bound(&blocks, 10 + id.len());
+        assert!(reserved >= expected.len(), "{reserved} < {}", expected.len());
         let mut buf = b"earlier".to_vec();
         encode(&Message::Registration(r.clone()), &mut buf).expect("encodes");
         assert_eq!(&buf[..7], b"earlier");
         assert_eq!(&buf[7 + 5..7 + HEADER_LEN], &(expected.len() as u32).to_le_bytes());
         assert_eq!(&buf[7 + HEADER_LEN..], &expected[..]);
         assert_eq!(decode(&buf[7..], Some(&l)).expect("decodes"), Message::Registration(r));
+
+        let g = Grant { key, rank, num_tokens: tokens, block_ids: blocks.clone() };
+        let mut expected = postcard::to_allocvec(&(key, rank, tokens)).expect("postcard");
+        expected.extend_from_slice(&lists_bytes(&blocks));
+        let buf = to_vec(&Message::Grant(g.clone())).expect("encodes");
+        assert_eq!(&buf[HEADER_LEN..], &expected[..]);
+        assert_eq!(decode(&buf, Some(&l)).expect("decodes"), Message::Grant(g));
+    }
+
+    #[test]
+    fn a_frame_cannot_claim_more_block_ids_than_the_budget() {
+        let mut l = small_layout();
+        l.num_blocks = MAX_BLOCKS;
+        let key = Key::new(1, 1);
+        let rank = l.parallel.rank();
+        let tokens = MAX_TOKENS;
+        // At the budget: two runs of 2^19 ids each, a few bytes, decode to 2^20 ids.
+        let half = (0..1u32 << 19).collect::<Vec<_>>();
+        let ok = vec![half.clone(), half.clone()];
+        let r = Registration::new(key, "d".into(), rank, tokens, ok.clone(), &l).expect("at the budget");
+        let frame = to_vec(&Message::Registration(r)).expect("encodes");
+        assert!(frame.len() < 40, "{} bytes", frame.len());
+        let Ok(Message::Registration(back)) = decode(&frame, Some(&l)) else { panic!("decodes") };
+        assert_eq!(back.block_ids(), &ok[..]);
+        // One id more: refused when built, when a grant is encoded, and when a frame claims it
+        // (before a byte of it is allocated).
+        let over = vec![half.clone(), (0..(1u32 << 19) + 1).collect()];
+        let e = Registration::new(key, "d".into(), rank, tokens, over.clone(), &l).expect_err("over");
+        assert!(matches!(e, RangeError::OutOfRange { field: "block_ids", .. }), "{e:?}");
+        let g = Message::Grant(Grant { key, rank, num_tokens: tokens, block_ids: over.clone() });
+        assert!(matches!(to_vec(&g), Err(EncodeError::Range { .. })));
+        let mut payload = postcard::to_allocvec(&(key, "d", rank, tokens)).expect("postcard");
+        payload.extend_from_slice(&lists_bytes(&over));
+        let mut frame = MAGIC.to_vec();
+        frame.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        frame.push(Kind::Registration as u8);
+        frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        frame.extend_from_slice(&payload);
+        let e = decode(&frame, Some(&l)).expect_err("over the budget");
+        assert!(
+            matches!(&e, DecodeError::Malformed { reason, .. } if reason.contains("left of the frame's budget")),
+            "{e}"
+        );
+        // More lists than groups can exist: refused on the count.
+        let mut payload = postcard::to_allocvec(&(key, "d", rank, tokens)).expect("postcard");
+        payload.push(65);
+        frame.truncate(HEADER_LEN);
+        frame[5..9].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+        frame.extend_from_slice(&payload);
+        assert!(matches!(decode(&frame, Some(&l)), Err(DecodeError::Malformed { .. })));
     }
 
     #[test]
@@ -577,7 +702,7 @@ mod tests {
         assert!(matches!(decode(&b, None), Err(DecodeError::BadMagic(_))));
         let mut b = good.clone();
         b[2] = 9;
-        assert!(matches!(decode(&b, None), Err(DecodeError::UnsupportedVersion { got: 9, supported: 1 })));
+        assert!(matches!(decode(&b, None), Err(DecodeError::UnsupportedVersion { got: 9, supported: 2 })));
         let mut b = good.clone();
         b[4] = 77;
         assert_eq!(decode(&b, None), Err(DecodeError::UnknownKind(77)));

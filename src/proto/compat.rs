@@ -5,6 +5,12 @@
 //! K/V placement, region addresses and TP/PP sizes may differ (the planner maps between them). A
 //! refusal names every differing field with both values, so an operator sees the whole mismatch at
 //! once instead of fixing it one field per restart.
+//!
+//! Versions: a handshake frame of another wire version never gets here — `codec::decode` refuses it
+//! by its header ("unsupported protocol version 1 (this build speaks 2)"), and the side channel
+//! sends that text in its verdict. The `protocol` field is still compared (and hashed), so a
+//! handshake whose frame and field disagree is refused too. docs/protocol.md §1 ("Versions") lists
+//! what each version changed; 2 is the first with kinds 8 and 9 and block-id runs.
 
 use core::fmt;
 
@@ -122,6 +128,20 @@ mod tests {
     }
 
     #[test]
+    fn a_version_1_handshake_is_refused_by_its_protocol_field() {
+        // The fields a version-1 build sends (its frame would already fail to decode here).
+        let local = handshake(small_layout(), Mode::Push);
+        let mut old = handshake(small_layout(), Mode::Push);
+        old.protocol = 1;
+        old.compat_hash = compat_hash(&old.layout.model, old.layout.order, old.mode, 1);
+        assert_eq!(local.protocol, 2);
+        assert_ne!(old.compat_hash, local.compat_hash, "the version is part of the hash");
+        let e = check(&local, &old).expect_err("versions 2 and 1 do not mix");
+        assert_eq!(e.diffs.iter().map(|d| d.field).collect::<Vec<_>>(), vec!["protocol version"]);
+        assert!(e.to_string().contains("protocol version differs (local 2, remote 1)"), "{e}");
+    }
+
+    #[test]
     fn refusal_names_every_field_and_both_values() {
         let p = handshake(small_layout(), Mode::Push);
         let mut dl = small_layout();
@@ -130,7 +150,7 @@ mod tests {
         dl.order = BlockOrder::Nhd;
         dl.model.groups[1].kind = GroupKind::SlidingWindow { window_tokens: 4096 };
         let mut d = handshake(dl, Mode::Pull);
-        d.protocol = 2;
+        d.protocol = 3;
         d.engine_id = "decode-7".into();
         let e = check(&p, &d).expect_err("must refuse");
         let fields: Vec<&str> = e.diffs.iter().map(|d| d.field).collect();

@@ -20,6 +20,10 @@ pub const MAX_DETAIL: usize = 1024;
 pub const MAX_TOKENS: u64 = 1 << 26;
 /// Largest opaque agent metadata (NIXL) in a handshake, in bytes.
 pub const MAX_AGENT_METADATA: usize = 8 << 20;
+/// Most block ids of one registration or grant, over all its groups: 4 MiB of ids, what the
+/// decoder may allocate for one frame however few bytes its runs take (2^20 ids: 16M tokens in
+/// 16-token blocks in each of the request's groups would exceed it).
+pub const MAX_BLOCK_IDS: u64 = 1 << 20;
 
 /// Transfer mode an engine runs in; both sides of a pair must agree.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -234,7 +238,8 @@ impl Registration {
     }
 }
 
-/// Checks per-group block lists of a request against a layout: group count, ids, list lengths.
+/// Checks per-group block lists of a request against a layout: group count, ids, list lengths,
+/// and at most [`MAX_BLOCK_IDS`] ids in all.
 pub fn check_block_lists(block_ids: &[Vec<u32>], num_tokens: u64, layout: &KvLayout) -> Result<(), RangeError> {
     let groups = layout.model.groups.len();
     if block_ids.len() != groups {
@@ -254,6 +259,15 @@ pub fn check_block_lists(block_ids: &[Vec<u32>], num_tokens: u64, layout: &KvLay
             return Err(RangeError::BlockId { group, block, num_blocks: layout.num_blocks });
         }
     }
+    check_block_count(block_ids)
+}
+
+/// Refuses lists of more than [`MAX_BLOCK_IDS`] ids in all.
+pub(crate) fn check_block_count(block_ids: &[Vec<u32>]) -> Result<(), RangeError> {
+    let total: u64 = block_ids.iter().map(|ids| ids.len() as u64).sum();
+    if total > MAX_BLOCK_IDS {
+        return Err(RangeError::OutOfRange { field: "block_ids", value: total, limit: MAX_BLOCK_IDS });
+    }
     Ok(())
 }
 
@@ -268,8 +282,9 @@ pub struct Completion {
 
 /// P → D, pull mode, over the side channel: "my blocks of `key` are pinned for your read; these
 /// are the blocks you may read". D reads exactly these (and fails the request where the ids it was
-/// handed differ), so a stale or forged `remote_block_ids` reads nothing.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// handed differ), so a stale or forged `remote_block_ids` reads nothing. The codec writes and
+/// reads it by hand (its block lists as a registration's).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Grant {
     /// Which transfer and attempt.
     pub key: Key,
@@ -278,7 +293,6 @@ pub struct Grant {
     /// Tokens the blocks hold.
     pub num_tokens: u64,
     /// The pinned block ids per KV group (checked against the producer's layout on decode).
-    #[serde(deserialize_with = "super::bounded::vec::<_, _, { super::layout::MAX_GROUPS }>")]
     pub block_ids: Vec<Vec<u32>>,
 }
 
@@ -379,29 +393,6 @@ pub enum Message {
     Layers(LayerCompletion),
     /// See [`Hold`].
     Hold(Hold),
-}
-
-/// Wire form of [`Registration`]; only the codec turns it into a checked value.
-#[derive(Serialize, Deserialize)]
-pub(crate) struct RegistrationWire {
-    pub key: Key,
-    pub engine_id: EngineId,
-    pub rank: Rank,
-    pub num_tokens: u64,
-    #[serde(deserialize_with = "super::bounded::vec::<_, _, { super::layout::MAX_GROUPS }>")]
-    pub block_ids: Vec<Vec<u32>>,
-}
-
-impl From<&Registration> for RegistrationWire {
-    fn from(r: &Registration) -> Self {
-        RegistrationWire {
-            key: r.key,
-            engine_id: r.engine_id.clone(),
-            rank: r.rank,
-            num_tokens: r.num_tokens,
-            block_ids: r.block_ids.clone(),
-        }
-    }
 }
 
 #[cfg(test)]

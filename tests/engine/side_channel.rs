@@ -621,6 +621,75 @@ fn insecure_and_authenticated_peers_do_not_mix() {
     assert_eq!(s.handshakes, 0);
 }
 
+/// A dialer of wire protocol 1 (the version before block-id runs; docs/protocol.md §1, Versions)
+/// against this build, spoken by hand in insecure mode: greeting, Noise NN, then the hello of a
+/// version-1 build (its handshake frame under version 1, `protocol: 1` and the hash of it). The
+/// listener must refuse it in its verdict and say which versions met, and count it.
+#[test]
+fn a_peer_of_the_previous_protocol_version_is_refused_at_the_hello_and_told_why() {
+    let fabric = Fabric::new();
+    let insecure = || {
+        let mut c = side_config(None);
+        c.insecure = true;
+        c
+    };
+    let p = worker_with("prefill", "prefill", Mode::Push, &fabric, insecure());
+    // The handshake "decode" sends, as a version-1 build would have written it.
+    let d = worker_with("decode", "decode", Mode::Push, &fabric, insecure());
+    let mut hs = d.engine.endpoint().upgrade().expect("engine").local_handshake().expect("handshake");
+    hs.protocol = 1;
+    hs.compat_hash = kvpush::proto::compat::compat_hash(&hs.layout.model, hs.layout.order, hs.mode, 1);
+    let mut frame = kvpush::proto::codec::to_vec(&kvpush::proto::msg::Message::Handshake(Box::new(hs))).expect("frame");
+    frame[2..4].copy_from_slice(&1u16.to_le_bytes());
+
+    let mut s = TcpStream::connect(p.side.local_addr()).expect("tcp");
+    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let mine = greeting(0, 0, b"decode", 6);
+    s.write_all(&mine).expect("greeting");
+    let theirs = read_greeting(&mut s).expect("P's greeting");
+    let mut prologue = b"kvpush side channel v2".to_vec();
+    prologue.extend_from_slice(&mine);
+    prologue.extend_from_slice(&theirs);
+    let params: snow::params::NoiseParams = "Noise_NN_25519_ChaChaPoly_BLAKE2s".parse().expect("params");
+    let mut noise =
+        snow::Builder::new(params).prologue(&prologue).expect("prologue").build_initiator().expect("initiator");
+    let (mut buf, mut plain) = ([0u8; 65_600], [0u8; 65_600]);
+    let n = noise.write_message(&[], &mut buf).expect("-> e");
+    s.write_all(&(n as u16).to_be_bytes()).expect("record");
+    s.write_all(&buf[..n]).expect("record");
+    let r = read_record(&mut s).expect("<- e, ee");
+    noise.read_message(&r[2..], &mut plain).expect("<- e, ee");
+    let mut noise = noise.into_transport_mode().expect("transport");
+    // Our hello: incarnation, data-path key, the frame; one record (flag 0: the message ends here).
+    let mut msg = vec![0u8];
+    msg.extend_from_slice(&[7u8; 16]);
+    msg.extend_from_slice(&[9u8; 32]);
+    msg.extend_from_slice(&frame);
+    let n = noise.write_message(&msg, &mut buf).expect("seal");
+    s.write_all(&(n as u16).to_be_bytes()).expect("record");
+    s.write_all(&buf[..n]).expect("record");
+    // P's hello, then its verdict.
+    let mut open = |s: &mut TcpStream| {
+        let r = read_record(s).expect("a record");
+        let n = noise.read_message(&r[2..], &mut plain).expect("opens");
+        assert_eq!(plain[0], 0, "one record per message here");
+        plain[1..n].to_vec()
+    };
+    let _hello = open(&mut s);
+    let verdict = open(&mut s);
+    let text = String::from_utf8_lossy(&verdict[1..]).into_owned();
+    assert_eq!(verdict[0], 1, "P accepted a version-1 peer: {text}");
+    assert_eq!(text, "the peer's handshake is malformed: unsupported protocol version 1 (this build speaks 2)");
+    // The version-1 side refuses P's hello in turn; P then gives up on the pair as refused.
+    let mut ours = vec![0u8, 1];
+    ours.extend_from_slice(b"unsupported protocol version 2 (this build speaks 1)");
+    let n = noise.write_message(&ours, &mut buf).expect("seal");
+    s.write_all(&(n as u16).to_be_bytes()).expect("record");
+    s.write_all(&buf[..n]).expect("record");
+    until("P counted the refusal", || p.side.stats().refused == 1, stats_of(&p));
+    assert!(p.side.peers().is_empty());
+}
+
 // ------------------------------------------------------------------------------------------------
 // The data path. NIXL's UCX backend takes a notification's sender name from the message itself
 // (docs/security.md, "Data path"), so the wire can claim any agent. `Wire` stands for that: the

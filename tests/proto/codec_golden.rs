@@ -93,15 +93,15 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     h
 }
 
-/// `compat_hash` of [`layout`] in push mode, protocol 1: FNV-1a of MODEL_HEX ‖ `00` (Hnd) ‖ `00`
-/// (Push) ‖ `01` (protocol 1). [`hash_matches_the_documented_recipe`] checks this constant.
-const PUSH_HASH: u64 = 0x1267_28e8_b877_c916;
+/// `compat_hash` of [`layout`] in push mode, protocol 2: FNV-1a of MODEL_HEX ‖ `00` (Hnd) ‖ `00`
+/// (Push) ‖ `02` (protocol 2). [`hash_matches_the_documented_recipe`] checks this constant.
+const PUSH_HASH: u64 = 0x1267_27e8_b877_c763;
 /// The same in pull mode (mode byte `01`).
-const PULL_HASH: u64 = 0x1263_c4e8_b874_e953;
+const PULL_HASH: u64 = 0x1263_c5e8_b874_eb06;
 
 fn handshake(mode: Mode, compat_hash: u64) -> Handshake {
     Handshake {
-        protocol: 1,
+        protocol: 2,
         software: "0.1.0".into(),
         engine_id: "p0".into(),
         mode,
@@ -115,8 +115,8 @@ fn handshake(mode: Mode, compat_hash: u64) -> Handshake {
 /// The handshake frame for `mode`: 9-byte header, then the payload of 56 (0x38) bytes.
 fn handshake_hex(mode_byte: &str, hash_varint: &str) -> String {
     format!(
-        "4b 50 01 00 01 38 00 00 00  -- magic, version 1, kind 1 (Handshake), length 56
-         01  -- protocol 1
+        "4b 50 02 00 01 38 00 00 00  -- magic, version 2, kind 1 (Handshake), length 56
+         02  -- protocol 2
          05 30 2e 31 2e 30  -- software \"0.1.0\"
          02 70 30  -- engine_id \"p0\"
          {mode_byte}  -- mode
@@ -137,13 +137,13 @@ struct Golden {
 fn goldens() -> Vec<Golden> {
     let l = layout();
     let rank = Rank::new(0, 0);
-    let reg = Registration::new(Key::new(0x1234, 2), "d0".into(), rank, 40, vec![vec![5, 6, 200], vec![299]], &l)
+    let reg = Registration::new(Key::new(0x1234, 2), "d0".into(), rank, 80, vec![vec![5, 6, 7, 8, 200], vec![299]], &l)
         .expect("the golden registration fits its layout");
-    // The header's magic and version are the same in every frame: "KP", then 1 as a u16 LE.
+    // The header's magic and version are the same in every frame: "KP", then 2 as a u16 LE.
     vec![
         Golden {
             name: "handshake push",
-            bytes: hex(&handshake_hex("00", "96 92 df c3 8b 9d ca b3 12")),
+            bytes: hex(&handshake_hex("00", "e3 8e df c3 8b fd c9 b3 12")),
             msg: Message::Handshake(Box::new(handshake(Mode::Push, PUSH_HASH))),
             peer: false,
         },
@@ -155,7 +155,7 @@ fn goldens() -> Vec<Golden> {
                  02  -- kind Neuron
                  00 01 01  -- its device memory: no WRITE, READ, target
                  01 01 01  -- host memory: WRITE, READ, target",
-                handshake_hex("00", "96 92 df c3 8b 9d ca b3 12").replacen("01 38 00 00 00", "01 40 00 00 00", 1)
+                handshake_hex("00", "e3 8e df c3 8b fd c9 b3 12").replacen("01 38 00 00 00", "01 40 00 00 00", 1)
             )),
             msg: Message::Handshake(Box::new(Handshake {
                 memory: Some(MemoryOffer {
@@ -169,33 +169,35 @@ fn goldens() -> Vec<Golden> {
         },
         Golden {
             name: "handshake pull",
-            bytes: hex(&handshake_hex("01", "d3 d2 d3 c3 8b 9d f1 b1 12")),
+            bytes: hex(&handshake_hex("01", "86 d6 d3 c3 8b bd f1 b1 12")),
             msg: Message::Handshake(Box::new(handshake(Mode::Pull, PULL_HASH))),
             peer: false,
         },
         Golden {
             name: "registration",
-            bytes: hex("4b 50 01 00 02 12 00 00 00  -- kind 2 (Registration), length 18
+            bytes: hex("4b 50 02 00 02 13 00 00 00  -- kind 2 (Registration), length 19
                  b4 24 02  -- key: transfer_id 0x1234 (varint b4 24), attempt 2
                  02 64 30  -- engine_id \"d0\"
                  00 00  -- rank tp0/pp0
-                 28  -- num_tokens 40
+                 50  -- num_tokens 80
                  02  -- block_ids: 2 lists
-                 03 05 06 c8 01  -- group 0: 3 ids: 5, 6, 200 (varint c8 01)
-                 01 ab 02  -- group 1: 1 id: 299 (varint ab 02)"),
+                 0a  -- group 0: head 5 << 1 | 0: 5 ids as runs
+                 0a 06  -- run: first 5 - 0 (zig-zag 10), (4 - 1) << 1 | ascending = 6: 5, 6, 7, 8
+                 80 03 00  -- run: first 200 - 8 = 192 (zig-zag 384 = varint 80 03), length 1: 200
+                 03 d6 04  -- group 1: head 1 << 1 | 1: 1 id as deltas: +299 (zig-zag 598 = d6 04)"),
             msg: Message::Registration(reg),
             peer: true,
         },
         Golden {
             // The example of docs/protocol.md §1, byte for byte.
             name: "completion",
-            bytes: hex("4b 50 01 00 03 05 00 00 00  b4 24 02 00 00"),
+            bytes: hex("4b 50 02 00 03 05 00 00 00  b4 24 02 00 00"),
             msg: Message::Completion(Completion { key: Key::new(0x1234, 2), rank }),
             peer: true,
         },
         Golden {
             name: "layers",
-            bytes: hex("4b 50 01 00 08 09 00 00 00  -- kind 8 (Layers), length 9
+            bytes: hex("4b 50 02 00 08 09 00 00 00  -- kind 8 (Layers), length 9
                  b4 24 02  -- key 0x1234#2
                  00 00  -- rank tp0/pp0 (P's)
                  01 02  -- layers 1..2 (start, end)
@@ -205,24 +207,24 @@ fn goldens() -> Vec<Golden> {
         },
         Golden {
             name: "grant",
-            bytes: hex("4b 50 01 00 07 0f 00 00 00  -- kind 7 (Grant), length 15
+            bytes: hex("4b 50 02 00 07 10 00 00 00  -- kind 7 (Grant), length 16
                  b4 24 02  -- key 0x1234#2
                  00 00  -- rank tp0/pp0 (P's)
                  28  -- num_tokens 40
                  02  -- block_ids: 2 lists
-                 03 05 06 c8 01  -- group 0: 5, 6, 200
-                 01 ab 02  -- group 1: 299"),
+                 06 90 03 05  -- group 0: 3 ids as runs: first 200 (zig-zag 400 = 90 03), (3 - 1) << 1 | descending = 5: 200, 199, 198
+                 05 d6 04 bd 04  -- group 1: 2 ids as deltas: +299 (d6 04), 12 - 299 = -287 (zig-zag 573 = bd 04)"),
             msg: Message::Grant(Grant {
                 key: Key::new(0x1234, 2),
                 rank,
                 num_tokens: 40,
-                block_ids: vec![vec![5, 6, 200], vec![299]],
+                block_ids: vec![vec![200, 199, 198], vec![299, 12]],
             }),
             peer: true,
         },
         Golden {
             name: "failure transfer failed",
-            bytes: hex("4b 50 01 00 04 1b 00 00 00  -- kind 4 (Failure), length 27
+            bytes: hex("4b 50 02 00 04 1b 00 00 00  -- kind 4 (Failure), length 27
                  80 80 80 80 80 80 80 80 80 02  -- transfer_id 2^64: nine zero groups, then 2 (bit 64)
                  01  -- attempt 1
                  00 00  -- rank tp0/pp0
@@ -238,7 +240,7 @@ fn goldens() -> Vec<Golden> {
         },
         Golden {
             name: "failure peer lost",
-            bytes: hex("4b 50 01 00 04 07 00 00 00  -- kind 4 (Failure), length 7
+            bytes: hex("4b 50 02 00 04 07 00 00 00  -- kind 4 (Failure), length 7
                  b4 24 02 00 00  -- key 0x1234#2, rank tp0/pp0
                  05  -- kind PeerLost (variant 5, no fields)
                  00  -- detail \"\""),
@@ -252,7 +254,7 @@ fn goldens() -> Vec<Golden> {
         },
         Golden {
             name: "failure status 100",
-            bytes: hex("4b 50 01 00 04 09 00 00 00  -- kind 4 (Failure), length 9
+            bytes: hex("4b 50 02 00 04 09 00 00 00  -- kind 4 (Failure), length 9
                  b4 24 02 00 00  -- key 0x1234#2, rank tp0/pp0
                  01 c8 01  -- kind TransferFailed, status 100 zigzag = 200 (varint c8 01)
                  00  -- detail \"\""),
@@ -266,7 +268,7 @@ fn goldens() -> Vec<Golden> {
         },
         Golden {
             name: "abort",
-            bytes: hex("4b 50 01 00 05 09 00 00 00  -- kind 5 (Abort), length 9
+            bytes: hex("4b 50 02 00 05 09 00 00 00  -- kind 5 (Abort), length 9
                  b4 24 03  -- key 0x1234#3
                  00 00  -- rank tp0/pp0
                  03 62 79 65  -- reason \"bye\""),
@@ -275,7 +277,7 @@ fn goldens() -> Vec<Golden> {
         },
         Golden {
             name: "hold",
-            bytes: hex("4b 50 01 00 09 05 00 00 00  -- kind 9 (Hold), length 5
+            bytes: hex("4b 50 02 00 09 05 00 00 00  -- kind 9 (Hold), length 5
                  b4 24 03  -- key 0x1234#3
                  00 00  -- rank tp0/pp0"),
             msg: Message::Hold(Hold { key: Key::new(0x1234, 3), rank }),
@@ -284,13 +286,13 @@ fn goldens() -> Vec<Golden> {
         Golden {
             // The example of docs/protocol.md §1, byte for byte.
             name: "heartbeat 1",
-            bytes: hex("4b 50 01 00 06 01 00 00 00 01"),
+            bytes: hex("4b 50 02 00 06 01 00 00 00 01"),
             msg: Message::Heartbeat(Heartbeat { seq: 1 }),
             peer: false,
         },
         Golden {
             name: "heartbeat u64::MAX",
-            bytes: hex("4b 50 01 00 06 0a 00 00 00  -- kind 6 (Heartbeat), length 10
+            bytes: hex("4b 50 02 00 06 0a 00 00 00  -- kind 6 (Heartbeat), length 10
                  ff ff ff ff ff ff ff ff ff 01  -- seq 2^64 - 1: nine groups of seven ones, then 1"),
             msg: Message::Heartbeat(Heartbeat { seq: u64::MAX }),
             peer: false,
@@ -333,7 +335,7 @@ fn handshake_extensions_other_than_one_whole_offer_are_refused() {
     let with_len = |len: &str, tail: &str| {
         hex(&format!(
             "{}\n{tail}",
-            handshake_hex("00", "96 92 df c3 8b 9d ca b3 12").replacen(
+            handshake_hex("00", "e3 8e df c3 8b fd c9 b3 12").replacen(
                 "01 38 00 00 00",
                 &format!("01 {len} 00 00 00"),
                 1
@@ -371,7 +373,7 @@ fn layer_notifications_outside_the_senders_layers_are_refused() {
         ("part 0..3 past the sender's 2 layers", "b4 24 02 00 00 00 01 00 03"),
         ("reversed layers 2..1", "b4 24 02 00 00 02 01 00 02"),
     ] {
-        let mut frame = hex("4b 50 01 00 08 09 00 00 00");
+        let mut frame = hex("4b 50 02 00 08 09 00 00 00");
         frame.extend(hex(body));
         let got = decode(&frame, Some(&l));
         assert!(
@@ -380,7 +382,7 @@ fn layer_notifications_outside_the_senders_layers_are_refused() {
         );
     }
     // Another rank than the connection's.
-    let frame = hex("4b 50 01 00 08 09 00 00 00 b4 24 02 01 00 00 01 00 02");
+    let frame = hex("4b 50 02 00 08 09 00 00 00 b4 24 02 01 00 00 01 00 02");
     assert!(matches!(decode(&frame, Some(&l)), Err(DecodeError::Range { source: RangeError::Rank { .. }, .. })));
 }
 
@@ -393,14 +395,14 @@ fn the_golden_layout_is_valid() {
 fn hash_matches_the_documented_recipe() {
     let model = hex(MODEL_HEX);
     let mut push = model.clone();
-    push.extend_from_slice(&hex("00 00 01")); // order Hnd, mode Push, protocol 1
+    push.extend_from_slice(&hex("00 00 02")); // order Hnd, mode Push, protocol 2
     let mut pull = model;
-    pull.extend_from_slice(&hex("00 01 01")); // order Hnd, mode Pull, protocol 1
+    pull.extend_from_slice(&hex("00 01 02")); // order Hnd, mode Pull, protocol 2
     assert_eq!(fnv1a(&push), PUSH_HASH);
     assert_eq!(fnv1a(&pull), PULL_HASH);
     let l = layout();
-    assert_eq!(kvpush::proto::compat::compat_hash(&l.model, l.order, Mode::Push, 1), PUSH_HASH);
-    assert_eq!(kvpush::proto::compat::compat_hash(&l.model, l.order, Mode::Pull, 1), PULL_HASH);
+    assert_eq!(kvpush::proto::compat::compat_hash(&l.model, l.order, Mode::Push, 2), PUSH_HASH);
+    assert_eq!(kvpush::proto::compat::compat_hash(&l.model, l.order, Mode::Pull, 2), PULL_HASH);
 }
 
 #[test]
@@ -410,6 +412,22 @@ fn the_hash_varints_encode_the_hash_constants() {
     fn unvarint(b: &[u8]) -> u64 {
         b.iter().rev().fold(0u64, |acc, &x| (acc << 7) | u64::from(x & 0x7f))
     }
-    assert_eq!(unvarint(&hex("96 92 df c3 8b 9d ca b3 12")), PUSH_HASH);
-    assert_eq!(unvarint(&hex("d3 d2 d3 c3 8b 9d f1 b1 12")), PULL_HASH);
+    assert_eq!(unvarint(&hex("e3 8e df c3 8b fd c9 b3 12")), PUSH_HASH);
+    assert_eq!(unvarint(&hex("86 d6 d3 c3 8b bd f1 b1 12")), PULL_HASH);
+}
+
+#[test]
+fn a_version_1_frame_is_refused_by_its_version() {
+    // Version 1 (docs/protocol.md §1, Versions) wrote block lists as plain id varints: this is its
+    // registration of 5, 6, 200 and 299 and its heartbeat. A version-2 build refuses both on the
+    // header, before reading the payload, and says which versions met.
+    let old_registration =
+        hex("4b 50 01 00 02 12 00 00 00  b4 24 02  02 64 30  00 00  28  02  03 05 06 c8 01  01 ab 02");
+    let old_heartbeat = hex("4b 50 01 00 06 01 00 00 00 01");
+    for frame in [old_registration, old_heartbeat] {
+        let e = decode(&frame, Some(&layout())).expect_err("version 1 is refused");
+        assert_eq!(e, DecodeError::UnsupportedVersion { got: 1, supported: 2 });
+        assert_eq!(e.to_string(), "unsupported protocol version 1 (this build speaks 2)");
+        assert_eq!(frame_len(&frame[..HEADER_LEN]), Err(e));
+    }
 }

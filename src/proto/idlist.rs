@@ -1,0 +1,401 @@
+//! Block-id lists on the wire: runs of consecutive ids where the list has them, zig-zag deltas
+//! where it is fragmented (docs/protocol.md §1, "Block-id lists").
+//!
+//! A list is a head varint, `count << 1 | form`, then its body:
+//!
+//! - form 0, **runs**: runs until `count` ids are read, each a zig-zag varint of `first − prev`
+//!   (`prev`: the last id of the previous run, 0 before the first) and a varint of
+//!   `(len − 1) << 1 | descending`. A run is `first, first + 1, …` or, descending, `first, first − 1, …`.
+//! - form 1, **deltas**: `count` zig-zag varints, each `id − prev` (`prev`: the previous id, 0 before
+//!   the first).
+//!
+//! [`write`] cuts the list into maximal runs (greedily, left to right) and writes whichever form is
+//! shorter (runs on a tie); [`read`] accepts either form and any cut into runs that adds up to the
+//! count. vLLM hands out a fresh pool's blocks in ascending runs and reuses freed blocks in the
+//! order they were freed, a request's own in reverse: descending runs.
+//!
+//! Reading is bounded: the count is checked against the caller's budget before anything is
+//! allocated, a deltas body cannot claim more ids than it has bytes, a run cannot pass the end of
+//! the count or leave `u32`, and the list is allocated once, at its count. This module never
+//! panics on any input and does no range check against a layout (the caller's job).
+
+/// Why bytes are not a block-id list (or a field around one).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ListError {
+    /// The bytes end inside a field.
+    #[error("{0} runs past the end of the payload")]
+    Truncated(&'static str),
+    /// A varint is longer than its type allows, or its value does not fit the type.
+    #[error("{0} does not fit its type")]
+    Overflow(&'static str),
+    /// A list claims more ids than the budget left for the frame.
+    #[error("a block list claims {count} ids, more than the {left} left of the frame's budget")]
+    OverBudget {
+        /// Ids the list claims.
+        count: u64,
+        /// Ids the frame may still carry.
+        left: u64,
+    },
+    /// A deltas body claims more ids than it has bytes (each id takes at least one).
+    #[error("a block list claims {count} deltas with {bytes} bytes left")]
+    ShortBody {
+        /// Ids the list claims.
+        count: u64,
+        /// Bytes left in the payload.
+        bytes: usize,
+    },
+    /// A run passes the end of the list's count.
+    #[error("a run of {len} ids passes the list's count by {over}")]
+    RunPastCount {
+        /// The run's length.
+        len: u64,
+        /// Ids beyond the count.
+        over: u64,
+    },
+    /// An id (a run's end, a delta's sum) is outside `0..=u32::MAX`.
+    #[error("block id {0} is outside 0..=u32::MAX")]
+    IdOutOfU32(i128),
+    /// A string field is not UTF-8.
+    #[error("{0} is not UTF-8")]
+    NotUtf8(&'static str),
+}
+
+/// A cursor over a payload, reading postcard's varints and the lists above.
+#[derive(Debug)]
+pub(crate) struct Reader<'a> {
+    bytes: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    pub(crate) fn new(bytes: &'a [u8]) -> Self {
+        Reader { bytes }
+    }
+
+    /// Bytes not read yet.
+    pub(crate) fn rest(&self) -> &'a [u8] {
+        self.bytes
+    }
+
+    /// A postcard varint of a type of `bits` bits (16, 32, 64 or 128): at most `ceil(bits / 7)`
+    /// bytes, and a value that fits.
+    pub(crate) fn varint(&mut self, bits: u32, what: &'static str) -> Result<u128, ListError> {
+        let mut v: u128 = 0;
+        for shift in (0..bits).step_by(7) {
+            let Some((&b, rest)) = self.bytes.split_first() else {
+                return Err(ListError::Truncated(what));
+            };
+            self.bytes = rest;
+            let group = u128::from(b & 0x7f);
+            // The last byte may only carry the bits the type has left.
+            if bits - shift < 7 && group >> (bits - shift) != 0 {
+                return Err(ListError::Overflow(what));
+            }
+            v |= group << shift;
+            if b & 0x80 == 0 {
+                return Ok(v);
+            }
+        }
+        Err(ListError::Overflow(what))
+    }
+
+    pub(crate) fn u16(&mut self, what: &'static str) -> Result<u16, ListError> {
+        self.varint(16, what).map(|v| v as u16)
+    }
+
+    pub(crate) fn u32(&mut self, what: &'static str) -> Result<u32, ListError> {
+        self.varint(32, what).map(|v| v as u32)
+    }
+
+    pub(crate) fn u64(&mut self, what: &'static str) -> Result<u64, ListError> {
+        self.varint(64, what).map(|v| v as u64)
+    }
+
+    /// A length-prefixed UTF-8 string.
+    pub(crate) fn string(&mut self, what: &'static str) -> Result<String, ListError> {
+        let len = self.u64(what)?;
+        let Some(len) = usize::try_from(len).ok().filter(|&l| l <= self.bytes.len()) else {
+            return Err(ListError::Truncated(what));
+        };
+        let (s, rest) = self.bytes.split_at(len);
+        self.bytes = rest;
+        core::str::from_utf8(s).map(str::to_owned).map_err(|_| ListError::NotUtf8(what))
+    }
+
+    /// A zig-zag encoded `i64` varint.
+    fn zigzag(&mut self, what: &'static str) -> Result<i64, ListError> {
+        let v = self.u64(what)?;
+        Ok((v >> 1) as i64 ^ -((v & 1) as i64))
+    }
+
+    /// One block-id list of at most `left` ids.
+    pub(crate) fn list(&mut self, left: u64) -> Result<Vec<u32>, ListError> {
+        let head = self.u64("a block list's head")?;
+        let (count, deltas) = (head >> 1, head & 1 == 1);
+        if count > left {
+            return Err(ListError::OverBudget { count, left });
+        }
+        if deltas && count > self.bytes.len() as u64 {
+            return Err(ListError::ShortBody { count, bytes: self.bytes.len() });
+        }
+        // Bounded by `left`, the caller's budget.
+        let mut ids = Vec::with_capacity(count as usize);
+        // Sums in i128: a delta is any i64 and a run's length any u64, so none of this overflows.
+        let mut prev: i128 = 0;
+        let id = |v: i128| u32::try_from(v).map_err(|_| ListError::IdOutOfU32(v));
+        if deltas {
+            for _ in 0..count {
+                let next = id(prev + i128::from(self.zigzag("a block id delta")?))?;
+                ids.push(next);
+                prev = next.into();
+            }
+            return Ok(ids);
+        }
+        let mut got: u64 = 0;
+        while got < count {
+            let first = id(prev + i128::from(self.zigzag("a run's first id")?))?;
+            let lens = self.u64("a run's length")?;
+            let (len, descending) = ((lens >> 1) + 1, lens & 1 == 1);
+            if len > count - got {
+                return Err(ListError::RunPastCount { len, over: len - (count - got) });
+            }
+            let span = i128::from(len - 1);
+            let last = id(if descending { i128::from(first) - span } else { i128::from(first) + span })?;
+            if descending {
+                ids.extend((last..=first).rev());
+            } else {
+                ids.extend(first..=last);
+            }
+            prev = last.into();
+            got += len;
+        }
+        Ok(ids)
+    }
+}
+
+/// Appends `v` as postcard's varint: 7 bits a byte, lowest first, the high bit set on all but the
+/// last.
+pub(crate) fn varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push(v as u8 | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+fn varint_len(v: u64) -> usize {
+    // 1 byte up to 7 bits, one more per 7 bits above.
+    (64 - (v | 1).leading_zeros() as usize).div_ceil(7)
+}
+
+fn zigzag(d: i64) -> u64 {
+    ((d << 1) ^ (d >> 63)) as u64
+}
+
+/// The maximal runs of `ids`, greedily from the left: `(first, len, descending)`.
+fn runs(ids: &[u32]) -> impl Iterator<Item = (u32, usize, bool)> + '_ {
+    let mut i = 0;
+    core::iter::from_fn(move || {
+        let &first = ids.get(i)?;
+        let next = ids.get(i + 1).copied();
+        let descending = next.is_some() && next == first.checked_sub(1);
+        let step = |a: u32| if descending { a.checked_sub(1) } else { a.checked_add(1) };
+        let mut len = 1;
+        while ids.get(i + len).is_some_and(|&b| Some(b) == step(ids[i + len - 1])) {
+            len += 1;
+        }
+        i += len;
+        Some((first, len, descending && len > 1))
+    })
+}
+
+/// The run's length field: `(len − 1) << 1 | descending`.
+fn run_len(len: usize, descending: bool) -> u64 {
+    ((len as u64 - 1) << 1) | u64::from(descending)
+}
+
+/// Bytes of the two bodies of `ids`: (runs, deltas).
+fn body_lens(ids: &[u32]) -> (usize, usize) {
+    let (mut prev, mut deltas) = (0i64, 0);
+    for &id in ids {
+        deltas += varint_len(zigzag(i64::from(id) - prev));
+        prev = id.into();
+    }
+    let (mut prev, mut runs_len) = (0i64, 0);
+    for (first, len, descending) in runs(ids) {
+        runs_len += varint_len(zigzag(i64::from(first) - prev)) + varint_len(run_len(len, descending));
+        let last = if descending { first - (len as u32 - 1) } else { first + (len as u32 - 1) };
+        prev = last.into();
+    }
+    (runs_len, deltas)
+}
+
+/// At least the bytes [`write`] appends for `ids`.
+pub(crate) fn bound(ids: &[u32]) -> usize {
+    // Head, then at most 5 bytes a delta (a delta of a u32 zig-zags to under 2^33).
+    10 + 5 * ids.len()
+}
+
+/// Appends `ids` as one list, in the shorter form.
+pub(crate) fn write(out: &mut Vec<u8>, ids: &[u32]) {
+    let count = ids.len() as u64;
+    if ids.is_empty() {
+        out.push(0);
+        return;
+    }
+    let (runs_len, deltas_len) = body_lens(ids);
+    if deltas_len < runs_len {
+        varint(out, count << 1 | 1);
+        let mut prev = 0i64;
+        for &id in ids {
+            varint(out, zigzag(i64::from(id) - prev));
+            prev = id.into();
+        }
+        return;
+    }
+    varint(out, count << 1);
+    let mut prev = 0i64;
+    for (first, len, descending) in runs(ids) {
+        varint(out, zigzag(i64::from(first) - prev));
+        varint(out, run_len(len, descending));
+        let last = if descending { first - (len as u32 - 1) } else { first + (len as u32 - 1) };
+        prev = last.into();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn enc(ids: &[u32]) -> Vec<u8> {
+        let mut out = Vec::new();
+        write(&mut out, ids);
+        assert!(out.len() <= bound(ids), "{} > bound {}", out.len(), bound(ids));
+        out
+    }
+
+    fn dec(bytes: &[u8], left: u64) -> Result<Vec<u32>, ListError> {
+        let mut r = Reader::new(bytes);
+        let ids = r.list(left)?;
+        assert!(r.rest().is_empty(), "{} bytes left after the list", r.rest().len());
+        Ok(ids)
+    }
+
+    /// Encodings written from the module's description, not from `write`.
+    #[test]
+    fn documented_encodings() {
+        let cases: &[(&[u32], &[u8])] = &[
+            (&[], &[0x00]),
+            // One id: a delta (head 3) of +7 (zig-zag 14); as a run it would take a length byte more.
+            (&[7], &[0x03, 0x0e]),
+            // 1024 ascending from 0: head 2048 = 80 10, first 0, (1023 << 1) = 2046 = fe 0f.
+            (&(0..1024).collect::<Vec<_>>(), &[0x80, 0x10, 0x00, 0xfe, 0x0f]),
+            // 5, 4, 3 then 100, 101: runs (head 10): 5 (0a), 3 descending ((2 << 1) | 1 = 05), then
+            // 100 − 3 = 97 (zig-zag 194 = c2 01), 2 ascending (02).
+            (&[5, 4, 3, 100, 101], &[0x0a, 0x0a, 0x05, 0xc2, 0x01, 0x02]),
+            // 9, 2, 4: deltas are shorter (head 7): +9 (12), −7 (13), +2 (04); runs would be 6 bytes.
+            (&[9, 2, 4], &[0x07, 0x12, 0x0d, 0x04]),
+            // u32::MAX: a delta, zig-zag 2^33 − 2 = fe ff ff ff 1f.
+            (&[u32::MAX], &[0x03, 0xfe, 0xff, 0xff, 0xff, 0x1f]),
+            // Descending 10 to 7: a run of 4 from 10 (14), ((4 − 1) << 1) | 1 = 07.
+            (&[10, 9, 8, 7], &[0x08, 0x14, 0x07]),
+            // Duplicates: 3, 3 are two runs (3 then +0) or two deltas (+3, +0): deltas on 2 < 4.
+            (&[3, 3], &[0x05, 0x06, 0x00]),
+        ];
+        for (ids, bytes) in cases {
+            assert_eq!(enc(ids), *bytes, "{ids:?}");
+            assert_eq!(dec(bytes, u64::MAX).as_deref(), Ok(*ids), "{bytes:02x?}");
+        }
+    }
+
+    #[test]
+    fn other_cuts_and_forms_decode_to_the_same_list() {
+        // 1, 2, 3 as three runs of one, and as deltas: not what write picks, still the list.
+        assert_eq!(dec(&[0x06, 0x02, 0x00, 0x02, 0x00, 0x02, 0x00], 3), Ok(vec![1, 2, 3]));
+        assert_eq!(dec(&[0x07, 0x02, 0x02, 0x02], 3), Ok(vec![1, 2, 3]));
+        // A run of one marked descending is still one id.
+        assert_eq!(dec(&[0x02, 0x0e, 0x01], 1), Ok(vec![7]));
+    }
+
+    #[test]
+    fn hostile_lists_are_refused_before_they_are_allocated() {
+        // 2^31 ids in one run of 5 bytes: over any budget below it, refused on the head alone.
+        let huge = [0x80, 0x80, 0x80, 0x80, 0x10, 0x00, 0xfe, 0xff, 0xff, 0xff, 0x0f];
+        assert_eq!(dec(&huge, 1 << 20), Err(ListError::OverBudget { count: 1 << 31, left: 1 << 20 }));
+        // 1000 deltas with 3 bytes of body.
+        assert_eq!(dec(&[0xd1, 0x0f, 0x02, 0x02, 0x02], 5000), Err(ListError::ShortBody { count: 1000, bytes: 3 }));
+        // A run of 4 in a list of 3.
+        assert_eq!(dec(&[0x06, 0x02, 0x06], 10), Err(ListError::RunPastCount { len: 4, over: 1 }));
+        // Ascending past u32::MAX: u32::MAX then a run of 2.
+        let past = [0x04, 0xfe, 0xff, 0xff, 0xff, 0x1f, 0x02];
+        assert_eq!(dec(&past, 10), Err(ListError::IdOutOfU32(1 << 32)));
+        // Descending below 0: 1, 0, −1.
+        assert_eq!(dec(&[0x06, 0x02, 0x05], 10), Err(ListError::IdOutOfU32(-1)));
+        // A first id below 0 (delta −1) and a delta sum past u32::MAX.
+        assert_eq!(dec(&[0x02, 0x01, 0x00], 10), Err(ListError::IdOutOfU32(-1)));
+        assert_eq!(dec(&[0x05, 0xfe, 0xff, 0xff, 0xff, 0x1f, 0x02], 10), Err(ListError::IdOutOfU32(1 << 32)));
+        // A delta beyond i64's zig-zag range is a u64 varint that runs on: refused as an overflow.
+        let long = [0x03, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f];
+        assert_eq!(dec(&long, 10), Err(ListError::Overflow("a block id delta")));
+        // Cut anywhere: truncated, never a panic.
+        let good = enc(&[5, 4, 3, 100, 101]);
+        for cut in 0..good.len() {
+            assert!(matches!(dec(&good[..cut], 10), Err(ListError::Truncated(_))), "cut {cut}");
+        }
+    }
+
+    #[test]
+    fn varints_are_bounded_by_their_type() {
+        assert_eq!(Reader::new(&[0xff, 0xff, 0x03]).u16("x"), Ok(u16::MAX));
+        assert_eq!(Reader::new(&[0xff, 0xff, 0x04]).u16("x"), Err(ListError::Overflow("x")));
+        assert_eq!(Reader::new(&[0x80, 0x80, 0x80]).u16("x"), Err(ListError::Overflow("x")));
+        assert_eq!(Reader::new(&[0xff, 0xff, 0xff, 0xff, 0x0f]).u32("x"), Ok(u32::MAX));
+        assert_eq!(Reader::new(&[0xff, 0xff, 0xff, 0xff, 0x10]).u32("x"), Err(ListError::Overflow("x")));
+        assert_eq!(Reader::new(&[0x80]).u32("x"), Err(ListError::Truncated("x")));
+        let mut max = vec![0xff; 18];
+        max.push(0x03);
+        assert_eq!(Reader::new(&max).varint(128, "x"), Ok(u128::MAX));
+    }
+
+    fn fifo_like() -> impl Strategy<Value = Vec<u32>> {
+        // Pieces of ascending or descending runs at random places, as a reused pool hands them out.
+        prop::collection::vec((any::<u32>(), 1usize..40, any::<bool>()), 0..30).prop_map(|pieces| {
+            let mut ids = Vec::new();
+            for (at, len, down) in pieces {
+                let at = u64::from(at);
+                for k in 0..len as u64 {
+                    let id = if down { at.checked_sub(k) } else { Some(at + k).filter(|&v| v <= u32::MAX.into()) };
+                    ids.extend(id.map(|v| v as u32));
+                }
+            }
+            ids
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn any_list_round_trips(ids in prop::collection::vec(any::<u32>(), 0..200)) {
+            let b = enc(&ids);
+            prop_assert_eq!(dec(&b, ids.len() as u64), Ok(ids.clone()));
+            // One id fewer in the budget refuses a non-empty list.
+            if !ids.is_empty() {
+                let over = matches!(dec(&b, ids.len() as u64 - 1), Err(ListError::OverBudget { .. }));
+                prop_assert!(over, "a budget of one id fewer was accepted");
+            }
+        }
+
+        #[test]
+        fn small_ids_with_duplicates_round_trip(ids in prop::collection::vec(0u32..8, 0..200)) {
+            prop_assert_eq!(dec(&enc(&ids), 200), Ok(ids));
+        }
+
+        #[test]
+        fn run_shaped_lists_round_trip_and_are_no_longer_than_deltas(ids in fifo_like()) {
+            let b = enc(&ids);
+            prop_assert_eq!(dec(&b, u64::MAX), Ok(ids.clone()));
+            let (runs_len, deltas_len) = body_lens(&ids);
+            prop_assert_eq!(b.len(), varint_len((ids.len() as u64) << 1) + runs_len.min(deltas_len));
+        }
+    }
+}
