@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvpush._metrics import EngineFigures, KVPushPromMetrics, KVPushStats
 from vllm.logger import init_logger
 
-from kvpush._layouts import describe_kv_caches, expand_block_ids
+from kvpush._layouts import describe_kv_caches, expand_block_ids, kv_cache_groups
 from kvpush import _neuron
 from kvpush import _timeline as timeline
 from kvpush._outcomes import OutcomeMatcher
@@ -256,6 +256,8 @@ class _Scheduler:
         self.cfg = cfg
         self.engine_id = str(ktc.engine_id)
         self.block_size = int(vllm_config.cache_config.block_size)
+        # A group of state kvpush does not move (Mamba) fails the server's start here, naming the layer.
+        kv_cache_groups(kv_cache_config)
         pc = vllm_config.parallel_config
         self.tp_size = int(pc.tensor_parallel_size)
         self.pp_size = int(pc.pipeline_parallel_size)
@@ -610,10 +612,7 @@ class _Worker:
 
         mc = self.vllm_config.model_config
         pc = self.vllm_config.parallel_config
-        groups = []
-        for g in self.kv_cache_config.kv_cache_groups:
-            window = getattr(g.kv_cache_spec, "sliding_window", None) or 0
-            groups.append((list(g.layer_names), int(window)))
+        groups = kv_cache_groups(self.kv_cache_config)
         total_heads, tp = int(mc.get_total_num_kv_heads()), int(pc.tensor_parallel_size)
         layout = describe_kv_caches(
             kv_caches,
@@ -668,8 +667,8 @@ class _Worker:
         kvpush.init_logging()
         self.native = kvpush.Worker(config)
         logger.info(
-            "kvpush: %s worker of engine %s (%s mode, %s, %d layers, %d blocks of %d tokens) on side-channel "
-            "port %s, NIXL %s",
+            "kvpush: %s worker of engine %s (%s mode, %s, %d layers, %d blocks of %d tokens, KV cache groups %s "
+            "in %d regions) on side-channel port %s, NIXL %s",
             "tp%d" % config["tp_rank"],
             self.engine_id,
             self.cfg.mode,
@@ -677,6 +676,9 @@ class _Worker:
             len({l for g in layout["groups"] for l in g[0]}) or layout["total_layers"],
             layout["num_blocks"],
             layout["block_tokens"],
+            # e.g. "full [0, 2]; window 96 [1, 3]": what vLLM's allocator built, read by the hybrid tests.
+            "; ".join(f"{f'window {w}' if w else 'full'} {layers}" for layers, w in layout["groups"]),
+            len(set(layout["region_bases"])),
             self.native.side_channel_port,
             lib or "from LD_LIBRARY_PATH",
         )
