@@ -74,7 +74,10 @@ def _spec_window(spec: Any, layer: str) -> int:
     if name in _FULL_SPECS:
         return 0
     if name in _WINDOW_SPECS:
-        return int(spec.sliding_window)
+        # The token at position p attends to p - W + 1 .. p: after n computed tokens the next one needs
+        # the last W - 1 (vLLM frees the blocks below, SlidingWindowManager.get_num_skipped_tokens),
+        # plus the trailing tokens vLLM retains for speculative decoding.
+        return max(int(spec.sliding_window) - 1 + int(getattr(spec, "extra_retained_tokens", 0) or 0), 1)
     raise KvSpecUnsupported(
         f"kvpush: layer {layer} has a KV cache spec {name} ({spec}); kvpush moves full-attention, MLA and "
         "sliding-window KV blocks only (Mamba/SSM state, chunked local attention and the like are not "
@@ -83,8 +86,10 @@ def _spec_window(spec: Any, layer: str) -> int:
 
 
 def kv_cache_groups(kv_cache_config: Any) -> list[tuple[list[str], int]]:
-    """Each of vLLM's KV cache groups (``kv_cache_config.kv_cache_groups``) as its layer names and its
-    sliding window in tokens (0: full attention), for :func:`describe_kv_caches`.
+    """Each of vLLM's KV cache groups (``kv_cache_config.kv_cache_groups``) as its layer names and the
+    tokens its window needs (0: full attention; ``sliding_window - 1``: what vLLM keeps of a sliding
+    window after a request's prompt, the block holding the token before is already freed on P), for
+    :func:`describe_kv_caches`.
 
     vLLM's hybrid allocator gives every group its own block table and lets the groups' tensors alias
     one allocation (a block id belongs to one group at a time): kvpush moves each group's blocks by

@@ -257,7 +257,8 @@ class _Scheduler:
         self.engine_id = str(ktc.engine_id)
         self.block_size = int(vllm_config.cache_config.block_size)
         # A group of state kvpush does not move (Mamba) fails the server's start here, naming the layer.
-        kv_cache_groups(kv_cache_config)
+        if kv_cache_config is not None:
+            kv_cache_groups(kv_cache_config)
         pc = vllm_config.parallel_config
         self.tp_size = int(pc.tensor_parallel_size)
         self.pp_size = int(pc.pipeline_parallel_size)
@@ -271,6 +272,10 @@ class _Scheduler:
         # P: requests handed to the engine at the end of their prefill step that vLLM has not yet
         # finished (``request_finished``): their blocks must not be preempted meanwhile.
         self.released_early: set[str] = set()
+        # P: the block ids handed to the engine at the end of the prefill step, per released request. D
+        # must name exactly these in pull mode; by ``request_finished`` vLLM has replaced a sliding
+        # window's blocks below the window with its null block.
+        self.prefilled_blocks: dict[str, list[list[int]]] = {}
         # D: requests that asked for remote KV and wait in vLLM's queue for blocks (req_id -> the word
         # to P, and when to send it next, monotonic seconds). P's lease runs from the end of its
         # prefill; while D queues, D restarts it every third of a lease.
@@ -387,12 +392,14 @@ class _Scheduler:
             # The engine has had its blocks since the end of the prefill step: they stay held until it
             # reports them sent, whatever the outcome; an abort only tells the engine (and so D).
             self.released_early.discard(rid)
+            handed = self.prefilled_blocks.pop(rid, None)
             num_tokens, needed = self._prompt(request)
             if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
                 self.meta.aborts.append(Abort(rid, tid, attempt))
                 return True, None
             timeline.record("p_finished", tid, attempt)
-            return True, self._decode_params(transfer, [list(g)[:needed] for g in block_ids], num_tokens)
+            groups = handed if handed is not None else [list(g)[:needed] for g in block_ids]
+            return True, self._decode_params(transfer, groups, num_tokens)
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             # P: aborted before its KV was complete; D is told and fails or recomputes at once.
             self.meta.aborts.append(Abort(rid, tid, attempt))
@@ -485,6 +492,7 @@ class _Scheduler:
             )
             self.sending[new.req_id] = (transfer.key, transfer.attempt)
             self.released_early.add(new.req_id)
+            self.prefilled_blocks[new.req_id] = groups
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_sending or ():
@@ -603,6 +611,11 @@ class _Worker:
         self._pending_sent: set[str] = set()
         self._pending_failed: dict[str, list[int]] = {}
         self.on_cuda = False
+        # D: requests whose KV failed to load since the last step. vLLM takes block-level load errors
+        # only from single-group models: with several KV cache groups it wants the requests
+        # (``failed_recving``) and kills its engine core on invalid block ids.
+        self.multi_group = len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) > 1
+        self.failed_recving: set[str] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
@@ -757,6 +770,7 @@ class _Worker:
         self._pending_sent.clear()
         for rid, blocks in self._pending_failed.items():
             recving.add(rid)
+            self.failed_recving.add(rid)
             self.load_errors.update(blocks)
         self._pending_failed.clear()
         if self.native is None:
@@ -779,6 +793,7 @@ class _Worker:
                     self.stats.record("requests_received", 1)
                 elif kind in ("failed", "quarantined"):
                     self.stats.record("requests_failed", 1)
+                    self.failed_recving.add(rid)
                     # The engine names kernel blocks; vLLM wants its own block ids.
                     self.load_errors.update(b // self.blocks_per_block for g in invalid for b in g)
                     logger.warning("kvpush: request %s (transfer %s) failed: %s", rid, tid, message)
@@ -791,7 +806,14 @@ class _Worker:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self.load_errors = self.load_errors, set()
-        return out
+        # Several KV cache groups: the failed requests go in failed_recving (take_failed) instead.
+        return set() if self.multi_group else out
+
+    def take_failed(self) -> set[str]:
+        """D: the requests whose KV failed to load since the last call (vLLM's ``failed_recving``)
+        where the model has several KV cache groups, else none (their blocks are the load errors)."""
+        out, self.failed_recving = self.failed_recving, set()
+        return out if self.multi_group else set()
 
     def take_stats(self) -> KVPushStats | None:
         """The figures since the last call (the engine's transfers and failures, the connector's
@@ -897,6 +919,18 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         sending, recving = self._worker.get_finished()
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        # vLLM's KVConnectorTransferResults: with several KV cache groups a failed load is reported by
+        # request (failed_recving; vLLM refuses block-level errors there), as well as finished.
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        assert self._worker is not None
+        sending, recving = self._worker.get_finished()
+        failed = self._worker.take_failed()
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving | failed, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
