@@ -988,8 +988,8 @@ mod tests {
             }
         }
         // The window group's blocks before the window were never written (D needs none of them).
-        for i in 0..4 {
-            let a = d.region_bases[2] + u64::from(dst_blocks[1][i]) * part;
+        for (i, &block) in dst_blocks[1][..4].iter().enumerate() {
+            let a = d.region_bases[2] + u64::from(block) * part;
             assert!(bytes_at(&mut dst, a, part).iter().all(|&b| b == UNTOUCHED), "window block {i} written");
         }
     }
