@@ -56,6 +56,12 @@ INT = torch.int16  # every dtype used here is 2 bytes: compared as integers, bit
 
 # ---- vLLM, or the least of it
 
+class FullAttentionSpec:
+    """Stands for vLLM's spec of a full-attention layer (the connector goes by the spec's type name)."""
+
+    sliding_window = None
+
+
 
 def install_vllm_stand_ins(force: bool = False) -> bool:
     """Without vLLM (or with ``force``): stand-ins for the five vLLM modules kvpush.vllm's worker half
@@ -284,7 +290,7 @@ def vllm_config(case: Case, engine_id: str) -> tuple[Any, Any]:
         cache_config=ns(block_size=g.block * lay.ratio),
     )
     names = [f"model.layers.{i}.self_attn.attn" for i in range(g.layers)]
-    kcc = ns(kv_cache_groups=[ns(layer_names=names, kv_cache_spec=ns(sliding_window=None))], num_blocks=g.blocks)
+    kcc = ns(kv_cache_groups=[ns(layer_names=names, kv_cache_spec=FullAttentionSpec())], num_blocks=g.blocks)
     return vcfg, kcc
 
 

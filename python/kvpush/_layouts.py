@@ -18,9 +18,11 @@ MLA (any version)             ``[blocks, N, L]`` / ``[blocks, 1, N, L]`` ``singl
 NHD or HND is read from the strides of the token and head axes. ``N`` may be a *kernel* block smaller
 than vLLM's block (``block_size`` = ``N`` × ratio, ``blocks`` = vLLM's blocks × ratio): the engine then
 works in kernel blocks and the connector expands each vLLM block id ``b`` to ``b·ratio … b·ratio +
-ratio − 1`` (:func:`expand_block_ids`), as vLLM's own connectors do. Anything else — a block that is not
+ratio − 1`` (:func:`expand_block_ids`), as vLLM's own connectors do. Layers of different KV cache
+groups sharing one tensor (vLLM's hybrid allocator) share one region. Anything else — a block that is not
 dense, layers sharing blocks (block-outermost 0.3x layouts), an axis that fits no rule — is a
-:class:`LayoutUnknown` at start-up naming the backend, shape and strides.
+:class:`LayoutUnknown` at start-up naming the backend, shape and strides; a group of state kvpush does not
+move (Mamba) a :class:`KvSpecUnsupported` (:func:`kv_cache_groups`).
 
 Pure torch with no vLLM import: tests/python/test_connector_layouts.py builds each backend's tensors.
 """
@@ -50,6 +52,68 @@ HEAD_JOINT_BACKENDS = ("CPU_ATTN", "TORCH_SDPA", "CPU")
 
 class LayoutUnknown(ValueError):
     """The KV cache tensors fit no layout the connector knows; the message names backend and shape."""
+
+
+class KvSpecUnsupported(ValueError):
+    """A KV cache group holds state kvpush cannot move (Mamba/SSM, chunked local attention, ...); the
+    message names the layer and the spec."""
+
+
+# vLLM's KV cache specs whose blocks hold one token's K and V (or MLA latent) per slot, addressed by
+# the group's block ids: full attention everywhere, a sliding window of the last ``sliding_window``
+# tokens. Anything else (MambaSpec's per-request state, chunked local attention, sinks, cross
+# attention, HiSparse pools) is refused at start-up by :func:`kv_cache_groups`.
+_FULL_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+_WINDOW_SPECS = ("SlidingWindowSpec", "SlidingWindowMLASpec")
+
+
+def _spec_window(spec: Any, layer: str) -> int:
+    """The sliding window of one layer's spec in tokens (0: full attention), or
+    :class:`KvSpecUnsupported` naming ``layer`` and the spec."""
+    name = type(spec).__name__
+    if name in _FULL_SPECS:
+        return 0
+    if name in _WINDOW_SPECS:
+        # The token at position p attends to p - W + 1 .. p: after n computed tokens the next one needs
+        # the last W - 1 (vLLM frees the blocks below, SlidingWindowManager.get_num_skipped_tokens),
+        # plus the trailing tokens vLLM retains for speculative decoding.
+        return max(int(spec.sliding_window) - 1 + int(getattr(spec, "extra_retained_tokens", 0) or 0), 1)
+    raise KvSpecUnsupported(
+        f"kvpush: layer {layer} has a KV cache spec {name} ({spec}); kvpush moves full-attention, MLA and "
+        "sliding-window KV blocks only (Mamba/SSM state, chunked local attention and the like are not "
+        "moved). Serve this model without kvpush, or disaggregate it with a connector that moves its state"
+    )
+
+
+def kv_cache_groups(kv_cache_config: Any) -> list[tuple[list[str], int]]:
+    """Each of vLLM's KV cache groups (``kv_cache_config.kv_cache_groups``) as its layer names and the
+    tokens its window needs (0: full attention; ``sliding_window - 1``: what vLLM keeps of a sliding
+    window after a request's prompt, the block holding the token before is already freed on P), for
+    :func:`describe_kv_caches`.
+
+    vLLM's hybrid allocator gives every group its own block table and lets the groups' tensors alias
+    one allocation (a block id belongs to one group at a time): kvpush moves each group's blocks by
+    its own ids, a sliding-window group only its window. A group whose spec is anything else — Mamba's
+    per-request SSM state above all — is a :class:`KvSpecUnsupported` at start-up naming the layer and
+    the spec, rather than a model served with state nobody moved.
+    """
+    groups = []
+    for g in kv_cache_config.kv_cache_groups:
+        names = list(g.layer_names)
+        spec = g.kv_cache_spec
+        inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one spec per layer
+        if isinstance(inner, dict):
+            windows = {_spec_window(inner[n], n) for n in names if n in inner}
+            if len(windows) > 1:
+                raise KvSpecUnsupported(
+                    f"kvpush: the layers {names} of one KV cache group have different sliding windows "
+                    f"{sorted(windows)}; kvpush plans one window per group"
+                )
+            window = windows.pop() if windows else 0
+        else:
+            window = _spec_window(spec, names[0] if names else "<none>")
+        groups.append((names, window))
+    return groups
 
 
 @dataclass(frozen=True)
@@ -160,6 +224,35 @@ def _unknown(backend: str | None, t: torch.Tensor, block_size: int, head_dim: in
     )
 
 
+def _check_shared(
+    backend: str | None,
+    first: torch.Tensor,
+    block_size: int,
+    head_dim: int,
+    spans: list[tuple[int, int, str]],
+    group_of: dict[str, int],
+) -> None:
+    """Regions (base, length, layer) sorted by base may be one region shared by layers of different
+    KV groups (vLLM's hybrid allocator: each group reaches its own blocks in it); any other overlap is
+    a :class:`LayoutUnknown`."""
+    for i, (a, la, na) in enumerate(spans):
+        for b, lb, nb in spans[i + 1 :]:
+            if b >= a + la:
+                break
+            if (a, la) != (b, lb):
+                raise _unknown(
+                    backend, first, block_size, head_dim,
+                    "layers share blocks (their regions overlap: a block-outermost layout); kvpush needs each "
+                    "layer's blocks in a region of their own (VLLM_KV_CACHE_LAYOUT=LBHNC)",
+                )  # fmt: skip
+            if group_of.get(na) == group_of.get(nb):
+                raise _unknown(
+                    backend, first, block_size, head_dim,
+                    f"layers {na} and {nb} of one KV cache group share a region (their blocks would be the same "
+                    "bytes); kvpush shares a region only between layers of different groups",
+                )  # fmt: skip
+
+
 def describe_kv_caches(
     kv_caches: dict[str, torch.Tensor],
     layer_groups: list[tuple[list[str], int]],
@@ -177,7 +270,9 @@ def describe_kv_caches(
     """The engine's layout keys for vLLM's per-layer KV cache tensors (see the module docs).
 
     ``layer_groups`` is each KV cache group's layer names with its sliding window in tokens (0: full
-    attention); ``block_size`` is vLLM's block size in tokens; ``backend`` the attention backend's name
+    attention; :func:`kv_cache_groups` reads them from vLLM's config). Layers of different groups may
+    share one tensor (vLLM's hybrid allocator): their regions are then the same and the engine reaches
+    each group's blocks in it by that group's ids. ``block_size`` is vLLM's block size in tokens; ``backend`` the attention backend's name
     (``get_name()``); ``mla`` whether the model keeps a latent cache; ``num_blocks`` vLLM's block count
     and ``local_kv_heads`` this rank's KV heads (each checked when given: they tell the block and head
     axes apart when their sizes could be either). Keys starting with ``_`` are for the connector, not the engine:
@@ -205,8 +300,10 @@ def describe_kv_caches(
     if f.blocks % ratio:
         raise _unknown(backend, first, block_size, head_dim, f"{f.blocks} kernel blocks are not {ratio} per block")
     es = first.element_size()
+    group_of = {n: gi for gi, (layer_names, _) in enumerate(layer_groups) for n in layer_names}
     bases: list[int] = []
     lens: list[int] = []
+    owners: list[str] = []
     for n in names:
         t = kv_caches[n]
         if t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype:
@@ -215,14 +312,8 @@ def describe_kv_caches(
             region = part(t)
             bases.append(region.data_ptr())
             lens.append(f.blocks * f.block_stride * es)
-    spans = sorted(zip(bases, lens))
-    for (a, la), (b, _) in zip(spans, spans[1:]):
-        if a + la > b:
-            raise _unknown(
-                backend, first, block_size, head_dim,
-                "layers share blocks (their regions overlap: a block-outermost layout); kvpush needs each "
-                "layer's blocks in a region of their own (VLLM_KV_CACHE_LAYOUT=LBHNC)",
-            )  # fmt: skip
+            owners.append(n)
+    _check_shared(backend, first, block_size, head_dim, sorted(zip(bases, lens, owners)), group_of)
     groups = []
     for layer_names, window in layer_groups:
         layers = sorted({int(layer_index(n)) for n in layer_names if n in kv_caches})

@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvpush._metrics import EngineFigures, KVPushPromMetrics, KVPushStats
 from vllm.logger import init_logger
 
-from kvpush._layouts import describe_kv_caches, expand_block_ids
+from kvpush._layouts import describe_kv_caches, expand_block_ids, kv_cache_groups
 from kvpush import _neuron
 from kvpush import _timeline as timeline
 from kvpush._outcomes import OutcomeMatcher
@@ -269,6 +269,9 @@ class _Scheduler:
         self.cfg = cfg
         self.engine_id = str(ktc.engine_id)
         self.block_size = int(vllm_config.cache_config.block_size)
+        # A group of state kvpush does not move (Mamba) fails the server's start here, naming the layer.
+        if kv_cache_config is not None:
+            kv_cache_groups(kv_cache_config)
         pc = vllm_config.parallel_config
         self.tp_size = int(pc.tensor_parallel_size)
         self.pp_size = int(pc.pipeline_parallel_size)
@@ -285,6 +288,10 @@ class _Scheduler:
         # P: requests handed to the engine at the end of their prefill step that vLLM has not yet
         # finished (``request_finished``): their blocks must not be preempted meanwhile.
         self.released_early: set[str] = set()
+        # P: the block ids handed to the engine at the end of the prefill step, per released request. D
+        # must name exactly these in pull mode; by ``request_finished`` vLLM has replaced a sliding
+        # window's blocks below the window with its null block.
+        self.prefilled_blocks: dict[str, list[list[int]]] = {}
         # D: requests that asked for remote KV and wait in vLLM's queue for blocks (req_id -> the word
         # to P, and when to send it next, monotonic seconds). P's lease runs from the end of its
         # prefill; while D queues, D restarts it every third of a lease.
@@ -402,12 +409,14 @@ class _Scheduler:
             # The engine has had its blocks since the end of the prefill step: they stay held until it
             # reports them sent, whatever the outcome; an abort only tells the engine (and so D).
             self.released_early.discard(rid)
+            handed = self.prefilled_blocks.pop(rid, None)
             num_tokens, needed = self._prompt(request)
             if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
                 self.meta.aborts.append(Abort(rid, tid, attempt))
                 return True, None
             timeline.record("p_finished", tid, attempt)
-            return True, self._decode_params(transfer, [list(g)[:needed] for g in block_ids], num_tokens)
+            groups = handed if handed is not None else [list(g)[:needed] for g in block_ids]
+            return True, self._decode_params(transfer, groups, num_tokens)
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             # P: aborted before its KV was complete; D is told and fails or recomputes at once.
             self.meta.aborts.append(Abort(rid, tid, attempt))
@@ -530,6 +539,7 @@ class _Scheduler:
         meta.prefilled.append(Finished(rid, transfer.key, transfer.attempt, groups, num_tokens, transfer.consumer_engine_id))
         self.sending[rid] = (transfer.key, transfer.attempt)
         self.released_early.add(rid)
+        self.prefilled_blocks[rid] = groups
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_sending or ():
@@ -699,6 +709,11 @@ class _Worker:
         # D with host mirrors: the blocks each (transfer, attempt) receives into, copied to the GPU
         # when the engine reports them received.
         self._staged: dict[tuple[str, int], list[int]] = {}
+        # D: requests whose KV failed to load since the last step. vLLM takes block-level load errors
+        # only from single-group models: with several KV cache groups it wants the requests
+        # (``failed_recving``) and kills its engine core on invalid block ids.
+        self.multi_group = len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) > 1
+        self.failed_recving: set[str] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
@@ -708,10 +723,7 @@ class _Worker:
 
         mc = self.vllm_config.model_config
         pc = self.vllm_config.parallel_config
-        groups = []
-        for g in self.kv_cache_config.kv_cache_groups:
-            window = getattr(g.kv_cache_spec, "sliding_window", None) or 0
-            groups.append((list(g.layer_names), int(window)))
+        groups = kv_cache_groups(self.kv_cache_config)
         total_heads, tp = int(mc.get_total_num_kv_heads()), int(pc.tensor_parallel_size)
         layout = describe_kv_caches(
             kv_caches,
@@ -779,8 +791,8 @@ class _Worker:
         kvpush.init_logging()
         self.native = kvpush.Worker(config)
         logger.info(
-            "kvpush: %s worker of engine %s (%s mode, %s, %d layers, %d blocks of %d tokens) on side-channel "
-            "port %s, NIXL %s",
+            "kvpush: %s worker of engine %s (%s mode, %s, %d layers, %d blocks of %d tokens, KV cache groups %s "
+            "in %d regions) on side-channel port %s, NIXL %s",
             "tp%d" % config["tp_rank"],
             self.engine_id,
             self.cfg.mode,
@@ -788,6 +800,9 @@ class _Worker:
             len({l for g in layout["groups"] for l in g[0]}) or layout["total_layers"],
             layout["num_blocks"],
             layout["block_tokens"],
+            # e.g. "full [0, 2]; window 96 [1, 3]": what vLLM's allocator built, read by the hybrid tests.
+            "; ".join(f"{f'window {w}' if w else 'full'} {layers}" for layers, w in layout["groups"]),
+            len(set(layout["region_bases"])),
             self.native.side_channel_port,
             lib or "from LD_LIBRARY_PATH",
         )
@@ -995,6 +1010,7 @@ class _Worker:
         recving: set[str] = set()
         for rid, blocks in self._pending_failed.items():
             recving.add(rid)
+            self.failed_recving.add(rid)
             self.load_errors.update(blocks)
         self._pending_failed.clear()
         if self.native is None:
@@ -1008,6 +1024,10 @@ class _Worker:
                     continue
                 rid, role = held
                 (sending if role == "p" else recving).add(rid)
+                if role == "d" and self.multi_group:
+                    # vLLM took no block-level errors for this model at the quarantine: the request
+                    # fails now, with its release (failed_recving), and its policy applies then.
+                    self.failed_recving.add(rid)
                 self.stats.record("requests_released", 1)
                 logger.warning("kvpush: request %s (transfer %s): quarantined blocks released", rid, tid)
                 continue
@@ -1036,6 +1056,7 @@ class _Worker:
                     self.stats.record("requests_received", 1)
                 elif kind == "failed":
                     self.stats.record("requests_failed", 1)
+                    self.failed_recving.add(rid)
                     # The engine names kernel blocks; vLLM wants its own block ids.
                     self.load_errors.update(b // self.blocks_per_block for g in invalid for b in g)
                     logger.warning("kvpush: request %s (transfer %s) failed: %s", rid, tid, message)
@@ -1069,7 +1090,14 @@ class _Worker:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self.load_errors = self.load_errors, set()
-        return out
+        # Several KV cache groups: the failed requests go in failed_recving (take_failed) instead.
+        return set() if self.multi_group else out
+
+    def take_failed(self) -> set[str]:
+        """D: the requests whose KV failed to load since the last call (vLLM's ``failed_recving``)
+        where the model has several KV cache groups, else none (their blocks are the load errors)."""
+        out, self.failed_recving = self.failed_recving, set()
+        return out if self.multi_group else set()
 
     def take_stats(self) -> KVPushStats | None:
         """The figures since the last call (the engine's transfers and failures, the connector's
@@ -1182,6 +1210,18 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         sending, recving = self._worker.get_finished()
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        # vLLM's KVConnectorTransferResults: with several KV cache groups a failed load is reported by
+        # request (failed_recving; vLLM refuses block-level errors there), as well as finished.
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        assert self._worker is not None
+        sending, recving = self._worker.get_finished()
+        failed = self._worker.take_failed()
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving | failed, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

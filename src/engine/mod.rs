@@ -770,12 +770,13 @@ impl FrameSink for Shared {
     }
 }
 
-/// The blocks of every region of `layout`, as a transport prepares them.
+/// The blocks of every distinct region of `layout`, as a transport prepares them (a region shared
+/// by layers of several KV groups once: transports find a unit by its address).
 fn units(layout: &KvLayout) -> Vec<Units> {
     layout
-        .region_bases
-        .iter()
-        .map(|&base| Units { base, unit: layout.block_stride, count: u64::from(layout.num_blocks) })
+        .distinct_regions()
+        .into_iter()
+        .map(|i| Units { base: layout.region_bases[i], unit: layout.block_stride, count: u64::from(layout.num_blocks) })
         .collect()
 }
 
@@ -834,8 +835,11 @@ impl Engine {
             }
             _ => transport,
         };
-        let mut regions = Vec::with_capacity(layout.region_bases.len());
-        for (index, &base) in layout.region_bases.iter().enumerate() {
+        // A region shared by layers of several KV groups is registered once.
+        let distinct = layout.distinct_regions();
+        let mut regions = Vec::with_capacity(distinct.len());
+        for index in distinct {
+            let base = layout.region_bases[index];
             let region =
                 device.describe(base, layout.region_len()).map_err(|source| EngineError::Device { index, source })?;
             // SAFETY: the caller's contract (1) and (2) above is exactly `register`'s contract for

@@ -296,13 +296,30 @@ pub enum LayoutError {
         /// Length in bytes.
         len: u64,
     },
-    /// Two regions overlap.
+    /// Two regions overlap (other than one region shared by layers of different KV groups).
     #[error("regions {a} and {b} overlap")]
     Overlap {
         /// First region index.
         a: usize,
         /// Second region index.
         b: usize,
+    },
+    /// Two layers of one KV group share a region: their blocks, addressed by the same block ids,
+    /// would be the same bytes.
+    #[error(
+        "regions {a} and {b} are one region shared by layers {layer_a} and {layer_b} of the same KV group {group}"
+    )]
+    SharedWithinGroup {
+        /// First region index.
+        a: usize,
+        /// Second region index.
+        b: usize,
+        /// Global layer of region `a`.
+        layer_a: u32,
+        /// Global layer of region `b`.
+        layer_b: u32,
+        /// Their KV group.
+        group: usize,
     },
     /// The groups do not partition the model's layers.
     #[error("KV groups are malformed: {0}")]
@@ -562,12 +579,53 @@ impl KvLayout {
             sorted.push((base, index));
         }
         sorted.sort_unstable();
-        for w in sorted.windows(2) {
-            if w[0].0 + len > w[1].0 {
-                return Err(LayoutError::Overlap { a: w[0].1, b: w[1].1 });
+        // Runs of one base are one region shared by layers of several KV groups (vLLM's hybrid
+        // allocator: groups alias from byte 0, and a block id belongs to one group at a time). Each
+        // group addresses the region through its own block ids, so a run may hold each group once.
+        let mut run = 0;
+        for i in 1..=sorted.len() {
+            if i < sorted.len() && sorted[i].0 == sorted[run].0 {
+                continue;
+            }
+            self.check_shared_run(&sorted[run..i])?;
+            if let Some(&(next, b)) = sorted.get(i) {
+                if sorted[run].0 + len > next {
+                    return Err(LayoutError::Overlap { a: sorted[i - 1].1, b });
+                }
+            }
+            run = i;
+        }
+        Ok(())
+    }
+
+    /// The global layer and KV group of region `index` (`None`: a layer in no group, which
+    /// [`KvLayout::validate_groups`] has already refused).
+    fn region_group(&self, index: usize) -> (u32, Option<usize>) {
+        let per = self.placement.regions_per_layer() as usize;
+        let layer = self.layer_range().start + (index / per) as u32;
+        (layer, self.group_of_layer(layer))
+    }
+
+    /// Refuses a run of regions at one base unless each belongs to a layer of a different group.
+    fn check_shared_run(&self, run: &[(u64, usize)]) -> Result<(), LayoutError> {
+        for (i, &(_, a)) in run.iter().enumerate() {
+            for &(_, b) in &run[i + 1..] {
+                let ((layer_a, ga), (layer_b, gb)) = (self.region_group(a), self.region_group(b));
+                if ga == gb {
+                    let (a, b) = (a.min(b), a.max(b));
+                    let (layer_a, layer_b) = (layer_a.min(layer_b), layer_a.max(layer_b));
+                    return Err(LayoutError::SharedWithinGroup { a, b, layer_a, layer_b, group: ga.unwrap_or(0) });
+                }
             }
         }
         Ok(())
+    }
+
+    /// Indices of the distinct regions: the first region of each base. Layers of several KV groups
+    /// may share one region ([`KvLayout::validate`]); memory is registered once per distinct region.
+    pub fn distinct_regions(&self) -> Vec<usize> {
+        let mut seen = std::collections::BTreeSet::new();
+        (0..self.region_bases.len()).filter(|&i| seen.insert(self.region_bases[i])).collect()
     }
 
     fn validate_groups(&self) -> Result<(), LayoutError> {
@@ -728,5 +786,47 @@ mod tests {
         let mut l = layout();
         l.region_bases[3] = u64::MAX - 4;
         assert!(matches!(l.validate(), Err(LayoutError::BadRegion { index: 3, .. })));
+    }
+
+    /// Layers 0, 2 full attention and 1, 3 a sliding window, each window layer sharing the regions
+    /// of the full layer before it (vLLM's hybrid allocator: groups alias from byte 0).
+    fn hybrid() -> KvLayout {
+        let mut l = layout();
+        l.model.groups = vec![
+            KvGroup { kind: GroupKind::Full, layers: vec![0, 2] },
+            KvGroup { kind: GroupKind::SlidingWindow { window_tokens: 32 }, layers: vec![1, 3] },
+        ];
+        // K and V of layer 0 at bases 0, 1; layer 1 shares them; layers 2 and 3 share 2, 3.
+        let base = |i: u64| 0x10000 + i * 0x10000;
+        l.region_bases = vec![base(0), base(1), base(0), base(1), base(2), base(3), base(2), base(3)];
+        l
+    }
+
+    #[test]
+    fn a_region_shared_by_layers_of_different_groups_is_one_region() {
+        let l = hybrid();
+        l.validate().expect("layers of two groups share a region");
+        // Registered once: the first region of each base.
+        assert_eq!(l.distinct_regions(), vec![0, 1, 4, 5]);
+        // Two layers of one group on one region: their blocks would be the same bytes.
+        let mut same = hybrid();
+        same.region_bases[4] = same.region_bases[0];
+        same.region_bases[5] = same.region_bases[1];
+        same.region_bases[6] = same.region_bases[0];
+        same.region_bases[7] = same.region_bases[1];
+        match same.validate() {
+            Err(LayoutError::SharedWithinGroup { layer_a: 0, layer_b: 2, group: 0, .. }) => {}
+            other => panic!("layers 0 and 2 of group 0 on one region: {other:?}"),
+        }
+        // A region that starts inside another is still an overlap, shared or not.
+        let mut partial = hybrid();
+        partial.region_bases[2] += 64;
+        assert!(matches!(partial.validate(), Err(LayoutError::Overlap { .. })), "{:?}", partial.validate());
+        // K of one layer on V of a layer of the same group: refused as before.
+        let mut kv = layout();
+        kv.region_bases[1] = kv.region_bases[0];
+        assert!(matches!(kv.validate(), Err(LayoutError::SharedWithinGroup { group: 0, .. })), "{:?}", kv.validate());
+        // Without sharing, every region is distinct.
+        assert_eq!(layout().distinct_regions(), (0..8).collect::<Vec<_>>());
     }
 }

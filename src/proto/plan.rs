@@ -908,4 +908,89 @@ mod tests {
             Err(PlanError::PlacementMix { src: KvPlacement::CellJoint, dst: KvPlacement::HeadJoint })
         );
     }
+
+    /// A hybrid layout as vLLM's hybrid allocator makes it: layers 0, 2 full attention, layers 1, 3 a
+    /// `window`-token sliding window, each window layer sharing the K and V regions of the full
+    /// layer before it. Regions from `base`, 1 MiB apart.
+    fn hybrid(bt: u32, window: u32, base: u64) -> KvLayout {
+        let groups = vec![
+            KvGroup { kind: GroupKind::Full, layers: vec![0, 2] },
+            KvGroup { kind: GroupKind::SlidingWindow { window_tokens: window }, layers: vec![1, 3] },
+        ];
+        let mut l = layout(&model(4, 2, groups), bt, BlockOrder::Hnd, KvPlacement::Separate, Parallel::SINGLE, base);
+        let at = |i: u64| base + i * (1 << 20);
+        l.region_bases = vec![at(0), at(1), at(0), at(1), at(2), at(3), at(2), at(3)];
+        l.validate().expect("shared regions of two groups are valid");
+        l
+    }
+
+    /// The distinct regions of `l` as byte arrays, each byte set by `fill(region, offset)`.
+    fn memory(l: &KvLayout, fill: impl Fn(usize, u64) -> u8) -> Vec<(u64, Vec<u8>)> {
+        l.distinct_regions()
+            .into_iter()
+            .map(|i| (l.region_bases[i], (0..l.region_len()).map(|o| fill(i, o)).collect()))
+            .collect()
+    }
+
+    /// The bytes at `addr..addr + len` of `mem`; panics when they are in no region.
+    fn bytes_at(mem: &mut [(u64, Vec<u8>)], addr: u64, len: u64) -> &mut [u8] {
+        let (base, buf) = mem
+            .iter_mut()
+            .find(|(b, v)| *b <= addr && addr + len <= *b + v.len() as u64)
+            .unwrap_or_else(|| panic!("{addr:#x}+{len} is in no region"));
+        let off = (addr - *base) as usize;
+        &mut buf[off..off + len as usize]
+    }
+
+    #[test]
+    fn shared_regions_move_each_groups_blocks_and_touch_no_other() {
+        // 100 tokens in 16-token blocks: 7 blocks per group; the window (32 tokens: 68..100) lies in
+        // blocks 4..7. Both sides' groups draw their ids from one pool, interleaved, so a copy that
+        // addressed a region with the other group's ids would land in a neighbour of a right block.
+        let (s, d) = (hybrid(16, 32, 1 << 30), hybrid(16, 32, 1 << 34));
+        let n = 100u64;
+        let src_blocks = vec![(0..7).map(|i| 2 * i + 1).collect::<Vec<u32>>(), (0..7).map(|i| 2 * i + 2).collect()];
+        let dst_blocks = vec![(0..7).map(|i| 40 + 2 * i).collect::<Vec<u32>>(), (0..7).map(|i| 41 + 2 * i).collect()];
+        let input = PlanInput { src: &s, dst: &d, src_blocks: &src_blocks, dst_blocks: &dst_blocks, num_tokens: n };
+        let mut out = Vec::new();
+        let st = Planner::new().plan(&input, &mut out).expect("plans");
+        let mut src = memory(&s, |i, o| (o as u8).wrapping_mul(31) ^ (i as u8).wrapping_mul(97) ^ (o >> 8) as u8);
+        const UNTOUCHED: u8 = 0xEE;
+        let mut dst = memory(&d, |_, _| UNTOUCHED);
+        for c in &out {
+            let data = bytes_at(&mut src, c.src_addr, c.len).to_vec();
+            bytes_at(&mut dst, c.dst_addr, c.len).copy_from_slice(&data);
+        }
+        // Expected, from the layouts' geometry alone: per group, the whole blocks holding what D
+        // needs (every block in the full group, the window's blocks 4..7 in the other) of each of
+        // its layers' K and V; every other byte of D untouched.
+        let part = s.part_bytes();
+        let mut expected = memory(&d, |_, _| UNTOUCHED);
+        let mut moved = 0;
+        for (g, first) in [(0usize, 0usize), (1, 4)] {
+            for layer in [g as u64, g as u64 + 2] {
+                for p in 0..2 {
+                    for i in first..7 {
+                        let sa = s.region_bases[(layer * 2 + p) as usize] + u64::from(src_blocks[g][i]) * part;
+                        let da = d.region_bases[(layer * 2 + p) as usize] + u64::from(dst_blocks[g][i]) * part;
+                        let data = bytes_at(&mut src, sa, part).to_vec();
+                        bytes_at(&mut expected, da, part).copy_from_slice(&data);
+                        moved += part;
+                    }
+                }
+            }
+        }
+        assert_eq!(st.bytes, moved, "bytes planned");
+        for ((base, got), (_, want)) in dst.iter().zip(&expected) {
+            if let Some(o) = (0..got.len()).find(|&o| got[o] != want[o]) {
+                let block = o as u64 / part;
+                panic!("D region at {base:#x}: byte {o} (block {block}) is {:#x}, expected {:#x}", got[o], want[o]);
+            }
+        }
+        // The window group's blocks before the window were never written (D needs none of them).
+        for (i, &block) in dst_blocks[1][..4].iter().enumerate() {
+            let a = d.region_bases[2] + u64::from(block) * part;
+            assert!(bytes_at(&mut dst, a, part).iter().all(|&b| b == UNTOUCHED), "window block {i} written");
+        }
+    }
 }

@@ -669,6 +669,7 @@ fn check_layout<'py>(py: Python<'py>, config: &Bound<'py, PyDict>) -> PyResult<B
     out.set_item("local_heads", l.local_heads())?;
     out.set_item("head_dim", l.model.head_dim)?;
     out.set_item("regions", l.num_regions())?;
+    out.set_item("distinct_regions", l.distinct_regions().len())?;
     out.set_item("region_len", l.region_len())?;
     Ok(out)
 }

@@ -27,3 +27,11 @@ def vllm_config(engine_id: str, block_size: int = 16) -> SimpleNamespace:
         cache_config=SimpleNamespace(block_size=block_size),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
     )
+
+
+def worker(native: Any, blocks_per_block: int = 1, kernel_tokens: int = 16) -> kv._Worker:
+    """A worker half whose engine is ``native`` (a fake recording calls), with kernel blocks of
+    ``kernel_tokens`` tokens, ``blocks_per_block`` to a vLLM block, as ``register_kv_caches`` would set."""
+    w = kv._Worker(vllm_config("engine-0"), None, config())
+    w.native, w.blocks_per_block, w.kernel_tokens = native, blocks_per_block, kernel_tokens
+    return w

@@ -41,6 +41,12 @@ FAKE_SRC = REPO / "tests" / "neuron_fake"
 _FRAMEWORK_PYTORCH = 3
 _PLACEMENT_DEVICE = 0
 
+class FullAttentionSpec:
+    """Stands for vLLM's spec of a full-attention layer (the connector goes by the spec's type name)."""
+
+    sliding_window = None
+
+
 
 def build_fake(out_dir: Path) -> Path:
     """Compiles tests/neuron_fake/fake_nrt.c into ``out_dir``; a missing compiler raises (the caller fails)."""
@@ -189,7 +195,7 @@ def vllm_config(model: Model, engine_id: str, extra: dict[str, Any], kv_buffer_d
 
 def kv_cache_config(model: Model) -> Any:
     layer_names = [model.layer_name(i) for i in range(model.layers)]
-    group = SimpleNamespace(layer_names=layer_names, kv_cache_spec=SimpleNamespace(sliding_window=None))
+    group = SimpleNamespace(layer_names=layer_names, kv_cache_spec=FullAttentionSpec())
     return SimpleNamespace(kv_cache_groups=[group], num_blocks=model.blocks)
 
 

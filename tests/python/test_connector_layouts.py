@@ -30,6 +30,12 @@ DT = torch.float16
 ES = 2
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
+class FullAttentionSpec:
+    """Stands for vLLM's spec of a full-attention layer (the connector goes by the spec's type name)."""
+
+    sliding_window = None
+
+
 
 def layer_index(name: str) -> int:
     return int(name.split(".")[2])
@@ -251,11 +257,9 @@ class _Recorder:
 
 def test_worker_expands_vllm_block_ids_to_kernel_blocks_and_back() -> None:
     kvv = pytest.importorskip("kvpush.vllm", reason="vLLM")
-    from kvpush._outcomes import OutcomeMatcher
+    import connector_kit as kit
 
-    w = object.__new__(kvv._Worker)
-    w.native, w.blocks_per_block, w.kernel_tokens, w.outcomes = _Recorder(), 4, 16, OutcomeMatcher()
-    w.stats, w.load_errors, w._pending_sent, w._pending_failed = kvv.KVPushStats(), set(), set(), {}
+    w = kit.worker(_Recorder(), blocks_per_block=4, kernel_tokens=16)
     p_key, d_key = "1" * 32, "2" * 32
     meta = kvv.KVPushMetadata(
         finished=[kvv.Finished("p-req", p_key, 1, [[2, 0]], 100, "decode-1")],
@@ -306,7 +310,7 @@ def staged_worker(monkeypatch: pytest.MonkeyPatch, log: list[tuple[Any, ...]], e
         parallel_config=ns(tensor_parallel_size=1, pipeline_parallel_size=1),
         cache_config=ns(block_size=N),
     )  # fmt: skip
-    kcc = ns(kv_cache_groups=[ns(layer_names=NAMES, kv_cache_spec=ns(sliding_window=None))], num_blocks=BLOCKS)
+    kcc = ns(kv_cache_groups=[ns(layer_names=NAMES, kv_cache_spec=FullAttentionSpec())], num_blocks=BLOCKS)
     caches = per_layer(lambda: physical((2, BLOCKS, HEADS, N, D), (0, 1, 3, 2, 4)))
     for i, t in enumerate(caches.values()):
         t.view(torch.int16).copy_(torch.arange(t.numel(), dtype=torch.int16).view(t.shape) * (i + 2) + len(engine_id))
@@ -366,3 +370,90 @@ def test_kv_buffer_device_cpu_moves_a_host_mirror_through_the_copy_op(monkeypatc
     d.set_host_xfer_buffer_ops(None)
     d.native.outcomes = [("received", tid, 2, "", [])]
     assert d.get_finished() == (set(), {"d-2"}) and d.get_block_ids_with_load_errors() == {3}
+
+
+# ---- hybrid models: vLLM's hybrid allocator (several KV cache groups sharing tensors)
+
+
+def hybrid_config(window: int = 32, third: Any = None) -> Any:
+    """A KVCacheConfig shaped as vLLM's hybrid allocator makes one for a model whose layers alternate full
+    attention (0, 2) and a ``window``-token sliding window (1, 3): two groups with their own block tables,
+    and the groups' KVCacheTensors aliasing one allocation from byte 0 (so layer 1 lives in layer 0's
+    bytes, layer 3 in layer 2's). ``third``: a spec for a third group of one layer (layer 4)."""
+    full = kvi.FullAttentionSpec(block_size=N, num_kv_heads=HEADS, head_size=D, dtype=DT)
+    sw = kvi.SlidingWindowSpec(block_size=N, num_kv_heads=HEADS, head_size=D, dtype=DT, sliding_window=window)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    page = full.page_size_bytes
+    groups = [kvi.KVCacheGroupSpec([names[0], names[2]], full), kvi.KVCacheGroupSpec([names[1], names[3]], sw)]
+    size = page * BLOCKS * 2
+    tensors = [
+        kvi.KVCacheTensor(size=size, layers=[names[0], names[2]], layer_stride=page * BLOCKS, block_stride=page),
+        kvi.KVCacheTensor(size=size, layers=[names[1], names[3]], layer_stride=page * BLOCKS, block_stride=page),
+    ]
+    if third is not None:
+        groups.append(kvi.KVCacheGroupSpec(["model.layers.4.mixer"], third))
+    return kvi.KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=groups)
+
+
+def describe_hybrid(config: Any, caches: dict[str, Any], backend: str = "CPU_ATTN") -> dict[str, Any]:
+    return lay.describe_kv_caches(
+        caches,
+        lay.kv_cache_groups(config),
+        total_layers=4,
+        total_kv_heads=HEADS,
+        head_dim=D,
+        block_size=N,
+        layer_index=layer_index,
+        backend=backend,
+        num_blocks=BLOCKS,
+        local_kv_heads=HEADS,
+    )
+
+
+def test_hybrid_groups_share_one_region_each_with_its_own_window() -> None:
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    config = hybrid_config()
+    # vLLM's own allocation, as its model runners make it: one buffer, the groups' views aliasing it.
+    caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC)
+    names = sorted(caches, key=layer_index)
+    assert caches[names[0]].data_ptr() == caches[names[1]].data_ptr() != caches[names[2]].data_ptr()
+    # A 32-token window needs the last 31 tokens after the prompt (vLLM frees the blocks below them).
+    assert lay.kv_cache_groups(config) == [([names[0], names[2]], 0), ([names[1], names[3]], 31)]
+    d = describe_hybrid(config, caches)
+    assert (d["placement"], d["order"], d["num_blocks"]) == ("head_joint", "hnd", BLOCKS)
+    # One region per layer, in layer order, layers 0/1 and 2/3 on the same bytes.
+    region = BLOCKS * HEADS * N * 2 * D * ES
+    assert list(zip(d["region_bases"], d["region_lens"])) == [(caches[n].data_ptr(), region) for n in names]
+    assert d["groups"] == [([0, 2], 0), ([1, 3], 31)]
+    got = check_native(d)
+    # The engine registers each shared region once.
+    assert got["distinct_regions"] == 2
+
+
+def test_hybrid_layers_of_one_group_sharing_a_region_are_refused() -> None:
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    config = hybrid_config()
+    caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC)
+    names = sorted(caches, key=layer_index)
+    # Layer 2 (group 0) on layer 0's bytes (group 0 too): one group's blocks would collide.
+    caches[names[2]] = caches[names[0]]
+    with pytest.raises(lay.LayoutUnknown, match=r"CPU_ATTN.*layers model\.layers\.0\..* and model\.layers\.2\..* of one KV cache group share a region"):
+        describe_hybrid(config, caches)
+    # And the engine's own validation says the same of a description that claims it.
+    caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC)
+    d = describe_hybrid(config, caches)
+    d["region_bases"][2] = d["region_bases"][0]
+    with pytest.raises(kvpush.KvpushError, match="same KV group 0"):
+        check_native(d)
+
+
+def test_mamba_state_is_refused_at_start_up_naming_layer_and_spec() -> None:
+    mamba = kvi.MambaSpec(block_size=N, shapes=((4, 8), (16,)), dtypes=(DT, DT))
+    with pytest.raises(lay.KvSpecUnsupported, match=r"model\.layers\.4\.mixer has a KV cache spec MambaSpec"):
+        lay.kv_cache_groups(hybrid_config(third=mamba))
+    # Chunked local attention (a window vLLM's allocator resets per chunk) is refused the same way.
+    chunked = kvi.ChunkedLocalAttentionSpec(block_size=N, num_kv_heads=HEADS, head_size=D, dtype=DT, attention_chunk_size=64)
+    with pytest.raises(lay.KvSpecUnsupported, match="ChunkedLocalAttentionSpec"):
+        lay.kv_cache_groups(hybrid_config(third=chunked))

@@ -180,11 +180,9 @@ class _Recorder:
 
 
 def test_worker_tells_the_producer_of_a_dropped_request() -> None:
-    from kvpush._outcomes import OutcomeMatcher
+    import connector_kit as kit
 
-    w = object.__new__(kv._Worker)
-    w.native, w.blocks_per_block, w.kernel_tokens, w.outcomes = _Recorder(), 1, BLOCK, OutcomeMatcher()
-    w.stats, w.load_errors, w._pending_sent, w._pending_failed = kv.KVPushStats(), set(), set(), {}
+    w = kit.worker(_Recorder(), blocks_per_block=1, kernel_tokens=BLOCK)
     meta = kv.KVPushMetadata(
         dropped=[kv.ToProducer("d-1", HEX, 1, "prefill-0", "10.0.0.1", 5600, 2)],
         holds=[kv.ToProducer("d-2", "f" * 32, 3, "prefill-1", "10.0.0.2", 5700, 1)],

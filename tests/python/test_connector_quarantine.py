@@ -105,6 +105,22 @@ def test_a_quarantined_load_fails_at_once_but_its_blocks_come_back_only_when_rel
     assert w.get_finished() == (set(), set())
 
 
+def test_a_hybrid_models_quarantined_load_fails_only_with_its_release() -> None:
+    # Several KV cache groups: vLLM takes no block-level load errors, only failed requests
+    # (failed_recving, which also finishes the request and frees its blocks).
+    w, native = worker()
+    w.multi_group = True
+    w.start_load_kv(kv.KVPushMetadata(receives=[receive("d1", TID, [4, 5, 6])]))
+    native.outcomes = [("quarantined", TID, 1, "producer lost; its data path could not be fenced", [[4, 5, 6]])]
+    assert w.get_finished() == (set(), set())
+    # Held: no block errors (vLLM refuses them here), no failed request (it would free the blocks).
+    assert (w.get_block_ids_with_load_errors(), w.take_failed()) == (set(), set())
+    native.outcomes = [("released", TID, 1, "", [])]
+    assert w.get_finished() == (set(), {"d1"})
+    # Released: the request ends as a failed load now, so vLLM's failure policy applies to it.
+    assert w.take_failed() == {"d1"}
+
+
 def test_a_producer_whose_sources_are_quarantined_holds_them_until_released() -> None:
     w, native = worker()
     w.wait_for_save(kv.KVPushMetadata(prefilled=[finished("p1", TID, [1, 2])]))

@@ -46,10 +46,23 @@ class TinyLlama:
     initializer_range: float = 0.2
     dtype: str = "float32"
     seed: int = 1234
+    # A hybrid model: each layer's attention ("full_attention" or "sliding_attention", HF's
+    # ``layer_types``, which vLLM's Llama honours) and the window of the sliding ones in tokens.
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
 
     def key(self) -> str:
-        blob = json.dumps({"format": FORMAT, **asdict(self)}, sort_keys=True).encode()
+        # Fields left at None are not part of the key: the plain model keeps its cached directory.
+        fields = {k: v for k, v in asdict(self).items() if v is not None}
+        blob = json.dumps({"format": FORMAT, **fields}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def hybrid(layers: int = 4, sliding_window: int = 96) -> TinyLlama:
+    """The tiny model with alternating full and sliding-window attention layers (full first): vLLM's
+    hybrid allocator makes two KV cache groups of it whose tensors alias one allocation."""
+    types = tuple("full_attention" if i % 2 == 0 else "sliding_attention" for i in range(layers))
+    return TinyLlama(num_hidden_layers=layers, layer_types=types, sliding_window=sliding_window)
 
 
 def model_dir(params: TinyLlama | None = None, cache: Path | None = None) -> Path:
@@ -135,6 +148,11 @@ def _write_model(p: TinyLlama, out: Path) -> None:
         "dtype": p.dtype,
         "use_cache": True,
     }
+    if p.layer_types is not None:
+        if len(p.layer_types) != p.num_hidden_layers:
+            raise ValueError(f"{len(p.layer_types)} layer types for {p.num_hidden_layers} layers")
+        config["layer_types"] = list(p.layer_types)
+        config["sliding_window"] = p.sliding_window
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=1) + "\n")
