@@ -25,6 +25,7 @@ pub mod msg;
 pub mod path;
 pub mod plan;
 pub mod rendezvous;
+pub mod staging;
 
 #[cfg(test)]
 pub(crate) mod testutil;
