@@ -1420,6 +1420,18 @@ impl Writer {
                             }
                             QuarantineCause::DrainTimeout => "producer ranks silent past the drain timeout".to_owned(),
                         };
+                        if why == QuarantineCause::DrainTimeout {
+                            // Nothing more of the silent producers is taken: staged pieces of the
+                            // key still queued are neither granted nor scattered (window 3).
+                            let shared = &self.shared;
+                            let completes = |agent: &str, notif: &[u8]| {
+                                let Some(peer) = shared.peer_by_agent(agent) else { return false };
+                                codec::decode(notif, Some(&peer.layout))
+                                    .is_ok_and(|m| super::message_key(&m) == Some(key))
+                            };
+                            let stopped = shared.transport.stop_incoming(&completes);
+                            tracing::debug!(worker = %self.shared.me, %key, stopped, "incoming transfers stopped");
+                        }
                         let reason = format!(
                             "{}: request {key}: {} ({cause}); its blocks stay quarantined",
                             self.shared.me,

@@ -1367,6 +1367,18 @@ impl Transport for Staged {
         Some(r)
     }
 
+    /// Stops the incoming staged transfers whose notification `completes` the request: the
+    /// receiver fails them, so no slot is granted to them and no piece of theirs is scattered any
+    /// more, and their senders end them (FAIL, CANCEL, CANCELLED).
+    fn stop_incoming(&self, completes: &dyn Fn(&str, &[u8]) -> bool) -> usize {
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
+        let now = st.now();
+        let n = st.rx.handle_stop(now, "the consumer stopped waiting for the request", completes);
+        self.carry_out_rx(st);
+        self.inner.stop_incoming(completes) + n
+    }
+
     fn cancel(&self, id: XferId) {
         if id.0 & STAGED_BIT == 0 {
             return self.inner.cancel(id);

@@ -334,6 +334,42 @@ fn a_pull_whose_grant_expires_reports_only_after_its_read_ended() {
     assert_untouched(d, &dst, tokens, &format!("D's READ landed after D reported {out:?}"));
 }
 
+/// Issue 16, window 3 with staging: D aborts while P's staged pieces queue behind a held one (one
+/// receive slot), P never hears of the abort (its control link to D is gone, the data path runs
+/// on), and the drain timeout passes. From then on nothing more of the request may be granted or
+/// scattered into D's quarantined blocks: P writes only the piece already on the wire, learns that
+/// the transfer failed, and its failure is the final word that releases D's blocks. (Before the
+/// fix D's receiver kept granting and scattering the queued pieces, and P wrote every one of them.)
+#[test]
+fn after_the_drain_timeout_no_staged_piece_of_the_request_is_granted_or_scattered() {
+    let mut setup = crate::engine_stress::staged(Setup::new(Mode::Push, 1, 1));
+    if let Staging::On(c) = &mut setup.staging {
+        c.slots = 1;
+    }
+    setup.drain_timeout = Duration::from_millis(100);
+    let (p, d, hub, _fabric) = pair(setup);
+    let key = Key::new(0xd4a1_5a9e, 1);
+    let blocks = vec![(3..15).collect::<Vec<u32>>()];
+    let tokens = 12 * u64::from(BLOCK_TOKENS);
+    let hold = Duration::from_millis(500);
+    write_held(&p, &d, key, &blocks, tokens, hold);
+    hub.detach(p.engine.addr());
+    let aborted_at = std::time::Instant::now();
+    d.engine.abort(key).expect("abort");
+    let out = wait_for(&d.engine, "an outcome", LIMIT, |f| f.key() == key);
+    assert!(matches!(out, Finished::Quarantined { failed: false, .. }), "{out:?}");
+    wait_for(&d.engine, "the blocks released", LIMIT, |f| matches!(f, Finished::Released { key: k } if *k == key));
+    assert!(aborted_at.elapsed() < Duration::from_secs(5), "released only by a timeout");
+    let sent = wait_for(&p.engine, "P's release", LIMIT, |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
+    let pc = p.engine.staging_counts().expect("staged");
+    let slot_bytes = 8192;
+    assert!(pc.bytes > slot_bytes, "the request fits one piece, nothing could queue: {pc:?}");
+    assert_eq!(pc.pieces, 1, "P wrote queued pieces after D's drain timeout ({sent:?}): {pc:?}");
+    assert_eq!(pc.failed, 1, "{pc:?}");
+    let dc = d.engine.staging_counts().expect("staged");
+    assert_eq!(dc.received, 0, "D delivered the request after its drain timeout: {dc:?}");
+}
+
 /// Issue 16, window 2: staged receive slots. P's WRITE of a piece into D's only receive slot is held
 /// in the data path when the side channel to P is lost, and D's data path cannot fence P (as NIXL).
 /// The slot must not be granted to another sender while P's WRITE can still land in it (it would be

@@ -144,6 +144,8 @@ pub struct RecvCounts {
     pub malformed: u64,
     /// Slots quarantined (granted to a sender lost without a confirmed fence).
     pub slots_quarantined: u64,
+    /// Pieces that landed after their transfer was failed, not scattered.
+    pub dropped: u64,
     /// Incoming transfers tracked (gauge).
     pub incoming: u64,
     /// Slots not free (gauge).
@@ -319,6 +321,16 @@ impl Receiver {
             return Landed::Nothing;
         }
         self.landed.insert(from.to_owned(), now);
+        let phase = self.incoming.get(&xfer).map(|i| i.phase);
+        if phase != Some(Phase::Receiving) {
+            // Failed here (say the consumer gave up on its request): the WRITE has landed and
+            // nothing more comes into this slot; it is not scattered into blocks the request may
+            // no longer own.
+            self.slots[s] = Slot::Free;
+            self.counts.dropped += 1;
+            self.advance(now);
+            return Landed::Nothing;
+        }
         if let Some(i) = self.incoming.get_mut(&xfer) {
             i.moved = now;
         }
@@ -392,6 +404,23 @@ impl Receiver {
             }
         }
         self.advance(now);
+    }
+
+    /// Fails every transfer still receiving whose notification `matches` (the consumer gave up on
+    /// the request it completes): no slot is granted to it and no piece of it is scattered any
+    /// more; its sender is told (FAIL) and ends it with CANCEL. Returns how many.
+    pub fn handle_stop(&mut self, now: Instant, why: &str, mut matches: impl FnMut(&str, &[u8]) -> bool) -> usize {
+        let xfers: Vec<u64> = self
+            .incoming
+            .iter()
+            .filter(|(_, i)| i.phase == Phase::Receiving && matches(&i.peer, &i.notif))
+            .map(|(x, _)| *x)
+            .collect();
+        for &xfer in &xfers {
+            self.fail(now, xfer, why.to_owned());
+        }
+        self.advance(now);
+        xfers.len()
     }
 
     /// Time passed: stalled transfers fail, quarantined slots whose bound passed are free again.
