@@ -17,6 +17,7 @@ pub mod codec;
 pub mod compat;
 pub mod completion;
 mod deadlines;
+pub mod grants;
 pub mod ids;
 pub mod layerwise;
 pub mod layout;
