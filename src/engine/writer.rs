@@ -736,8 +736,9 @@ impl Writer {
         for key in keys {
             self.rdv.handle_abort(now, key);
         }
-        // Its READs of our sources end now.
-        self.grants.handle_peer_lost(now, peer, true);
+        // Its READs of our sources: fenced, they ended; otherwise they may still run, and the
+        // sources stay quarantined until it returns as a new process (or the bound).
+        self.grants.handle_peer_lost(now, peer, fenced);
         self.drain_grants(now);
         // Our transfers in flight with it will not complete usefully: cut them short where the
         // transport can. They stay in the table until the transport reports them ended, and only
@@ -785,6 +786,10 @@ impl Writer {
         for key in keys {
             self.comp.handle_fenced(key, peer.rank);
         }
+        // Producer: a returned consumer's old READs of our sources cannot run any more.
+        self.grants.handle_peer_returned(peer);
+        let now = self.now();
+        self.drain_grants(now);
     }
 
     fn abort(&mut self, now: Instant, key: Key) {
