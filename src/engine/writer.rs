@@ -20,6 +20,7 @@ use super::{addr_of, fan_out, producer_ranks, target_of, Cmd, Finished, PeerAddr
 use crate::pool::handoff::Inbox;
 use crate::proto::codec;
 use crate::proto::completion::{Completions, Event, FailReason, QuarantineCause};
+use crate::proto::grants::{Cause as GrantCause, Event as GrantEvent, GrantConfig, Grants};
 use crate::proto::ids::Instant;
 use crate::proto::layerwise::{part_layers, restrict_grid, LayerCompletion, LayerSend, LayerSet};
 use crate::proto::msg::{
@@ -115,8 +116,9 @@ pub(super) struct Writer {
     frame: Vec<u8>,
     notifs: Vec<Notification>,
     inflight: HashMap<XferId, InFlight>,
-    /// Producer, pull mode: granted reads and when they time out.
-    grants: HashMap<(Key, PeerAddr), Instant>,
+    /// Producer, pull mode: granted reads, their expiry and a lost consumer's quarantine
+    /// (`proto::grants`).
+    grants: Grants<PeerAddr>,
     /// Consumer, pull mode.
     pulls: HashMap<Key, PullReq>,
     /// Consumer: which producer engine each waiting request reads from (for aborts).
@@ -150,6 +152,7 @@ impl Writer {
         let stats = Arc::clone(&shared.shards[index].stats);
         let rdv = Rendezvous::new(shared.config.rendezvous);
         let comp = Completions::new(shared.config.completion);
+        let grants = Grants::new(grant_config(&shared.config));
         Self {
             index,
             shared,
@@ -165,7 +168,7 @@ impl Writer {
             frame: Vec::new(),
             notifs: Vec::new(),
             inflight: HashMap::new(),
-            grants: HashMap::new(),
+            grants,
             pulls: HashMap::new(),
             producers: HashMap::new(),
             layered: HashMap::new(),
@@ -257,7 +260,8 @@ impl Writer {
             let now = self.now();
             self.rdv.handle_timeout(now);
             self.comp.handle_timeout(now);
-            self.expire_grants(now);
+            self.grants.handle_timeout(now);
+            self.drain_grants(now);
             self.drain_outputs();
             self.poll_interval = if progressed { POLL_MIN } else { (self.poll_interval * 2).min(POLL_WAITING_MAX) };
             if progressed {
@@ -323,7 +327,7 @@ impl Writer {
             self.tell_consumers(key, &reason);
         }
         self.pulls.clear();
-        self.grants.clear();
+        self.grants = Grants::new(grant_config(&self.shared.config));
         let inbox = Arc::clone(&self.shared.shards[self.index].inbox);
         let mut commands = Vec::new();
         loop {
@@ -432,7 +436,7 @@ impl Writer {
     fn next_wait(&self) -> Duration {
         let now = self.now();
         let mut wait = IDLE_WAIT;
-        let deadlines = [self.rdv.poll_timeout(), self.comp.poll_timeout(), self.grants.values().min().copied()];
+        let deadlines = [self.rdv.poll_timeout(), self.comp.poll_timeout(), self.grants.poll_timeout()];
         for d in deadlines.into_iter().flatten() {
             wait = wait.min(Duration::from_micros(d.micros_since(now)));
         }
@@ -451,7 +455,7 @@ impl Writer {
                 } else {
                     wait.min(self.poll_interval)
                 };
-            } else if !self.inflight.is_empty() || self.comp.pending() > 0 || !self.grants.is_empty() {
+            } else if !self.inflight.is_empty() || self.comp.pending() > 0 || self.grants.pending() > 0 {
                 wait = wait.min(self.poll_interval);
             }
         }
@@ -760,10 +764,10 @@ impl Writer {
         for key in keys {
             self.rdv.handle_abort(now, key);
         }
-        let grants: Vec<(Key, PeerAddr)> = self.grants.keys().filter(|(_, p)| p == peer).cloned().collect();
-        for (key, p) in grants {
-            self.read_done(now, key, p, Err(FailureKind::PeerLost));
-        }
+        // Its READs of our sources: fenced, they ended; otherwise they may still run, and the
+        // sources stay quarantined until it returns as a new process (or the bound).
+        self.grants.handle_peer_lost(now, peer, fenced);
+        self.drain_grants(now);
         // Our transfers in flight with it will not complete usefully: cut them short where the
         // transport can. They stay in the table until the transport reports them ended, and only
         // then is their failure handed to the state machines (a WRITE's sources, a READ's targets
@@ -810,6 +814,10 @@ impl Writer {
         for key in keys {
             self.comp.handle_fenced(key, peer.rank);
         }
+        // Producer: a returned consumer's old READs of our sources cannot run any more.
+        self.grants.handle_peer_returned(peer);
+        let now = self.now();
+        self.drain_grants(now);
     }
 
     fn abort(&mut self, now: Instant, key: Key) {
@@ -875,7 +883,7 @@ impl Writer {
                 self.rdv.handle_registration(now, reg, n);
             }
             Message::Completion(c) => {
-                if self.grants.contains_key(&(c.key, from.clone())) {
+                if self.grants.is_reading(c.key, &from) {
                     // Producer side of a pull: the consumer finished reading our blocks.
                     self.read_done(now, c.key, from, Ok(()));
                 } else if mode == Mode::Pull {
@@ -921,7 +929,7 @@ impl Writer {
                 }
             }
             Message::Failure(f) => {
-                if self.grants.contains_key(&(f.key, from.clone())) {
+                if self.grants.is_reading(f.key, &from) {
                     self.read_done(now, f.key, from, Err(f.kind));
                 } else if f.kind == FailureKind::Aborted && self.answered_drop(f.key) {
                     // A producer rank's answer to `abort_producer`: nothing of ours waited for it.
@@ -944,7 +952,7 @@ impl Writer {
                     self.shared.transport.cancel(*id);
                 }
                 let writing = !ours.is_empty();
-                let granted = self.grants.contains_key(&(a.key, from.clone()));
+                let granted = self.grants.get(a.key, &from).is_some();
                 if self.registered_by.get(&a.key).is_none_or(|peers| !peers.iter().any(|(p, _)| *p == from))
                     && !writing
                     && !granted
@@ -986,17 +994,31 @@ impl Writer {
 
     /// Producer, pull mode: a granted read ended.
     fn read_done(&mut self, now: Instant, key: Key, from: PeerAddr, result: Result<(), FailureKind>) {
-        if self.grants.remove(&(key, from.clone())).is_some() {
-            self.rdv.handle_transfer_done(now, key, &target_of(&from), result);
+        if self.grants.handle_read_done(key, &from, result) {
+            self.drain_grants(now);
         }
     }
 
-    fn expire_grants(&mut self, now: Instant) {
-        let expired: Vec<(Key, PeerAddr)> =
-            self.grants.iter().filter(|(_, &at)| at <= now).map(|(k, _)| k.clone()).collect();
-        for (key, peer) in expired {
-            self.stats().failures.timeout += 1;
-            self.read_done(now, key, peer, Err(FailureKind::PeerLost));
+    /// Producer, pull mode: grants that ended go to the rendezvous (which may release the sources).
+    fn drain_grants(&mut self, now: Instant) {
+        while let Some(event) = self.grants.poll_event() {
+            match event {
+                GrantEvent::Ended { key, consumer, result, cause } => {
+                    match cause {
+                        GrantCause::Expired => self.stats().failures.timeout += 1,
+                        GrantCause::QuarantineExpired => {
+                            self.stats().failures.quarantine_expired += 1;
+                            tracing::error!(worker = %self.shared.me, %key, %consumer, "sources of a lost consumer's read released by the time bound, without a fence");
+                        }
+                        GrantCause::Read | GrantCause::LostFenced | GrantCause::Returned => {}
+                    }
+                    self.rdv.handle_transfer_done(now, key, &target_of(&consumer), result);
+                }
+                GrantEvent::Quarantined { key, consumer } => {
+                    self.stats().counters.quarantined += 1;
+                    tracing::warn!(worker = %self.shared.me, %key, %consumer, "a lost consumer may still read: its sources stay quarantined");
+                }
+            }
         }
     }
 
@@ -1356,8 +1378,7 @@ impl Writer {
                             // Pull: pin the blocks for this consumer and let it read.
                             let to =
                                 PeerAddr { engine: registration.engine_id().to_owned(), rank: registration.rank() };
-                            let deadline = now.plus_micros(self.shared.config.pull_read_timeout_us);
-                            self.grants.insert((key, to.clone()), deadline);
+                            self.grants.handle_granted(now, key, to.clone());
                             // The grant names the pinned blocks: D reads these or nothing.
                             let grant = Message::Grant(Grant {
                                 key,
@@ -1448,6 +1469,18 @@ impl Writer {
                             }
                             QuarantineCause::DrainTimeout => "producer ranks silent past the drain timeout".to_owned(),
                         };
+                        if why == QuarantineCause::DrainTimeout {
+                            // Nothing more of the silent producers is taken: staged pieces of the
+                            // key still queued are neither granted nor scattered (window 3).
+                            let shared = &self.shared;
+                            let completes = |agent: &str, notif: &[u8]| {
+                                let Some(peer) = shared.peer_by_agent(agent) else { return false };
+                                codec::decode(notif, Some(&peer.layout))
+                                    .is_ok_and(|m| super::message_key(&m) == Some(key))
+                            };
+                            let stopped = shared.transport.stop_incoming(&completes);
+                            tracing::debug!(worker = %self.shared.me, %key, stopped, "incoming transfers stopped");
+                        }
                         let reason = format!(
                             "{}: request {key}: {} ({cause}); its blocks stay quarantined",
                             self.shared.me,
@@ -1479,6 +1512,11 @@ impl Writer {
         }
         self.pay_owed();
     }
+}
+
+/// The pull grants' bounds: the read timeout, and the quarantine bound consumers use too.
+fn grant_config(config: &super::Config) -> GrantConfig {
+    GrantConfig { read_timeout_us: config.pull_read_timeout_us, quarantine_us: config.completion.quarantine_us }
 }
 
 /// The key an outcome is for.

@@ -17,6 +17,7 @@ pub mod codec;
 pub mod compat;
 pub mod completion;
 mod deadlines;
+pub mod grants;
 mod idlist;
 pub mod ids;
 pub mod layerwise;
@@ -26,6 +27,7 @@ pub mod msg;
 pub mod path;
 pub mod plan;
 pub mod rendezvous;
+pub mod staging;
 
 #[cfg(test)]
 pub(crate) mod testutil;

@@ -276,6 +276,9 @@ struct Tomb {
     /// Consumer ranks whose transfer was started: that transfer's outcome answers them, so a
     /// repeated registration from one of them is a duplicate, not a registration to fail.
     served: Vec<Target>,
+    /// Forgotten at this time: `tombstone_us` after it was made or last answered a registration
+    /// (so a repeat of that registration, arriving later, still finds it).
+    until: Instant,
 }
 
 /// What one consumer engine's registrations waiting for prefill cost.
@@ -484,6 +487,7 @@ impl Rendezvous {
             return;
         }
         if let Some((kind, served)) = self.ended(key, Some(&target)) {
+            self.touch(now, key);
             if served {
                 self.stats.duplicates += 1;
             } else {
@@ -658,9 +662,7 @@ impl Rendezvous {
                 break;
             }
             self.tomb_order.pop_front();
-            if self.tombs.get(&id).is_some_and(|t| t.attempt == attempt) {
-                self.tombs.remove(&id);
-            }
+            self.forget(at, id, attempt);
         }
     }
 
@@ -847,14 +849,43 @@ impl Rendezvous {
     }
 
     fn bury_served(&mut self, now: Instant, key: Key, kind: FailureKind, served: Vec<Target>) {
-        self.tombs.insert(key.transfer_id, Tomb { attempt: key.attempt.0, kind, served });
-        self.tomb_order.push_back((now.plus_micros(self.config.tombstone_us), key.transfer_id, key.attempt.0));
+        let until = now.plus_micros(self.config.tombstone_us);
+        self.tombs.insert(key.transfer_id, Tomb { attempt: key.attempt.0, kind, served, until });
+        self.tomb_order.push_back((until, key.transfer_id, key.attempt.0));
+        self.trim_tombs();
+    }
+
+    /// `key`'s tombstone (if it has one) answered a registration at `now`: it lives another
+    /// `tombstone_us`. A registration the network repeats may reach us up to a network delay after
+    /// the first copy, however long after the tombstone was made (an abort may precede the
+    /// registration by any time); forgotten in between, the repeat would be taken for a new
+    /// registration, and a later prefill of the same attempt written into blocks the consumer was
+    /// told are free (found by `tests/proto/sim.rs`).
+    fn touch(&mut self, now: Instant, key: Key) {
+        let until = now.plus_micros(self.config.tombstone_us);
+        let Some(t) = self.tombs.get_mut(&key.transfer_id).filter(|t| t.attempt == key.attempt.0) else { return };
+        if t.until < until {
+            t.until = until;
+            self.tomb_order.push_back((until, key.transfer_id, key.attempt.0));
+            self.trim_tombs();
+        }
+    }
+
+    /// Forgets the oldest tombstones past the count bound.
+    fn trim_tombs(&mut self) {
         while self.tomb_order.len() > self.config.max_tombstones {
-            if let Some((_, id, attempt)) = self.tomb_order.pop_front() {
-                if self.tombs.get(&id).is_some_and(|t| t.attempt == attempt) {
-                    self.tombs.remove(&id);
-                }
+            if let Some((at, id, attempt)) = self.tomb_order.pop_front() {
+                self.forget(at, id, attempt);
             }
+        }
+    }
+
+    /// The tombstone entry `(at, id, attempt)` left the queue: the tombstone goes unless a later
+    /// entry of it is queued (it answered a registration since, [`Rendezvous::touch`]). Each kept
+    /// tombstone has its latest entry queued, so the count bound holds for tombstones too.
+    fn forget(&mut self, at: Instant, id: TransferId, attempt: u32) {
+        if self.tombs.get(&id).is_some_and(|t| t.attempt == attempt && t.until == at) {
+            self.tombs.remove(&id);
         }
     }
 }
@@ -1664,6 +1695,32 @@ mod tests {
         assert_eq!(r.poll_timeout(), None);
         // Forgotten: a registration now waits like a fresh one.
         r.handle_registration(t(TOMB + 1), reg(50, 1), 1);
+        assert!(drain(&mut r).is_empty());
+        assert_eq!(r.pending(), 1);
+    }
+
+    /// A tombstone that answered a registration lives on for the repeat of that registration: the
+    /// network may deliver it a delay after the first copy, however long after the abort that made
+    /// the tombstone. (Before the fix the repeat found the tombstone forgotten, waited as a fresh
+    /// registration, and a later prefill of the attempt was written into blocks the consumer had
+    /// been told were free: `tests/proto/sim.rs`, "no WRITE after D handed blocks back".)
+    #[test]
+    fn a_tombstone_answering_a_registration_outlives_its_repeat() {
+        let mut r = rdv();
+        let key = Key::new(51, 1);
+        r.handle_abort(t(0), key);
+        r.handle_registration(t(TOMB - 100), reg(51, 1), 1);
+        expect_fail(&mut r, key, &target(0), FailureKind::Aborted);
+        r.handle_timeout(t(TOMB + 100));
+        r.handle_registration(t(TOMB + 100), reg(51, 1), 1);
+        expect_fail(&mut r, key, &target(0), FailureKind::Aborted);
+        assert_eq!(r.pending(), 0, "the repeat waits as a fresh registration");
+        r.handle_blocks_ready(t(TOMB + 200), key, blocks(100));
+        expect_release(&mut r, key, ReleaseReason::Aborted);
+        // Still forgotten in the end (bounded memory).
+        r.handle_timeout(t(10 * TOMB));
+        assert_eq!(r.poll_timeout(), None);
+        r.handle_registration(t(10 * TOMB), reg(51, 1), 1);
         assert!(drain(&mut r).is_empty());
         assert_eq!(r.pending(), 1);
     }

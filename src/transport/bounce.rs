@@ -98,6 +98,10 @@ impl Transport for HostOnly {
         self.nic.cancel(id)
     }
 
+    fn stop_incoming(&self, completes: &dyn Fn(&str, &[u8]) -> bool) -> usize {
+        self.nic.stop_incoming(completes)
+    }
+
     fn poll(&self, id: XferId) -> Result<XferState, TransportError> {
         self.nic.poll(id)
     }

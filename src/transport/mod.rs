@@ -227,6 +227,14 @@ pub trait Transport: Send + Sync + fmt::Debug {
     fn cancel(&self, id: XferId) {
         let _ = id;
     }
+    /// The consumer stopped waiting for a request (its drain timeout passed): a transport that
+    /// receives transfers on the engine's behalf (staging) stops granting and scattering those
+    /// whose notification `completes` it (`(sender, notification)`), and tells their senders.
+    /// Returns how many it stopped (the default: none).
+    fn stop_incoming(&self, completes: &dyn Fn(&str, &[u8]) -> bool) -> usize {
+        let _ = completes;
+        0
+    }
     /// The state of a posted transfer. `Done` and errors release the handle.
     fn poll(&self, id: XferId) -> Result<XferState, TransportError>;
     /// Moves received notifications into `out`; returns how many.

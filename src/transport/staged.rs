@@ -65,24 +65,18 @@ use crate::device::stage::{BadEntry, StageEntry, Stager, ENTRY_BYTES, STAGE_ALIG
 use crate::device::{Buffer, Device, MemRegion};
 use crate::proto::path::{Path, PathChooser, Shape};
 use crate::proto::plan::Grid;
+use crate::proto::staging::frame::Reader;
+use crate::proto::staging::{Frame, Landed, Output, PieceNote, Receiver, RecvConfig, Slot};
+use crate::proto::Instant as ProtoInstant;
 use crate::sync::lock;
 
-/// First bytes of every staging notification (engine frames start with `KP`).
-pub const MAGIC: [u8; 2] = *b"KS";
+pub use crate::proto::staging::MAGIC;
 /// First bytes of metadata that carries staging capabilities.
 pub const MD_MAGIC: [u8; 4] = *b"KSM1";
 /// Handles of staged transfers have this bit set (inner transports count from 0).
 const STAGED_BIT: u64 = 1 << 63;
 /// Table area alignment inside a slot.
 const TABLE_ALIGN: u64 = 256;
-
-const REQUEST: u8 = 1;
-const GRANT: u8 = 2;
-const PIECE: u8 = 3;
-const FAIL: u8 = 4;
-const CANCEL: u8 = 5;
-const CANCELLED: u8 = 6;
-const DONE: u8 = 7;
 
 /// When and how transfers are staged.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -227,143 +221,6 @@ pub struct StagingCounts {
     /// Staging slots in use, send and receive (a gauge): send slots holding a piece being gathered,
     /// gathered or written, receive slots granted or scattering.
     pub slots_in_use: u64,
-}
-
-// ---- Frames. ----
-
-fn frame(kind: u8, tag: u64, extra: &[u8]) -> Vec<u8> {
-    let mut f = Vec::with_capacity(11 + extra.len());
-    f.extend_from_slice(&MAGIC);
-    f.push(kind);
-    f.extend_from_slice(&tag.to_le_bytes());
-    f.extend_from_slice(extra);
-    f
-}
-
-struct Reader<'a>(&'a [u8]);
-
-impl Reader<'_> {
-    fn take(&mut self, n: usize) -> Option<&[u8]> {
-        if self.0.len() < n {
-            return None;
-        }
-        let (a, b) = self.0.split_at(n);
-        self.0 = b;
-        Some(a)
-    }
-    fn u32(&mut self) -> Option<u32> {
-        self.take(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    }
-    fn u64(&mut self) -> Option<u64> {
-        let b = self.take(8)?;
-        let mut a = [0u8; 8];
-        a.copy_from_slice(b);
-        Some(u64::from_le_bytes(a))
-    }
-}
-
-/// A parsed staging frame.
-#[derive(Debug, PartialEq, Eq)]
-enum Frame {
-    Request { tag: u64, pieces: u32, notif: Vec<u8> },
-    Grant { tag: u64, piece: u32, slot: u32, addr: u64 },
-    Piece { tag: u64, piece: u32, slot: u32, entries: u32, bytes: u64 },
-    Fail { tag: u64, detail: String },
-    Cancel { tag: u64 },
-    Cancelled { tag: u64 },
-    Done { tag: u64 },
-}
-
-impl Frame {
-    fn encode(&self) -> Vec<u8> {
-        match self {
-            Frame::Request { tag, pieces, notif } => {
-                let mut x = pieces.to_le_bytes().to_vec();
-                x.extend_from_slice(notif);
-                frame(REQUEST, *tag, &x)
-            }
-            Frame::Grant { tag, piece, slot, addr } => {
-                let mut x = piece.to_le_bytes().to_vec();
-                x.extend_from_slice(&slot.to_le_bytes());
-                x.extend_from_slice(&addr.to_le_bytes());
-                frame(GRANT, *tag, &x)
-            }
-            Frame::Piece { tag, piece, slot, entries, bytes } => {
-                let mut x = piece.to_le_bytes().to_vec();
-                x.extend_from_slice(&slot.to_le_bytes());
-                x.extend_from_slice(&entries.to_le_bytes());
-                x.extend_from_slice(&bytes.to_le_bytes());
-                frame(PIECE, *tag, &x)
-            }
-            Frame::Fail { tag, detail } => frame(FAIL, *tag, detail.as_bytes()),
-            Frame::Cancel { tag } => frame(CANCEL, *tag, &[]),
-            Frame::Cancelled { tag } => frame(CANCELLED, *tag, &[]),
-            Frame::Done { tag } => frame(DONE, *tag, &[]),
-        }
-    }
-
-    /// `None`: not a staging frame. `Some(Err)`: a malformed one.
-    fn decode(msg: &[u8]) -> Option<Result<Frame, FrameError>> {
-        if msg.len() < 3 || msg[..2] != MAGIC {
-            return None;
-        }
-        let kind = msg[2];
-        let mut r = Reader(&msg[3..]);
-        let truncated = FrameError::Truncated { kind };
-        let parsed = (|| {
-            let tag = r.u64().ok_or(truncated)?;
-            let f = match kind {
-                REQUEST => {
-                    Frame::Request { tag, pieces: r.u32().ok_or(truncated)?, notif: std::mem::take(&mut r.0).to_vec() }
-                }
-                GRANT => Frame::Grant {
-                    tag,
-                    piece: r.u32().ok_or(truncated)?,
-                    slot: r.u32().ok_or(truncated)?,
-                    addr: r.u64().ok_or(truncated)?,
-                },
-                PIECE => Frame::Piece {
-                    tag,
-                    piece: r.u32().ok_or(truncated)?,
-                    slot: r.u32().ok_or(truncated)?,
-                    entries: r.u32().ok_or(truncated)?,
-                    bytes: r.u64().ok_or(truncated)?,
-                },
-                FAIL => Frame::Fail { tag, detail: String::from_utf8_lossy(std::mem::take(&mut r.0)).into_owned() },
-                CANCEL => Frame::Cancel { tag },
-                CANCELLED => Frame::Cancelled { tag },
-                DONE => Frame::Done { tag },
-                _ => return Err(FrameError::UnknownKind(kind)),
-            };
-            match r.0.len() {
-                0 => Ok(f),
-                extra => Err(FrameError::Trailing { kind, extra }),
-            }
-        })();
-        Some(parsed)
-    }
-}
-
-/// Why a staging frame (magic `KS`) was refused.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-enum FrameError {
-    /// Shorter than its kind's fixed fields.
-    #[error("staging frame of kind {kind} is cut short")]
-    Truncated {
-        /// The frame's kind byte.
-        kind: u8,
-    },
-    /// A kind this version does not know.
-    #[error("unknown staging frame kind {0}")]
-    UnknownKind(u8),
-    /// Bytes after a fixed-size frame's last field.
-    #[error("staging frame of kind {kind} has {extra} trailing bytes")]
-    Trailing {
-        /// The frame's kind byte.
-        kind: u8,
-        /// How many.
-        extra: usize,
-    },
 }
 
 // ---- State. ----
@@ -535,43 +392,6 @@ impl Outgoing {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum RecvSlot {
-    Free,
-    /// Granted to a piece of (peer index in `incoming`'s key, tag).
-    Granted {
-        key: usize,
-        piece: u32,
-    },
-    /// Scattering a piece.
-    Scattering {
-        key: usize,
-    },
-    /// Was granted to a sender lost without a confirmed fence: its WRITE may still land here, so
-    /// the slot is neither granted nor scattered before `until`.
-    Quarantined {
-        until: Instant,
-    },
-}
-
-#[derive(Debug)]
-struct Incoming {
-    peer: String,
-    tag: u64,
-    pieces: u32,
-    notif: Vec<u8>,
-    granted: u32,
-    scattered: u32,
-    /// We reported a failure (or the sender cancelled): no more grants.
-    failed: bool,
-    /// The sender said CANCEL: answer CANCELLED once nothing of it is in a slot.
-    cancel: bool,
-    /// The sender is gone: forget the transfer once nothing of it is in a slot.
-    gone: bool,
-    /// Last progress (a piece landed or was scattered, or we failed it).
-    moved: Instant,
-}
-
 struct State {
     stager: Box<dyn Stager>,
     /// Registered KV memory (what a receive table may point into).
@@ -586,25 +406,18 @@ struct State {
     /// Pieces the current pump may still gather ahead of their grants: one per pump, so the writer
     /// looks at its notifications (a grant is answered by a WRITE) between such gathers.
     ahead_budget: usize,
-    recv: Vec<RecvSlot>,
-    /// Incoming transfers by a small key; `incoming_order` is the grant queue.
-    incoming: HashMap<usize, Incoming>,
-    incoming_order: VecDeque<usize>,
-    next_key: usize,
+    /// The receiving side: receive slots, grants, incoming transfers (`proto::staging::recv`).
+    rx: Receiver,
+    /// When the receiver's clock started ([`State::now`]).
+    epoch: Instant,
     delivered: Vec<Notification>,
     counts: StagingCounts,
-    /// When a piece last landed from each sender: a sender still delivering pieces is alive, and a
-    /// granted slot of its that waits is queued behind its other work, not lost.
-    landed: HashMap<String, Instant>,
     /// Pieces' tables built ahead of their turn, while the writer had nothing else to do (at most
     /// one per slot), and spare table buffers.
     prefilled: Vec<Prefilled>,
     spare: Vec<(Vec<u8>, Vec<u8>)>,
     /// Per peer, the learned choice between direct and staged ([`PathChoice::Measured`]).
     choosers: HashMap<String, PathChooser>,
-    /// Lost peers whose access to our memory the inner transport confirmed cut
-    /// ([`Transport::revoke_peer`]): their granted slots are free again at once.
-    fenced: Vec<String>,
     /// Transfers being timed for the choosers: handle → (peer, path, shape, posted at).
     timed: HashMap<u64, Timed>,
     /// A grid the chooser sent direct: the caller posts its expansion next, which goes direct too.
@@ -620,6 +433,11 @@ struct Timed {
 }
 
 impl State {
+    /// The receiver's time.
+    fn now(&self) -> ProtoInstant {
+        ProtoInstant(self.epoch.elapsed().as_micros().min(u128::from(u64::MAX)) as u64)
+    }
+
     /// Send slots held by pieces gathered ahead of their grant.
     fn held_ahead(&self) -> usize {
         self.lane_ahead.iter().zip(&self.send_free).filter(|&(&ahead, &free)| ahead && !free).count()
@@ -678,6 +496,10 @@ fn abandon(pieces: &mut [OutPiece], send_free: &mut [bool]) {
     }
 }
 
+fn micros(d: Duration) -> u64 {
+    d.as_micros().min(u128::from(u64::MAX)) as u64
+}
+
 fn failed(id: XferId, peer: &str, detail: String) -> TransportError {
     TransportError::Failed { id, peer: peer.to_owned(), status: -1, detail }
 }
@@ -718,17 +540,19 @@ impl Staged {
             send_free: vec![true; cfg.slots],
             lane_ahead: vec![false; cfg.slots],
             ahead_budget: 0,
-            recv: vec![RecvSlot::Free; cfg.slots],
-            incoming: HashMap::new(),
-            incoming_order: VecDeque::new(),
-            next_key: 0,
+            rx: Receiver::new(RecvConfig {
+                slots: cfg.slots,
+                slot_bytes: cfg.slot_bytes,
+                max_entries: cfg.max_entries,
+                stall_timeout_us: micros(cfg.stall_timeout),
+                quarantine_us: micros(cfg.quarantine),
+            }),
+            epoch: Instant::now(),
             delivered: Vec::new(),
             counts: StagingCounts::default(),
-            landed: HashMap::new(),
             prefilled: Vec::new(),
             spare: Vec::new(),
             choosers: HashMap::new(),
-            fenced: Vec::new(),
             timed: HashMap::new(),
             grid_direct: None,
         };
@@ -739,11 +563,15 @@ impl Staged {
     pub fn counts(&self) -> StagingCounts {
         let st = lock(&self.state);
         let send_busy = st.send_free.iter().filter(|&&free| !free).count();
-        let recv_busy = st.recv.iter().filter(|&&slot| slot != RecvSlot::Free).count();
+        let rx = st.rx.counts();
         StagingCounts {
             open: st.out.values().filter(|o| !o.reported).count() as u64,
-            incoming: st.incoming.len() as u64,
-            slots_in_use: (send_busy + recv_busy) as u64,
+            incoming: rx.incoming,
+            slots_in_use: send_busy as u64 + rx.slots_in_use,
+            received: rx.received,
+            failed: st.counts.failed + rx.failed,
+            malformed: st.counts.malformed + rx.malformed,
+            slots_quarantined: rx.slots_quarantined,
             ..st.counts
         }
     }
@@ -1276,92 +1104,28 @@ impl Staged {
     // ---- Receiver. ----
 
     fn on_receiver_frame(&self, st: &mut State, from: &str, f: Frame) {
+        let now = st.now();
         match f {
-            Frame::Request { tag, pieces, notif } => {
-                tracing::trace!(tag, pieces, "staging: request received");
-                if pieces == 0 || st.incoming.values().any(|i| i.peer == from && i.tag == tag) {
-                    st.counts.malformed += 1;
-                    return;
-                }
-                let key = st.next_key;
-                st.next_key += 1;
-                st.incoming.insert(
-                    key,
-                    Incoming {
-                        peer: from.to_owned(),
-                        tag,
-                        pieces,
-                        notif,
-                        granted: 0,
-                        scattered: 0,
-                        failed: false,
-                        cancel: false,
-                        gone: false,
-                        moved: Instant::now(),
-                    },
-                );
-                st.incoming_order.push_back(key);
-            }
             Frame::Piece { tag, piece, slot, entries, bytes } => {
-                let Some(key) = st.incoming.iter().find(|(_, i)| i.peer == from && i.tag == tag).map(|(k, _)| *k)
-                else {
-                    st.counts.malformed += 1;
-                    return;
-                };
-                let s = slot as usize;
-                if st.recv.get(s) != Some(&RecvSlot::Granted { key, piece }) {
-                    st.counts.malformed += 1;
-                    return self.fail_incoming(
-                        st,
-                        key,
-                        format!("piece {piece} landed in slot {slot}, not granted to it"),
-                    );
-                }
-                if let Some(i) = st.incoming.get_mut(&key) {
-                    i.moved = Instant::now();
-                }
-                st.landed.insert(from.to_owned(), Instant::now());
-                let scattering = Instant::now();
-                match self.start_scatter(st, s, entries, bytes) {
-                    Ok(()) => {
-                        st.recv[s] = RecvSlot::Scattering { key };
-                        let us = scattering.elapsed().as_micros() as u64;
-                        tracing::trace!(tag, piece, entries, us, "staging: landed, scatter queued");
-                    }
-                    Err(why) => {
-                        st.recv[s] = RecvSlot::Free;
-                        self.fail_incoming(st, key, format!("piece {piece}: {why}"));
-                    }
+                let landed = st.rx.handle_piece(now, from, PieceNote { tag, piece, slot, entries, bytes });
+                if let Landed::Scatter { slot, entries, bytes } = landed {
+                    let scattering = Instant::now();
+                    let started = self.start_scatter(st, slot, entries, bytes);
+                    let us = scattering.elapsed().as_micros() as u64;
+                    tracing::trace!(tag, piece, entries, us, ok = started.is_ok(), "staging: landed, scatter queued");
+                    st.rx.handle_scatter_started(now, slot, started.map_err(|why| format!("piece {piece}: {why}")));
                 }
             }
-            Frame::Cancel { tag } => {
-                let Some(key) = st.incoming.iter().find(|(_, i)| i.peer == from && i.tag == tag).map(|(k, _)| *k)
-                else {
-                    // Nothing of it here (never requested, or already finished): confirm at once.
-                    self.send(from, &Frame::Cancelled { tag });
-                    return;
-                };
-                if let Some(i) = st.incoming.get_mut(&key) {
-                    i.failed = true;
-                    i.cancel = true;
-                }
-                // Granted slots will receive nothing more from this sender.
-                for s in st.recv.iter_mut() {
-                    if matches!(*s, RecvSlot::Granted { key: k, .. } if k == key) {
-                        *s = RecvSlot::Free;
-                    }
-                }
+            f => {
+                tracing::trace!(tag = f.tag(), frame = ?std::mem::discriminant(&f), "staging: frame received");
+                st.rx.handle_frame(now, from, f);
             }
-            _ => {}
         }
     }
 
     /// Reads piece's table from receive slot `s`, checks it, starts the scatter.
     fn start_scatter(&self, st: &mut State, s: usize, entries: u32, bytes: u64) -> Result<(), String> {
         let n = entries as usize;
-        if n == 0 || n > self.cfg.max_entries || bytes > self.cfg.slot_bytes {
-            return Err(format!("{n} entries and {bytes} bytes do not fit a slot"));
-        }
         let base = self.recv_slot(s);
         let State { stager, regions, .. } = st;
         // Every entry must name an aligned range of registered KV memory and a range of the piece.
@@ -1382,7 +1146,8 @@ impl Staged {
             }
             Ok(())
         };
-        // SAFETY: the table area of receive slot `s` lies in `recv_buf` (n ≤ max_entries) and the
+        // SAFETY: the table area of receive slot `s` lies in `recv_buf` (n ≤ max_entries: the
+        // receiver checked it before asking for this scatter, `Receiver::handle_piece`) and the
         // sender's WRITE into it completed before its PIECE notification was delivered; the stager
         // scatters only a snapshot `check` accepted: every destination lies in KV memory registered
         // with this transport (whose owner lets transfers write a registered request's blocks until
@@ -1392,103 +1157,48 @@ impl Staged {
             .map_err(|e| format!("scatter: {e}"))
     }
 
-    fn fail_incoming(&self, st: &mut State, key: usize, why: String) {
-        if let Some(i) = st.incoming.get_mut(&key) {
-            if !i.failed {
-                i.failed = true;
-                i.moved = Instant::now();
-                tracing::warn!(peer = %i.peer, tag = i.tag, error = %why, "staged transfer failed on the receiver");
-                let f = Frame::Fail { tag: i.tag, detail: why };
-                let peer = i.peer.clone();
-                self.send(&peer, &f);
-            }
-        }
-    }
-
-    /// Finished scatters, cancelled transfers, delivered notifications, new grants.
+    /// Finished scatters and the receiver's timers; then carries out what the receiver decided.
     fn pump_in(&self, st: &mut State) -> bool {
         let mut any = false;
-        for s in 0..st.recv.len() {
-            if let RecvSlot::Scattering { key } = st.recv[s] {
-                let done = st.stager.is_done(self.cfg.slots + s);
-                match done {
+        let now = st.now();
+        for s in 0..self.cfg.slots {
+            if let Some(Slot::Scattering { .. }) = st.rx.slots().get(s) {
+                let done = match st.stager.is_done(self.cfg.slots + s) {
                     Ok(false) => continue,
-                    Ok(true) => {
-                        tracing::trace!(slot = s, "staging: scattered");
-                        if let Some(i) = st.incoming.get_mut(&key) {
-                            i.scattered += 1;
-                            i.moved = Instant::now();
-                        }
-                    }
-                    Err(e) => self.fail_incoming(st, key, format!("scatter: {e}")),
-                }
-                any = true;
-                st.recv[s] = RecvSlot::Free;
-            }
-        }
-        // Transfers that are over: every piece scattered, or cancelled with nothing left in a slot.
-        let keys: Vec<usize> = st.incoming_order.iter().copied().collect();
-        for key in keys {
-            let in_slot = st.recv.iter().any(|s| match *s {
-                RecvSlot::Granted { key: k, .. } | RecvSlot::Scattering { key: k } => k == key,
-                RecvSlot::Free | RecvSlot::Quarantined { .. } => false,
-            });
-            let waiting_for_sender = st.recv.iter().any(|s| matches!(*s, RecvSlot::Granted { key: k, .. } if k == key));
-            let Some(i) = st.incoming.get(&key) else { continue };
-            let stalled = i.moved.elapsed() > self.cfg.stall_timeout;
-            let sender_quiet = st.landed.get(&i.peer).is_none_or(|t| t.elapsed() > self.cfg.stall_timeout);
-            if stalled && sender_quiet && !i.failed && waiting_for_sender {
-                let why = format!("no piece landed for {:?} (a staging message was lost?)", self.cfg.stall_timeout);
-                self.fail_incoming(st, key, why);
-                any = true;
-                continue;
-            }
-            if !i.failed && i.scattered == i.pieces {
-                let i = st.incoming.remove(&key).expect("present");
-                st.counts.received += 1;
-                // The sender's handle is done only now: a transfer this side failed (and whose
-                // notification it therefore never delivers) ends in a failure the sender reports.
-                self.send(&i.peer, &Frame::Done { tag: i.tag });
-                tracing::trace!(tag = i.tag, "staging: delivered");
-                st.delivered.push(Notification { from: i.peer, msg: i.notif });
-                any = true;
-            } else if (i.cancel || i.gone) && !in_slot {
-                let i = st.incoming.remove(&key).expect("present");
-                st.counts.failed += 1;
-                if !i.gone {
-                    self.send(&i.peer, &Frame::Cancelled { tag: i.tag });
-                }
+                    Ok(true) => Ok(()),
+                    Err(e) => Err(e.to_string()),
+                };
+                tracing::trace!(slot = s, ok = done.is_ok(), "staging: scattered");
+                st.rx.handle_scatter_done(now, s, done);
                 any = true;
             }
         }
-        st.incoming_order.retain(|k| st.incoming.contains_key(k));
-        // Quarantined slots come back once their bound passed (a lost sender's WRITE can no longer
-        // be in flight, or is past what we wait for).
-        let now = Instant::now();
-        for s in st.recv.iter_mut() {
-            if matches!(*s, RecvSlot::Quarantined { until } if until <= now) {
-                tracing::warn!("staging: a quarantined receive slot is free again (its bound passed)");
-                *s = RecvSlot::Free;
-                any = true;
-            }
-        }
-        // Grants, in arrival order.
-        while let Some(s) = st.recv.iter().position(|s| *s == RecvSlot::Free) {
-            let Some(&key) = st
-                .incoming_order
-                .iter()
-                .find(|k| st.incoming.get(k).is_some_and(|i| !i.failed && i.granted < i.pieces))
-            else {
-                break;
-            };
-            let i = st.incoming.get_mut(&key).expect("queued");
-            let piece = i.granted;
-            i.granted += 1;
-            st.recv[s] = RecvSlot::Granted { key, piece };
-            let (peer, tag) = (i.peer.clone(), i.tag);
-            self.send(&peer, &Frame::Grant { tag, piece, slot: s as u32, addr: self.recv_slot(s) });
-            tracing::trace!(tag, piece, slot = s, "staging: granted");
+        st.rx.handle_timeout(now);
+        self.carry_out_rx(st) || any
+    }
+
+    /// Carries out what the receiver decided: frames to send, notifications to deliver.
+    fn carry_out_rx(&self, st: &mut State) -> bool {
+        let mut any = false;
+        while let Some(o) = st.rx.poll_output() {
             any = true;
+            match o {
+                Output::Send { peer, frame: Frame::Grant { tag, piece, slot, .. } } => {
+                    tracing::trace!(tag, piece, slot, "staging: granted");
+                    let addr = self.recv_slot(slot as usize);
+                    self.send(&peer, &Frame::Grant { tag, piece, slot, addr });
+                }
+                Output::Send { peer, frame } => {
+                    if let Frame::Fail { tag, detail } = &frame {
+                        tracing::warn!(%peer, tag, error = %detail, "staged transfer failed on the receiver");
+                    }
+                    self.send(&peer, &frame);
+                }
+                Output::Deliver { peer, notif } => {
+                    tracing::trace!(%peer, "staging: delivered");
+                    st.delivered.push(Notification { from: peer, msg: notif });
+                }
+            }
         }
         any
     }
@@ -1504,12 +1214,8 @@ impl Staged {
                     st.counts.malformed += 1;
                     tracing::warn!(peer = %note.from, error = %e, "malformed staging frame");
                 }
-                Some(Ok(f)) => match f {
-                    Frame::Grant { .. } | Frame::Fail { .. } | Frame::Cancelled { .. } | Frame::Done { .. } => {
-                        self.on_sender_frame(st, &note.from, f)
-                    }
-                    _ => self.on_receiver_frame(st, &note.from, f),
-                },
+                Some(Ok(f)) if f.to_sender() => self.on_sender_frame(st, &note.from, f),
+                Some(Ok(f)) => self.on_receiver_frame(st, &note.from, f),
             }
         }
         if self.pump_in(st) {
@@ -1573,10 +1279,7 @@ impl Transport for Staged {
     fn revoke_peer(&self, peer: &str) -> Fence {
         let fence = self.inner.revoke_peer(peer);
         if fence == Fence::Confirmed {
-            let mut st = lock(&self.state);
-            if !st.fenced.iter().any(|p| p == peer) {
-                st.fenced.push(peer.to_owned());
-            }
+            lock(&self.state).rx.handle_fenced(peer);
         }
         fence
     }
@@ -1586,7 +1289,6 @@ impl Transport for Staged {
             let mut guard = lock(&self.state);
             let st = &mut *guard;
             st.peers.remove(peer);
-            st.landed.remove(peer);
             st.timed.retain(|_, t| t.peer != peer);
             // Outgoing: fails at once (the receiver is gone). Pieces being gathered or written keep
             // their send slots until those end (the next pumps).
@@ -1598,28 +1300,13 @@ impl Transport for Staged {
             // Incoming: its granted slots may still receive its WRITE unless the inner transport
             // confirmed that the peer's access is cut; then they are quarantined, not granted again
             // (issue 16, window 2). Slots being scattered free themselves when done.
-            let fenced = st.fenced.iter().any(|p| p == peer);
-            st.fenced.retain(|p| p != peer);
-            let until = Instant::now() + self.cfg.quarantine;
-            let keys: Vec<usize> = st.incoming.iter().filter(|(_, i)| i.peer == peer).map(|(k, _)| *k).collect();
-            for key in keys {
-                for s in st.recv.iter_mut() {
-                    if matches!(*s, RecvSlot::Granted { key: k, .. } if k == key) {
-                        if fenced {
-                            *s = RecvSlot::Free;
-                        } else {
-                            *s = RecvSlot::Quarantined { until };
-                            st.counts.slots_quarantined += 1;
-                            tracing::warn!(%peer, "staging: a receive slot granted to a lost, unfenced sender is quarantined");
-                        }
-                    }
-                }
-                if let Some(i) = st.incoming.get_mut(&key) {
-                    i.failed = true;
-                    i.gone = true;
-                }
+            let now = st.now();
+            let before = st.rx.counts().slots_quarantined;
+            st.rx.handle_peer_lost(now, peer);
+            let quarantined = st.rx.counts().slots_quarantined - before;
+            if quarantined > 0 {
+                tracing::warn!(%peer, quarantined, "staging: receive slots granted to a lost, unfenced sender are quarantined");
             }
-            st.incoming_order.retain(|k| st.incoming.contains_key(k));
         }
         self.inner.drop_peer(peer)
     }
@@ -1678,6 +1365,18 @@ impl Transport for Staged {
             self.time(&mut lock(&self.state), id, peer, Path::Staged, shape, started);
         }
         Some(r)
+    }
+
+    /// Stops the incoming staged transfers whose notification `completes` the request: the
+    /// receiver fails them, so no slot is granted to them and no piece of theirs is scattered any
+    /// more, and their senders end them (FAIL, CANCEL, CANCELLED).
+    fn stop_incoming(&self, completes: &dyn Fn(&str, &[u8]) -> bool) -> usize {
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
+        let now = st.now();
+        let n = st.rx.handle_stop(now, "the consumer stopped waiting for the request", completes);
+        self.carry_out_rx(st);
+        self.inner.stop_incoming(completes) + n
     }
 
     fn cancel(&self, id: XferId) {
@@ -1745,7 +1444,7 @@ impl Transport for Staged {
 
     fn busy(&self) -> bool {
         let st = lock(&self.state);
-        !st.out.is_empty() || !st.incoming.is_empty()
+        !st.out.is_empty() || st.rx.busy()
     }
 }
 
@@ -1763,35 +1462,6 @@ mod tests {
     use crate::proto::plan::{GridGroup, GridRow};
     use crate::proto::Copy;
     use crate::transport::loopback::Fabric;
-
-    #[test]
-    fn frames_round_trip_and_malformed_ones_are_refused() {
-        let frames = [
-            Frame::Request { tag: 7, pieces: 3, notif: b"KP-completion".to_vec() },
-            Frame::Grant { tag: 7, piece: 2, slot: 1, addr: 0xdead_0000 },
-            Frame::Piece { tag: 7, piece: 2, slot: 1, entries: 99, bytes: 4096 * 99 },
-            Frame::Fail { tag: 7, detail: "entry 3 outside registered memory".into() },
-            Frame::Cancel { tag: 7 },
-            Frame::Cancelled { tag: 7 },
-            Frame::Done { tag: 7 },
-        ];
-        for f in frames {
-            let b = f.encode();
-            assert_eq!(Frame::decode(&b).as_ref().map(|r| r.as_ref().ok()), Some(Some(&f)));
-            // Cut short: malformed (frames with a free-form tail only once the fixed part is cut).
-            let fixed = match f {
-                Frame::Request { .. } => 15,
-                Frame::Fail { .. } => 11,
-                _ => b.len(),
-            };
-            assert!(matches!(Frame::decode(&b[..fixed - 1]), Some(Err(FrameError::Truncated { .. }))), "{b:?}");
-        }
-        assert_eq!(Frame::decode(b"KP\x01rest"), None, "engine frames pass through");
-        assert_eq!(Frame::decode(b"KS\x09\0\0\0\0\0\0\0\0"), Some(Err(FrameError::UnknownKind(9))), "unknown kind");
-        let mut long = Frame::Cancel { tag: 1 }.encode();
-        long.push(0);
-        assert!(matches!(Frame::decode(&long), Some(Err(FrameError::Trailing { extra: 1, .. }))), "trailing bytes");
-    }
 
     #[test]
     fn config_is_validated() {

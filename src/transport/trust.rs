@@ -193,6 +193,9 @@ impl Transport for Trusted {
     fn cancel(&self, id: XferId) {
         self.inner.cancel(id);
     }
+    fn stop_incoming(&self, completes: &dyn Fn(&str, &[u8]) -> bool) -> usize {
+        self.inner.stop_incoming(completes)
+    }
     fn poll(&self, id: XferId) -> Result<XferState, TransportError> {
         self.inner.poll(id)
     }

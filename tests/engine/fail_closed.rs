@@ -276,6 +276,45 @@ fn an_unfenceable_lost_peer_gets_its_requests_failed_in_time_and_their_blocks_qu
     wait_for(&d.engine, "the blocks released", LIMIT, |f| matches!(f, Finished::Released { key: k } if *k == key));
 }
 
+/// Issue 16, pull on P: the side channel to D is lost while D's READ of P's sources is held in the
+/// data path, and P's data path cannot fence D (as NIXL). P must not give its sources back while
+/// that READ can still read them (their owner would reuse them under it): the grant is quarantined,
+/// and the sources come back only once D returns as a new process. (Before the fix P ended the
+/// grant and released its sources at the cut.)
+#[test]
+fn a_lost_consumers_read_keeps_ps_sources_quarantined_until_it_returns() {
+    let (p, d, _hub, _fabric) = pair(Setup::new(Mode::Pull, 1, 1));
+    p.transport.set_unfenceable(true);
+    let key = Key::new(0x9a47_0002, 1);
+    let (src, dst) = (vec![vec![3, 4]], vec![vec![10, 11]]);
+    let tokens = 2 * u64::from(BLOCK_TOKENS);
+    pattern::fill(p.engine.layout(), &p.buffers, &src, tokens, 0x5eed).expect("prefill");
+    p.engine.request_finished(key, src.clone(), tokens).expect("finished");
+    d.transport.inject_once(Fault::Delay(Duration::from_millis(400)));
+    d.engine.start_pull(key, P_ENGINE, src.clone(), dst, tokens).expect("pull starts");
+    poll_until("D posts its READ", LIMIT, || d.transport.stats().posts, |n| *n == 1);
+    cut(&p.engine, P_INC, &d.engine, D_INC);
+    let mut early = Vec::new();
+    poll_until(
+        "D's READ ends",
+        LIMIT,
+        || {
+            p.engine.poll(&mut early);
+            d.transport.stats()
+        },
+        one_ended,
+    );
+    p.engine.poll(&mut early);
+    assert!(
+        !early.iter().any(|f| matches!(f, Finished::Sent { key: k, .. } if *k == key)),
+        "P released its sources while the lost consumer's READ could still read them: {early:?}"
+    );
+    assert_eq!(p.engine.stats().counters.quarantined, 1, "the quarantine is counted");
+    // D comes back as a new process: the old one, and its READ, are gone.
+    connect_as(&p.engine, P_INC, &d.engine, Incarnation(0xd2));
+    wait_for(&p.engine, "P's release", LIMIT, |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
+}
+
 /// Issue 16, window 3: D gave up on a request (abort) while P's WRITE was held in the data path
 /// past D's drain timeout. The outcome is due at the drain timeout, but the WRITE can still land:
 /// the blocks must stay held until P's final word (its WRITE's end). The owner reuses them only at
@@ -332,6 +371,42 @@ fn a_pull_whose_grant_expires_reports_only_after_its_read_ended() {
     poll_until("D's READ ends", LIMIT, || d.transport.stats(), one_ended);
     std::thread::sleep(Duration::from_millis(50));
     assert_untouched(d, &dst, tokens, &format!("D's READ landed after D reported {out:?}"));
+}
+
+/// Issue 16, window 3 with staging: D aborts while P's staged pieces queue behind a held one (one
+/// receive slot), P never hears of the abort (its control link to D is gone, the data path runs
+/// on), and the drain timeout passes. From then on nothing more of the request may be granted or
+/// scattered into D's quarantined blocks: P writes only the piece already on the wire, learns that
+/// the transfer failed, and its failure is the final word that releases D's blocks. (Before the
+/// fix D's receiver kept granting and scattering the queued pieces, and P wrote every one of them.)
+#[test]
+fn after_the_drain_timeout_no_staged_piece_of_the_request_is_granted_or_scattered() {
+    let mut setup = crate::engine_stress::staged(Setup::new(Mode::Push, 1, 1));
+    if let Staging::On(c) = &mut setup.staging {
+        c.slots = 1;
+    }
+    setup.drain_timeout = Duration::from_millis(100);
+    let (p, d, hub, _fabric) = pair(setup);
+    let key = Key::new(0xd4a1_5a9e, 1);
+    let blocks = vec![(3..15).collect::<Vec<u32>>()];
+    let tokens = 12 * u64::from(BLOCK_TOKENS);
+    let hold = Duration::from_millis(500);
+    write_held(&p, &d, key, &blocks, tokens, hold);
+    hub.detach(p.engine.addr());
+    let aborted_at = std::time::Instant::now();
+    d.engine.abort(key).expect("abort");
+    let out = wait_for(&d.engine, "an outcome", LIMIT, |f| f.key() == key);
+    assert!(matches!(out, Finished::Quarantined { failed: false, .. }), "{out:?}");
+    wait_for(&d.engine, "the blocks released", LIMIT, |f| matches!(f, Finished::Released { key: k } if *k == key));
+    assert!(aborted_at.elapsed() < Duration::from_secs(5), "released only by a timeout");
+    let sent = wait_for(&p.engine, "P's release", LIMIT, |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
+    let pc = p.engine.staging_counts().expect("staged");
+    let slot_bytes = 8192;
+    assert!(pc.bytes > slot_bytes, "the request fits one piece, nothing could queue: {pc:?}");
+    assert_eq!(pc.pieces, 1, "P wrote queued pieces after D's drain timeout ({sent:?}): {pc:?}");
+    assert_eq!(pc.failed, 1, "{pc:?}");
+    let dc = d.engine.staging_counts().expect("staged");
+    assert_eq!(dc.received, 0, "D delivered the request after its drain timeout: {dc:?}");
 }
 
 /// Issue 16, window 2: staged receive slots. P's WRITE of a piece into D's only receive slot is held

@@ -7,3 +7,4 @@ mod codec_golden;
 mod plan_props;
 mod sim;
 mod sim_layerwise;
+mod sim_staging;

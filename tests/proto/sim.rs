@@ -141,7 +141,9 @@ fn params() -> impl Strategy<Value = Params> {
                         timeout_us: d_timeout,
                         max_pending: UNBOUNDED,
                         drain_timeout_us: d_timeout,
-                        quarantine_us: d_timeout,
+                        // Above the longest transfer, as the engine's bound is above anything a live
+                        // producer does: past it the consumer trades fail-closed for liveness.
+                        quarantine_us: d_timeout + xfer.0 + xfer.1,
                     },
                     net_us,
                     transfer_us: (xfer.0, xfer.0 + xfer.1),
@@ -619,6 +621,15 @@ impl Sim {
                 let rec = self.transfers.get_mut(&(key, r)).expect("done of a transfer never started");
                 assert!(rec.result.is_none(), "transfer reported done twice");
                 rec.result = Some(result);
+                // The WRITE may land any time until now (a failed one may have written part).
+                if let Some(acc) = self.accepted.get(&(key, r)) {
+                    let handed_back = acc.end.is_some() && (!acc.quarantined || acc.released);
+                    assert!(
+                        !handed_back,
+                        "no WRITE after D handed blocks back: {key} landed on rank {r} after {:?} (seed {})",
+                        acc.end, self.p.seed
+                    );
+                }
                 let held = self.held.get_mut(&rec.token).expect("blocks of a started transfer");
                 held.in_flight -= 1;
                 match result {

@@ -1,0 +1,11 @@
+//! The staging protocol, sans I/O: its frames ([`frame`]) and the receiving side's slots and
+//! grants ([`recv`]). `transport::staged` carries out what these decide (gathers, WRITEs, scatters,
+//! sending frames) and documents the protocol as a whole; read its module docs first.
+//!
+//! Like the rest of `proto`: no I/O, no clock (time is an argument), no `unsafe`.
+
+pub mod frame;
+pub mod recv;
+
+pub use frame::{Frame, FrameError, MAGIC, MAX_NOTIF};
+pub use recv::{Landed, Output, Phase, PieceNote, Receiver, RecvConfig, RecvCounts, Slot};
