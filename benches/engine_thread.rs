@@ -121,4 +121,12 @@ fn main() {
         pct(&mut empty_polls, 0.5) / 1000.0,
         pct(&mut empty_polls, 0.99) / 1000.0
     );
+    // Right after the last request both engines go idle: their writers linger, then park. What the
+    // process spends over the next 10 s (1 s under --test) is what idle engines cost.
+    let idle = Duration::from_secs(if quick { 1 } else { 10 });
+    let (c0, t0) = (engines::process_cpu_seconds(), Instant::now());
+    std::thread::sleep(idle);
+    let share = (engines::process_cpu_seconds() - c0) / t0.elapsed().as_secs_f64();
+    println!("  idle after the requests: {:.3}% of a core over {} s (both engines)", share * 100.0, idle.as_secs());
+    assert!(share < 0.01, "two idle engines used {:.2}% of a core", share * 100.0);
 }

@@ -37,8 +37,9 @@ const IDLE_WAIT: Duration = Duration::from_millis(100);
 const POLL_MIN: Duration = Duration::from_micros(10);
 /// How long a writer keeps polling its transport after work before it sleeps for real.
 const LINGER: Duration = Duration::from_millis(2);
-/// How often a lingering writer polls its transport (commands wake it at once).
-const LINGER_TICK: Duration = Duration::from_micros(100);
+/// How often a lingering writer looks at its inbox and polls its transport (the engine loop does
+/// not ring a lingering writer, so this bounds how long a command waits then).
+const LINGER_TICK: Duration = Duration::from_micros(50);
 /// Longest polling interval while only waiting for a peer's notification (a polled transport).
 const POLL_WAITING_MAX: Duration = Duration::from_micros(200);
 /// How long shutdown waits for the transfers a writer posted to end ([`Writer::fence`]).
@@ -143,6 +144,16 @@ pub(super) struct Writer {
     batch: bool,
 }
 
+/// How a writer waits for its next command ([`Writer::sleep_for_command`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Park {
+    /// Asleep until a command or the timeout: the engine loop's pushes ring it.
+    Parked,
+    /// Right after work: a short sleep the engine loop's pushes do not interrupt (no wake-up on the
+    /// engine thread); the inbox is looked at when it ends.
+    Lingering,
+}
+
 /// The channel from the engine loop is closed: the engine is gone and the writer stops.
 #[derive(Debug)]
 struct Hangup;
@@ -207,10 +218,13 @@ impl Writer {
         loop {
             let mut wait = self.next_wait();
             self.set_policy();
-            // Right after work the writer lingers: it polls its transport at least every LINGER_TICK
-            // (a peer's next frame is likely soon). Its sleeps are still rung by the engine loop's
-            // commands, so a push that arrives meanwhile starts at once, not at the next tick.
-            if self.last_active.elapsed() < LINGER {
+            // Right after work the writer lingers: it looks at its inbox and polls its transport at
+            // least every LINGER_TICK (the engine loop's next call and a peer's next frame are likely
+            // soon). A lingering writer does not count as parked, so the engine loop's pushes never
+            // ring it: the engine loop pays no wake-up (a futex call) while its writers are busy or
+            // have just been, only a command that arrives after LINGER of idleness does.
+            let lingering = self.last_active.elapsed() < LINGER;
+            if lingering {
                 wait = wait.min(LINGER_TICK);
             }
             let first = if wait.is_zero() {
@@ -223,7 +237,8 @@ impl Writer {
                     Err(crossbeam_channel::TryRecvError::Disconnected) => return,
                 }
             } else {
-                let Ok(cmd) = self.sleep_for_command(&inbox, wait) else { return };
+                let park = if lingering { Park::Lingering } else { Park::Parked };
+                let Ok(cmd) = self.sleep_for_command(&inbox, wait, park) else { return };
                 cmd
             };
             // Awake: the engine loop's pushes no longer ring until we prepare to sleep again.
@@ -270,10 +285,6 @@ impl Writer {
         }
     }
 
-    /// After a panic in [`Writer::serve`]: reports it, fails every request this shard holds, and then
-    /// answers each command with a failure until the engine stops. A request with a transfer still
-    /// posted gets its outcome only once the transport says that transfer ended (fail closed: its
-    /// blocks are not handed back while a WRITE or READ can still touch them).
     /// `SCHED_BATCH` while the writer only waits for commands (the engine loop that wakes it must not
     /// lose its core to it), the default policy while it polls the transport for a transfer of its
     /// own or a notification it expects (the poll's wake is then on a request's path: a batch thread
@@ -288,10 +299,12 @@ impl Writer {
         }
     }
 
-    /// Sleeps up to `wait` for the next command, unless commands reached the inbox while we were
-    /// about to sleep (then look at those). `Err` when the engine loop is gone: the writer stops.
-    fn sleep_for_command(&self, inbox: &Inbox<Cmd>, wait: Duration) -> Result<Option<Cmd>, Hangup> {
-        if !inbox.prepare_sleep() {
+    /// Sleeps up to `wait` for the next command on the writer's channel. Parked, the engine loop's
+    /// pushes ring it, and it does not sleep at all if commands reached the inbox while it was about
+    /// to (then it looks at those); lingering, the inbox is looked at when the sleep ends. `Err` when
+    /// the engine loop is gone: the writer stops.
+    fn sleep_for_command(&self, inbox: &Inbox<Cmd>, wait: Duration, park: Park) -> Result<Option<Cmd>, Hangup> {
+        if park == Park::Parked && !inbox.prepare_sleep() {
             return Ok(None);
         }
         match self.rx.recv_timeout(wait) {
@@ -301,6 +314,10 @@ impl Writer {
         }
     }
 
+    /// After a panic in [`Writer::serve`]: reports it, fails every request this shard holds, and then
+    /// answers each command with a failure until the engine stops. A request with a transfer still
+    /// posted gets its outcome only once the transport says that transfer ended (fail closed: its
+    /// blocks are not handed back while a WRITE or READ can still touch them).
     fn fail_closed(&mut self, panic: String) {
         let me = self.shared.me.clone();
         self.stats().failures.writer_panic += 1;
@@ -349,7 +366,7 @@ impl Writer {
                 self.shared.outbox.push(f);
             }
             let wait = if self.inflight.is_empty() { IDLE_WAIT } else { POLL_WAITING_MAX };
-            let Ok(first) = self.sleep_for_command(&inbox, wait) else { return };
+            let Ok(first) = self.sleep_for_command(&inbox, wait, Park::Parked) else { return };
             inbox.woke();
             self.shared.shards[self.index].wake.clear();
             inbox.drain_into(&mut commands);

@@ -3,20 +3,7 @@
 //! does the same). Only [`super::handoff`] uses these; everything else uses crossbeam.
 
 #[cfg(kvpush_loom)]
-pub(crate) use loom::sync::atomic::{fence, AtomicBool, Ordering};
-#[cfg(kvpush_loom)]
-pub(crate) use loom::sync::Mutex;
+pub(crate) use loom::sync::atomic::{fence, AtomicBool, AtomicPtr, Ordering};
 
 #[cfg(not(kvpush_loom))]
-pub(crate) use std::sync::atomic::{fence, AtomicBool, Ordering};
-#[cfg(not(kvpush_loom))]
-pub(crate) use std::sync::Mutex;
-
-#[cfg(not(kvpush_loom))]
-pub(crate) use crate::sync::lock;
-
-/// Locks `m` (loom's mutex does not poison).
-#[cfg(kvpush_loom)]
-pub(crate) fn lock<T>(m: &Mutex<T>) -> loom::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
+pub(crate) use std::sync::atomic::{fence, AtomicBool, AtomicPtr, Ordering};

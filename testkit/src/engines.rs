@@ -149,3 +149,14 @@ pub fn poll_until<S: std::fmt::Debug>(
         std::thread::sleep(Duration::from_millis(1));
     }
 }
+
+/// User + system CPU seconds this process has spent so far, all its threads (`/proc/self/stat`), for
+/// the idle-CPU checks of the engines built here (`tests/idle_cpu.rs`, `benches/engine_thread.rs`).
+pub fn process_cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").expect("read /proc/self/stat");
+    // Fields after the parenthesized command name; utime and stime are fields 14 and 15.
+    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f[11].parse::<f64>().expect("utime") + f[12].parse::<f64>().expect("stime");
+    ticks / 100.0 // USER_HZ is 100 on Linux
+}
