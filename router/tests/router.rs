@@ -860,7 +860,8 @@ async fn startup_checks_the_mode_and_takes_push_coordinates_from_the_info_endpoi
     let (_r2, base2) = start(cfg).await;
     let (status, _, _) = read_all(post(&client(), &format!("{base2}/v1/completions"), r#"{"prompt":"x"}"#).await).await;
     assert_eq!(status, 200);
-    let params = &d.requests().last().expect("D's leg").json["kv_transfer_params"];
+    let legs = d.requests();
+    let params = &legs.last().expect("D's leg").json["kv_transfer_params"];
     assert_eq!(params["remote_ranks"], json!(["h0:5600", "[fd00::2]:7000"]));
 }
 
