@@ -58,6 +58,10 @@ class Producer:
     port: int
     tp_size: int
     remote_block_ids: list[list[int]] | None  # pull only: P's blocks, per KV cache group
+    pp_size: int = 1
+    # Each of P's ranks' side-channel ``host:port``, indexed ``pp_rank * tp_size + tp_rank``, as P
+    # published them (``remote_ranks``); empty: rank ``r`` listens on ``host:port + r``.
+    ranks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,22 @@ def _block_ids(params: dict[str, Any], key: str) -> list[list[int]]:
     return out
 
 
+def _ranks(params: dict[str, Any], tp: int, pp: int) -> tuple[str, ...]:
+    """``remote_ranks``: one ``host:port`` per producer rank (``pp_rank * tp + tp_rank``), or ()."""
+    v = _present(params, "remote_ranks")
+    if v is None:
+        return ()
+    if not isinstance(v, (list, tuple)) or len(v) != tp * pp:
+        raise _Bad(f"remote_ranks is {v!r:.80}, not a list of {tp * pp} host:port (TP {tp} × PP {pp})")
+    out = []
+    for a in v:
+        host, sep, port = a.rpartition(":") if isinstance(a, str) else ("", "", "")
+        if not sep or not host.strip() or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise _Bad(f"remote_ranks has {a!r:.80}, not host:port")
+        out.append(a)
+    return tuple(out)
+
+
 def _attempt(params: dict[str, Any]) -> int:
     return _int(params, "attempt", 1, U32_MAX, default=1)
 
@@ -195,12 +215,15 @@ def consumer_transfer(params: Any, mode: str) -> tuple[Transfer, Producer] | Ref
     try:
         tid = _transfer_id(params, "remote_request_id", None)
         transfer = Transfer(tid, transfer_key(tid), _attempt(params))
+        tp, pp = _int(params, "tp_size", 1, 65535, default=1), _int(params, "pp_size", 1, 65535, default=1)
         producer = Producer(
             engine_id=_str(params, "remote_engine_id"),
             host=_str(params, "remote_host"),
             port=_int(params, "remote_port", 1, 65535),
-            tp_size=_int(params, "tp_size", 1, 65535, default=1),
+            tp_size=tp,
             remote_block_ids=_block_ids(params, "remote_block_ids") if mode == "pull" else None,
+            pp_size=pp,
+            ranks=_ranks(params, tp, pp),
         )
         return transfer, producer
     except _Bad as e:

@@ -31,6 +31,7 @@ import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
@@ -209,6 +210,20 @@ class ToProducer:
     host: str
     port: int
     producer_tp: int
+    # The producer's PP size and each of its ranks' ``host:port`` where it published them (empty:
+    # rank r at ``host:port + r``); see ``_transfer.Producer``.
+    producer_pp: int = field(default=1, kw_only=True)
+    producer_ranks: tuple[str, ...] = field(default=(), kw_only=True)
+
+    def where(self) -> dict[str, Any]:
+        """The native calls' keyword arguments naming the producer's ranks (none where the defaults,
+        PP 1 and rank r at ``port + r``, apply)."""
+        out: dict[str, Any] = {}
+        if self.producer_pp != 1:
+            out["producer_pp"] = self.producer_pp
+        if self.producer_ranks:
+            out["producer_ranks"] = list(self.producer_ranks)
+        return out
 
 
 @dataclass
@@ -256,6 +271,108 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Topology: where each rank listens, and the layer grouping the engine needs under PP.
+
+
+@dataclass
+class KVPushHandshake(KVConnectorHandshakeMetadata):
+    """What a worker publishes through vLLM's handshake-metadata hooks: where its side channel
+    listens. vLLM gathers one per (PP rank, TP rank) for the scheduler
+    (``set_xfer_handshake_metadata_pp_aware``), which hands them to D in ``remote_ranks``."""
+
+    engine_id: str
+    tp_rank: int
+    pp_rank: int
+    host: str
+    port: int
+
+
+def dp_index(vllm_config: VllmConfig) -> int:
+    """This engine's data-parallel index (0 without DP): DP engines of one host each take a block of
+    TP × PP side-channel ports."""
+    pc = vllm_config.parallel_config
+    return int(getattr(pc, "data_parallel_index", None) or getattr(pc, "data_parallel_rank", None) or 0)
+
+
+def rank0_port(base: int, vllm_config: VllmConfig) -> int:
+    """The side-channel port of this engine's rank 0: ``base`` + DP index × TP × PP (the engine adds
+    ``pp_rank × TP + tp_rank`` for each rank, src/python/mod.rs)."""
+    pc = vllm_config.parallel_config
+    return base + dp_index(vllm_config) * int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
+
+
+def published_host(cfg: KVPushConfig) -> str:
+    """The host this worker tells D to dial: ``$KVPUSH_SIDE_CHANNEL_HOST`` (set per node when an
+    engine's ranks span hosts), else ``side_channel_host``."""
+    return os.environ.get("KVPUSH_SIDE_CHANNEL_HOST") or cfg.side_channel_host
+
+
+def rank_addresses(metadata: dict[Any, Any], engine_id: str, tp: int, pp: int) -> list[str]:
+    """Every rank's ``host:port`` from vLLM's gathered handshake metadata (keyed ``(pp_rank,
+    tp_rank)``), indexed ``pp_rank * tp + tp_rank``, or [] (with the reason logged) when they are not
+    all there: D then dials rank r at ``remote_host:remote_port + r``."""
+    out: list[str | None] = [None] * (tp * pp)
+    for key, m in metadata.items():
+        if not isinstance(m, KVPushHandshake) or m.engine_id != engine_id:
+            logger.warning("kvpush: handshake metadata %r of rank %s is not this engine's; ignored", m, key)
+            return []
+        if not (0 <= m.tp_rank < tp and 0 <= m.pp_rank < pp):
+            logger.warning("kvpush: handshake metadata of rank tp%s/pp%s outside TP %s × PP %s; ignored",
+                           m.tp_rank, m.pp_rank, tp, pp)
+            return []
+        host = f"[{m.host}]" if ":" in m.host and not m.host.startswith("[") else m.host
+        out[m.pp_rank * tp + m.tp_rank] = f"{host}:{m.port}"
+    if any(a is None for a in out):
+        missing = [i for i, a in enumerate(out) if a is None]
+        logger.warning("kvpush: no handshake metadata from ranks %s; D dials rank r at port + r", missing)
+        return []
+    return [a for a in out if a is not None]
+
+
+def full_layer_groups(
+    local: list[tuple[list[int], int]],
+    total_layers: int,
+    pp_size: int,
+    pp_rank: int,
+    layer_types: list[str] | None,
+) -> list[tuple[list[int], int]]:
+    """The KV groups over every layer of the model, from this PP stage's groups (vLLM gives a
+    worker only its own layers). The engine plans across PP stages by global layer, so each group
+    must name the other stages' layers too: with one group, every layer is in it; with several, each
+    other layer goes to the group of its kind (``layer_types``: sliding-window layers to the one
+    group with a window, the rest to the one without). Anything else is refused with the reason.
+    """
+    if pp_size <= 1 or not local:
+        return local
+    base, rem = divmod(total_layers, pp_size)
+    first_extra = pp_size - 1 - rem  # vLLM's rule: the remainder goes to the stages before the last
+    start = pp_rank * base + max(0, min(pp_rank, pp_size - 1) - first_extra)
+    length = base + (1 if first_extra <= pp_rank < pp_size - 1 else 0)
+    mine = set(range(start, start + length))
+    have = {l for layers, _ in local for l in layers}
+    if have != mine:
+        raise ValueError(
+            f"kvpush: PP rank {pp_rank} of {pp_size} holds layers {sorted(have)}, not {start}..{start + length - 1} "
+            "as vLLM's even split gives (VLLM_PP_LAYER_PARTITION is not supported)"
+        )
+    others = [l for l in range(total_layers) if l not in mine]
+    if len(local) == 1:
+        layers, window = local[0]
+        return [(sorted(set(layers) | set(others)), window)]
+    windowed = [i for i, (_, w) in enumerate(local) if w > 0]
+    full = [i for i, (_, w) in enumerate(local) if w == 0]
+    if not layer_types or len(layer_types) != total_layers or len(windowed) != 1 or len(full) != 1:
+        raise ValueError(
+            f"kvpush: PP {pp_size} with {len(local)} KV cache groups needs the model's layer_types and one "
+            "full-attention and one sliding-window group, to place the other stages' layers"
+        )
+    out = [(list(layers), window) for layers, window in local]
+    for l in others:
+        out[windowed[0] if "sliding" in str(layer_types[l]) else full[0]][0].append(l)
+    return [(sorted(layers), window) for layers, window in out]
+
+
 # The engine's lease when ``lease_ms`` is 0 (src/proto/rendezvous.rs, RendezvousConfig::default).
 ENGINE_LEASE_MS = 30_000
 
@@ -275,6 +392,10 @@ class _Scheduler:
         pc = vllm_config.parallel_config
         self.tp_size = int(pc.tensor_parallel_size)
         self.pp_size = int(pc.pipeline_parallel_size)
+        # Rank 0's side-channel port (DP engines each take a block of TP × PP ports), and every rank's
+        # host:port once vLLM hands over the workers' handshake metadata ([]: port + rank).
+        self.port = rank0_port(cfg.side_channel_port, vllm_config)
+        self.rank_addrs: list[str] = []
         self.meta = KVPushMetadata()
         # P: req_id -> transfer (blocks held until the workers report them sent).
         self.sending: dict[str, tuple[str, int]] = {}
@@ -367,6 +488,8 @@ class _Scheduler:
                 host=producer.host,
                 port=producer.port,
                 producer_tp=producer.tp_size,
+                producer_pp=producer.pp_size,
+                producer_ranks=producer.ranks,
                 block_ids=local,
                 num_tokens=num_tokens,
                 remote_block_ids=producer.remote_block_ids,
@@ -444,7 +567,10 @@ class _Scheduler:
         if isinstance(parsed, Refused):
             return None
         t, p = parsed
-        return ToProducer(request.request_id, t.key, t.attempt, p.engine_id, p.host, p.port, p.tp_size)
+        return ToProducer(
+            request.request_id, t.key, t.attempt, p.engine_id, p.host, p.port, p.tp_size,
+            producer_pp=p.pp_size, producer_ranks=p.ranks,
+        )
 
     def _holds(self, meta: KVPushMetadata) -> None:
         """D: tells P to hold on to the requests that still wait here for blocks (each every
@@ -468,13 +594,20 @@ class _Scheduler:
             "attempt": transfer.attempt,
             "remote_engine_id": self.engine_id,
             "remote_host": self.cfg.side_channel_host,
-            "remote_port": self.cfg.side_channel_port,
+            "remote_port": self.port,
             "tp_size": self.tp_size,
             "pp_size": self.pp_size,
+            **({"remote_ranks": list(self.rank_addrs)} if self.rank_addrs else {}),
             "remote_block_ids": groups,
             "remote_num_tokens": num_tokens,
             "transfer_mode": self.cfg.mode,
         }
+
+    def set_rank_addresses(self, metadata: dict[Any, Any]) -> None:
+        """vLLM's gathered handshake metadata of every worker: each rank's side-channel address."""
+        self.rank_addrs = rank_addresses(metadata, self.engine_id, self.tp_size, self.pp_size)
+        if self.rank_addrs:
+            logger.info("kvpush: engine %s ranks listen at %s", self.engine_id, ", ".join(self.rank_addrs))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
         meta, self.meta = self.meta, KVPushMetadata()
@@ -714,6 +847,8 @@ class _Worker:
         # (``failed_recving``) and kills its engine core on invalid block ids.
         self.multi_group = len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) > 1
         self.failed_recving: set[str] = set()
+        # Where this rank's side channel listens, for vLLM's handshake-metadata hooks.
+        self.handshake: KVPushHandshake | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
@@ -737,6 +872,11 @@ class _Worker:
             mla=bool(getattr(mc, "use_mla", False)),
             num_blocks=int(self.kv_cache_config.num_blocks),
             local_kv_heads=max(total_heads // tp, 1),
+        )
+        pp_rank, pp_size = int(get_pp_group().rank_in_group), int(pc.pipeline_parallel_size)
+        layout["groups"] = full_layer_groups(
+            layout["groups"], int(mc.hf_config.num_hidden_layers), pp_size, pp_rank,
+            getattr(mc.hf_config, "layer_types", None),
         )
         device = layout.pop("_device")
         _check_buffer_device(self.cfg.kv_buffer_device, device)
@@ -769,8 +909,9 @@ class _Worker:
             mode=self.cfg.mode,
             tp_rank=int(get_tensor_model_parallel_rank()),
             tp_size=int(pc.tensor_parallel_size),
-            pp_rank=int(get_pp_group().rank_in_group),
-            pp_size=int(pc.pipeline_parallel_size),
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            dp_index=dp_index(self.vllm_config),
             side_channel_host=self.cfg.side_channel_listen,
             side_channel_port=self.cfg.side_channel_port,
             nixl_backend=_neuron.backend(self.cfg.nixl_backend, device),
@@ -790,6 +931,9 @@ class _Worker:
         lib = _load_nixl()
         kvpush.init_logging()
         self.native = kvpush.Worker(config)
+        port = self.native.side_channel_port  # None on the in-process loopback transport (tests)
+        if port is not None:
+            self.handshake = KVPushHandshake(self.engine_id, config["tp_rank"], pp_rank, published_host(self.cfg), port)
         logger.info(
             "kvpush: %s worker of engine %s (%s mode, %s, %d layers, %d blocks of %d tokens, KV cache groups %s "
             "in %d regions) on side-channel port %s, NIXL %s",
@@ -854,7 +998,9 @@ class _Worker:
         for word, notes in (("drop", meta.dropped), ("hold", meta.holds)):
             for t in notes:
                 try:
-                    n.tell_producer(word, t.transfer_id, t.attempt, t.producer, t.host, t.port, t.producer_tp)
+                    n.tell_producer(
+                        word, t.transfer_id, t.attempt, t.producer, t.host, t.port, t.producer_tp, **t.where()
+                    )
                     if word == "drop":
                         self.stats.record("requests_dropped", 1)
                 except Exception as e:  # P's lease ends it (a drop), or runs out (a hold: D then recomputes)
@@ -867,7 +1013,8 @@ class _Worker:
                 if r.remote_block_ids is None:
                     blocks = expand_block_ids(r.block_ids, self.blocks_per_block, r.num_tokens, self.kernel_tokens)
                     n.blocks_allocated(
-                        r.transfer_id, r.attempt, r.producer, r.host, r.port, r.producer_tp, blocks, r.num_tokens
+                        r.transfer_id, r.attempt, r.producer, r.host, r.port, r.producer_tp, blocks, r.num_tokens,
+                        **r.where(),
                     )
                 else:
                     n.start_pull(
@@ -880,6 +1027,7 @@ class _Worker:
                         r.remote_block_ids,
                         r.block_ids,
                         r.num_tokens,
+                        **r.where(),
                     )
                 self.stats.record("requests_registered", 1)
                 if self.host_regions is not None:
@@ -1231,6 +1379,18 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             return None
         return self._worker.take_stats()
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        # Each worker's side-channel address; vLLM gathers them for the scheduler (below).
+        return None if self._worker is None else self._worker.handshake
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        if self._scheduler is not None:
+            self._scheduler.set_rank_addresses(metadata)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        # A vLLM that gathers by TP rank only (no PP).
+        self.set_xfer_handshake_metadata_pp_aware({(0, r): m for r, m in metadata.items()})
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

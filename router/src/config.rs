@@ -52,11 +52,12 @@ pub struct RouterArgs {
     /// served [default: push].
     #[arg(long, value_enum)]
     pub mode: Option<TransferMode>,
-    /// A prefill (P) server: `URL[,engine_id=ID][,host=HOST][,port=PORT][,tp=N][,pp=N]`, e.g.
+    /// A prefill (P) server: `URL[,engine_id=ID][,host=HOST][,port=PORT][,tp=N][,pp=N][,ranks=H:P;...]`, e.g.
     /// `http://10.0.0.5:8100,engine_id=p0,port=5600,tp=8`. engine_id, host, port, tp and pp are P's KV
     /// engine id, side-channel host and port, TP and PP sizes, handed to D in push mode (defaults: from
     /// P's /v1/kvpush/info, else host of the URL, port 5600, tp 1, pp 1; push needs an engine id from one of
-    /// the two). Repeat for more servers; replaces the config file's list.
+    /// the two); ranks, each rank's side-channel host:port (rank pp·tp + tp), for P's ranks on several hosts
+    /// (default: rank r at port + r). Repeat for more servers; replaces the config file's list.
     #[arg(long = "prefill", value_name = "SPEC")]
     pub prefill: Vec<String>,
     /// A decode (D) server: `URL[,engine_id=ID]`. engine_id is D's KV engine id, sent to P as
@@ -133,6 +134,11 @@ pub struct InstanceConfig {
     /// Pipeline-parallel size, sent to D as `pp_size` (default 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pp_size: Option<u32>,
+    /// Each rank's side-channel `host:port`, indexed `pp_rank × tp + tp_rank`, sent to D as
+    /// `remote_ranks` (for an engine whose ranks span hosts; default: none, D dials rank r at
+    /// `port + r` on `host`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<Vec<String>>,
 }
 
 impl InstanceConfig {
@@ -142,7 +148,7 @@ impl InstanceConfig {
     }
 
     /// Parses `URL[,key=value...]` with keys `engine_id`, `host` (or `side_channel_host`), `port` (or
-    /// `side_channel_port`), `tp` (or `tp_size`) and `pp` (or `pp_size`).
+    /// `side_channel_port`), `tp` (or `tp_size`), `pp` (or `pp_size`) and `ranks` (`host:port;...`).
     pub fn parse_spec(spec: &str) -> Result<Self, ConfigError> {
         let mut parts = spec.split(',');
         let url = parts.next().unwrap_or_default().trim();
@@ -165,10 +171,11 @@ impl InstanceConfig {
                 }
                 "tp" | "tp_size" => inst.tp_size = Some(value.parse().map_err(|_| bad("not a positive integer"))?),
                 "pp" | "pp_size" => inst.pp_size = Some(value.parse().map_err(|_| bad("not a positive integer"))?),
+                "ranks" => inst.ranks = Some(value.split(';').map(|r| r.trim().to_owned()).collect()),
                 _ => {
                     return Err(ConfigError::Spec {
                         spec: spec.to_owned(),
-                        detail: format!("unknown key `{key}` (known: engine_id, host, port, tp, pp)"),
+                        detail: format!("unknown key `{key}` (known: engine_id, host, port, tp, pp, ranks)"),
                     })
                 }
             }
@@ -197,6 +204,19 @@ impl InstanceConfig {
         }
         if self.engine_id.as_deref().is_some_and(str::is_empty) {
             return Err(bad("engine_id is empty".to_owned()));
+        }
+        if let Some(ranks) = &self.ranks {
+            let all = self.tp_size.unwrap_or(1) as usize * self.pp_size.unwrap_or(1) as usize;
+            if ranks.len() != all {
+                return Err(bad(format!("ranks names {} addresses, tp × pp is {all}", ranks.len())));
+            }
+            for r in ranks {
+                let ok =
+                    r.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+                if !ok {
+                    return Err(bad(format!("ranks: `{r}` is not host:port")));
+                }
+            }
         }
         Ok(())
     }

@@ -269,9 +269,7 @@ pub(crate) fn push_decode_body(
         format!("cmpl-{transfer_id}-0")
     };
     let mut m = request.clone();
-    m.insert(
-        "kv_transfer_params".into(),
-        json!({
+    let mut params = json!({
             "do_remote_prefill": true,
             "transfer_id": transfer_id,
             "remote_request_id": remote_request_id,
@@ -280,8 +278,11 @@ pub(crate) fn push_decode_body(
             "remote_port": p.port,
             "tp_size": p.tp_size,
             "pp_size": p.pp_size,
-        }),
-    );
+    });
+    if !p.ranks.is_empty() {
+        params["remote_ranks"] = json!(p.ranks);
+    }
+    m.insert("kv_transfer_params".into(), params);
     m
 }
 

@@ -68,6 +68,7 @@ pub(crate) struct ServerInfo {
     pub(crate) side_channel_port: Option<u16>,
     pub(crate) tp_size: Option<u32>,
     pub(crate) pp_size: Option<u32>,
+    pub(crate) ranks: Option<Vec<String>>,
 }
 
 /// Where D finds P's KV in push mode: the `remote_*` fields of D's kv_transfer_params.
@@ -78,6 +79,8 @@ pub(crate) struct PushTarget {
     pub(crate) port: u16,
     pub(crate) tp_size: u32,
     pub(crate) pp_size: u32,
+    /// Each rank's side-channel `host:port` (`remote_ranks`); empty: rank r at `port + r`.
+    pub(crate) ranks: Vec<String>,
 }
 
 #[derive(Debug, Default)]
@@ -175,6 +178,7 @@ impl Instance {
             port: c.side_channel_port.or(info.side_channel_port).unwrap_or(DEFAULT_SIDE_CHANNEL_PORT),
             tp_size: c.tp_size.or(info.tp_size).unwrap_or(1),
             pp_size: c.pp_size.or(info.pp_size).unwrap_or(1),
+            ranks: c.ranks.clone().or(info.ranks).unwrap_or_default(),
         })
     }
 }

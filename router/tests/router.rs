@@ -63,6 +63,7 @@ fn p_instance(f: &Fake) -> InstanceConfig {
         side_channel_port: Some(5601),
         tp_size: Some(2),
         pp_size: Some(1),
+        ranks: None,
     }
 }
 
@@ -851,6 +852,17 @@ async fn startup_checks_the_mode_and_takes_push_coordinates_from_the_info_endpoi
     assert_eq!(params["remote_host"], "p9.example");
     assert_eq!(params["remote_port"], 7777);
     assert_eq!((params["tp_size"].clone(), params["pp_size"].clone()), (json!(4), json!(2)));
+
+    // Each rank's address, for P's ranks on several hosts, goes to D as remote_ranks.
+    let spec = "engine_id=p-engine-0,host=h0,port=5600,tp=2,ranks=h0:5600;[fd00::2]:7000";
+    let mut cfg = config(TransferMode::Push, &[&p_bare], &[&d]);
+    cfg.prefill[0] = InstanceConfig::parse_spec(&format!("{},{spec}", p_bare.url)).unwrap();
+    let (_r2, base2) = start(cfg).await;
+    let (status, _, _) = read_all(post(&client(), &format!("{base2}/v1/completions"), r#"{"prompt":"x"}"#).await).await;
+    assert_eq!(status, 200);
+    let legs = d.requests();
+    let params = &legs.last().expect("D's leg").json["kv_transfer_params"];
+    assert_eq!(params["remote_ranks"], json!(["h0:5600", "[fd00::2]:7000"]));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1139,6 +1151,9 @@ fn config_file_and_flags_resolve_with_flags_winning() {
         ("https://h:1", "only http"),
         ("h:1", "scheme"),
         ("http://h:1,tp=0", "at least 1"),
+        ("http://h:1,tp=2,ranks=a:1", "ranks names 1 addresses, tp × pp is 2"),
+        ("http://h:1,ranks=a", "`a` is not host:port"),
+        ("http://h:1,ranks=a:0", "`a:0` is not host:port"),
     ] {
         let e = InstanceConfig::parse_spec(bad).unwrap_err().to_string();
         assert!(e.contains(needle), "{bad}: {e}");

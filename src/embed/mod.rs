@@ -885,6 +885,78 @@ fn dialable(addr: SocketAddr) -> SocketAddr {
     }
 }
 
+/// The side-channel port of the worker at `parallel` of the data-parallel engine `dp_index`, whose
+/// rank 0 of engine 0 listens on `base`: each DP engine of a host takes a block of TP × PP ports
+/// (vLLM's `data_parallel_index`), each rank `pp_rank × TP + tp_rank` of it. Port 0 (any free port)
+/// stays 0 on every rank.
+pub fn rank_port(base: u32, dp_index: u32, parallel: Parallel) -> Result<u16, FfiError> {
+    if base == 0 {
+        return Ok(0);
+    }
+    let ranks = u64::from(parallel.tp_size.max(1)) * u64::from(parallel.pp_size.max(1));
+    let rank = u64::from(parallel.pp_rank) * u64::from(parallel.tp_size.max(1)) + u64::from(parallel.tp_rank);
+    let port = u64::from(base) + u64::from(dp_index) * ranks + rank;
+    u16::try_from(port).map_err(|_| {
+        let why = format!("{base} + dp_index {dp_index} x {ranks} + rank {rank} = {port} is above 65535");
+        FfiError::invalid("side_channel_port", why)
+    })
+}
+
+/// Where a producer engine's ranks listen, as a request names it.
+#[derive(Clone, Copy, Debug)]
+pub struct ProducerAt<'a> {
+    /// Host of rank 0 (and of every rank `ranks` does not name).
+    pub host: &'a str,
+    /// Side-channel port of rank 0.
+    pub port: u16,
+    /// The producer's TP size.
+    pub tp: u16,
+    /// The producer's PP size.
+    pub pp: u16,
+    /// Each rank's `host:port`, indexed `pp_rank * tp + tp_rank`, as the producer published them
+    /// (vLLM's handshake metadata); empty: rank `r` listens on `host:port + r`.
+    pub ranks: &'a [String],
+}
+
+/// The side-channel addresses of the producer ranks a consumer worker at `me` dials: those writing
+/// into it (TP sources × overlapping PP stages), and on its engine's first worker (TP 0, PP 0) every
+/// rank, so that ranks writing into no worker of the engine (replicated heads) can be told to
+/// release. A rank's address is the one the producer published (`at.ranks`), else `port + r` on
+/// `host` for rank `r = pp_rank * tp + tp_rank` (the side channel's default rule).
+pub fn producer_addrs(model: &ModelShape, me: Parallel, at: &ProducerAt<'_>) -> Result<Vec<String>, FfiError> {
+    use crate::proto::layout::{pp_sources, tp_sources};
+    if at.tp == 0 || at.pp == 0 {
+        return Err(FfiError::invalid("remote tp_size and pp_size", format!("are {} and {}", at.tp, at.pp)));
+    }
+    let all = usize::from(at.tp) * usize::from(at.pp);
+    if !at.ranks.is_empty() && at.ranks.len() != all {
+        let why = format!("name {} ranks, the producer has {all} (TP {} x PP {})", at.ranks.len(), at.tp, at.pp);
+        return Err(FfiError::invalid("remote ranks", why));
+    }
+    let ranks: Vec<(u16, u16)> = if me.tp_rank == 0 && me.pp_rank == 0 {
+        (0..at.pp).flat_map(|p| (0..at.tp).map(move |t| (t, p))).collect()
+    } else {
+        let tps = tp_sources(model, at.tp, me.tp_size, me.tp_rank);
+        let pps = pp_sources(model.total_layers, at.pp, me.pp_size, me.pp_rank);
+        tps.iter().flat_map(|s| pps.iter().map(move |&p| (s.tp_rank, p))).collect()
+    };
+    let host =
+        if at.host.contains(':') && !at.host.starts_with('[') { format!("[{}]", at.host) } else { at.host.to_owned() };
+    ranks
+        .iter()
+        .map(|&(t, p)| {
+            let r = usize::from(p) * usize::from(at.tp) + usize::from(t);
+            if let Some(addr) = at.ranks.get(r) {
+                return Ok(addr.clone());
+            }
+            let port = usize::from(at.port) + r;
+            u16::try_from(port)
+                .map(|port| format!("{host}:{port}"))
+                .map_err(|_| FfiError::invalid("remote_port", format!("{} + rank {r} > 65535", at.port)))
+        })
+        .collect()
+}
+
 /// A transfer key from its C parts.
 pub fn key_of(id_hi: u64, id_lo: u64, attempt: u32) -> Key {
     Key::new(u128::from(id_hi) << 64 | u128::from(id_lo), attempt)
@@ -935,6 +1007,82 @@ mod tests {
         assert!(e.to_string().contains("region 3 at 0x4000 has 100 bytes"), "{e}");
         let e = spec(vec![0x1000]).build().expect_err("too few bases");
         assert!(e.to_string().contains("1 region bases given, 4 expected"), "{e}");
+    }
+
+    fn model(layers: u32, kv_heads: u32) -> ModelShape {
+        ModelShape {
+            total_layers: layers,
+            kv_heads,
+            head_dim: 8,
+            dtype: DType::Bf16,
+            kind: KvKind::KeyValue,
+            groups: vec![KvGroup { kind: GroupKind::Full, layers: (0..layers).collect() }],
+        }
+    }
+
+    fn at<'a>(tp: u16, pp: u16, ranks: &'a [String]) -> ProducerAt<'a> {
+        ProducerAt { host: "10.0.0.1", port: 5600, tp, pp, ranks }
+    }
+
+    fn rank(tp_rank: u16, tp_size: u16, pp_rank: u16, pp_size: u16) -> Parallel {
+        Parallel { tp_rank, tp_size, pp_rank, pp_size }
+    }
+
+    #[test]
+    fn consumers_dial_the_producer_ranks_that_write_into_them_and_rank_0_dials_all() {
+        // P TP 2 over one KV head (replicated) -> D TP 1: D's only worker reads head 0 from P rank
+        // 0, yet dials rank 1 as well (it is told to release).
+        let one_head = model(4, 1);
+        assert_eq!(
+            producer_addrs(&one_head, rank(0, 1, 0, 1), &at(2, 1, &[])).expect("addrs"),
+            ["10.0.0.1:5600", "10.0.0.1:5601"]
+        );
+        // P TP 1 -> D TP 2 over two heads: D rank 1 dials only P's one rank.
+        let two_heads = model(4, 2);
+        assert_eq!(producer_addrs(&two_heads, rank(1, 2, 0, 1), &at(1, 1, &[])).expect("addrs"), ["10.0.0.1:5600"]);
+        // P TP 2 x PP 2 -> D TP 2 x PP 1: D rank 1 holds head 1 of every layer, from P's TP rank 1 of
+        // both stages: ranks pp*2 + tp = 1 and 3.
+        assert_eq!(
+            producer_addrs(&two_heads, rank(1, 2, 0, 1), &at(2, 2, &[])).expect("addrs"),
+            ["10.0.0.1:5601", "10.0.0.1:5603"]
+        );
+        // ... and D rank 0 dials all four.
+        assert_eq!(producer_addrs(&two_heads, rank(0, 2, 0, 1), &at(2, 2, &[])).expect("addrs").len(), 4);
+        // D TP 1 x PP 2 (layers 0-1, 2-3) from P PP 2 (the same split): D's stage 1 dials P's stage 1.
+        assert_eq!(producer_addrs(&two_heads, rank(0, 1, 1, 2), &at(1, 2, &[])).expect("addrs"), ["10.0.0.1:5601"]);
+    }
+
+    #[test]
+    fn data_parallel_engines_take_a_block_of_ports_each() {
+        // TP 2 x PP 2: rank pp*2 + tp; DP engine 1 starts after engine 0's four ports.
+        assert_eq!(rank_port(5600, 0, rank(1, 2, 1, 2)).expect("port"), 5603);
+        assert_eq!(rank_port(5600, 1, rank(0, 2, 0, 2)).expect("port"), 5604);
+        assert_eq!(rank_port(5600, 3, rank(1, 2, 0, 1)).expect("port"), 5607);
+        assert_eq!(rank_port(0, 3, rank(1, 2, 0, 1)).expect("any port"), 0);
+        let e = rank_port(65535, 0, rank(1, 2, 0, 1)).expect_err("past 65535");
+        assert!(e.to_string().contains("65535 + dp_index 0 x 2 + rank 1 = 65536 is above 65535"), "{e}");
+    }
+
+    #[test]
+    fn published_rank_addresses_replace_the_port_rule() {
+        let published: Vec<String> = ["a.example:7000", "b.example:7100", "c.example:7200", "[fd00::4]:7300"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let m = model(4, 2);
+        assert_eq!(
+            producer_addrs(&m, rank(1, 2, 0, 1), &at(2, 2, &published)).expect("addrs"),
+            ["b.example:7100", "[fd00::4]:7300"]
+        );
+        let e = producer_addrs(&m, rank(0, 1, 0, 1), &at(2, 2, &published[..3])).expect_err("3 of 4");
+        assert!(e.to_string().contains("name 3 ranks, the producer has 4 (TP 2 x PP 2)"), "{e}");
+        let e = producer_addrs(&m, rank(0, 1, 0, 1), &at(0, 1, &[])).expect_err("TP 0");
+        assert!(e.to_string().contains("are 0 and 1"), "{e}");
+        let far = ProducerAt { port: 65535, ..at(2, 1, &[]) };
+        let e = producer_addrs(&m, rank(0, 1, 0, 1), &far).expect_err("port overflow");
+        assert!(e.to_string().contains("65535 + rank 1 > 65535"), "{e}");
+        let v6 = ProducerAt { host: "fd00::1", ..at(1, 1, &[]) };
+        assert_eq!(producer_addrs(&m, rank(0, 1, 0, 1), &v6).expect("addrs"), ["[fd00::1]:5600"]);
     }
 
     #[test]

@@ -1178,6 +1178,25 @@ pub(crate) fn producer_ranks(model_src: &KvLayout, me: &KvLayout) -> Vec<Rank> {
     out
 }
 
+/// Ranks of a producer engine (laid out as `src`, any of its ranks) that write into no worker of the
+/// consumer engine `me` belongs to: with more producer TP ranks than KV heads, the replicas no
+/// consumer rank reads. Nothing but a word from the consumer releases their blocks before the lease.
+pub(crate) fn idle_producer_ranks(src: &KvLayout, me: &KvLayout) -> Vec<Rank> {
+    use crate::proto::layout::{pp_sources, tp_targets};
+    let (sp, dp) = (src.parallel, me.parallel);
+    let mut out = Vec::new();
+    for pp in 0..sp.pp_size.max(1) {
+        for tp in 0..sp.tp_size.max(1) {
+            let tps = tp_targets(&me.model, sp.tp_size, tp, dp.tp_size).len();
+            let pps = pp_sources(me.model.total_layers, dp.pp_size, sp.pp_size, pp).len();
+            if tps * pps == 0 {
+                out.push(Rank::new(tp, pp));
+            }
+        }
+    }
+    out
+}
+
 /// Consumer ranks a producer worker writes into, for a consumer engine whose sizes `dst` has.
 pub(crate) fn fan_out(me: &KvLayout, dst: &KvLayout) -> u16 {
     use crate::proto::layout::{pp_sources, tp_targets};

@@ -16,19 +16,22 @@ use crossbeam_channel::{Receiver, RecvTimeoutError};
 use super::side::Incarnation;
 use super::stats::TransferRecord;
 use super::timeline;
-use super::{addr_of, fan_out, producer_ranks, target_of, Cmd, Finished, PeerAddr, Shared, Stats, Via};
+use super::{
+    addr_of, fan_out, idle_producer_ranks, producer_ranks, target_of, Cmd, Finished, PeerAddr, Shared, Stats, Via,
+};
 use crate::pool::handoff::Inbox;
 use crate::proto::codec;
 use crate::proto::completion::{Completions, Event, FailReason, QuarantineCause};
 use crate::proto::grants::{Cause as GrantCause, Event as GrantEvent, GrantConfig, Grants};
 use crate::proto::ids::Instant;
 use crate::proto::layerwise::{part_layers, restrict_grid, LayerCompletion, LayerSend, LayerSet};
+use crate::proto::layout::KvLayout;
 use crate::proto::msg::{
     clip_block_lists, common_tokens, Abort, Completion, Failure, FailureKind, Grant, Hold, Message, Mode, Registration,
 };
 use crate::proto::plan::{Grid, PlanInput, PlanStats, Planner};
 use crate::proto::rendezvous::{Action, Order, ReleaseReason, Rendezvous, Slot, SourceBlocks};
-use crate::proto::{Copy, Key};
+use crate::proto::{Copy, Key, Rank};
 use crate::transport::{Desc, Notification, Op, XferId, XferState};
 
 /// Longest sleep when idle (bounds the reaction to a missed wake to this).
@@ -126,9 +129,9 @@ pub(super) struct Writer {
     producers: HashMap<Key, String>,
     /// Producer: requests reported layer by layer ([`super::Engine::layers_ready`]).
     layered: HashMap<Key, Layered>,
-    /// Consumer: requests dropped before they registered, and how many producer ranks that were
-    /// told have not answered yet ([`Writer::answered_drop`]).
-    dropped: HashMap<Key, usize>,
+    /// Consumer: producer ranks told to let a request go (it was dropped before it registered, or
+    /// they write nothing into this engine) that have not answered yet ([`Writer::answered_drop`]).
+    dropped: HashMap<Key, Vec<Rank>>,
     /// Producer: which consumer workers registered each live request (for peer loss).
     registered_by: HashMap<Key, Vec<(PeerAddr, Option<Incarnation>)>>,
     /// Consumer: outcomes of requests whose own READ was still in flight when they ended; each goes
@@ -521,13 +524,7 @@ impl Writer {
                     self.stats().counters.aborted += 1;
                     let told =
                         self.abort_producers(key, &producer, "the consumer dropped the request before allocating");
-                    if told > 0 {
-                        if self.dropped.len() >= MAX_DROPPED {
-                            // Answers that never came (a producer lost meanwhile): forget them.
-                            self.dropped.clear();
-                        }
-                        self.dropped.insert(key, told);
-                    }
+                    self.await_answers(key, told);
                 }
             }
             Cmd::Msg { from, incarnation, msg, via, credit } => {
@@ -735,7 +732,7 @@ impl Writer {
         if let Err(e) = self.comp.handle_registered(now, &reg, peers.len() as u32) {
             return fail(self, format!("{me}: request {key}: {e}"), block_ids);
         }
-        self.producers.insert(key, producer);
+        self.producers.insert(key, producer.clone());
         self.stats().counters.registrations += 1;
         let frame = match codec::to_vec(&Message::Registration(reg)) {
             Ok(f) => f,
@@ -754,6 +751,8 @@ impl Writer {
             }
         }
         timeline::record("eng_register_sent", key);
+        let told = self.release_idle_producers(key, &producer, &any.layout, "writes into no rank of this consumer");
+        self.await_answers(key, told);
     }
 
     /// A peer worker went away: everything with it fails on this side, in time, but a block goes
@@ -847,25 +846,71 @@ impl Writer {
         }
     }
 
-    /// Consumer: tells every producer rank of `producer` that writes into this worker that `key` is
+    /// Consumer: tells every producer rank of `producer` that writes into this worker — and, from
+    /// this engine's first worker, every rank that writes into none of its workers — that `key` is
     /// over here, so they release its blocks now and write nothing more into ours.
-    /// Returns how many ranks were told.
-    fn abort_producers(&mut self, key: Key, producer: &str, reason: &str) -> usize {
-        let Some(any) = self.shared.any_peer_of(producer) else { return 0 };
+    /// Returns the ranks told.
+    fn abort_producers(&mut self, key: Key, producer: &str, reason: &str) -> Vec<Rank> {
+        let Some(any) = self.shared.any_peer_of(producer) else { return Vec::new() };
         let msg = Message::Abort(Abort { key, rank: self.shared.me.rank, reason: reason.into() });
         let ranks = producer_ranks(&any.layout, &self.shared.layout);
         for rank in &ranks {
             self.send_frame(&PeerAddr { engine: producer.to_owned(), rank: *rank }, &msg);
         }
-        ranks.len()
+        let mut told = ranks;
+        told.extend(self.release_idle_producers(key, producer, &any.layout, reason));
+        told
     }
 
-    /// Whether a failure for `key` answers an [`Engine::abort_producer`](super::Engine::abort_producer)
-    /// (counted down: each rank told answers once).
-    fn answered_drop(&mut self, key: Key) -> bool {
+    /// Consumer, on this engine's first worker (TP 0, PP 0) only: tells the ranks of `producer` that
+    /// write into no worker of this engine — with more producer TP ranks than KV heads, the replicas
+    /// no consumer rank reads — that `key` needs nothing from them, so they release its blocks now
+    /// rather than when their lease runs out. Each answers with an `Aborted` failure
+    /// ([`Writer::answered_drop`]). A rank not handshaken is skipped (its lease ends it).
+    /// Returns the ranks told.
+    fn release_idle_producers(&mut self, key: Key, producer: &str, layout: &KvLayout, why: &str) -> Vec<Rank> {
+        if self.shared.me.rank != Rank::new(0, 0) {
+            return Vec::new();
+        }
+        let idle = idle_producer_ranks(layout, &self.shared.layout);
+        if idle.is_empty() {
+            return idle;
+        }
+        let msg = Message::Abort(Abort { key, rank: self.shared.me.rank, reason: why.into() });
+        let mut told = Vec::with_capacity(idle.len());
+        for rank in idle {
+            let addr = PeerAddr { engine: producer.to_owned(), rank };
+            if self.shared.peer_by_addr(&addr).is_none() {
+                tracing::debug!(worker = %self.shared.me, peer = %addr, %key, "idle producer rank not handshaken; its lease releases it");
+                continue;
+            }
+            self.send_frame(&addr, &msg);
+            told.push(rank);
+        }
+        told
+    }
+
+    /// Remembers that the producer ranks `told` owe an answer about `key` (an `Aborted` failure that
+    /// must not fail the request here).
+    fn await_answers(&mut self, key: Key, told: Vec<Rank>) {
+        if told.is_empty() {
+            return;
+        }
+        if self.dropped.len() >= MAX_DROPPED {
+            // Answers that never came (a producer lost meanwhile): forget them.
+            self.dropped.clear();
+        }
+        self.dropped.entry(key).or_default().extend(told);
+    }
+
+    /// Whether a failure for `key` from producer rank `rank` answers a word this worker sent it
+    /// ([`Engine::abort_producer`](super::Engine::abort_producer), or a release of an idle rank):
+    /// each rank told answers once.
+    fn answered_drop(&mut self, key: Key, rank: Rank) -> bool {
         let Some(left) = self.dropped.get_mut(&key) else { return false };
-        *left -= 1;
-        if *left == 0 {
+        let Some(i) = left.iter().position(|r| *r == rank) else { return false };
+        left.swap_remove(i);
+        if left.is_empty() {
             self.dropped.remove(&key);
         }
         true
@@ -948,7 +993,7 @@ impl Writer {
             Message::Failure(f) => {
                 if self.grants.is_reading(f.key, &from) {
                     self.read_done(now, f.key, from, Err(f.kind));
-                } else if f.kind == FailureKind::Aborted && self.answered_drop(f.key) {
+                } else if f.kind == FailureKind::Aborted && self.answered_drop(f.key, from.rank) {
                     // A producer rank's answer to `abort_producer`: nothing of ours waited for it.
                 } else {
                     self.stats().failures.remote += 1;

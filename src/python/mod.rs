@@ -24,8 +24,8 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::embed::{self, EngineSpec, FfiEngine, FfiError, GroupSpec, LayoutSpec, TransportSpec};
-use crate::proto::layout::{tp_sources, Parallel};
+use crate::embed::{self, EngineSpec, FfiEngine, FfiError, GroupSpec, LayoutSpec, ProducerAt, TransportSpec};
+use crate::proto::layout::Parallel;
 use crate::proto::Key;
 use crate::sync::lock;
 
@@ -146,28 +146,15 @@ impl Inner {
         lock(&self.local).push_back(("failed", transfer_id_of(key), key.attempt.0, why, invalid));
     }
 
-    /// The producer ranks writing into this worker, as side-channel addresses: rank r of a producer
-    /// whose rank 0 listens on `port` listens on `port + r` (the side channel's default, 5600 + rank).
-    fn producer_addrs(&self, host: &str, port: u16, producer_tp: u16) -> Result<Vec<String>, FfiError> {
-        if producer_tp == 0 {
-            return Err(FfiError::invalid("remote tp_size", "is 0"));
-        }
-        let ranks = tp_sources(&self.model, producer_tp, self.parallel.tp_size, self.parallel.tp_rank);
-        let host = if host.contains(':') && !host.starts_with('[') { format!("[{host}]") } else { host.to_owned() };
-        ranks
-            .iter()
-            .map(|s| {
-                let p = u32::from(port) + u32::from(s.tp_rank);
-                u16::try_from(p)
-                    .map(|p| format!("{host}:{p}"))
-                    .map_err(|_| FfiError::invalid("remote_port", format!("{port} + rank {} > 65535", s.tp_rank)))
-            })
-            .collect()
+    /// The side-channel addresses of the producer ranks this worker dials
+    /// ([`embed::producer_addrs`]).
+    fn producer_addrs(&self, at: &ProducerAt<'_>) -> Result<Vec<String>, FfiError> {
+        embed::producer_addrs(&self.model, self.parallel, at)
     }
 
     /// Sends `q` now if `producer` is handshaken; else queues it and, the first time, dials it on a
     /// background thread.
-    fn route(self: &Arc<Self>, producer: &str, host: &str, port: u16, producer_tp: u16, q: Queued) -> PyResult<()> {
+    fn route(self: &Arc<Self>, producer: &str, at: &ProducerAt<'_>, q: Queued) -> PyResult<()> {
         let mut producers = lock(&self.producers);
         match producers.get_mut(producer) {
             Some(ProducerState::Ready) if self.engine.engine().knows_engine(producer) => {
@@ -187,14 +174,14 @@ impl Inner {
             }
             None => {}
         }
-        let addrs = self.producer_addrs(host, port, producer_tp).map_err(py_err)?;
+        let addrs = self.producer_addrs(at).map_err(py_err)?;
         producers.insert(producer.to_owned(), ProducerState::Dialing(vec![q]));
         drop(producers);
         let me = Arc::clone(self);
         let producer = producer.to_owned();
         let spawned = std::thread::Builder::new().name("kvpush-dial".into()).spawn(move || me.dial(&producer, &addrs));
         if let Err(e) = spawned {
-            return Err(TransportError::new_err(format!("cannot start a thread to dial {host}: {e}")));
+            return Err(TransportError::new_err(format!("cannot start a thread to dial {}: {e}", at.host)));
         }
         Ok(())
     }
@@ -304,11 +291,8 @@ fn specs(d: &Bound<'_, PyDict>) -> PyResult<(EngineSpec, LayoutSpec)> {
     let layout = layout_spec(d)?;
     let parallel = layout.parallel;
     let host: String = get(d, "side_channel_host")?.unwrap_or_else(|| "0.0.0.0".into());
-    let port: u32 = get(d, "side_channel_port")?.unwrap_or(5600);
-    let port = port + u32::from(parallel.tp_rank) + u32::from(parallel.pp_rank) * u32::from(parallel.tp_size);
-    if port > 65535 {
-        return Err(ConfigError::new_err(format!("side_channel_port + rank = {port} is above 65535")));
-    }
+    let base: u32 = get(d, "side_channel_port")?.unwrap_or(5600);
+    let port = embed::rank_port(base, get(d, "dp_index")?.unwrap_or(0), parallel).map_err(py_err)?;
     let listen = if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
     let engine_id: String = need(d, "engine_id")?;
     let spec = EngineSpec {
@@ -466,8 +450,11 @@ impl Worker {
     }
 
     /// Consumer, push: blocks are allocated; registers them with the producer ranks that write into
-    /// this worker (dialing the producer at `host:port` the first time).
+    /// this worker (dialing the producer at `host:port` the first time). `producer_pp` is the
+    /// producer's PP size; `producer_ranks` each of its ranks' `host:port` (index `pp_rank × TP +
+    /// tp_rank`) where it published them, else rank `r` is dialed at `host:port + r`.
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (transfer_id, attempt, producer, host, port, producer_tp, block_ids, num_tokens, producer_pp=1, producer_ranks=Vec::new()))]
     fn blocks_allocated(
         &self,
         py: Python<'_>,
@@ -479,14 +466,19 @@ impl Worker {
         producer_tp: u16,
         block_ids: Vec<Vec<u32>>,
         num_tokens: u64,
+        producer_pp: u16,
+        producer_ranks: Vec<String>,
     ) -> PyResult<()> {
         let key = key_of(transfer_id, attempt)?;
         let q = Queued::Push { key, blocks: block_ids, tokens: num_tokens };
-        py.detach(|| self.inner.route(producer, host, port, producer_tp, q))
+        let at = ProducerAt { host, port, tp: producer_tp, pp: producer_pp, ranks: &producer_ranks };
+        py.detach(|| self.inner.route(producer, &at, q))
     }
 
-    /// Consumer, pull: reads the producer's `remote_block_ids` into `local_block_ids`.
+    /// Consumer, pull: reads the producer's `remote_block_ids` into `local_block_ids`
+    /// (`producer_pp`, `producer_ranks`: as for `blocks_allocated`).
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (transfer_id, attempt, producer, host, port, producer_tp, remote_block_ids, local_block_ids, num_tokens, producer_pp=1, producer_ranks=Vec::new()))]
     fn start_pull(
         &self,
         py: Python<'_>,
@@ -499,18 +491,22 @@ impl Worker {
         remote_block_ids: Vec<Vec<u32>>,
         local_block_ids: Vec<Vec<u32>>,
         num_tokens: u64,
+        producer_pp: u16,
+        producer_ranks: Vec<String>,
     ) -> PyResult<()> {
         let key = key_of(transfer_id, attempt)?;
         let q = Queued::Pull { key, remote: remote_block_ids, local: local_block_ids, tokens: num_tokens };
-        py.detach(|| self.inner.route(producer, host, port, producer_tp, q))
+        let at = ProducerAt { host, port, tp: producer_tp, pp: producer_pp, ranks: &producer_ranks };
+        py.detach(|| self.inner.route(producer, &at, q))
     }
 
     /// Consumer, about a request that has no blocks here yet: `word` `"drop"` (it was dropped
     /// before its blocks were allocated: the producer ranks that write into this worker release
     /// theirs now) or `"hold"` (it still waits in the serving engine's queue: they restart their
     /// lease of its blocks). Dials the producer at `host:port` the first time. No outcome follows
-    /// from `poll`.
+    /// from `poll` (`producer_pp`, `producer_ranks`: as for `blocks_allocated`).
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (word, transfer_id, attempt, producer, host, port, producer_tp, producer_pp=1, producer_ranks=Vec::new()))]
     fn tell_producer(
         &self,
         py: Python<'_>,
@@ -521,6 +517,8 @@ impl Worker {
         host: &str,
         port: u16,
         producer_tp: u16,
+        producer_pp: u16,
+        producer_ranks: Vec<String>,
     ) -> PyResult<()> {
         let key = key_of(transfer_id, attempt)?;
         let q = match word {
@@ -528,7 +526,8 @@ impl Worker {
             "hold" => Queued::Hold { key },
             other => return Err(ConfigError::new_err(format!("tell_producer: word {other:?} is not drop or hold"))),
         };
-        py.detach(|| self.inner.route(producer, host, port, producer_tp, q))
+        let at = ProducerAt { host, port, tp: producer_tp, pp: producer_pp, ranks: &producer_ranks };
+        py.detach(|| self.inner.route(producer, &at, q))
     }
 
     /// Aborts the transfer on this worker, in whatever state it is; peers are told. Its outcome

@@ -8,3 +8,4 @@ mod fail_closed;
 mod layerwise;
 mod lifecycle;
 mod side_channel;
+mod topology;
