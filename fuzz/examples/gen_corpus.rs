@@ -897,7 +897,7 @@ fn handshakes(c: &mut Corpus) {
     layout_case("region_len_overflow", "BadRegion", "stride x blocks overflows u64", &|l| {
         l.block_stride = u64::MAX / 32
     });
-    layout_case("regions_equal", "Overlap", "regions 0 and 5 at one address", &|l| {
+    layout_case("regions_equal", "SharedWithinGroup", "regions 0 and 5 (layers of one group) at one address", &|l| {
         l.region_bases[5] = l.region_bases[0]
     });
     layout_case("regions_touching_minus_1", "Overlap", "region 1 starts one byte inside region 0", &|l| {

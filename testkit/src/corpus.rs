@@ -141,6 +141,7 @@ fn layout_detail(e: &LayoutError) -> String {
         LayoutError::RegionCount { .. } => "RegionCount".into(),
         LayoutError::BadRegion { .. } => "BadRegion".into(),
         LayoutError::Overlap { .. } => "Overlap".into(),
+        LayoutError::SharedWithinGroup { .. } => "SharedWithinGroup".into(),
         LayoutError::Groups(_) => "Groups".into(),
         _ => format!("Unknown:{e:?}"),
     }
