@@ -90,6 +90,9 @@ def install_vllm_stand_ins(force: bool = False) -> bool:
     class SupportsHMA:
         pass
 
+    class KVConnectorHandshakeMetadata:
+        pass
+
     class KVConnectorBase_V1:
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
             self._vllm_config, self._role, self._kv_cache_config = vllm_config, role, kv_cache_config
@@ -112,7 +115,8 @@ def install_vllm_stand_ins(force: bool = False) -> bool:
         module(pkg, __path__=[])
     v1 = "vllm.distributed.kv_transfer.kv_connector.v1"
     module(f"{v1}.base", KVConnectorBase_V1=KVConnectorBase_V1, KVConnectorMetadata=KVConnectorMetadata,
-           KVConnectorRole=KVConnectorRole, SupportsHMA=SupportsHMA)  # fmt: skip
+           KVConnectorRole=KVConnectorRole, SupportsHMA=SupportsHMA,
+           KVConnectorHandshakeMetadata=KVConnectorHandshakeMetadata)  # fmt: skip
     module(f"{v1}.metrics", KVConnectorStats=KVConnectorStats, KVConnectorPromMetrics=KVConnectorPromMetrics)
     module("vllm.logger", init_logger=logging.getLogger)
     module("vllm.distributed.parallel_state", get_tensor_model_parallel_rank=lambda: 0,
