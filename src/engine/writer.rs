@@ -85,6 +85,10 @@ struct Layered {
     consumer: Option<String>,
     /// Layer-wise pushes under way, per consumer worker.
     pushes: HashMap<PeerAddr, LayerPush>,
+    /// Whole: when blocks still collecting here (their last layer never reported) are released, the
+    /// producer lease counted from the first report (the rendezvous's lease starts only once they
+    /// reach it).
+    lease_until: Instant,
 }
 
 /// Producer: the layer-wise push of one request into one consumer worker.
@@ -279,6 +283,7 @@ impl Writer {
             self.rdv.handle_timeout(now);
             self.comp.handle_timeout(now);
             self.grants.handle_timeout(now);
+            self.expire_unstarted(now);
             self.drain_grants(now);
             self.drain_outputs();
             self.poll_interval = if progressed { POLL_MIN } else { (self.poll_interval * 2).min(POLL_WAITING_MAX) };
@@ -456,7 +461,8 @@ impl Writer {
     fn next_wait(&self) -> Duration {
         let now = self.now();
         let mut wait = IDLE_WAIT;
-        let deadlines = [self.rdv.poll_timeout(), self.comp.poll_timeout(), self.grants.poll_timeout()];
+        let deadlines =
+            [self.rdv.poll_timeout(), self.comp.poll_timeout(), self.grants.poll_timeout(), self.unstarted_deadline()];
         for d in deadlines.into_iter().flatten() {
             wait = wait.min(Duration::from_micros(d.micros_since(now)));
         }
@@ -568,12 +574,14 @@ impl Writer {
         timeline::record("eng_layers_ready", key);
         self.supersede_unstarted(key);
         let mine = self.shared.layout.layer_range();
+        let lease_until = Instant(now.0.saturating_add(self.shared.config.rendezvous.lease_us));
         let l = self.layered.entry(key).or_insert_with(|| Layered {
             blocks: Some(blocks),
             final_layers: LayerSet::new(mine),
             layerwise,
             consumer,
             pushes: HashMap::new(),
+            lease_until,
         });
         let added = l.final_layers.insert(layers.clone());
         let start = l.blocks.is_some() && (l.layerwise || l.final_layers.is_full());
@@ -594,6 +602,28 @@ impl Writer {
             }
             self.post_layers(now, key, &peer);
         }
+    }
+
+    /// Producer: requests collected whole whose last layer was not reported within the lease (the
+    /// serving engine lost them mid-prefill): their blocks come back, as the rendezvous's lease
+    /// returns those of a request whose consumer never registered. Nothing was posted from them.
+    fn expire_unstarted(&mut self, now: Instant) {
+        let due: Vec<Key> =
+            self.layered.iter().filter(|(_, l)| l.blocks.is_some() && l.lease_until <= now).map(|(k, _)| *k).collect();
+        for key in due {
+            self.layered.remove(&key);
+            let mut st = self.stats();
+            st.counters.released += 1;
+            st.failures.lease_expired += 1;
+            drop(st);
+            tracing::warn!(worker = %self.shared.me, %key, "layers of a request never all reported within the lease: its blocks are released");
+            self.shared.outbox.push(Finished::Sent { key, reason: ReleaseReason::LeaseExpired });
+        }
+    }
+
+    /// The earliest lease of a request still collecting its layers ([`Writer::expire_unstarted`]).
+    fn unstarted_deadline(&self) -> Option<Instant> {
+        self.layered.values().filter(|l| l.blocks.is_some()).map(|l| l.lease_until).min()
     }
 
     /// Producer: a request reported whole-by-layers whose blocks never reached the rendezvous is

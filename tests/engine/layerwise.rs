@@ -213,3 +213,30 @@ fn whole_mode_collects_layers_and_an_abort_before_the_last_releases_at_once() {
     p.engine.abort(new).expect("abort the newer attempt");
     wait_for(&p.engine, "released", limit, |f| matches!(f, Finished::Sent { key: k, .. } if *k == new));
 }
+
+#[test]
+fn whole_mode_collecting_past_the_lease_releases_the_blocks() {
+    let dev: Arc<dyn Device> = device::from_env().expect("device");
+    let (fabric, hub) = (Fabric::new(), LocalHub::new());
+    let layout = layouts::separate(layouts::full_model(8, 2, 16), 64, layouts::tp(0, 1));
+    let mut c = Config::new("prefill", Mode::Push);
+    c.layerwise = Layerwise::Off;
+    c.rendezvous.lease_us = 300_000;
+    // SAFETY: nothing reads or writes the blocks of this test's request.
+    let p = unsafe { engines::loopback_worker(c, layout, &dev, &fabric, "p", &hub) };
+    // Whole mode: the serving engine reports layers 0..5 of 8 and then never the rest (it lost the
+    // request mid-prefill without aborting it). The blocks are not the engine's forever: the
+    // producer lease, counted from the first report, gives them back.
+    let key = Key::new(0x26, 1);
+    p.engine.layers_ready(key, vec![vec![0, 1, 2, 3]], 60, 0..5).expect("layers 0..5");
+    let f = wait_for(
+        &p.engine,
+        "released",
+        Duration::from_secs(10),
+        |f| matches!(f, Finished::Sent { key: k, .. } if *k == key),
+    );
+    assert!(matches!(f, Finished::Sent { reason: ReleaseReason::LeaseExpired, .. }), "{f:?}");
+    let st = p.engine.stats();
+    assert_eq!((st.counters.released, st.failures.lease_expired), (1, 1), "{st:?}");
+    assert_eq!(posts(&p), 0, "nothing was posted from blocks whose last layer never came");
+}
