@@ -56,8 +56,22 @@ def vllm_config(tp: int = 1, pp: int = 1, dp_index: int = 0, layer_types: list[s
     )
 
 
+class FullAttentionSpec:
+    """Stands for vLLM's spec of a full-attention layer (the connector goes by the spec's type name)."""
+
+    sliding_window = None
+
+
+class SlidingWindowSpec:
+    """Stands for vLLM's spec of a sliding-window layer."""
+
+    def __init__(self, sliding_window: int) -> None:
+        self.sliding_window = sliding_window
+
+
 def group(layers: list[int], window: int = 0) -> Any:
-    return SimpleNamespace(layer_names=[name(i) for i in layers], kv_cache_spec=SimpleNamespace(sliding_window=window))
+    spec = SlidingWindowSpec(window) if window else FullAttentionSpec()
+    return SimpleNamespace(layer_names=[name(i) for i in layers], kv_cache_spec=spec)
 
 
 class _Native:
@@ -115,7 +129,8 @@ def test_a_pp_stage_hands_the_engine_every_layer_s_group(monkeypatch: pytest.Mon
 def test_a_hybrid_pp_stage_places_the_other_stage_s_layers_by_type(monkeypatch: pytest.MonkeyPatch) -> None:
     types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
     w, config = start_worker(monkeypatch, vllm_config(pp=2, layer_types=types), [group([0], 32), group([1])], 0)
-    assert [(list(l), win) for l, win in config["groups"]] == [([0, 2], 32), ([1, 3], 0)]
+    # The engine's window is what vLLM keeps of a 32-token sliding window after the prompt: 31 tokens.
+    assert [(list(l), win) for l, win in config["groups"]] == [([0, 2], 31), ([1, 3], 0)]
     native_layout(config)
 
 
