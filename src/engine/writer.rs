@@ -772,6 +772,9 @@ impl Writer {
                 return;
             }
         };
+        // Stamped as the frame is handed to the link: the side channel's I/O thread may deliver it,
+        // and P read it, before `send` returns here.
+        timeline::record("eng_register_sent", key);
         for p in peers {
             if let Err(e) = self.shared.link.send(&self.shared.me, &p.addr, frame.clone()) {
                 self.stats().failures.link += 1;
@@ -780,7 +783,6 @@ impl Writer {
                 self.comp.handle_failure(now, &f);
             }
         }
-        timeline::record("eng_register_sent", key);
         let told = self.release_idle_producers(key, &producer, &any.layout, "writes into no rank of this consumer");
         self.await_answers(key, told);
     }
