@@ -18,6 +18,15 @@ block its own; P checks its cache is unchanged. With a host mirror, D also check
 registered the mirror (not the cache), that its cache was untouched when the copy to it began, and
 that the copies named exactly the request's blocks.
 
+Mode ``layerwise`` (``--modes layerwise``; push with the connector's ``layerwise`` on, issue #21): D
+registers first, then P runs the forward pass as vLLM does with a layer-wise connector: per layer, the
+layer's KV is written (until then P's cache holds other bytes), then ``save_kv_layer``, and
+``wait_for_save`` after the last. On CUDA each layer's write waits behind a GPU sleep of ~10 ms, so only
+a feeder that waits for the layer's event hands the engine written blocks; the row checks every byte,
+that P posted layers separately, and that the hooks' host time stayed under a quarter of the GPU's
+(the forward pass never waited for the host). ``--control-no-wait`` makes the feeder skip the wait:
+every layer-wise row on CUDA must then fail.
+
 Pull mode with kernel blocks smaller than vLLM's block is refused at start-up by design (D would need
 P's ratio): that row checks the refusal. vLLM CPU's layout is host-only: it runs on host tensors
 whatever ``--device`` says.
@@ -243,6 +252,12 @@ class Case:
     geometry: Geometry
 
     @property
+    def layerwise(self) -> bool:
+        """Mode "layerwise": push, each layer handed over by ``save_kv_layer`` as the forward pass
+        writes it (on CUDA, after GPU work that delays the write: the feeder must wait for it)."""
+        return self.mode == "layerwise"
+
+    @property
     def name(self) -> str:
         return f"{self.layout}/{self.buffer}/{self.mode}"
 
@@ -281,7 +296,10 @@ def build(case: Case, role: str) -> dict[str, torch.Tensor]:
 def vllm_config(case: Case, engine_id: str) -> tuple[Any, Any]:
     g, lay = case.geometry, LAYOUTS[case.layout]
     ns = types.SimpleNamespace
-    extra = {"mode": case.mode, "side_channel_port": 0, "side_channel_listen": "127.0.0.1", "insecure": True}
+    extra = {"mode": "push" if case.layerwise else case.mode, "side_channel_port": 0,
+             "side_channel_listen": "127.0.0.1", "insecure": True}  # fmt: skip
+    if case.layerwise:
+        extra["layerwise"] = "on"
     vcfg = ns(
         kv_transfer_config=ns(engine_id=engine_id, kv_connector_extra_config=extra, kv_buffer_device=case.buffer),
         model_config=ns(
@@ -334,6 +352,12 @@ class Side:
         finally:
             kvpush.Worker = real
         self.port = int(self.worker.native.side_channel_port)
+        self.save_s = 0.0
+        self.gpu_sleep_s = 0.0
+        if case.layerwise and role == "p":
+            # The forward pass has not written the KV yet: the cache holds other bytes until each
+            # layer's write (``run``), which the check then expects (``initial``).
+            fill(list(self.caches.values()), SEED * 11 + case.index)
 
     def _copy(self, src: dict, dst: dict, src_ids: list[int], dst_ids: list[int], direction: str) -> None:
         if direction == "h2d" and self.cache_untouched_at_h2d is None:
@@ -369,7 +393,9 @@ class Side:
         kvv, case = self.kvv, self.case
         meta = kvv.KVPushMetadata()
         for r in reqs:
-            if self.role == "p":
+            if self.role == "p" and case.layerwise:
+                meta.prefilled.append(kvv.Finished(r["req"], r["tid"], 1, [r["p"]], r["tokens"], None))
+            elif self.role == "p":
                 meta.finished.append(kvv.Finished(r["req"], r["tid"], 1, [r["p"]], r["tokens"], None))
             else:
                 meta.receives.append(kvv.Receive(
@@ -378,6 +404,33 @@ class Side:
                 ))  # fmt: skip
         self.t0 = time.perf_counter()
         self.worker.start_load_kv(meta)
+        if self.role == "p" and case.layerwise:
+            self._forward(meta)
+
+    # GPU time each layer's write waits behind (``torch.cuda._sleep`` cycles; ~10 ms at ~2 GHz)
+    LAYER_SLEEP_CYCLES = 20_000_000
+
+    def _forward(self, meta: Any) -> None:
+        """The forward pass as vLLM runs it with a layer-wise connector: per layer, the layer's KV is
+        written on the current stream (on CUDA behind a GPU sleep, so it lands well after the host
+        moved on), then ``save_kv_layer``; ``wait_for_save`` after the last layer. ``save_s`` is the
+        host time spent in the connector's hooks: on CUDA it must not include the GPU's sleeps."""
+        cuda = self.case.device.startswith("cuda")
+        t0 = time.perf_counter()
+        for name, t in self.caches.items():
+            if cuda:
+                torch.cuda._sleep(self.LAYER_SLEEP_CYCLES)
+            t.copy_(self.initial[name])
+            s = time.perf_counter()
+            self.worker.save_kv_layer(name, meta)
+            self.save_s += time.perf_counter() - s
+        s = time.perf_counter()
+        self.worker.wait_for_save(meta)
+        self.save_s += time.perf_counter() - s
+        if cuda:
+            host_s = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            self.gpu_sleep_s = time.perf_counter() - t0 - host_s
 
     def run(self, reqs: list[dict[str, Any]], p_port: int, limit_s: float) -> dict[str, Any]:
         """Starts (unless ``start`` did), then polls ``get_finished`` until every request is reported."""
@@ -398,7 +451,9 @@ class Side:
             first[(0,) * first.dim()] ^= 1
         errors = sorted(self.worker.get_block_ids_with_load_errors())
         out: dict[str, Any] = {"seconds": seconds, "reported": len(done & want), "load_errors": errors,
-                               "registered": self.registered(), "engine_device": self.configs[-1]["device"]}  # fmt: skip
+                               "registered": self.registered(), "engine_device": self.configs[-1]["device"],
+                               "posts": int(self.worker.native.stats()["counters"]["posts"]),
+                               "save_s": self.save_s, "gpu_sleep_s": self.gpu_sleep_s}  # fmt: skip
         out.update(self.check(reqs))
         return out
 
@@ -433,13 +488,25 @@ class Side:
         self.caches = self.initial = {}
 
 
-def child(role: str, conn: Any, forced_staging: bool, corrupt: bool, stand_ins: bool) -> None:
+class _DoneEvent:
+    """The ``--control-no-wait`` control's stand-in for a CUDA event: reports done at once."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+def child(role: str, conn: Any, forced_staging: bool, corrupt: bool, stand_ins: bool, no_wait: bool = False) -> None:
     """P or D: serves the parent's commands until ``None``."""
     os.environ.setdefault("KVPUSH_LOG", "error")  # the engine's insecure-mode warning at every start
     stand_ins = install_vllm_stand_ins(force=stand_ins)
     if not stand_ins:
         single_rank()
     import kvpush.vllm as kvv
+
+    if no_wait:
+        # The control of the layer-wise CUDA check: a feeder that does not wait for the layer's
+        # write hands the engine blocks the GPU has not written yet.
+        kvv._Worker._new_event = staticmethod(lambda: _DoneEvent())
 
     logging.getLogger("kvpush").setLevel(logging.ERROR)
     side: Side | None = None
@@ -508,6 +575,11 @@ def run_case(case: Case, p: Any, d: Any, limit_s: float, forced_staging: bool) -
         if case.mode == "pull":
             # As in vLLM: P's request has finished (its blocks are the engine's) before D learns of it.
             call(p, "start", limit_s, reqs=reqs, p_port=p_port)
+        if case.layerwise:
+            # As a push router does: D registers at admission, while P's forward pass is still ahead,
+            # so each layer can leave as it is written.
+            call(d, "start", limit_s, reqs=reqs, p_port=p_port)
+            time.sleep(0.5)
         d.send(("run", {"reqs": reqs, "p_port": p_port, "limit_s": limit_s}))
         p.send(("run", {"reqs": reqs, "p_port": p_port, "limit_s": limit_s}))
         results = {}
@@ -528,6 +600,7 @@ def run_case(case: Case, p: Any, d: Any, limit_s: float, forced_staging: bool) -
             reported_p=pr["reported"], reported_d=dr["reported"], load_errors=dr["load_errors"],
             registered_p=pr["registered"], registered_d=dr["registered"], engine_device=dr["engine_device"],
             copies_p=pr["copies"], copies_d=dr["copies"], cache_untouched_at_h2d=dr["cache_untouched_at_h2d"],
+            posts_p=pr["posts"], save_s=pr["save_s"], gpu_sleep_s=pr["gpu_sleep_s"],
         )  # fmt: skip
         checks = {
             "every request reported on P and D": pr["reported"] == dr["reported"] == len(reqs),
@@ -536,6 +609,12 @@ def run_case(case: Case, p: Any, d: Any, limit_s: float, forced_staging: bool) -
             "P's cache unchanged": pr["wrong_bytes"] == 0,
             f"the engine registered the {want_registered}": pr["registered"] == dr["registered"] == want_registered,
         }
+        if case.layerwise:
+            # One post per request would be the whole request at once.
+            checks["P posted layers separately"] = pr["posts"] > len(reqs)
+            if case.device.startswith("cuda"):
+                # The hooks only record events: the host never waited for the GPU's layer writes.
+                checks["save_kv_layer never waited for the GPU"] = pr["save_s"] < 0.25 * pr["gpu_sleep_s"]
         if staged:
             checks["copies named exactly the request blocks"] = pr["copies_ok"] and dr["copies_ok"]
             checks["D's cache untouched until the copy to it"] = dr["cache_untouched_at_h2d"] is True
@@ -566,12 +645,14 @@ def cases(args: argparse.Namespace) -> list[Case]:
             if buffer == "cuda" and device == "cpu":
                 continue
             for mode in args.modes.split(","):
+                if mode == "layerwise" and buffer == "cpu" and (device != "cpu" or args.forced_staging):
+                    continue  # a host mirror is filled after prefill: refused with layer-wise (docs/vllm.md)
                 out.append(Case(len(out), name, buffer, mode, device, g))
     return out
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'layout':<16} {'buffer':<6} {'mode':<5} {'device':<7} {'reqs':>4} {'blocks':>6} {'bytes':>12} "
+    lines = [f"{'layout':<16} {'buffer':<6} {'mode':<9} {'device':<7} {'reqs':>4} {'blocks':>6} {'bytes':>12} "
              f"{'verified':<9} {'seconds':>8}  notes"]  # fmt: skip
     for r in rows:
         if "refused" in r:
@@ -584,7 +665,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 note = (f"host mirror registered; P: {len(ps)} d2h copies of {sum(n for _, n in ps)} blocks, "
                         f"D: {len(ds)} h2d copies of {sum(n for _, n in ds)}")  # fmt: skip
         lines.append(
-            f"{r['layout']:<16} {r['buffer']:<6} {r['mode']:<5} {r['device']:<7} {r.get('requests', ''):>4} "
+            f"{r['layout']:<16} {r['buffer']:<6} {r['mode']:<9} {r['device']:<7} {r.get('requests', ''):>4} "
             f"{r.get('blocks', ''):>6} {r.get('bytes', ''):>12} {verified:<9} {r.get('seconds', 0):>8.3f}  {note}"
         )
     return "\n".join(lines)
@@ -595,10 +676,14 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, of: " + ", ".join(LAYOUTS))
     ap.add_argument("--buffers", default="cuda,cpu", help="kv_buffer_device values (cuda: direct; cpu: host mirror)")
-    ap.add_argument("--modes", default="push,pull")
+    ap.add_argument("--modes", default="push,pull",
+                    help="of push, pull, layerwise (push with layerwise on, driven through save_kv_layer)")  # fmt: skip
     ap.add_argument("--fast", action="store_true", help="small caches and few requests (CI)")
     ap.add_argument("--forced-staging", action="store_true",
                     help="on host tensors, take the host-mirror path for kv_buffer_device=cpu (CI: no GPU)")  # fmt: skip
+    ap.add_argument("--control-no-wait", action="store_true",
+                    help="the layer-wise CUDA check's control: the feeder does not wait for the layer's event "
+                         "(every layerwise row on CUDA must fail)")  # fmt: skip
     ap.add_argument("--control-corrupt", action="store_true",
                     help="the check's control: D changes one element of its cache after the transfer (every row must fail)")  # fmt: skip
     ap.add_argument("--limit-s", type=float, default=60.0, help="per step of a case")
@@ -622,7 +707,8 @@ def main() -> int:
     procs = []
     for role in ("p", "d"):
         mine, theirs = ctx.Pipe()
-        proc = ctx.Process(target=child, args=(role, theirs, args.forced_staging, args.control_corrupt, args.vllm == "stand-ins"),
+        proc = ctx.Process(target=child, args=(role, theirs, args.forced_staging, args.control_corrupt, args.vllm == "stand-ins",
+                                                 args.control_no_wait),
                            name=f"connector-layouts-{role}")  # fmt: skip
         proc.start()
         procs.append(proc)

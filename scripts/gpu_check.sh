@@ -212,14 +212,28 @@ if [ "${KVPUSH_CHECK_LAYOUTS:-1}" = 1 ]; then
       echo "pip refused the wheel (see $name-pip.txt): unzipping it"
       python3 -m zipfile -e "$whl" "$PY"
     fi
+    layouts() {  # NAME LIMIT_S ARGS...: one driver run, its table and JSON under $R, a summary line
+      local n=$1 lim=$2
+      shift 2
+      PYTHONPATH="$PY" KVPUSH_NIXL_LIB_DIR="$W/nixl-cu13/lib" timeout "$lim" python3 "$C/connector_layouts.py" \
+        --device cuda:0 --budget-s $(( lim * 3 / 4 )) --json "$R/$n.json" "$@" > "$R/$n.txt" 2>&1
+      local code=$?
+      tail -30 "$R/$n.txt"
+      local line
+      line="$(grep -E '^connector_layouts: [0-9]' "$R/$n.txt" | tail -1)"
+      printf '%-24s exit %3d  %s\n' "$n" "$code" "${line:-no summary line (see $n.txt)}" >> "$summary"
+    }
     # shellcheck disable=SC2086 # the extra arguments are meant to split
-    PYTHONPATH="$PY" KVPUSH_NIXL_LIB_DIR="$W/nixl-cu13/lib" timeout "$llimit" python3 "$C/connector_layouts.py" \
-      --device cuda:0 --budget-s $(( llimit * 3 / 4 )) --json "$R/$name.json" ${KVPUSH_CHECK_LAYOUTS_ARGS:-} \
-      > "$R/$name.txt" 2>&1
-    rc=$?
-    tail -50 "$R/$name.txt"
-    line="$(grep -E '^connector_layouts: [0-9]' "$R/$name.txt" | tail -1)"
-    printf '%-24s exit %3d  %s\n' "$name" "$rc" "${line:-no summary line (see $name.txt)}" >> "$summary"
+    layouts "$name" "$llimit" ${KVPUSH_CHECK_LAYOUTS_ARGS:-}
+    # Layer-wise on CUDA (issue #21): save_kv_layer records an event behind each layer's write (which
+    # waits behind a GPU sleep) and the feeder thread hands the layer over once it completed; every
+    # byte checked, and the hooks' host time must stay under a quarter of the GPU's. Its control, a
+    # feeder that does not wait, must fail (exit 1).
+    lw="--modes layerwise --buffers cuda --layouts flash_attn_nhd,flashinfer_hnd,mla_latent,kernel_blocks"
+    # shellcheck disable=SC2086
+    layouts connector-layerwise 120 $lw
+    # shellcheck disable=SC2086
+    layouts connector-lw-control 60 $lw --control-no-wait --layouts flash_attn_nhd
   fi
 fi
 

@@ -97,3 +97,19 @@ def test_the_byte_check_sees_one_changed_element(tmp_path: Path) -> None:
     assert rc == 1, text[-4000:]
     assert len(rows) == 2 and all(not r["ok"] and r["wrong_bytes_d"] == 2 for r in rows), rows
     assert all(r["failed_checks"] == ["D's cache: P's bytes in the target blocks, its own elsewhere"] for r in rows), rows
+
+
+def test_layerwise_hands_each_layer_over_from_save_kv_layer(tmp_path: Path) -> None:
+    # Layer-wise push through the connector's hooks (save_kv_layer per layer, then wait_for_save), D
+    # registered first: P's layers leave one by one, every byte lands. On the H200 the same rows run
+    # on CUDA with the event feeder (scripts/gpu_check.sh, connector-layerwise).
+    layouts = ["flash_attn_hnd", "mla_latent", "kernel_blocks"]
+    rc, text, rows = drive(tmp_path, "--vllm", "stand-ins", "--modes", "layerwise", "--layouts", ",".join(layouts))
+    assert rc == 0, text[-4000:]
+    assert [r["layout"] for r in rows] == layouts and all(r["mode"] == "layerwise" for r in rows), rows
+    for r in rows:
+        assert r["ok"] and r["wrong_bytes_d"] == r["wrong_bytes_p"] == 0, r
+        assert r["bytes"] == BLOCKS * LAYERS * LAYOUTS[r["layout"]], r
+        # One post per layer per request at most (what was final together may go together), and
+        # more than one per request: the layers did not wait for the whole prompt.
+        assert len(LENGTHS) < r["posts_p"] <= LAYERS * len(LENGTHS), r
