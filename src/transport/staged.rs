@@ -1450,6 +1450,15 @@ impl Transport for Staged {
 
 impl Drop for Staged {
     fn drop(&mut self) {
+        // The slots are freed before the stager: no copy into or out of them may still run.
+        let mut st = lock(&self.state);
+        let t = Instant::now();
+        for lane in 0..2 * self.cfg.slots {
+            while matches!(st.stager.is_done(lane), Ok(false)) && t.elapsed() < self.cfg.stall_timeout {
+                std::thread::yield_now();
+            }
+        }
+        drop(st);
         let _ = self.inner.deregister(&self.send_buf.region());
         let _ = self.inner.deregister(&self.recv_buf.region());
     }
