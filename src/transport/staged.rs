@@ -78,6 +78,11 @@ const STAGED_BIT: u64 = 1 << 63;
 /// Table area alignment inside a slot.
 const TABLE_ALIGN: u64 = 256;
 
+/// Slots per side of [`StagingConfig::host`].
+pub const HOST_SLOTS: usize = 8;
+/// Data bytes of a slot of [`StagingConfig::host`].
+pub const HOST_SLOT_BYTES: u64 = 1 << 20;
+
 /// When and how transfers are staged.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StagingConfig {
@@ -135,6 +140,23 @@ impl Default for StagingConfig {
 }
 
 impl StagingConfig {
+    /// The geometry for host memory (the engine's `auto` on a transport whose host descriptors are
+    /// costly): small slots, many of them, so the gather of one piece, the WRITE of another and the
+    /// receiver's scatter of a third overlap; entries as long as a slot (a host gather is a
+    /// `memcpy` per entry, with no kernel to balance); and only WRITEs of descriptors short enough
+    /// that their per-descriptor cost can outweigh two extra copies. Measured in docs/benchmarks.md
+    /// ("FIFO pools on host memory").
+    pub fn host() -> StagingConfig {
+        StagingConfig {
+            slots: HOST_SLOTS,
+            slot_bytes: HOST_SLOT_BYTES,
+            max_entries: 1024,
+            max_entry_bytes: HOST_SLOT_BYTES,
+            max_mean_desc: 256 << 10,
+            ..StagingConfig::default()
+        }
+    }
+
     fn table_bytes(&self) -> u64 {
         (self.max_entries as u64 * ENTRY_BYTES as u64).div_ceil(TABLE_ALIGN) * TABLE_ALIGN
     }
