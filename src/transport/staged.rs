@@ -444,6 +444,9 @@ struct State {
     timed: HashMap<u64, Timed>,
     /// A grid the chooser sent direct: the caller posts its expansion next, which goes direct too.
     grid_direct: Option<(String, Shape)>,
+    /// Per peer, when its last timed transfer ended: a transfer posted before that waited behind
+    /// others, and only its time after it counts ([`Staged::timed_end`]).
+    served_until: HashMap<String, Instant>,
 }
 
 /// A transfer being timed for its peer's [`PathChooser`].
@@ -577,6 +580,7 @@ impl Staged {
             choosers: HashMap::new(),
             timed: HashMap::new(),
             grid_direct: None,
+            served_until: HashMap::new(),
         };
         Ok(Some(Staged { inner, cfg, send_buf, recv_buf, state: Mutex::new(state), next: AtomicU64::new(0) }))
     }
@@ -653,11 +657,19 @@ impl Staged {
         }
     }
 
-    /// Transfer `id` ended; a completed one teaches its peer's chooser how long its path took.
+    /// Transfer `id` ended; a completed one teaches its peer's chooser how long its path took: from
+    /// its post, or from the end of the transfer to the same peer that ended before it if that was
+    /// later. Transfers to one peer are served mostly in post order (staged pieces by post order,
+    /// one WRITE at a time on a `cma` link), so with many in flight the time since the post is
+    /// mostly waiting behind the others, and counting it would make whichever path is queued
+    /// behind more transfers look slow.
     fn timed_end(&self, st: &mut State, id: XferId, completed: bool) {
         let Some(t) = st.timed.remove(&id.0) else { return };
+        let now = Instant::now();
+        let from = st.served_until.get(&t.peer).map_or(t.posted, |&u| u.max(t.posted));
+        st.served_until.insert(t.peer.clone(), now);
         if completed {
-            let nanos = t.posted.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+            let nanos = now.duration_since(from).as_nanos().min(u128::from(u64::MAX)) as u64;
             st.choosers.entry(t.peer).or_default().observe(t.path, t.shape, nanos);
         }
     }
@@ -1312,6 +1324,7 @@ impl Transport for Staged {
             let st = &mut *guard;
             st.peers.remove(peer);
             st.timed.retain(|_, t| t.peer != peer);
+            st.served_until.remove(peer);
             // Outgoing: fails at once (the receiver is gone). Pieces being gathered or written keep
             // their send slots until those end (the next pumps).
             for o in st.out.values_mut().filter(|o| o.peer == peer && o.outcome.is_none()) {
