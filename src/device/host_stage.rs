@@ -302,7 +302,7 @@ mod tests {
         // SAFETY: refused before any copy.
         assert!(unsafe { st.gather(0, &bad, slot_at) }.is_err());
         // SAFETY: refused before any copy.
-        assert!(unsafe { st.gather(0, &vec![gather[0]; 9], slot_at) }.unwrap_err().to_string().contains("at most 8"));
+        assert!(unsafe { st.gather(0, &[gather[0]; 9], slot_at) }.unwrap_err().to_string().contains("at most 8"));
         // SAFETY: refused before any copy.
         assert!(unsafe { st.gather(4, &gather, slot_at) }.unwrap_err().to_string().contains("lane 4"));
         dst.as_mut_slice().fill(0);
