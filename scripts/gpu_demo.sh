@@ -10,6 +10,8 @@
 #
 # Environment: KVPUSH_GPU_DIR (default .cache/gpu), OUT, KVPUSH_DEMO_RUNS (space-separated run names
 # to play, default all of them: see `runs` below), KVPUSH_DEMO_LIMIT_S (per run, default 100).
+# Issue #22 item 3, FIFO pools unstaged against the default (auto: measured per WRITE), interleaved:
+#   KVPUSH_DEMO_RUNS="fifo-off-1 fifo-auto-1 fifo-off-2 fifo-auto-2 fifo-off-3 fifo-auto-3 runs-auto" scripts/gpu_demo.sh
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 G="${KVPUSH_GPU_DIR:-.cache/gpu}"
@@ -39,6 +41,13 @@ host-on8m-a|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging on --staging-slot
 host-off-b|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging off --allocator fifo
 host-on1m-b|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging on --staging-slot-kib 1024 --allocator fifo
 host-threads2|KVPUSH_DEVICE=host KVPUSH_NIXL_PARAMS=num_threads=2|taskset -c 0,1 KVPUSH --staging off --allocator fifo
+fifo-off-1|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging off --allocator fifo
+fifo-auto-1|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --allocator fifo
+fifo-off-2|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging off --allocator fifo
+fifo-auto-2|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --allocator fifo
+fifo-off-3|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --staging off --allocator fifo
+fifo-auto-3|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --allocator fifo
+runs-auto|KVPUSH_DEVICE=host|taskset -c 0,1 KVPUSH --allocator runs
 EOF
 }
 

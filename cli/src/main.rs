@@ -187,7 +187,7 @@ struct DemoArgs {
     /// Writer threads per worker.
     #[arg(long, default_value_t = 1)]
     writers: usize,
-    /// Stage fragmented WRITEs through bounded slots on the device (auto: on for GPU memory).
+    /// Stage fragmented WRITEs through bounded slots on the device (auto: each WRITE the path measured faster, for GPU memory and for host memory over NIXL).
     #[arg(long, value_enum, default_value = "auto")]
     staging: kvpush_testkit::demo::StagingFlag,
     /// Staging slots per side (0: the default, 4).

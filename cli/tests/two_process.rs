@@ -108,6 +108,33 @@ fn push_500_requests_every_byte_verified() {
 }
 
 #[test]
+fn fifo_pools_on_host_memory_go_staged_every_byte_verified() {
+    let Some(_serial) = nixl_or_skip("fifo_pools_on_host_memory_go_staged_every_byte_verified") else { return };
+    // vLLM-like FIFO pools scatter a request over many small descriptors (2 KiB per block, layer and
+    // K/V here); each costs UCX's cma a system call, so `--staging auto` (the default) on host memory
+    // over NIXL measures both paths and should send most of these requests staged.
+    let requests = 120;
+    let v = demo(
+        "fifo-staged",
+        &["--mode", "push", "--allocator", "fifo", "--requests", "120", "--min-tokens", "64", "--max-tokens", "1024"],
+    );
+    let whole = whole_block_bytes(requests, 64, 1024, 16);
+    assert_verified(&v, "push", requests as u64, whole);
+    // The bandwidth rounds push every request again (each verified on D, or the demo fails): a staged
+    // request of at most 256 KiB is one piece, so pieces count the requests that went staged.
+    let rounds: Vec<u64> = v["push"]["push_pieces_rounds"]
+        .as_array()
+        .unwrap_or_else(|| panic!("push_pieces_rounds missing in {v}"))
+        .iter()
+        .map(|x| x.as_u64().expect("a count"))
+        .collect();
+    assert!(!rounds.is_empty(), "{v}");
+    let staged: u64 = rounds.iter().sum();
+    let posted = rounds.len() as u64 * requests as u64;
+    assert!(2 * staged >= posted, "{staged} of {posted} requests staged (pieces per round {rounds:?}): {v}");
+}
+
+#[test]
 fn heterogeneous_tp_across_processes() {
     let Some(_serial) = nixl_or_skip("heterogeneous_tp_across_processes") else { return };
     // P TP 2 -> D TP 1, push and pull: each D rank gathers its heads from both P processes' ranks.

@@ -84,8 +84,10 @@ impl Device for HostDevice {
         super::Access::Cpu
     }
 
-    fn stager(&self, _lanes: usize, max_entries: usize) -> Result<Option<Box<dyn super::Stager>>, DeviceError> {
-        Ok(Some(Box::new(super::stage::HostStager::new(DeviceKind::Host, max_entries))))
+    /// Copies on a thread of their own ([`super::host_stage::CopyThread`]), so a WRITE and the next
+    /// piece's gather overlap.
+    fn stager(&self, lanes: usize, max_entries: usize) -> Result<Option<Box<dyn super::Stager>>, DeviceError> {
+        Ok(Some(Box::new(super::host_stage::CopyThread::new(DeviceKind::Host, lanes, max_entries)?)))
     }
 
     fn alloc(&self, len: u64) -> Result<Box<dyn Buffer>, DeviceError> {

@@ -19,6 +19,7 @@ use std::sync::Arc;
 pub mod bounce;
 pub mod cuda;
 pub mod host;
+pub mod host_stage;
 pub mod mock;
 pub mod neuron;
 pub mod stage;

@@ -528,7 +528,7 @@ pub struct EngineSpec {
     pub timeout_ms: u64,
     /// Transport and control link.
     pub transport: TransportSpec,
-    /// Staging of fragmented WRITEs ([`Staging::Auto`]: on for GPU memory).
+    /// Staging of fragmented WRITEs ([`Staging::Auto`]: measured per WRITE for GPU memory, and for host memory over NIXL).
     pub staging: Staging,
     /// How [`FfiEngine::layers_ready`] pushes ([`Layerwise::AUTO`]: layer by layer above a size).
     pub layerwise: Layerwise,

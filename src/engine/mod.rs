@@ -130,7 +130,9 @@ impl Layerwise {
 /// Whether an engine stages fragmented WRITEs through bounded slots on its device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Staging {
-    /// On with the default geometry where the device is a GPU (CUDA), off elsewhere; each WRITE
+    /// On with the default geometry where the device is a GPU (CUDA), and with
+    /// [`StagingConfig::host`] on host memory where the transport's descriptors are costly
+    /// ([`Transport::costly_host_descriptors`]: NIXL between processes); off elsewhere. Each WRITE
     /// that could be staged goes directly or staged, whichever is measured faster for its peer and
     /// shape ([`PathChoice::Measured`]).
     Auto,
@@ -168,14 +170,17 @@ impl Staging {
         }
     }
 
-    fn resolve(self, device: DeviceKind) -> Option<StagingConfig> {
+    /// The staging an engine on `device` runs, if any. `costly_host_descriptors`: the transport's
+    /// [`Transport::costly_host_descriptors`] (NIXL between processes), where a fragmented WRITE of
+    /// host memory can be faster gathered into slots than posted descriptor by descriptor.
+    fn resolve(self, device: DeviceKind, costly_host_descriptors: bool) -> Option<StagingConfig> {
         // Auto: each WRITE takes the path measured faster for its peer and shape; `on` stages all.
-        let measured = StagingConfig { choice: PathChoice::Measured, ..StagingConfig::default() };
+        let measured = |c: StagingConfig| Some(StagingConfig { choice: PathChoice::Measured, ..c });
+        let host = device == DeviceKind::Host && costly_host_descriptors;
         match self {
-            Staging::Auto if device == DeviceKind::Cuda => Some(measured),
-            Staging::AutoWith(c) if device == DeviceKind::Cuda => {
-                Some(StagingConfig { choice: PathChoice::Measured, ..c })
-            }
+            Staging::Auto if device == DeviceKind::Cuda => measured(StagingConfig::default()),
+            Staging::Auto if host => measured(StagingConfig::host()),
+            Staging::AutoWith(c) if device == DeviceKind::Cuda || host => measured(c),
             Staging::Auto | Staging::AutoWith(_) | Staging::Off => None,
             Staging::On(c) => Some(c),
         }
@@ -815,7 +820,7 @@ impl Engine {
         let transport: Arc<dyn Transport> = trusted.clone();
         // Staging wraps the transport before anything is registered, so it knows the KV regions.
         let mut staged = None;
-        let transport = match config.staging.resolve(device.kind()) {
+        let transport = match config.staging.resolve(device.kind(), transport.costly_host_descriptors()) {
             // This worker's NIC cannot WRITE from or into its device memory: every WRITE of its KV
             // goes through host slots (a host bounce, `proto::bounce`), whatever the staging setting.
             cfg if config.mode == Mode::Push && config.memory.is_some_and(|m| needs_bounce(&m)) => {
@@ -1205,4 +1210,28 @@ pub(crate) fn fan_out(me: &KvLayout, dst: &KvLayout) -> u16 {
     let tps = tp_targets(&me.model, sp.tp_size, sp.tp_rank, dp.tp_size).len();
     let pps = pp_sources(me.model.total_layers, dp.pp_size, sp.pp_size, sp.pp_rank).len();
     u16::try_from(tps * pps).unwrap_or(u16::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_staging_measures_host_memory_only_where_descriptors_are_costly() {
+        let measured = |c: StagingConfig| Some(StagingConfig { choice: PathChoice::Measured, ..c });
+        // Host memory over NIXL: the host geometry, each WRITE the path measured faster.
+        assert_eq!(Staging::Auto.resolve(DeviceKind::Host, true), measured(StagingConfig::host()));
+        assert!(StagingConfig::host().validate().is_ok());
+        // In-process copies (loopback) and the mock device: no staging unless asked for.
+        assert_eq!(Staging::Auto.resolve(DeviceKind::Host, false), None);
+        assert_eq!(Staging::Auto.resolve(DeviceKind::Mock, true), None);
+        // GPU memory as before: the default geometry, measured, whatever the transport.
+        assert_eq!(Staging::Auto.resolve(DeviceKind::Cuda, false), measured(StagingConfig::default()));
+        // A geometry given with auto is kept; `on` always stages, `off` never.
+        let c = StagingConfig { slot_bytes: 2 << 20, ..StagingConfig::host() };
+        assert_eq!(Staging::AutoWith(c).resolve(DeviceKind::Host, true), measured(c));
+        assert_eq!(Staging::AutoWith(c).resolve(DeviceKind::Host, false), None);
+        assert_eq!(Staging::On(c).resolve(DeviceKind::Host, false), Some(c));
+        assert_eq!(Staging::Off.resolve(DeviceKind::Host, true), None);
+    }
 }

@@ -125,4 +125,8 @@ impl Transport for HostOnly {
     fn busy(&self) -> bool {
         self.nic.busy()
     }
+
+    fn costly_host_descriptors(&self) -> bool {
+        self.nic.costly_host_descriptors()
+    }
 }

@@ -252,4 +252,12 @@ pub trait Transport: Send + Sync + fmt::Debug {
     fn busy(&self) -> bool {
         false
     }
+    /// Whether each descriptor of a host-memory transfer costs this transport a system call or
+    /// more, so that gathering many small descriptors into one staged WRITE can beat posting them
+    /// (NIXL over UCX's `cma`: one `process_vm_writev` per descriptor, 2–3 µs). The engine's `auto`
+    /// staging then measures both paths on host memory too ([`crate::proto::path`]). The default,
+    /// `false`, suits transports that copy in-process (loopback), where staging only adds copies.
+    fn costly_host_descriptors(&self) -> bool {
+        false
+    }
 }

@@ -697,6 +697,13 @@ impl Transport for NixlTransport {
     fn needs_polling(&self) -> bool {
         true
     }
+
+    /// UCX's `cma` path (host memory between processes) does one `process_vm_writev` per
+    /// descriptor, 2–3 µs each (docs/benchmarks.md, "NIXL bandwidth against the single-descriptor
+    /// ceiling").
+    fn costly_host_descriptors(&self) -> bool {
+        true
+    }
 }
 
 impl Drop for NixlTransport {

@@ -78,6 +78,11 @@ const STAGED_BIT: u64 = 1 << 63;
 /// Table area alignment inside a slot.
 const TABLE_ALIGN: u64 = 256;
 
+/// Slots per side of [`StagingConfig::host`].
+pub const HOST_SLOTS: usize = 8;
+/// Data bytes of a slot of [`StagingConfig::host`].
+pub const HOST_SLOT_BYTES: u64 = 1 << 20;
+
 /// When and how transfers are staged.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StagingConfig {
@@ -135,6 +140,23 @@ impl Default for StagingConfig {
 }
 
 impl StagingConfig {
+    /// The geometry for host memory (the engine's `auto` on a transport whose host descriptors are
+    /// costly): small slots, many of them, so the gather of one piece, the WRITE of another and the
+    /// receiver's scatter of a third overlap; entries as long as a slot (a host gather is a
+    /// `memcpy` per entry, with no kernel to balance); and only WRITEs of descriptors short enough
+    /// that their per-descriptor cost can outweigh two extra copies. Measured in docs/benchmarks.md
+    /// ("FIFO pools on host memory").
+    pub fn host() -> StagingConfig {
+        StagingConfig {
+            slots: HOST_SLOTS,
+            slot_bytes: HOST_SLOT_BYTES,
+            max_entries: 1024,
+            max_entry_bytes: HOST_SLOT_BYTES,
+            max_mean_desc: 256 << 10,
+            ..StagingConfig::default()
+        }
+    }
+
     fn table_bytes(&self) -> u64 {
         (self.max_entries as u64 * ENTRY_BYTES as u64).div_ceil(TABLE_ALIGN) * TABLE_ALIGN
     }
@@ -422,6 +444,9 @@ struct State {
     timed: HashMap<u64, Timed>,
     /// A grid the chooser sent direct: the caller posts its expansion next, which goes direct too.
     grid_direct: Option<(String, Shape)>,
+    /// Per peer, when its last timed transfer ended: a transfer posted before that waited behind
+    /// others, and only its time after it counts ([`Staged::timed_end`]).
+    served_until: HashMap<String, Instant>,
 }
 
 /// A transfer being timed for its peer's [`PathChooser`].
@@ -555,6 +580,7 @@ impl Staged {
             choosers: HashMap::new(),
             timed: HashMap::new(),
             grid_direct: None,
+            served_until: HashMap::new(),
         };
         Ok(Some(Staged { inner, cfg, send_buf, recv_buf, state: Mutex::new(state), next: AtomicU64::new(0) }))
     }
@@ -631,11 +657,19 @@ impl Staged {
         }
     }
 
-    /// Transfer `id` ended; a completed one teaches its peer's chooser how long its path took.
+    /// Transfer `id` ended; a completed one teaches its peer's chooser how long its path took: from
+    /// its post, or from the end of the transfer to the same peer that ended before it if that was
+    /// later. Transfers to one peer are served mostly in post order (staged pieces by post order,
+    /// one WRITE at a time on a `cma` link), so with many in flight the time since the post is
+    /// mostly waiting behind the others, and counting it would make whichever path is queued
+    /// behind more transfers look slow.
     fn timed_end(&self, st: &mut State, id: XferId, completed: bool) {
         let Some(t) = st.timed.remove(&id.0) else { return };
+        let now = Instant::now();
+        let from = st.served_until.get(&t.peer).map_or(t.posted, |&u| u.max(t.posted));
+        st.served_until.insert(t.peer.clone(), now);
         if completed {
-            let nanos = t.posted.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+            let nanos = now.duration_since(from).as_nanos().min(u128::from(u64::MAX)) as u64;
             st.choosers.entry(t.peer).or_default().observe(t.path, t.shape, nanos);
         }
     }
@@ -1290,6 +1324,7 @@ impl Transport for Staged {
             let st = &mut *guard;
             st.peers.remove(peer);
             st.timed.retain(|_, t| t.peer != peer);
+            st.served_until.remove(peer);
             // Outgoing: fails at once (the receiver is gone). Pieces being gathered or written keep
             // their send slots until those end (the next pumps).
             for o in st.out.values_mut().filter(|o| o.peer == peer && o.outcome.is_none()) {
@@ -1450,6 +1485,15 @@ impl Transport for Staged {
 
 impl Drop for Staged {
     fn drop(&mut self) {
+        // The slots are freed before the stager: no copy into or out of them may still run.
+        let mut st = lock(&self.state);
+        let t = Instant::now();
+        for lane in 0..2 * self.cfg.slots {
+            while matches!(st.stager.is_done(lane), Ok(false)) && t.elapsed() < self.cfg.stall_timeout {
+                std::thread::yield_now();
+            }
+        }
+        drop(st);
         let _ = self.inner.deregister(&self.send_buf.region());
         let _ = self.inner.deregister(&self.recv_buf.region());
     }

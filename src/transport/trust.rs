@@ -241,6 +241,9 @@ impl Transport for Trusted {
     fn busy(&self) -> bool {
         self.inner.busy()
     }
+    fn costly_host_descriptors(&self) -> bool {
+        self.inner.costly_host_descriptors()
+    }
 }
 
 #[cfg(test)]

@@ -129,7 +129,7 @@ impl LayerwiseFlag {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum StagingFlag {
-    /// On for GPU memory, off elsewhere.
+    /// Measured per WRITE for GPU memory and for host memory over NIXL (two processes), off elsewhere.
     #[default]
     Auto,
     /// Always (the default geometry: 4 slots of 32 MiB per side).
