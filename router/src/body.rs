@@ -4,7 +4,8 @@
 //! The relay is also where the push-mode request ends: it watches the prefill leg still running beside
 //! the decode stream (a prefill failure before D's first byte ends the stream with an error), times D's
 //! silences, records TTFT and the decode leg's duration, and — when the client goes away and hyper drops
-//! the body — aborts the prefill leg and, by dropping D's body, closes the decode connection.
+//! the body — aborts the prefill leg and, by dropping D's body, closes the decode connection. For a
+//! streamed greedy completion it sends P's token first and D's stream without it (`first_token`).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -20,6 +21,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Sleep;
 use tracing::warn;
 
+use super::first_token::{self, Sent, Step};
 use super::metrics::ErrorKind;
 use super::timeline;
 use super::upstream::{Lease, LegError};
@@ -147,6 +149,21 @@ pub(crate) struct Relay {
     mask: Option<IdMask>,
     /// The transfer id, where the request timeline is on (its first byte to the client is recorded).
     pub(crate) timeline_id: Option<String>,
+    /// Whether the client's first token comes from P's answer (`first_token`).
+    first: First,
+    /// P's answer, when it came before this relay was made (pull; push when P answered before D's head).
+    answered: Option<Value>,
+}
+
+/// Where the client's first token comes from (`first_token`).
+#[derive(Debug)]
+pub(crate) enum First {
+    /// From D's stream, as D sends it.
+    FromDecode,
+    /// From P's answer, if it comes before D's first bytes.
+    Eligible,
+    /// P's token went out: D's stream is held until its first token event, which goes out without it.
+    Sent(Sent),
 }
 
 impl Relay {
@@ -160,6 +177,8 @@ impl Relay {
         prefill: Option<JoinHandle<PrefillResult>>,
         lease: Lease,
         success: bool,
+        first: First,
+        answered: Option<Value>,
     ) -> Self {
         let idle = shared.config.stream_idle_timeout;
         Relay {
@@ -179,7 +198,50 @@ impl Relay {
             flight: None,
             mask: None,
             timeline_id: None,
+            first,
+            answered,
         }
+    }
+
+    /// P's answer: the client's first token when it may be (`first_token`), else nothing to send.
+    fn prefill_answered(&mut self, answer: &Value) -> Option<Bytes> {
+        if !matches!(self.first, First::Eligible) {
+            return None;
+        }
+        match first_token::from_prefill(answer) {
+            Some((event, sent)) => {
+                self.first = First::Sent(sent);
+                if let Some(tid) = &self.timeline_id {
+                    timeline::record("router_p_token", tid);
+                }
+                Some(event)
+            }
+            None => {
+                self.first = First::FromDecode;
+                None
+            }
+        }
+    }
+
+    /// Sends `data` to the client: the transfer id masked, the first byte recorded.
+    fn send(&mut self, data: Bytes, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let data = match &mut self.mask {
+            Some(mask) => mask.push(&data),
+            None => data,
+        };
+        if data.is_empty() {
+            // Nothing to send yet (all of it held back): look again at once.
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        if !self.first_byte {
+            self.first_byte = true;
+            self.shared.metrics.ttft.observe(self.received.elapsed());
+            if let Some(tid) = &self.timeline_id {
+                timeline::record("router_first_byte", tid);
+            }
+        }
+        Poll::Ready(Some(Ok(Frame::data(data))))
     }
 
     fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
@@ -192,38 +254,57 @@ impl Relay {
                 let result = joined.unwrap_or_else(|e| {
                     Err(LegError::Broken { url: "prefill task".to_owned(), detail: e.to_string() })
                 });
-                if let Err(e) = result {
-                    if self.first_byte {
-                        warn!(error = ?e, "prefill leg failed after the decode leg's first byte; stream kept");
-                    } else {
-                        let (_, message) = super::proxy::leg_error_message(super::proxy::Leg::Prefill, &e);
-                        return self.fail(None, format!("{message}; the decode leg was cancelled"));
+                match result {
+                    Ok(answer) => {
+                        if let Some(event) = self.prefill_answered(&answer) {
+                            return self.send(event, cx);
+                        }
+                    }
+                    Err(e) => {
+                        if self.first_byte {
+                            warn!(error = ?e, "prefill leg failed after the decode leg's first byte; stream kept");
+                        } else {
+                            let (_, message) = super::proxy::leg_error_message(super::proxy::Leg::Prefill, &e);
+                            return self.fail(None, format!("{message}; the decode leg was cancelled"));
+                        }
                     }
                 }
             }
         }
+        if let Some(answer) = self.answered.take() {
+            if let Some(event) = self.prefill_answered(&answer) {
+                return self.send(event, cx);
+            }
+        }
         match Pin::new(&mut self.upstream).poll_frame(cx) {
-            Poll::Ready(Some(Ok(mut frame))) => {
+            Poll::Ready(Some(Ok(frame))) => {
                 let idle = self.idle;
                 self.idle_timer.as_mut().reset(tokio::time::Instant::now() + idle);
-                if let Some(mask) = &mut self.mask {
-                    frame = frame.map_data(|d| mask.push(&d));
-                    if frame.data_ref().is_some_and(Bytes::is_empty) {
-                        // All of it may begin the transfer id: wait for the next frame.
-                        cx.waker().wake_by_ref();
-                        return Poll::Pending;
+                let data = match frame.into_data() {
+                    Ok(d) => d,
+                    // Trailers: nothing to mask or count.
+                    Err(frame) => return Poll::Ready(Some(Ok(frame))),
+                };
+                let data = match &mut self.first {
+                    First::FromDecode => data,
+                    First::Eligible => {
+                        // D's stream began before P answered: it goes through as D sends it.
+                        self.first = First::FromDecode;
+                        data
                     }
-                }
-                if let Some(data) = frame.data_ref() {
-                    if !data.is_empty() && !self.first_byte {
-                        self.first_byte = true;
-                        self.shared.metrics.ttft.observe(self.received.elapsed());
-                        if let Some(tid) = &self.timeline_id {
-                            timeline::record("router_first_byte", tid);
+                    First::Sent(sent) => match sent.decode_data(&data) {
+                        Ok(Step::Hold) => {
+                            cx.waker().wake_by_ref();
+                            return Poll::Pending;
                         }
-                    }
-                }
-                return Poll::Ready(Some(Ok(frame)));
+                        Ok(Step::Done(rest)) => {
+                            self.first = First::FromDecode;
+                            rest
+                        }
+                        Err(m) => return self.fail(Some(ErrorKind::FirstTokenMismatch), m.0),
+                    },
+                };
+                return self.send(data, cx);
             }
             Poll::Ready(Some(Err(e))) => {
                 let url = self.lease.as_ref().map(|l| l.instance().base.clone()).unwrap_or_default();
@@ -231,6 +312,13 @@ impl Relay {
                 return self.fail(Some(ErrorKind::DecodeBroken), format!("decode stream from {url} broke: {detail}"));
             }
             Poll::Ready(None) => {
+                if let First::Sent(sent) = &mut self.first {
+                    let held = sent.finish();
+                    self.first = First::FromDecode;
+                    if let Some(held) = held {
+                        return self.send(held, cx);
+                    }
+                }
                 if let Some(rest) = self.mask.as_mut().and_then(IdMask::finish) {
                     return Poll::Ready(Some(Ok(Frame::data(rest))));
                 }

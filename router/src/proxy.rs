@@ -22,8 +22,9 @@ use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{json, Map, Value};
 use tracing::debug;
 
-use super::body::{IdMask, InFlight, PrefillResult, ProxyBody, Relay};
+use super::body::{First, IdMask, InFlight, PrefillResult, ProxyBody, Relay};
 use super::config::TransferMode;
+use super::first_token;
 use super::metrics::{Endpoint, ErrorKind};
 use super::timeline;
 use super::upstream::{self, Lease, LegError, LegRequest, PushTarget, MAX_UPSTREAM_JSON};
@@ -410,6 +411,7 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
     let Some(p_handle) = p_task.0.as_mut() else {
         return Outcome::Response(internal("prefill task missing"));
     };
+    let mut answered = None;
     let d_result = tokio::select! {
         joined = p_handle => {
             p_task.0 = None;
@@ -417,7 +419,10 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
             match result {
                 Err(e) if e.is_connect() => return Outcome::Retry(Leg::Prefill, e),
                 Err(e) => return Outcome::Response(leg_error_response(Leg::Prefill, &e)),
-                Ok(_) => d_fut.await,
+                Ok(v) => {
+                    answered = Some(v);
+                    d_fut.await
+                }
             }
         }
         d = &mut d_fut => d,
@@ -441,8 +446,19 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
                 shared.metrics.error(ErrorKind::DecodeStatus);
                 None
             };
-            Outcome::Response(relay(shared, resp, tid, received, decode_sent, prefill, d_lease))
+            let first = first_from_prefill(shared, proxied);
+            let head = RelayHead { tid, received, decode_sent, prefill, first, answered };
+            Outcome::Response(relay(shared, resp, head, d_lease))
         }
+    }
+}
+
+/// Whether the client's first token may come from P's answer (`first_token`).
+fn first_from_prefill(shared: &Shared, proxied: Proxied<'_>) -> First {
+    if shared.config.first_token_from_prefill && first_token::eligible(proxied.request, proxied.path) {
+        First::Eligible
+    } else {
+        First::FromDecode
     }
 }
 
@@ -489,7 +505,10 @@ async fn pull(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
                 if !resp.status().is_success() {
                     shared.metrics.error(ErrorKind::DecodeStatus);
                 }
-                return Outcome::Response(relay(shared, resp, tid, received, decode_sent, None, d_lease));
+                let first = first_from_prefill(shared, proxied);
+                let answered = Some(p_json.clone());
+                let head = RelayHead { tid, received, decode_sent, prefill: None, first, answered };
+                return Outcome::Response(relay(shared, resp, head, d_lease));
             }
             Err(e) => {
                 shared.metrics.error(leg_error_kind(Leg::Decode, &e));
@@ -525,16 +544,21 @@ fn hide_transfer_id(mut resp: Response<ProxyBody>, tid: &str, public: &str) -> R
     resp
 }
 
-/// Hands D's response to the client: status and headers now, the body frame by frame.
-fn relay(
-    shared: &Arc<Shared>,
-    resp: Response<Incoming>,
-    tid: &str,
+/// What the relay of D's response needs of the request beside D's response.
+struct RelayHead<'a> {
+    tid: &'a str,
     received: Instant,
     decode_sent: Instant,
+    /// P's leg still running (push).
     prefill: Option<tokio::task::JoinHandle<PrefillResult>>,
-    lease: Lease,
-) -> Response<ProxyBody> {
+    first: First,
+    /// P's answer, if it came already.
+    answered: Option<Value>,
+}
+
+/// Hands D's response to the client: status and headers now, the body frame by frame.
+fn relay(shared: &Arc<Shared>, resp: Response<Incoming>, head: RelayHead<'_>, lease: Lease) -> Response<ProxyBody> {
+    let RelayHead { tid, received, decode_sent, prefill, first, answered } = head;
     let (parts, body) = resp.into_parts();
     let sse = parts
         .headers
@@ -542,7 +566,10 @@ fn relay(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
     let success = parts.status.is_success();
-    let mut relay = Relay::new(Arc::clone(shared), body, sse, received, decode_sent, prefill, lease, success);
+    // Only into a successful event stream: an error status or a JSON body goes through as D sent it.
+    let first = if success && sse { first } else { First::FromDecode };
+    let mut relay =
+        Relay::new(Arc::clone(shared), body, sse, received, decode_sent, prefill, lease, success, first, answered);
     if timeline::enabled() {
         relay.timeline_id = Some(tid.to_owned());
     }
