@@ -42,6 +42,51 @@ pub struct ProxyBody(Inner);
 enum Inner {
     Full(Option<Bytes>),
     Relay(Box<Relay>),
+    Early(Box<Early>),
+}
+
+/// What the decode leg of a response that began with P's token became: D's stream to relay, or the
+/// error event that ends the client's stream.
+pub(crate) type DecodeThen = Result<Relay, Bytes>;
+
+/// A pull-mode stream that began before D answered (`first_token`): P's token, then D's relay once
+/// D's response head is in.
+pub(crate) struct Early {
+    shared: Arc<Shared>,
+    received: Instant,
+    first: Option<Bytes>,
+    decode: Pin<Box<dyn Future<Output = DecodeThen> + Send>>,
+    done: bool,
+    flight: Option<InFlight>,
+    mask: Option<IdMask>,
+    timeline_id: Option<String>,
+}
+
+impl std::fmt::Debug for Early {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Early").field("first", &self.first).field("done", &self.done).finish_non_exhaustive()
+    }
+}
+
+impl Early {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        received: Instant,
+        first: Bytes,
+        decode: Pin<Box<dyn Future<Output = DecodeThen> + Send>>,
+        timeline_id: Option<String>,
+    ) -> Self {
+        Early { shared, received, first: Some(first), decode, done: false, flight: None, mask: None, timeline_id }
+    }
+}
+
+impl Drop for Early {
+    fn drop(&mut self) {
+        if !self.done {
+            // The client went away before D's stream took over: D's leg is cancelled as it drops.
+            self.shared.metrics.error(ErrorKind::ClientDisconnect);
+        }
+    }
 }
 
 impl ProxyBody {
@@ -54,19 +99,26 @@ impl ProxyBody {
         ProxyBody(Inner::Relay(Box::new(r)))
     }
 
+    pub(crate) fn early(e: Early) -> Self {
+        ProxyBody(Inner::Early(Box::new(e)))
+    }
+
     /// Rewrites the transfer id to the public id in this body (see [`IdMask`]).
     pub(crate) fn mask(&mut self, mask: IdMask) {
         match &mut self.0 {
             Inner::Full(Some(b)) => *b = Bytes::from(mask.replace_all(b)),
             Inner::Full(None) => {}
             Inner::Relay(r) => r.mask = Some(mask),
+            Inner::Early(e) => e.mask = Some(mask),
         }
     }
 
     /// Keeps `flight` alive as long as a relayed body is (a small body drops it at once).
     pub(crate) fn hold(&mut self, flight: InFlight) {
-        if let Inner::Relay(r) = &mut self.0 {
-            r.flight = Some(flight);
+        match &mut self.0 {
+            Inner::Relay(r) => r.flight = Some(flight),
+            Inner::Early(e) => e.flight = Some(flight),
+            Inner::Full(_) => {}
         }
     }
 }
@@ -96,6 +148,39 @@ impl Body for ProxyBody {
         match &mut self.0 {
             Inner::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
             Inner::Relay(r) => r.poll_frame(cx),
+            Inner::Early(e) => {
+                if let Some(first) = e.first.take() {
+                    let first = match e.mask.as_mut() {
+                        Some(m) => m.push(&first),
+                        None => first,
+                    };
+                    e.shared.metrics.ttft.observe(e.received.elapsed());
+                    if let Some(tid) = &e.timeline_id {
+                        timeline::record("router_p_token", tid);
+                        timeline::record("router_first_byte", tid);
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(first))));
+                }
+                if e.done {
+                    return Poll::Ready(None);
+                }
+                match e.decode.as_mut().poll(cx) {
+                    Poll::Pending => Poll::Pending,
+                    Poll::Ready(Err(end)) => {
+                        e.done = true;
+                        e.flight = None;
+                        Poll::Ready(Some(Ok(Frame::data(end))))
+                    }
+                    Poll::Ready(Ok(mut relay)) => {
+                        e.done = true;
+                        relay.first_byte = true;
+                        relay.mask = e.mask.take();
+                        relay.flight = e.flight.take();
+                        self.0 = Inner::Relay(Box::new(relay));
+                        self.poll_frame(cx)
+                    }
+                }
+            }
         }
     }
 
@@ -103,6 +188,7 @@ impl Body for ProxyBody {
         match &self.0 {
             Inner::Full(b) => b.is_none(),
             Inner::Relay(r) => r.state == State::Done,
+            Inner::Early(e) => e.done && e.first.is_none(),
         }
     }
 
@@ -110,7 +196,7 @@ impl Body for ProxyBody {
         match &self.0 {
             Inner::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
             Inner::Relay(r) if !r.sse => r.upstream.size_hint(),
-            Inner::Relay(_) => SizeHint::default(),
+            Inner::Relay(_) | Inner::Early(_) => SizeHint::default(),
         }
     }
 }
@@ -364,16 +450,21 @@ impl Relay {
         }
         if self.sse {
             let code = kind.map_or("prefill_failed", ErrorKind::as_str);
-            let err = super::proxy::error_json(&message, "server_error", code);
-            let mut event = Vec::with_capacity(err.len() + 32);
-            event.extend_from_slice(b"data: ");
-            event.extend_from_slice(&err);
-            event.extend_from_slice(b"\n\ndata: [DONE]\n\n");
-            Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))))
+            Poll::Ready(Some(Ok(Frame::data(error_event(&message, code)))))
         } else {
             Poll::Ready(Some(Err(message.into())))
         }
     }
+}
+
+/// An SSE error event, then `[DONE]`: how an event stream that already began ends with an error.
+pub(crate) fn error_event(message: &str, code: &str) -> Bytes {
+    let err = super::proxy::error_json(message, "server_error", code);
+    let mut event = Vec::with_capacity(err.len() + 32);
+    event.extend_from_slice(b"data: ");
+    event.extend_from_slice(&err);
+    event.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+    Bytes::from(event)
 }
 
 impl Drop for Relay {

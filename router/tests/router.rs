@@ -359,6 +359,60 @@ async fn a_decode_first_token_unlike_prefill_s_ends_the_stream_with_an_error() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_sends_p_token_before_d_answers_and_a_failing_d_ends_the_stream_with_its_error() {
+    for d_fails in [false, true] {
+        let p = Fake::start(None, handler(|_s: Seen| async { json_reply(200, &p_token_answer(" the", 5)) })).await;
+        let head_go = Arc::new(Notify::new());
+        let go = head_go.clone();
+        let d = Fake::start(
+            None,
+            handler(move |_s: Seen| {
+                let go = go.clone();
+                async move {
+                    // D's head only once the client already has P's token.
+                    go.notified().await;
+                    if d_fails {
+                        return json_reply(503, &json!({"error": {"message": "D is full", "code": 503}}));
+                    }
+                    let (reply, tx) = sse_reply();
+                    tokio::spawn(async move {
+                        for e in
+                            [d_token_event(" the cat", &[5, 9], Value::Null), d_token_event("", &[], json!("length"))]
+                        {
+                            tx.send(e).await.unwrap();
+                        }
+                        tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await.unwrap();
+                    });
+                    reply
+                }
+            }),
+        )
+        .await;
+        let (_r, base) = start(config(TransferMode::Pull, &[&p], &[&d])).await;
+        let resp =
+            within(5.0, "the head before D's", post(&client(), &format!("{base}/v1/completions"), greedy_stream()))
+                .await;
+        assert_eq!(resp.status(), 200);
+        assert!(resp.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+        let mut body = resp.into_body();
+        let frame = within(5.0, "P's token before D answered", body.frame()).await.unwrap().unwrap();
+        let first = String::from_utf8_lossy(frame.data_ref().unwrap()).into_owned();
+        assert_eq!(sse_tokens(&first).0, " the");
+        assert_eq!(d.count(), 1, "D's leg is out, its answer held");
+        head_go.notify_one();
+        let rest = within(5.0, "D's stream", body.collect()).await.unwrap().to_bytes();
+        let all = format!("{first}{}", String::from_utf8_lossy(&rest));
+        let (text, toks, errors) = sse_tokens(&all);
+        if d_fails {
+            assert_eq!((text.as_str(), errors), (" the", vec!["decode_status".to_owned()]), "{all}");
+            assert!(all.contains("D is full") && all.ends_with("data: [DONE]\n\n"), "D's own message: {all}");
+        } else {
+            assert_eq!((text.as_str(), toks.len(), errors.len()), (" the cat", 2, 0), "{all}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sampled_or_switched_off_streams_wait_for_decode_s_first_token() {
     let sampled = json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 3, "stream": true, "logprobs": 1});
     for (body, from_prefill) in [(sampled.to_string(), true), (greedy_stream(), false)] {
