@@ -338,12 +338,24 @@ TTFT_SETUPS: dict[str, tuple[str, dict[str, Any], float]] = {
 }
 
 
+# --ttft-decode-first: a second router beside each pair's, on the same P and D, that leaves the first
+# token to D (``--first-token-from-prefill false``, the router before issue #18's change); its setup is
+# named ``<pair>-decode-first``.
+DECODE_FIRST = "-decode-first"
+
+
+def _ttft_setup(name: str) -> tuple[str, dict[str, Any], float]:
+    """TTFT_SETUPS' entry of a setup name, a ``-decode-first`` router's included."""
+    return TTFT_SETUPS[name.removesuffix(DECODE_FIRST)]
+
+
 def _ttft_targets(
-    model_dir: Path, extra: dict[str, Any], timeline_dir: Path, names: list[str]
+    model_dir: Path, extra: dict[str, Any], timeline_dir: Path, names: list[str], decode_first: bool
 ) -> tuple[dict[str, str], list[srv.Server]]:
     """Starts the engine alone and the P/D pairs ``names`` (TTFT_SETUPS), each pair behind its router
-    (every P/D process writes its timeline under ``timeline_dir/<name>``). Returns each setup's URL and
-    the servers."""
+    (every P/D process writes its timeline under ``timeline_dir/<name>``), and with ``decode_first`` a
+    second router per pair (DECODE_FIRST; its own timeline under ``timeline_dir/<name>-decode-first``).
+    Returns each setup's URL and the servers."""
     started: list[srv.Server] = []
     ports = srv.free_ports(2 * len(names))
 
@@ -374,6 +386,12 @@ def _ttft_targets(
                 router = srv.start_router(TTFT_SETUPS[name][0], [p], [d], name=f"ttft-{name}-router", extra_env=env)
                 started.append(router)
                 urls[name] = router.url
+                if decode_first:
+                    env = {"KVPUSH_TIMELINE": str(timeline_dir / (name + DECODE_FIRST))}
+                    router = srv.start_router(TTFT_SETUPS[name][0], [p], [d], name=f"ttft-{name}{DECODE_FIRST}-router",
+                                              extra_args=["--first-token-from-prefill", "false"], extra_env=env)  # fmt: skip
+                    started.append(router)
+                    urls[name + DECODE_FIRST] = router.url
     except BaseException:
         for s in reversed(started):
             s.stop()
@@ -395,14 +413,15 @@ def run_ttft(args: argparse.Namespace) -> int:
     model_dir = tiny_model.model_dir()
     lengths = args.lengths if args.lengths_given else TTFT_LENGTHS
     prompts = tiny_model.make_prompts(lengths * args.ttft_rounds, seed=18)
-    pd_setups = args.ttft_setups
+    pairs_ = args.ttft_setups
+    pd_setups = [n + sfx for n in pairs_ for sfx in ("", DECODE_FIRST) if sfx == "" or args.ttft_decode_first]
     setups_ = ["alone", *pd_setups]
     result: dict[str, Any] = {
         "bench": "vllm_pd --ttft",
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "started_at": started_at,
         "params": {"lengths": lengths, "rounds": args.ttft_rounds, "max_tokens": args.max_tokens,
-                   "pause_s": args.ttft_pause_s, "setups": {n: TTFT_SETUPS[n] for n in pd_setups},
+                   "pause_s": args.ttft_pause_s, "setups": {n: _ttft_setup(n) for n in pd_setups},
                    "rate_qps": args.ttft_rate, "streaming": True, "greedy": True,
                    "kvpush_extra": json.loads(args.kvpush_extra),
                    "model": json.loads((model_dir / "params.json").read_text())},  # fmt: skip
@@ -411,7 +430,8 @@ def run_ttft(args: argparse.Namespace) -> int:
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "timeline_dir": str(timeline_dir),
     }
-    urls, started = _ttft_targets(model_dir, json.loads(args.kvpush_extra), timeline_dir, pd_setups)
+    urls, started = _ttft_targets(model_dir, json.loads(args.kvpush_extra), timeline_dir, pairs_,
+                                  args.ttft_decode_first)  # fmt: skip
     try:
         sessions = {k: requests.Session() for k in setups_}
         for w in tiny_model.make_prompts([64, 300, 64, 300], seed=999):
@@ -430,7 +450,9 @@ def run_ttft(args: argparse.Namespace) -> int:
                 time.sleep(args.ttft_pause_s)
                 c = srv.complete(urls[k], prompt, args.max_tokens, stream=True, timeout_s=300, session=sessions[k])
                 got[k] = c
-                records[k].append({"input_tokens": len(prompt), "ttft_s": c.ttft_s, "latency_s": c.latency_s})
+                second = c.token_times_s[1] if len(c.token_times_s) > 1 else None
+                records[k].append({"input_tokens": len(prompt), "ttft_s": c.ttft_s, "second_token_s": second,
+                                   "latency_s": c.latency_s})  # fmt: skip
             for k in pd_setups:
                 try:
                     gap = srv.assert_same_output(got[k], got["alone"], f"{k}, prompt {i} ({len(prompt)} tokens)")
@@ -443,11 +465,13 @@ def run_ttft(args: argparse.Namespace) -> int:
         summary: dict[str, Any] = {}
         for k in setups_:
             ttft = [r["ttft_s"] for r in records[k] if r["ttft_s"] is not None]
+            second = [r["second_token_s"] for r in records[k] if r.get("second_token_s") is not None]
             summary[k] = {"requests": len(records[k]), "ttft_p50_s": percentile(ttft, 50),
-                          "ttft_p99_s": percentile(ttft, 99), "ttft_mean_s": statistics.fmean(ttft)}  # fmt: skip
+                          "ttft_p99_s": percentile(ttft, 99), "ttft_mean_s": statistics.fmean(ttft),
+                          "second_token_p50_s": percentile(second, 50) if second else None}  # fmt: skip
         alone = summary["alone"]["ttft_p50_s"]
         for k in pd_setups:
-            factor = TTFT_SETUPS[k][2]
+            factor = _ttft_setup(k)[2]
             s_ = summary[k]
             s_["ratio_median"] = s_["ttft_p50_s"] / alone
             s_["ratio_p99"] = s_["ttft_p99_s"] / summary["alone"]["ttft_p99_s"]
@@ -473,7 +497,12 @@ def run_ttft(args: argparse.Namespace) -> int:
                 result["rate"][k] = {**summarize(cell), "records": cell}
         result["timeline"] = {}
         for mode in pd_setups:
-            reqs = tl.load([timeline_dir / mode])
+            # A pair's directory has its engines' events for both of its routers' requests.
+            pair = mode.removesuffix(DECODE_FIRST)
+            reqs = tl.load([timeline_dir / pair, *([timeline_dir / mode] if mode != pair else [])])
+            if args.ttft_decode_first:
+                other = tl.load([timeline_dir / (pair + DECODE_FIRST)])
+                reqs = {t: e for t, e in reqs.items() if (t in other) == (mode != pair)}
             seq = {t: e for t, e in reqs.items() if t_measured_ns <= min(e.values()) < t_rate_ns}
             result["timeline"][mode] = tl.summarize(seq)
             lines = tl.summary_lines(result["timeline"][mode])
@@ -492,6 +521,8 @@ def run_ttft(args: argparse.Namespace) -> int:
             extra_s = (f", ratio {s_['ratio_median']:.2f} (target {s_['target_s'] * 1000:.1f} ms: {verdict}), "
                        f"per prompt: ratio {s_['paired_ratio_median']:.2f}, "
                        f"+{s_['paired_diff_median_s'] * 1000:.1f} ms")  # fmt: skip
+        if s_.get("second_token_p50_s") is not None:
+            extra_s += f"; second token p50 {s_['second_token_p50_s'] * 1000:.1f} ms"
         print(f"[ttft] {k:5s} TTFT p50 {s_['ttft_p50_s'] * 1000:.1f} ms, p99 {s_['ttft_p99_s'] * 1000:.1f} ms{extra_s}")
     print(f"[ttft] outputs equal to the engine alone: {result['outputs_equal']}")
     print(f"wrote {out_path}")
@@ -612,6 +643,8 @@ def main() -> int:
     ap.add_argument("--plot", type=Path, default=None, help="only redraw the plot of this result JSON")
     ap.add_argument("--ttft", action="store_true", help="the alone vs push vs pull TTFT run (module docs)")
     ap.add_argument("--ttft-rounds", type=int, default=2, help="--ttft: rounds over the lengths")
+    ap.add_argument("--ttft-decode-first", action="store_true",
+                    help="--ttft: also each pair behind a router that leaves the first token to D (-decode-first)")
     ap.add_argument("--ttft-rate", type=float, default=0.0, help="--ttft: then this many QPS per setup (0: none)")
     ap.add_argument("--timeline-dir", default=None, help="--ttft: where the timelines go (default under /tmp)")
     ap.add_argument("--ttft-setups", default="push,pull",

@@ -22,8 +22,9 @@ Events recorded here (the scheduler's and the worker's halves of the connector):
   when the client gets it).
 
 The router's (router/src/timeline.rs): ``router_recv``, ``router_p_sent``, ``router_d_sent``,
-``router_d_head`` (D's response head), ``router_p_done`` (P's whole answer), ``router_first_byte`` (D's
-first data relayed to the client). The engine's (src/engine/timeline.rs, recorded by its writer threads
+``router_d_head`` (D's response head), ``router_p_done`` (P's whole answer), ``router_p_token`` (P's
+token sent as the client's first, docs/router.md), ``router_first_byte`` (the first data sent to the
+client: P's token, or D's first data). The engine's (src/engine/timeline.rs, recorded by its writer threads
 unless named otherwise): ``eng_register_sent`` (D), ``eng_registration_read`` (P's side-channel reader
 decoded it), ``eng_registration_recv``, ``eng_blocks_ready``, ``eng_rendezvous`` (P), ``eng_write_post`` /
 ``eng_read_post``, ``eng_write_done`` / ``eng_read_done``, ``eng_grant_recv`` (D, pull),

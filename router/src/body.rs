@@ -4,7 +4,8 @@
 //! The relay is also where the push-mode request ends: it watches the prefill leg still running beside
 //! the decode stream (a prefill failure before D's first byte ends the stream with an error), times D's
 //! silences, records TTFT and the decode leg's duration, and — when the client goes away and hyper drops
-//! the body — aborts the prefill leg and, by dropping D's body, closes the decode connection.
+//! the body — aborts the prefill leg and, by dropping D's body, closes the decode connection. For a
+//! streamed greedy completion it sends P's token first and D's stream without it (`first_token`).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -20,6 +21,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Sleep;
 use tracing::warn;
 
+use super::first_token::{self, Sent, Step};
 use super::metrics::ErrorKind;
 use super::timeline;
 use super::upstream::{Lease, LegError};
@@ -40,6 +42,51 @@ pub struct ProxyBody(Inner);
 enum Inner {
     Full(Option<Bytes>),
     Relay(Box<Relay>),
+    Early(Box<Early>),
+}
+
+/// What the decode leg of a response that began with P's token became: D's stream to relay, or the
+/// error event that ends the client's stream.
+pub(crate) type DecodeThen = Result<Relay, Bytes>;
+
+/// A pull-mode stream that began before D answered (`first_token`): P's token, then D's relay once
+/// D's response head is in.
+pub(crate) struct Early {
+    shared: Arc<Shared>,
+    received: Instant,
+    first: Option<Bytes>,
+    decode: Pin<Box<dyn Future<Output = DecodeThen> + Send>>,
+    done: bool,
+    flight: Option<InFlight>,
+    mask: Option<IdMask>,
+    timeline_id: Option<String>,
+}
+
+impl std::fmt::Debug for Early {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Early").field("first", &self.first).field("done", &self.done).finish_non_exhaustive()
+    }
+}
+
+impl Early {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        received: Instant,
+        first: Bytes,
+        decode: Pin<Box<dyn Future<Output = DecodeThen> + Send>>,
+        timeline_id: Option<String>,
+    ) -> Self {
+        Early { shared, received, first: Some(first), decode, done: false, flight: None, mask: None, timeline_id }
+    }
+}
+
+impl Drop for Early {
+    fn drop(&mut self) {
+        if !self.done {
+            // The client went away before D's stream took over: D's leg is cancelled as it drops.
+            self.shared.metrics.error(ErrorKind::ClientDisconnect);
+        }
+    }
 }
 
 impl ProxyBody {
@@ -52,19 +99,26 @@ impl ProxyBody {
         ProxyBody(Inner::Relay(Box::new(r)))
     }
 
+    pub(crate) fn early(e: Early) -> Self {
+        ProxyBody(Inner::Early(Box::new(e)))
+    }
+
     /// Rewrites the transfer id to the public id in this body (see [`IdMask`]).
     pub(crate) fn mask(&mut self, mask: IdMask) {
         match &mut self.0 {
             Inner::Full(Some(b)) => *b = Bytes::from(mask.replace_all(b)),
             Inner::Full(None) => {}
             Inner::Relay(r) => r.mask = Some(mask),
+            Inner::Early(e) => e.mask = Some(mask),
         }
     }
 
     /// Keeps `flight` alive as long as a relayed body is (a small body drops it at once).
     pub(crate) fn hold(&mut self, flight: InFlight) {
-        if let Inner::Relay(r) = &mut self.0 {
-            r.flight = Some(flight);
+        match &mut self.0 {
+            Inner::Relay(r) => r.flight = Some(flight),
+            Inner::Early(e) => e.flight = Some(flight),
+            Inner::Full(_) => {}
         }
     }
 }
@@ -94,6 +148,39 @@ impl Body for ProxyBody {
         match &mut self.0 {
             Inner::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
             Inner::Relay(r) => r.poll_frame(cx),
+            Inner::Early(e) => {
+                if let Some(first) = e.first.take() {
+                    let first = match e.mask.as_mut() {
+                        Some(m) => m.push(&first),
+                        None => first,
+                    };
+                    e.shared.metrics.ttft.observe(e.received.elapsed());
+                    if let Some(tid) = &e.timeline_id {
+                        timeline::record("router_p_token", tid);
+                        timeline::record("router_first_byte", tid);
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(first))));
+                }
+                if e.done {
+                    return Poll::Ready(None);
+                }
+                match e.decode.as_mut().poll(cx) {
+                    Poll::Pending => Poll::Pending,
+                    Poll::Ready(Err(end)) => {
+                        e.done = true;
+                        e.flight = None;
+                        Poll::Ready(Some(Ok(Frame::data(end))))
+                    }
+                    Poll::Ready(Ok(mut relay)) => {
+                        e.done = true;
+                        relay.first_byte = true;
+                        relay.mask = e.mask.take();
+                        relay.flight = e.flight.take();
+                        self.0 = Inner::Relay(Box::new(relay));
+                        self.poll_frame(cx)
+                    }
+                }
+            }
         }
     }
 
@@ -101,6 +188,7 @@ impl Body for ProxyBody {
         match &self.0 {
             Inner::Full(b) => b.is_none(),
             Inner::Relay(r) => r.state == State::Done,
+            Inner::Early(e) => e.done && e.first.is_none(),
         }
     }
 
@@ -108,7 +196,7 @@ impl Body for ProxyBody {
         match &self.0 {
             Inner::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
             Inner::Relay(r) if !r.sse => r.upstream.size_hint(),
-            Inner::Relay(_) => SizeHint::default(),
+            Inner::Relay(_) | Inner::Early(_) => SizeHint::default(),
         }
     }
 }
@@ -147,6 +235,21 @@ pub(crate) struct Relay {
     mask: Option<IdMask>,
     /// The transfer id, where the request timeline is on (its first byte to the client is recorded).
     pub(crate) timeline_id: Option<String>,
+    /// Whether the client's first token comes from P's answer (`first_token`).
+    first: First,
+    /// P's answer, when it came before this relay was made (pull; push when P answered before D's head).
+    answered: Option<Value>,
+}
+
+/// Where the client's first token comes from (`first_token`).
+#[derive(Debug)]
+pub(crate) enum First {
+    /// From D's stream, as D sends it.
+    FromDecode,
+    /// From P's answer, if it comes before D's first bytes.
+    Eligible,
+    /// P's token went out: D's stream is held until its first token event, which goes out without it.
+    Sent(Sent),
 }
 
 impl Relay {
@@ -160,6 +263,8 @@ impl Relay {
         prefill: Option<JoinHandle<PrefillResult>>,
         lease: Lease,
         success: bool,
+        first: First,
+        answered: Option<Value>,
     ) -> Self {
         let idle = shared.config.stream_idle_timeout;
         Relay {
@@ -179,7 +284,50 @@ impl Relay {
             flight: None,
             mask: None,
             timeline_id: None,
+            first,
+            answered,
         }
+    }
+
+    /// P's answer: the client's first token when it may be (`first_token`), else nothing to send.
+    fn prefill_answered(&mut self, answer: &Value) -> Option<Bytes> {
+        if !matches!(self.first, First::Eligible) {
+            return None;
+        }
+        match first_token::from_prefill(answer) {
+            Some((event, sent)) => {
+                self.first = First::Sent(sent);
+                if let Some(tid) = &self.timeline_id {
+                    timeline::record("router_p_token", tid);
+                }
+                Some(event)
+            }
+            None => {
+                self.first = First::FromDecode;
+                None
+            }
+        }
+    }
+
+    /// Sends `data` to the client: the transfer id masked, the first byte recorded.
+    fn send(&mut self, data: Bytes, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let data = match &mut self.mask {
+            Some(mask) => mask.push(&data),
+            None => data,
+        };
+        if data.is_empty() {
+            // Nothing to send yet (all of it held back): look again at once.
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        if !self.first_byte {
+            self.first_byte = true;
+            self.shared.metrics.ttft.observe(self.received.elapsed());
+            if let Some(tid) = &self.timeline_id {
+                timeline::record("router_first_byte", tid);
+            }
+        }
+        Poll::Ready(Some(Ok(Frame::data(data))))
     }
 
     fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
@@ -192,38 +340,57 @@ impl Relay {
                 let result = joined.unwrap_or_else(|e| {
                     Err(LegError::Broken { url: "prefill task".to_owned(), detail: e.to_string() })
                 });
-                if let Err(e) = result {
-                    if self.first_byte {
-                        warn!(error = ?e, "prefill leg failed after the decode leg's first byte; stream kept");
-                    } else {
-                        let (_, message) = super::proxy::leg_error_message(super::proxy::Leg::Prefill, &e);
-                        return self.fail(None, format!("{message}; the decode leg was cancelled"));
+                match result {
+                    Ok(answer) => {
+                        if let Some(event) = self.prefill_answered(&answer) {
+                            return self.send(event, cx);
+                        }
+                    }
+                    Err(e) => {
+                        if self.first_byte {
+                            warn!(error = ?e, "prefill leg failed after the decode leg's first byte; stream kept");
+                        } else {
+                            let (_, message) = super::proxy::leg_error_message(super::proxy::Leg::Prefill, &e);
+                            return self.fail(None, format!("{message}; the decode leg was cancelled"));
+                        }
                     }
                 }
             }
         }
+        if let Some(answer) = self.answered.take() {
+            if let Some(event) = self.prefill_answered(&answer) {
+                return self.send(event, cx);
+            }
+        }
         match Pin::new(&mut self.upstream).poll_frame(cx) {
-            Poll::Ready(Some(Ok(mut frame))) => {
+            Poll::Ready(Some(Ok(frame))) => {
                 let idle = self.idle;
                 self.idle_timer.as_mut().reset(tokio::time::Instant::now() + idle);
-                if let Some(mask) = &mut self.mask {
-                    frame = frame.map_data(|d| mask.push(&d));
-                    if frame.data_ref().is_some_and(Bytes::is_empty) {
-                        // All of it may begin the transfer id: wait for the next frame.
-                        cx.waker().wake_by_ref();
-                        return Poll::Pending;
+                let data = match frame.into_data() {
+                    Ok(d) => d,
+                    // Trailers: nothing to mask or count.
+                    Err(frame) => return Poll::Ready(Some(Ok(frame))),
+                };
+                let data = match &mut self.first {
+                    First::FromDecode => data,
+                    First::Eligible => {
+                        // D's stream began before P answered: it goes through as D sends it.
+                        self.first = First::FromDecode;
+                        data
                     }
-                }
-                if let Some(data) = frame.data_ref() {
-                    if !data.is_empty() && !self.first_byte {
-                        self.first_byte = true;
-                        self.shared.metrics.ttft.observe(self.received.elapsed());
-                        if let Some(tid) = &self.timeline_id {
-                            timeline::record("router_first_byte", tid);
+                    First::Sent(sent) => match sent.decode_data(&data) {
+                        Ok(Step::Hold) => {
+                            cx.waker().wake_by_ref();
+                            return Poll::Pending;
                         }
-                    }
-                }
-                return Poll::Ready(Some(Ok(frame)));
+                        Ok(Step::Done(rest)) => {
+                            self.first = First::FromDecode;
+                            rest
+                        }
+                        Err(m) => return self.fail(Some(ErrorKind::FirstTokenMismatch), m.0),
+                    },
+                };
+                return self.send(data, cx);
             }
             Poll::Ready(Some(Err(e))) => {
                 let url = self.lease.as_ref().map(|l| l.instance().base.clone()).unwrap_or_default();
@@ -231,6 +398,13 @@ impl Relay {
                 return self.fail(Some(ErrorKind::DecodeBroken), format!("decode stream from {url} broke: {detail}"));
             }
             Poll::Ready(None) => {
+                if let First::Sent(sent) = &mut self.first {
+                    let held = sent.finish();
+                    self.first = First::FromDecode;
+                    if let Some(held) = held {
+                        return self.send(held, cx);
+                    }
+                }
                 if let Some(rest) = self.mask.as_mut().and_then(IdMask::finish) {
                     return Poll::Ready(Some(Ok(Frame::data(rest))));
                 }
@@ -276,16 +450,21 @@ impl Relay {
         }
         if self.sse {
             let code = kind.map_or("prefill_failed", ErrorKind::as_str);
-            let err = super::proxy::error_json(&message, "server_error", code);
-            let mut event = Vec::with_capacity(err.len() + 32);
-            event.extend_from_slice(b"data: ");
-            event.extend_from_slice(&err);
-            event.extend_from_slice(b"\n\ndata: [DONE]\n\n");
-            Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))))
+            Poll::Ready(Some(Ok(Frame::data(error_event(&message, code)))))
         } else {
             Poll::Ready(Some(Err(message.into())))
         }
     }
+}
+
+/// An SSE error event, then `[DONE]`: how an event stream that already began ends with an error.
+pub(crate) fn error_event(message: &str, code: &str) -> Bytes {
+    let err = super::proxy::error_json(message, "server_error", code);
+    let mut event = Vec::with_capacity(err.len() + 32);
+    event.extend_from_slice(b"data: ");
+    event.extend_from_slice(&err);
+    event.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+    Bytes::from(event)
 }
 
 impl Drop for Relay {

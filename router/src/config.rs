@@ -92,6 +92,10 @@ pub struct RouterArgs {
     /// Largest request body accepted from a client, in bytes; larger ones get 413 [default: 67108864].
     #[arg(long, value_name = "BYTES")]
     pub max_body_bytes: Option<usize>,
+    /// Send a streamed greedy completion's first token from P's answer, then D's stream without it
+    /// (docs/router.md) [default: true].
+    #[arg(long, value_name = "BOOL")]
+    pub first_token_from_prefill: Option<bool>,
     /// Longest time a client may take to send its request head or body, in seconds; past it the client
     /// gets 408 (a slow body) or its connection is closed (a slow head), and no leg is sent [default: 30].
     #[arg(long, value_name = "SECONDS")]
@@ -251,6 +255,7 @@ struct FileConfig {
     decode_timeout_s: Option<f64>,
     stream_idle_timeout_s: Option<f64>,
     max_body_bytes: Option<usize>,
+    first_token_from_prefill: Option<bool>,
     body_timeout_s: Option<f64>,
     max_connections: Option<usize>,
     connect_retries: Option<u32>,
@@ -296,6 +301,8 @@ pub struct Config {
     pub stream_idle_timeout: Duration,
     /// Largest request body accepted.
     pub max_body_bytes: usize,
+    /// A streamed greedy completion's first token comes from P's answer.
+    pub first_token_from_prefill: bool,
     /// Longest time a client may take to send its request head or its body.
     #[serde(serialize_with = "secs")]
     pub body_timeout: Duration,
@@ -326,6 +333,7 @@ impl Config {
             decode_timeout: Duration::from_secs(600),
             stream_idle_timeout: Duration::from_secs(600),
             max_body_bytes: 64 << 20,
+            first_token_from_prefill: true,
             body_timeout: Duration::from_secs(30),
             max_connections: 1024,
             connect_retries: 2,
@@ -381,6 +389,9 @@ impl Config {
         )?;
         if let Some(n) = args.max_body_bytes.or(file.max_body_bytes) {
             c.max_body_bytes = n;
+        }
+        if let Some(b) = args.first_token_from_prefill.or(file.first_token_from_prefill) {
+            c.first_token_from_prefill = b;
         }
         c.body_timeout = dur("body_timeout_s", args.body_timeout_s, file.body_timeout_s, c.body_timeout)?;
         if let Some(n) = args.max_connections.or(file.max_connections) {

@@ -14,6 +14,7 @@
 
 mod body;
 pub mod config;
+mod first_token;
 mod metrics;
 mod proxy;
 mod timeline;

@@ -28,6 +28,8 @@ pub(crate) enum ErrorKind {
     DecodeStatus,
     DecodeBroken,
     DecodeStreamIdle,
+    /// D's first token differed from the one P answered and the client already has.
+    FirstTokenMismatch,
     ClientDisconnect,
     BodyTimeout,
     TooManyConnections,
@@ -35,7 +37,7 @@ pub(crate) enum ErrorKind {
 }
 
 impl ErrorKind {
-    const ALL: [ErrorKind; 19] = [
+    const ALL: [ErrorKind; 20] = [
         ErrorKind::BadRequest,
         ErrorKind::PayloadTooLarge,
         ErrorKind::NotFound,
@@ -51,6 +53,7 @@ impl ErrorKind {
         ErrorKind::DecodeStatus,
         ErrorKind::DecodeBroken,
         ErrorKind::DecodeStreamIdle,
+        ErrorKind::FirstTokenMismatch,
         ErrorKind::ClientDisconnect,
         ErrorKind::BodyTimeout,
         ErrorKind::TooManyConnections,
@@ -75,6 +78,7 @@ impl ErrorKind {
             ErrorKind::DecodeStatus => "decode_status",
             ErrorKind::DecodeBroken => "decode_broken",
             ErrorKind::DecodeStreamIdle => "decode_stream_idle",
+            ErrorKind::FirstTokenMismatch => "first_token_mismatch",
             ErrorKind::ClientDisconnect => "client_disconnect",
             ErrorKind::BodyTimeout => "body_timeout",
             ErrorKind::TooManyConnections => "too_many_connections",

@@ -22,8 +22,9 @@ use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{json, Map, Value};
 use tracing::debug;
 
-use super::body::{IdMask, InFlight, PrefillResult, ProxyBody, Relay};
+use super::body::{error_event, Early, First, IdMask, InFlight, PrefillResult, ProxyBody, Relay};
 use super::config::TransferMode;
+use super::first_token;
 use super::metrics::{Endpoint, ErrorKind};
 use super::timeline;
 use super::upstream::{self, Lease, LegError, LegRequest, PushTarget, MAX_UPSTREAM_JSON};
@@ -410,6 +411,7 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
     let Some(p_handle) = p_task.0.as_mut() else {
         return Outcome::Response(internal("prefill task missing"));
     };
+    let mut answered = None;
     let d_result = tokio::select! {
         joined = p_handle => {
             p_task.0 = None;
@@ -417,7 +419,10 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
             match result {
                 Err(e) if e.is_connect() => return Outcome::Retry(Leg::Prefill, e),
                 Err(e) => return Outcome::Response(leg_error_response(Leg::Prefill, &e)),
-                Ok(_) => d_fut.await,
+                Ok(v) => {
+                    answered = Some(v);
+                    d_fut.await
+                }
             }
         }
         d = &mut d_fut => d,
@@ -441,8 +446,19 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
                 shared.metrics.error(ErrorKind::DecodeStatus);
                 None
             };
-            Outcome::Response(relay(shared, resp, tid, received, decode_sent, prefill, d_lease))
+            let first = first_from_prefill(shared, proxied);
+            let head = RelayHead { tid, received, decode_sent, prefill, first, answered };
+            Outcome::Response(relay(shared, resp, head, d_lease))
         }
+    }
+}
+
+/// Whether the client's first token may come from P's answer (`first_token`).
+fn first_from_prefill(shared: &Shared, proxied: Proxied<'_>) -> First {
+    if shared.config.first_token_from_prefill && first_token::eligible(proxied.request, proxied.path) {
+        First::Eligible
+    } else {
+        First::FromDecode
     }
 }
 
@@ -475,9 +491,44 @@ async fn pull(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
     let mut d_req = request.clone();
     d_req.insert("kv_transfer_params".into(), Value::Object(params));
     let d_body = to_bytes(&d_req);
+    let first = first_from_prefill(shared, proxied);
+    if let First::Eligible = first {
+        if let Some((event, sent)) = first_token::from_prefill(&p_json) {
+            // The client's stream begins now, with P's token; D's follows once its head is in.
+            return Outcome::Response(early_pull(shared, proxied, tid, d_body, event, sent));
+        }
+    }
+    match pull_decode(shared, path, headers, tid, d_body).await {
+        Ok((resp, d_lease, decode_sent)) => {
+            let head =
+                RelayHead { tid, received, decode_sent, prefill: None, first: First::FromDecode, answered: None };
+            Outcome::Response(relay(shared, resp, head, d_lease))
+        }
+        Err(DecodeFailed::Reject(r)) => Outcome::Response(r.into_response()),
+        Err(DecodeFailed::Leg(e)) => Outcome::Response(leg_error_response(Leg::Decode, &e)),
+    }
+}
+
+/// Why pull's decode leg has no response to relay.
+enum DecodeFailed {
+    /// No D in rotation.
+    Reject(Reject),
+    /// The leg failed (after the retries a connect failure gets).
+    Leg(LegError),
+}
+
+/// Pull's decode leg, sent again to a D picked anew while it cannot connect (P's KV stays readable by
+/// any D): D's response head (error statuses counted), its lease and when it was sent.
+async fn pull_decode(
+    shared: &Arc<Shared>,
+    path: &'static str,
+    headers: &HeaderMap,
+    tid: &str,
+    d_body: Bytes,
+) -> Result<(Response<Incoming>, Lease, Instant), DecodeFailed> {
     let mut tries = 0;
     loop {
-        let d_lease = or_reject!(pick(shared, Leg::Decode));
+        let d_lease = pick(shared, Leg::Decode).map_err(DecodeFailed::Reject)?;
         let d_inst = Arc::clone(d_lease.instance());
         let decode_sent = Instant::now();
         let timeout = shared.config.decode_timeout;
@@ -489,20 +540,86 @@ async fn pull(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
                 if !resp.status().is_success() {
                     shared.metrics.error(ErrorKind::DecodeStatus);
                 }
-                return Outcome::Response(relay(shared, resp, tid, received, decode_sent, None, d_lease));
+                return Ok((resp, d_lease, decode_sent));
             }
             Err(e) => {
                 shared.metrics.error(leg_error_kind(Leg::Decode, &e));
-                // P's KV stays readable by any D: only the decode leg goes again.
                 if e.is_connect() && tries < shared.config.connect_retries {
                     tries += 1;
                     shared.metrics.retry();
                     continue;
                 }
-                return Outcome::Response(leg_error_response(Leg::Decode, &e));
+                return Err(DecodeFailed::Leg(e));
             }
         }
     }
+}
+
+/// Pull with P's token first (`first_token`): a `200` event stream that sends P's token at once and
+/// then D's stream without it; whatever goes wrong on D's side after that ends the stream with an error
+/// event (the status is sent already).
+fn early_pull(
+    shared: &Arc<Shared>,
+    proxied: Proxied<'_>,
+    tid: &str,
+    d_body: Bytes,
+    event: Bytes,
+    sent: first_token::Sent,
+) -> Response<ProxyBody> {
+    let Proxied { path, headers, received, .. } = proxied;
+    let (shared2, headers, tid2) = (Arc::clone(shared), headers.clone(), tid.to_owned());
+    let decode = async move {
+        let shared = &shared2;
+        let (resp, lease, decode_sent) = match pull_decode(shared, path, &headers, &tid2, d_body).await {
+            Ok(r) => r,
+            Err(DecodeFailed::Reject(r)) => return Err(error_event(&r.message, r.kind.as_str())),
+            Err(DecodeFailed::Leg(e)) => {
+                let (_, message) = leg_error_message(Leg::Decode, &e);
+                return Err(error_event(&message, leg_error_kind(Leg::Decode, &e).as_str()));
+            }
+        };
+        let (parts, body) = resp.into_parts();
+        if !parts.status.is_success() || !is_sse(&parts.headers) {
+            let url = format!("{}{path}", lease.instance().base);
+            let got = Limited::new(body, MAX_UPSTREAM_JSON).collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+            let content_type = parts.headers.get(CONTENT_TYPE).cloned();
+            let e = if parts.status.is_success() {
+                LegError::BadResponse { url, detail: "the decode response is not an event stream".into() }
+            } else {
+                LegError::Status { status: parts.status, content_type, body: got }
+            };
+            let (_, message) = leg_error_message(Leg::Decode, &e);
+            return Err(error_event(&message, leg_error_kind(Leg::Decode, &e).as_str()));
+        }
+        let mut relay = Relay::new(
+            Arc::clone(shared),
+            body,
+            true,
+            received,
+            decode_sent,
+            None,
+            lease,
+            true,
+            First::Sent(sent),
+            None,
+        );
+        if timeline::enabled() {
+            relay.timeline_id = Some(tid2);
+        }
+        Ok(relay)
+    };
+    let tl_id = timeline::enabled().then(|| tid.to_owned());
+    let early = Early::new(Arc::clone(shared), received, event, Box::pin(decode), tl_id);
+    let mut out = Response::new(ProxyBody::early(early));
+    out.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream; charset=utf-8"));
+    out
+}
+
+fn is_sse(headers: &HeaderMap) -> bool {
+    headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"))
 }
 
 /// The client's response with the transfer id replaced by the request's public id everywhere: in its
@@ -525,24 +642,28 @@ fn hide_transfer_id(mut resp: Response<ProxyBody>, tid: &str, public: &str) -> R
     resp
 }
 
-/// Hands D's response to the client: status and headers now, the body frame by frame.
-fn relay(
-    shared: &Arc<Shared>,
-    resp: Response<Incoming>,
-    tid: &str,
+/// What the relay of D's response needs of the request beside D's response.
+struct RelayHead<'a> {
+    tid: &'a str,
     received: Instant,
     decode_sent: Instant,
+    /// P's leg still running (push).
     prefill: Option<tokio::task::JoinHandle<PrefillResult>>,
-    lease: Lease,
-) -> Response<ProxyBody> {
+    first: First,
+    /// P's answer, if it came already.
+    answered: Option<Value>,
+}
+
+/// Hands D's response to the client: status and headers now, the body frame by frame.
+fn relay(shared: &Arc<Shared>, resp: Response<Incoming>, head: RelayHead<'_>, lease: Lease) -> Response<ProxyBody> {
+    let RelayHead { tid, received, decode_sent, prefill, first, answered } = head;
     let (parts, body) = resp.into_parts();
-    let sse = parts
-        .headers
-        .get(CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+    let sse = is_sse(&parts.headers);
     let success = parts.status.is_success();
-    let mut relay = Relay::new(Arc::clone(shared), body, sse, received, decode_sent, prefill, lease, success);
+    // Only into a successful event stream: an error status or a JSON body goes through as D sent it.
+    let first = if success && sse { first } else { First::FromDecode };
+    let mut relay =
+        Relay::new(Arc::clone(shared), body, sse, received, decode_sent, prefill, lease, success, first, answered);
     if timeline::enabled() {
         relay.timeline_id = Some(tid.to_owned());
     }

@@ -240,6 +240,196 @@ async fn push_streams_sse_chunks_through_as_they_arrive() {
     assert_eq!(d.requests()[0].json["stream"], true);
 }
 
+/// P's answer to a greedy one-token leg: `text`, token `tok`, stopped for length.
+fn p_token_answer(text: &str, tok: u32) -> Value {
+    json!({"id": "cmpl-a", "object": "text_completion", "created": 1, "model": "m",
+           "choices": [{"index": 0, "text": text, "finish_reason": "length", "stop_reason": null,
+                        "logprobs": {"tokens": [format!("token_id:{tok}")], "token_logprobs": [-0.5],
+                                     "top_logprobs": [{}], "text_offset": [0]}}],
+           "kv_transfer_params": {"remote_engine_id": "p"}})
+}
+
+/// One of D's stream events: `text` made of the tokens `toks`.
+fn d_token_event(text: &str, toks: &[u32], finish: Value) -> Bytes {
+    let tokens: Vec<String> = toks.iter().map(|t| format!("token_id:{t}")).collect();
+    sse_event(&json!({"id": "cmpl-a", "object": "text_completion", "choices": [{"index": 0, "text": text,
+        "finish_reason": finish, "logprobs": {"tokens": tokens, "token_logprobs": vec![-0.5; toks.len()],
+        "top_logprobs": vec![json!({}); toks.len()], "text_offset": vec![0; toks.len()]}}]}))
+}
+
+/// The text and token strings of an SSE body's events, and its error events' codes.
+fn sse_tokens(body: &str) -> (String, Vec<String>, Vec<String>) {
+    let (mut text, mut toks, mut errors) = (String::new(), Vec::new(), Vec::new());
+    for ev in body.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).filter(|e| *e != "[DONE]") {
+        let v: Value = serde_json::from_str(ev).unwrap();
+        if let Some(code) = v["error"]["code"].as_str() {
+            errors.push(code.to_owned());
+            continue;
+        }
+        text.push_str(v["choices"][0]["text"].as_str().unwrap());
+        for t in v["choices"][0]["logprobs"]["tokens"].as_array().unwrap() {
+            toks.push(t.as_str().unwrap().to_owned());
+        }
+    }
+    (text, toks, errors)
+}
+
+/// A push pair whose P answers at once with " the" (token 5) and whose D streams the events `d_events`
+/// only once `go` is notified. With `from_prefill` off the router is told to leave the first token to D.
+async fn first_token_pair(
+    mode: TransferMode,
+    d_events: Vec<Bytes>,
+    go: Arc<Notify>,
+    from_prefill: bool,
+) -> (Fake, Fake, RouterHandle, String) {
+    let p = Fake::start(None, handler(|_s: Seen| async { json_reply(200, &p_token_answer(" the", 5)) })).await;
+    let d = Fake::start(
+        None,
+        handler(move |_s: Seen| {
+            let (events, go) = (d_events.clone(), go.clone());
+            async move {
+                let (reply, tx) = sse_reply();
+                tokio::spawn(async move {
+                    go.notified().await;
+                    for e in events {
+                        tx.send(e).await.unwrap();
+                    }
+                    tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await.unwrap();
+                });
+                reply
+            }
+        }),
+    )
+    .await;
+    let mut c = config(mode, &[&p], &[&d]);
+    c.first_token_from_prefill = from_prefill;
+    let (r, base) = start(c).await;
+    (p, d, r, base)
+}
+
+fn greedy_stream() -> String {
+    json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 3, "stream": true, "temperature": 0.0, "logprobs": 1})
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_greedy_stream_gets_its_first_token_from_prefill_before_decode_sends_anything() {
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        let go = Arc::new(Notify::new());
+        let d_events = vec![
+            d_token_event(" the", &[5], Value::Null),
+            d_token_event(" cat", &[9], Value::Null),
+            d_token_event(" sat", &[4], json!("length")),
+        ];
+        let (p, d, _r, base) = first_token_pair(mode, d_events, go.clone(), true).await;
+        let resp = within(10.0, "the head", post(&client(), &format!("{base}/v1/completions"), greedy_stream())).await;
+        assert_eq!(resp.status(), 200);
+        let mut body = resp.into_body();
+        // D has sent nothing yet: the first event can only be P's token.
+        let frame = within(5.0, "P's token while D is silent", body.frame()).await.unwrap().unwrap();
+        let first = String::from_utf8_lossy(frame.data_ref().unwrap()).into_owned();
+        assert_eq!(sse_tokens(&first).0, " the", "{mode:?}: {first}");
+        assert!(first.contains("cmpl-a") && first.contains("\"finish_reason\":null"), "{first}");
+        go.notify_one();
+        let rest = within(5.0, "D's stream", body.collect()).await.unwrap().to_bytes();
+        let all = format!("{first}{}", String::from_utf8_lossy(&rest));
+        let (text, toks, errors) = sse_tokens(&all);
+        assert_eq!(text, " the cat sat", "{mode:?}: P's token once, then D's without its first: {all}");
+        assert_eq!(toks, ["token_id:5", "token_id:9", "token_id:4"], "{mode:?}");
+        assert!(errors.is_empty() && all.ends_with("data: [DONE]\n\n"), "{all}");
+        assert_eq!((p.count(), d.count()), (1, 1));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_first_token_unlike_prefill_s_ends_the_stream_with_an_error() {
+    let go = Arc::new(Notify::new());
+    let d_events = vec![d_token_event(" a", &[6], Value::Null), d_token_event(" cat", &[9], Value::Null)];
+    let (_p, _d, _r, base) = first_token_pair(TransferMode::Push, d_events, go.clone(), true).await;
+    let resp = within(10.0, "the head", post(&client(), &format!("{base}/v1/completions"), greedy_stream())).await;
+    let mut body = resp.into_body();
+    let frame = within(5.0, "P's token", body.frame()).await.unwrap().unwrap();
+    let first = String::from_utf8_lossy(frame.data_ref().unwrap()).into_owned();
+    go.notify_one();
+    let rest = within(5.0, "the error", body.collect()).await.unwrap().to_bytes();
+    let all = format!("{first}{}", String::from_utf8_lossy(&rest));
+    let (text, _, errors) = sse_tokens(&all);
+    assert_eq!((text.as_str(), errors), (" the", vec!["first_token_mismatch".to_owned()]), "never D's text: {all}");
+    assert_eq!(metric(&metrics(&base).await, "kvpush_router_errors_total{kind=\"first_token_mismatch\"}"), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_sends_p_token_before_d_answers_and_a_failing_d_ends_the_stream_with_its_error() {
+    for d_fails in [false, true] {
+        let p = Fake::start(None, handler(|_s: Seen| async { json_reply(200, &p_token_answer(" the", 5)) })).await;
+        let head_go = Arc::new(Notify::new());
+        let go = head_go.clone();
+        let d = Fake::start(
+            None,
+            handler(move |_s: Seen| {
+                let go = go.clone();
+                async move {
+                    // D's head only once the client already has P's token.
+                    go.notified().await;
+                    if d_fails {
+                        return json_reply(503, &json!({"error": {"message": "D is full", "code": 503}}));
+                    }
+                    let (reply, tx) = sse_reply();
+                    tokio::spawn(async move {
+                        for e in
+                            [d_token_event(" the cat", &[5, 9], Value::Null), d_token_event("", &[], json!("length"))]
+                        {
+                            tx.send(e).await.unwrap();
+                        }
+                        tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await.unwrap();
+                    });
+                    reply
+                }
+            }),
+        )
+        .await;
+        let (_r, base) = start(config(TransferMode::Pull, &[&p], &[&d])).await;
+        let resp =
+            within(5.0, "the head before D's", post(&client(), &format!("{base}/v1/completions"), greedy_stream()))
+                .await;
+        assert_eq!(resp.status(), 200);
+        assert!(resp.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+        let mut body = resp.into_body();
+        let frame = within(5.0, "P's token before D answered", body.frame()).await.unwrap().unwrap();
+        let first = String::from_utf8_lossy(frame.data_ref().unwrap()).into_owned();
+        assert_eq!(sse_tokens(&first).0, " the");
+        assert_eq!(d.count(), 1, "D's leg is out, its answer held");
+        head_go.notify_one();
+        let rest = within(5.0, "D's stream", body.collect()).await.unwrap().to_bytes();
+        let all = format!("{first}{}", String::from_utf8_lossy(&rest));
+        let (text, toks, errors) = sse_tokens(&all);
+        if d_fails {
+            assert_eq!((text.as_str(), errors), (" the", vec!["decode_status".to_owned()]), "{all}");
+            assert!(all.contains("D is full") && all.ends_with("data: [DONE]\n\n"), "D's own message: {all}");
+        } else {
+            assert_eq!((text.as_str(), toks.len(), errors.len()), (" the cat", 2, 0), "{all}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampled_or_switched_off_streams_wait_for_decode_s_first_token() {
+    let sampled = json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 3, "stream": true, "logprobs": 1});
+    for (body, from_prefill) in [(sampled.to_string(), true), (greedy_stream(), false)] {
+        let go = Arc::new(Notify::new());
+        let d_events = vec![d_token_event(" the", &[5], Value::Null), d_token_event(" cat", &[9], json!("length"))];
+        let (_p, _d, _r, base) = first_token_pair(TransferMode::Push, d_events, go.clone(), from_prefill).await;
+        let resp = within(10.0, "the head", post(&client(), &format!("{base}/v1/completions"), body)).await;
+        let mut body = resp.into_body();
+        let early = tokio::time::timeout(Duration::from_millis(300), body.frame()).await;
+        assert!(early.is_err(), "nothing before D's first event (from_prefill {from_prefill})");
+        go.notify_one();
+        let all = within(5.0, "D's stream", body.collect()).await.unwrap().to_bytes();
+        let (text, toks, _) = sse_tokens(&String::from_utf8_lossy(&all));
+        assert_eq!((text.as_str(), toks.len()), (" the cat", 2), "D's stream as D sent it");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pull_sends_prefill_first_then_decode_with_the_params_prefill_returned() {
     let p_params = json!({

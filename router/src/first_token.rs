@@ -1,0 +1,360 @@
+//! The client's first token from P's answer (issue #18): P's leg already computed it (`max_tokens: 1`),
+//! so a streamed greedy completion gets it as soon as P answers, and D's stream follows without it.
+//!
+//! Without this the client waits, after P's forward pass, for the KV transfer, D's engine to hear of it
+//! at its next step, vLLM's 1 ms idle sleep before the step that schedules the request, and D's forward
+//! pass over the last prompt token, which vLLM computes again to sample the token P already sampled
+//! (docs/benchmarks.md, "Time to first token"). All of that now lies between the first and the second
+//! token instead.
+//!
+//! Read [`eligible`] first: only where P's token is the token D will send — greedy (`temperature` 0), one
+//! choice, one prompt, no echo, no `min_tokens` (P's leg drops it, so P could stop where D may not), no
+//! prompt logprobs — and only on `/v1/completions`. P's answer is used only when it stopped for length
+//! (its one token is not a stop) and its text is whole (no U+FFFD of a token that ends mid-character).
+//! D's first token event is then checked against P's (text, and the token strings and ids where the
+//! request asked for them) and sent without that token; a mismatch ends the stream with an error event,
+//! never a silently different text. When D's first bytes come before P's answer, D's stream goes through
+//! untouched and P's answer is not used.
+//!
+//! This module parses and rewrites; the relay (`body.rs`) decides when to call it. It must never panic
+//! on what a server sends.
+
+use bytes::Bytes;
+use serde_json::{Map, Value};
+
+use super::metrics::Endpoint;
+
+/// Whether a client's request may get its first token from P's answer (module docs).
+pub(crate) fn eligible(request: &Map<String, Value>, path: &str) -> bool {
+    let is = |k: &str, want: &dyn Fn(&Value) -> bool| request.get(k).is_none_or(|v| v.is_null() || want(v));
+    let one = |v: &Value| v.as_u64() == Some(1);
+    let more_than_one = |v: &Value| v.as_u64().is_some_and(|n| n > 1);
+    let single_prompt = match request.get("prompt") {
+        Some(Value::String(_)) => true,
+        Some(Value::Array(a)) => a.iter().all(Value::is_u64),
+        _ => false,
+    };
+    path == Endpoint::Completions.path()
+        && request.get("stream") == Some(&Value::Bool(true))
+        && request.get("temperature").and_then(Value::as_f64) == Some(0.0)
+        && single_prompt
+        && is("n", &one)
+        && is("best_of", &one)
+        && is("echo", &|v| v == &Value::Bool(false))
+        && is("min_tokens", &|v| v.as_u64() == Some(0))
+        && is("prompt_logprobs", &|_| false)
+        && is("max_tokens", &more_than_one)
+        && is("max_completion_tokens", &more_than_one)
+}
+
+/// Why D's first token event does not carry P's token.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Mismatch(pub(crate) String);
+
+/// P's token, sent to the client, that D's first token event must repeat.
+#[derive(Debug)]
+pub(crate) struct Sent {
+    text: String,
+    /// P's `logprobs.tokens[0]`, where the request asked for logprobs.
+    token: Option<Value>,
+    /// P's `token_ids[0]`, where the request asked for token ids.
+    token_id: Option<Value>,
+    /// D's bytes not yet split into whole events.
+    pending: Vec<u8>,
+}
+
+/// The SSE event with P's one token, and what D's first event must repeat; None when P's answer cannot
+/// stand for D's first token (module docs): the relay then passes D's stream through untouched.
+pub(crate) fn from_prefill(answer: &Value) -> Option<(Bytes, Sent)> {
+    let choice = answer.get("choices")?.as_array()?.first()?.as_object()?;
+    if choice.get("finish_reason")?.as_str()? != "length" {
+        return None;
+    }
+    let text = choice.get("text")?.as_str()?;
+    if text.is_empty() || text.contains('\u{fffd}') {
+        return None;
+    }
+    let logprobs = choice.get("logprobs").filter(|v| !v.is_null());
+    let token = match logprobs {
+        Some(lp) => Some(single(lp.get("tokens"))?),
+        None => None,
+    };
+    let token_id = match choice.get("token_ids").filter(|v| !v.is_null()) {
+        Some(ids) => Some(single(Some(ids))?),
+        None => None,
+    };
+    let mut c = choice.clone();
+    c.insert("finish_reason".into(), Value::Null);
+    c.insert("stop_reason".into(), Value::Null);
+    c.remove("prompt_logprobs");
+    let mut event = Map::new();
+    for k in ["id", "object", "created", "model"] {
+        if let Some(v) = answer.get(k) {
+            event.insert(k.into(), v.clone());
+        }
+    }
+    event.insert("choices".into(), Value::Array(vec![Value::Object(c)]));
+    let bytes = sse(&Value::Object(event));
+    Some((bytes, Sent { text: text.to_owned(), token, token_id, pending: Vec::new() }))
+}
+
+/// The only element of a one-element array.
+fn single(v: Option<&Value>) -> Option<Value> {
+    match v?.as_array()?.as_slice() {
+        [x] => Some(x.clone()),
+        _ => None,
+    }
+}
+
+fn sse(v: &Value) -> Bytes {
+    let mut out = b"data: ".to_vec();
+    // Serializing a `Value` cannot fail.
+    out.extend_from_slice(&serde_json::to_vec(v).unwrap_or_default());
+    out.extend_from_slice(b"\n\n");
+    Bytes::from(out)
+}
+
+/// What [`Sent::decode_data`] made of a frame of D's stream.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// No whole event yet: nothing to send.
+    Hold,
+    /// D's first token event was found: send these bytes (the rest of what D sent, that token taken
+    /// out), then pass D's stream through.
+    Done(Bytes),
+}
+
+impl Sent {
+    /// Takes a frame of D's stream until its first token event, which it returns without P's token.
+    pub(crate) fn decode_data(&mut self, data: &[u8]) -> Result<Step, Mismatch> {
+        self.pending.extend_from_slice(data);
+        // Events before D's first token (none from vLLM's completions) go out with it, in order; until
+        // then every whole event is looked at again with each frame (a few, before the first token).
+        let mut out = Vec::new();
+        let mut start = 0;
+        while let Some(end) = find(&self.pending[start..], b"\n\n").map(|i| start + i + 2) {
+            let event = &self.pending[start..end];
+            start = end;
+            match self.strip(event)? {
+                Some(rewritten) => {
+                    out.extend_from_slice(&rewritten);
+                    out.extend_from_slice(&self.pending[start..]);
+                    self.pending.clear();
+                    return Ok(Step::Done(Bytes::from(out)));
+                }
+                None => out.extend_from_slice(event),
+            }
+        }
+        Ok(Step::Hold)
+    }
+
+    /// What D sent and was held, at the end of its stream (None when nothing was).
+    pub(crate) fn finish(&mut self) -> Option<Bytes> {
+        (!self.pending.is_empty()).then(|| Bytes::from(std::mem::take(&mut self.pending)))
+    }
+
+    /// `Some(bytes)` — D's first token event without P's token (empty when nothing else is left in it);
+    /// `None` — not a token event (a comment, a usage-only event), passed on as it is.
+    fn strip(&self, event: &[u8]) -> Result<Option<Vec<u8>>, Mismatch> {
+        let Some(payload) = event.strip_prefix(b"data:").map(<[u8]>::trim_ascii) else {
+            return Ok(None);
+        };
+        let Ok(mut v) = serde_json::from_slice::<Value>(payload) else {
+            return Err(Mismatch(format!("D's first event is not JSON: {}", String::from_utf8_lossy(payload))));
+        };
+        if v.get("error").is_some() {
+            return Ok(Some(event.to_vec()));
+        }
+        let Some(c) = v.get_mut("choices").and_then(Value::as_array_mut).and_then(|a| a.first_mut()) else {
+            return Ok(None);
+        };
+        let Some(c) = c.as_object_mut() else {
+            return Err(Mismatch("D's first choice is not an object".into()));
+        };
+        let text = c.get("text").and_then(Value::as_str).unwrap_or_default();
+        let Some(rest) = text.strip_prefix(self.text.as_str()) else {
+            return Err(Mismatch(format!("D's first text {text:?} does not begin with P's {:?}", self.text)));
+        };
+        let rest = rest.to_owned();
+        c.insert("text".into(), Value::String(rest.clone()));
+        let mut tokens_left = 0;
+        if let Some(want) = &self.token {
+            let lp = c.get_mut("logprobs").and_then(Value::as_object_mut);
+            let Some(lp) = lp else {
+                return Err(Mismatch("D's first event has no logprobs where P's had".into()));
+            };
+            tokens_left = pop_first(lp, "tokens", want)?;
+            for k in ["token_logprobs", "top_logprobs", "text_offset"] {
+                if let Some(Value::Array(a)) = lp.get_mut(k) {
+                    if !a.is_empty() {
+                        a.remove(0);
+                    }
+                }
+            }
+        }
+        if let Some(want) = &self.token_id {
+            tokens_left = tokens_left.max(pop_first(c, "token_ids", want)?);
+        }
+        // P's event carried the prompt's ids where the request asked for them.
+        c.remove("prompt_token_ids");
+        let finished = c.get("finish_reason").is_some_and(|f| !f.is_null());
+        let usage = v.get("usage").is_some_and(|u| !u.is_null());
+        if rest.is_empty() && tokens_left == 0 && !finished && !usage {
+            return Ok(Some(Vec::new()));
+        }
+        Ok(Some(sse(&v).to_vec()))
+    }
+}
+
+/// Removes `m[key][0]`, which must equal `want`; returns how many are left.
+fn pop_first(m: &mut Map<String, Value>, key: &str, want: &Value) -> Result<usize, Mismatch> {
+    let Some(Value::Array(a)) = m.get_mut(key) else {
+        return Err(Mismatch(format!("D's first event has no {key} where P's had")));
+    };
+    match a.first() {
+        Some(first) if first == want => {
+            a.remove(0);
+            Ok(a.len())
+        }
+        got => Err(Mismatch(format!("D's first {key} {got:?}, P's {want}"))),
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{json, Value};
+
+    use super::{eligible, from_prefill, Mismatch, Step};
+
+    fn req(v: Value) -> serde_json::Map<String, Value> {
+        v.as_object().cloned().unwrap()
+    }
+
+    fn p_answer() -> Value {
+        json!({"id": "cmpl-x", "object": "text_completion", "created": 1, "model": "m",
+               "choices": [{"index": 0, "text": " the", "finish_reason": "length", "stop_reason": null,
+                            "logprobs": {"tokens": ["token_id:5"], "token_logprobs": [-0.5],
+                                         "top_logprobs": [{"token_id:5": -0.5}], "text_offset": [0]},
+                            "prompt_logprobs": null}],
+               "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
+    }
+
+    fn d_event(text: &str, toks: &[u64], finish: Value) -> String {
+        let tokens: Vec<String> = toks.iter().map(|t| format!("token_id:{t}")).collect();
+        let lps: Vec<f64> = toks.iter().map(|_| -0.5).collect();
+        let v = json!({"id": "cmpl-x", "choices": [{"index": 0, "text": text, "finish_reason": finish,
+                        "logprobs": {"tokens": tokens, "token_logprobs": lps,
+                                     "top_logprobs": toks.iter().map(|_| json!({})).collect::<Vec<_>>(),
+                                     "text_offset": toks.iter().map(|_| 0).collect::<Vec<_>>()}}]});
+        format!("data: {v}\n\n")
+    }
+
+    fn parse(events: &[u8]) -> Vec<Value> {
+        String::from_utf8_lossy(events)
+            .split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| serde_json::from_str(e.strip_prefix("data: ").unwrap()).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn only_streamed_greedy_single_completions_are_eligible() {
+        let base = json!({"prompt": [1, 2], "stream": true, "temperature": 0.0, "max_tokens": 8});
+        assert!(eligible(&req(base.clone()), "/v1/completions"));
+        assert!(!eligible(&req(base.clone()), "/v1/chat/completions"));
+        for (k, v) in [
+            ("stream", json!(false)),
+            ("temperature", json!(0.7)),
+            ("n", json!(2)),
+            ("echo", json!(true)),
+            ("min_tokens", json!(2)),
+            ("prompt_logprobs", json!(1)),
+            ("max_tokens", json!(1)),
+            ("prompt", json!(["a", "b"])),
+        ] {
+            let mut r = req(base.clone());
+            r.insert(k.into(), v.clone());
+            assert!(!eligible(&r, "/v1/completions"), "{k}: {v}");
+        }
+        let mut r = req(base);
+        r.remove("temperature");
+        assert!(!eligible(&r, "/v1/completions"), "vLLM's default temperature samples");
+    }
+
+    #[test]
+    fn p_answer_becomes_one_unfinished_event() {
+        let (bytes, _) = from_prefill(&p_answer()).unwrap();
+        let ev = &parse(&bytes)[0];
+        assert_eq!(ev["choices"][0]["text"], " the");
+        assert_eq!(ev["choices"][0]["finish_reason"], Value::Null);
+        assert_eq!(ev["choices"][0]["logprobs"]["tokens"], json!(["token_id:5"]));
+        assert!(ev.get("usage").is_none(), "P's usage is not the client's");
+        let mut stopped = p_answer();
+        stopped["choices"][0]["finish_reason"] = json!("stop");
+        assert!(from_prefill(&stopped).is_none(), "a stop token ends the request: D says so itself");
+        let mut partial = p_answer();
+        partial["choices"][0]["text"] = json!("\u{fffd}");
+        assert!(from_prefill(&partial).is_none());
+    }
+
+    #[test]
+    fn d_first_event_loses_p_token_even_split_or_merged() {
+        let merged = d_event(" the cat", &[5, 9], Value::Null);
+        let body = format!("{}{}", d_event(" the", &[5], Value::Null), d_event(" dog", &[7], Value::Null));
+        for input in [body.clone(), merged.clone()] {
+            for split in 0..input.len() {
+                let (_, mut sent) = from_prefill(&p_answer()).unwrap();
+                let mut out = Vec::new();
+                let mut done = false;
+                for part in [&input.as_bytes()[..split], &input.as_bytes()[split..]] {
+                    if done {
+                        out.extend_from_slice(part);
+                        continue;
+                    }
+                    match sent.decode_data(part).unwrap() {
+                        Step::Hold => {}
+                        Step::Done(b) => {
+                            out.extend_from_slice(&b);
+                            done = true;
+                        }
+                    }
+                }
+                assert!(done, "split at {split}");
+                let evs = parse(&out);
+                let text: String = evs.iter().map(|e| e["choices"][0]["text"].as_str().unwrap()).collect();
+                let toks: Vec<Value> = evs
+                    .iter()
+                    .flat_map(|e| e["choices"][0]["logprobs"]["tokens"].as_array().unwrap().clone())
+                    .collect();
+                if input == merged {
+                    assert_eq!((text.as_str(), toks), (" cat", vec![json!("token_id:9")]));
+                } else {
+                    assert_eq!((text.as_str(), toks), (" dog", vec![json!("token_id:7")]), "split at {split}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_different_first_token_is_a_mismatch_and_a_last_one_keeps_its_finish() {
+        let (_, mut sent) = from_prefill(&p_answer()).unwrap();
+        let got = sent.decode_data(d_event(" a", &[6], Value::Null).as_bytes());
+        assert!(matches!(got, Err(Mismatch(_))), "{got:?}");
+        let (_, mut sent) = from_prefill(&p_answer()).unwrap();
+        let got = sent.decode_data(d_event(" the", &[6], Value::Null).as_bytes());
+        assert!(matches!(got, Err(Mismatch(m)) if m.contains("tokens")));
+        let (_, mut sent) = from_prefill(&p_answer()).unwrap();
+        let Ok(Step::Done(b)) = sent.decode_data(d_event(" the", &[5], json!("length")).as_bytes()) else {
+            panic!("D's only event must be found");
+        };
+        let ev = &parse(&b)[0];
+        assert_eq!(
+            (ev["choices"][0]["text"].as_str(), &ev["choices"][0]["finish_reason"]),
+            (Some(""), &json!("length"))
+        );
+    }
+}
