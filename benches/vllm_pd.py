@@ -383,7 +383,8 @@ def _ttft_targets(
             for name, f in pair_f.items():
                 p, d = f.result()
                 env = {"KVPUSH_TIMELINE": str(timeline_dir / name)}
-                router = srv.start_router(TTFT_SETUPS[name][0], [p], [d], name=f"ttft-{name}-router", extra_env=env)
+                router = srv.start_router(TTFT_SETUPS[name][0], [p], [d], name=f"ttft-{name}-router",
+                                          extra_args=["--first-token-from-prefill", "true"], extra_env=env)  # fmt: skip
                 started.append(router)
                 urls[name] = router.url
                 if decode_first:
