@@ -377,6 +377,9 @@ pub(crate) struct Peer {
     pub(crate) agent: String,
     /// The peer process's incarnation, where the side channel told it (`None` for in-process links).
     pub(crate) incarnation: Option<side::Incarnation>,
+    /// The side-channel connection its handshake came over (`None` for in-process links): one
+    /// incarnation may reconnect, and the loss of a connection it replaced is not its loss.
+    pub(crate) conn: Option<side::ConnId>,
 }
 
 /// Peers by address and by transport agent name.
@@ -441,12 +444,14 @@ pub(crate) enum Cmd {
         via: Via,
         credit: Option<Credit>,
     },
-    /// `incarnation`: only that process of the peer is lost (`None`: whichever is known).
-    /// `fenced`: the transport confirmed that nothing the peer posted can touch our memory any
+    /// `incarnation`: only that process of the peer is lost (`None`: whichever is known); `conn`:
+    /// only as known over that connection (`None`: whichever), so that a loss never forgets the
+    /// entry of a reconnection of the same process. `fenced`: the transport confirmed that nothing the peer posted can touch our memory any
     /// more ([`crate::transport::Fence::Confirmed`]); otherwise what it could touch is quarantined.
     PeerLost {
         peer: PeerAddr,
         incarnation: Option<side::Incarnation>,
+        conn: Option<side::ConnId>,
         reason: String,
         fenced: bool,
     },
@@ -611,11 +616,13 @@ impl Shared {
     }
 
     /// See [`Engine::add_peer`]. `keys`: the data-path keys of an authenticated handshake (`None`
-    /// where the application added the peer itself).
+    /// where the application added the peer itself). `conn`: the side-channel connection it came
+    /// over (`None` for in-process links).
     pub(crate) fn add_peer(
         &self,
         peer: &Handshake,
         incarnation: Option<side::Incarnation>,
+        conn: Option<side::ConnId>,
         keys: Option<DataKeys>,
     ) -> Result<PeerAddr, EngineError> {
         let mine = self.handshake()?;
@@ -634,30 +641,24 @@ impl Shared {
         }
         peer.layout.validate()?;
         let addr = PeerAddr { engine: peer.engine_id.clone(), rank: peer.layout.parallel.rank() };
+        // One write lock from here to the new entry: a loss of this peer (`peer_lost`, writer 0
+        // forgetting it and dropping its transport agent) lands wholly before this handshake's
+        // agent is loaded, or finds this entry and leaves it (a reconnection of the same process).
+        let mut peers = self.peers.write().unwrap_or_else(|p| p.into_inner());
         // A peer that comes back as another process restarted: everything in flight with its
         // previous process fails now (fail-closed), before the new one can send a frame; the
         // shards see this ahead of any frame of the new connection.
         // Its entry goes first, so the shard that forgets lost peers finds nothing of it to forget
         // once the new process is known (its agent may have the same name).
-        let restarted = {
-            let mut peers = self.peers.write().unwrap_or_else(|p| p.into_inner());
-            match (peers.by_addr.get(&addr).and_then(|p| p.incarnation), incarnation) {
-                (Some(old), Some(new)) if old != new => {
-                    let gone = peers.by_addr.remove(&addr);
-                    if let Some(g) = &gone {
-                        peers.by_agent.remove(&g.agent);
-                    }
-                    // Under the lock: see `handle_frame`.
-                    let agent = gone.as_ref().map(|g| g.agent.as_str());
-                    self.lose_peer(&addr, Some(old), agent, "restarted (new incarnation)");
-                    gone.map(|g| (g, old))
-                }
-                _ => None,
+        if let Some(old) = peers.by_addr.get(&addr).filter(|p| p.incarnation.is_some() && incarnation.is_some()) {
+            if old.incarnation != incarnation {
+                let old = Arc::clone(old);
+                peers.by_addr.remove(&addr);
+                peers.by_agent.remove(&old.agent);
+                self.lose_peer(&addr, old.incarnation, old.conn, Some(&old.agent), "restarted (new incarnation)");
+                tracing::warn!(worker = %self.me, peer = %addr, old = ?old.incarnation, "peer restarted: failed what was in flight with its previous process");
+                self.transport.drop_peer(&old.agent);
             }
-        };
-        if let Some((gone, old)) = restarted {
-            tracing::warn!(worker = %self.me, peer = %addr, %old, "peer restarted: failed what was in flight with its previous process");
-            self.transport.drop_peer(&gone.agent);
         }
         let agent = self.transport.load_remote(&peer.agent_metadata)?;
         self.trusted.trust(&agent, keys);
@@ -669,8 +670,8 @@ impl Shared {
             layout: Arc::new(peer.layout.clone()),
             agent: agent.clone(),
             incarnation,
+            conn,
         });
-        let mut peers = self.peers.write().unwrap_or_else(|p| p.into_inner());
         if let Some(old) = peers.by_addr.insert(addr.clone(), Arc::clone(&p)) {
             if old.agent != agent {
                 peers.by_agent.remove(&old.agent);
@@ -686,14 +687,21 @@ impl Shared {
 
     /// Tells every shard that `incarnation` of `peer` is gone, after revoking the data-path access
     /// of its transport agent `agent` (where it is still known).
-    fn lose_peer(&self, peer: &PeerAddr, incarnation: Option<side::Incarnation>, agent: Option<&str>, reason: &str) {
+    fn lose_peer(
+        &self,
+        peer: &PeerAddr,
+        incarnation: Option<side::Incarnation>,
+        conn: Option<side::ConnId>,
+        agent: Option<&str>,
+        reason: &str,
+    ) {
         let fenced = agent.is_some_and(|a| self.transport.revoke_peer(a) == crate::transport::Fence::Confirmed);
         if !fenced {
             tracing::warn!(worker = %self.me, %peer, "the transport cannot confirm that the lost peer's transfers stopped: what they could touch is quarantined");
         }
         for s in &self.shards {
             let reason = reason.to_owned();
-            let _ = s.tx.send(Cmd::PeerLost { peer: peer.clone(), incarnation, reason, fenced });
+            let _ = s.tx.send(Cmd::PeerLost { peer: peer.clone(), incarnation, conn, reason, fenced });
         }
     }
 
@@ -749,9 +757,10 @@ impl side::Endpoint for Shared {
         &self,
         peer: &Handshake,
         incarnation: side::Incarnation,
+        conn: side::ConnId,
         keys: DataKeys,
     ) -> Result<PeerAddr, EngineError> {
-        Shared::add_peer(self, peer, Some(incarnation), Some(keys))
+        Shared::add_peer(self, peer, Some(incarnation), Some(conn), Some(keys))
     }
     fn deliver(&self, from: &PeerAddr, incarnation: side::Incarnation, frame: &[u8]) -> Result<(), EngineError> {
         // The side channel's I/O thread serves every connection: it never waits here, it parks the
@@ -761,11 +770,20 @@ impl side::Endpoint for Shared {
     fn control_wait(&self) -> std::time::Duration {
         self.control.limits().wait
     }
-    fn peer_lost(&self, peer: &PeerAddr, incarnation: side::Incarnation, reason: &str) {
+    fn peer_lost(&self, peer: &PeerAddr, incarnation: side::Incarnation, conn: side::ConnId, reason: &str) -> bool {
+        // Under the write lock: a handshake of the same peer (`add_peer`) is wholly before or after.
+        let peers = self.peers.write().unwrap_or_else(|p| p.into_inner());
+        let known = peers.by_addr.get(peer);
+        if let Some(p) = known.filter(|p| p.incarnation == Some(incarnation) && p.conn.is_some_and(|c| c != conn)) {
+            // The same process handshook again over another connection: the one that closed was
+            // replaced, nothing of the peer went away, and what it registered since stays.
+            tracing::info!(worker = %self.me, %peer, %reason, closed = conn.0, current = ?p.conn, "a replaced connection of the peer closed; the peer stays");
+            return false;
+        }
         tracing::warn!(worker = %self.me, %peer, %reason, "peer lost");
-        let agent =
-            self.peer_by_addr(peer).filter(|p| p.incarnation.is_none_or(|i| i == incarnation)).map(|p| p.agent.clone());
-        self.lose_peer(peer, Some(incarnation), agent.as_deref(), reason);
+        let agent = known.filter(|p| p.incarnation.is_none_or(|i| i == incarnation)).map(|p| p.agent.as_str());
+        self.lose_peer(peer, Some(incarnation), Some(conn), agent, reason);
+        true
     }
 }
 
@@ -932,7 +950,7 @@ impl Engine {
     /// The caller vouches for it: its notifications count by the agent name they claim (peers met
     /// over the side channel are authenticated instead; docs/security.md).
     pub fn add_peer(&self, peer: &Handshake) -> Result<PeerAddr, EngineError> {
-        self.shared.add_peer(peer, None, None)
+        self.shared.add_peer(peer, None, None, None)
     }
 
     /// The endpoint a [`side::SideChannel`] serves for this worker (held weakly by it).

@@ -107,8 +107,15 @@ pub trait Endpoint: Send + Sync {
     /// peer that comes back with another `incarnation` restarted: what was in flight with its
     /// previous process fails.
     /// `keys` tag the peer's notifications on the data path (each side drew its receive key and sent
-    /// it in its hello).
-    fn add_peer(&self, peer: &Handshake, incarnation: Incarnation, keys: DataKeys) -> Result<PeerAddr, EngineError>;
+    /// it in its hello). `conn`: the connection this handshake came over; the same incarnation may
+    /// handshake again over another one (a reconnection), and only the connection that is lost is.
+    fn add_peer(
+        &self,
+        peer: &Handshake,
+        incarnation: Incarnation,
+        conn: ConnId,
+        keys: DataKeys,
+    ) -> Result<PeerAddr, EngineError>;
     /// Takes one control frame from the peer's `incarnation`; refuses it if the peer has since come
     /// back as another. Never blocks: while the engine's writers are behind it refuses with
     /// [`EngineError::Overloaded`], and the side channel offers the frame again (not reading that
@@ -117,14 +124,21 @@ pub trait Endpoint: Send + Sync {
     /// How long a frame refused as [`EngineError::Overloaded`] may wait for room before its
     /// connection is closed as overloaded.
     fn control_wait(&self) -> Duration;
-    /// The connection to `incarnation` of `peer` went away: fail what is in flight with it.
-    fn peer_lost(&self, peer: &PeerAddr, incarnation: Incarnation, reason: &str);
+    /// Connection `conn` to `incarnation` of `peer` went away: fail what is in flight with it,
+    /// unless the same incarnation has handshaken again over another connection since (then the
+    /// peer is not lost: nothing of its process went away). Returns whether the peer was lost.
+    fn peer_lost(&self, peer: &PeerAddr, incarnation: Incarnation, conn: ConnId, reason: &str) -> bool;
 }
 
 /// A random id each side channel draws when it starts: a peer that handshakes again with another
 /// one is a new process, not a reconnection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Incarnation(pub u128);
+
+/// A connection's number on its side channel (drawn from a counter per side channel, never reused):
+/// which connection of a peer's incarnation a handshake came over, and which one was lost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConnId(pub u64);
 
 impl fmt::Display for Incarnation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -529,6 +543,8 @@ struct Conn {
     /// The IP address the connection is with.
     ip: IpAddr,
     incarnation: Incarnation,
+    /// This connection's number (what the engine knows it by).
+    id: ConnId,
     stream: TcpStream,
     /// The session: both directions' keys and nonces (sealing and opening take turns on it).
     noise: Mutex<TransportState>,
@@ -681,6 +697,8 @@ struct Inner {
     /// What [`SideChannel::connect`] may dial.
     dial: DialPolicy,
     incarnation: Incarnation,
+    /// The next connection's number.
+    next_conn: AtomicU64,
     endpoint: RwLock<Option<Weak<dyn Endpoint>>>,
     local: SocketAddr,
     conns: Mutex<HashMap<PeerAddr, Arc<Conn>>>,
@@ -730,6 +748,7 @@ impl SideChannel {
             auth,
             dial,
             incarnation,
+            next_conn: AtomicU64::new(1),
             endpoint: RwLock::new(None),
             local,
             conns: Mutex::new(HashMap::new()),
@@ -1392,13 +1411,18 @@ impl Inner {
         let known = lock(&this.conns)
             .get(&PeerAddr { engine: hs.engine_id.clone(), rank: hs.layout.parallel.rank() })
             .map(|c| c.incarnation);
-        let peer = endpoint.add_peer(&hs, incarnation, keys).map_err(|e| refused(e.to_string()))?;
+        let id = ConnId(this.next_conn.fetch_add(1, Ordering::Relaxed));
+        let peer = endpoint.add_peer(&hs, incarnation, id, keys).map_err(|e| refused(e.to_string()))?;
         if known.is_some_and(|k| k != incarnation) {
             this.counters.restarts.fetch_add(1, Ordering::Relaxed);
         }
         this.counters.handshakes.fetch_add(1, Ordering::Relaxed);
-        tracing::info!(me = %me, %peer, via = %name, %incarnation, "side channel connected");
-        Inner::start(this, stream, peer.clone(), incarnation, noise, opener)?;
+        tracing::info!(me = %me, %peer, via = %name, %incarnation, conn = id.0, "side channel connected");
+        if let Err(e) = Inner::start(this, stream, peer.clone(), incarnation, id, noise, opener) {
+            // The engine knows the peer by this connection, which never ran: it is lost.
+            let _ = endpoint.peer_lost(&peer, incarnation, id, &e.to_string());
+            return Err(e);
+        }
         Ok(peer)
     }
 
@@ -1408,6 +1432,7 @@ impl Inner {
         stream: TcpStream,
         peer: PeerAddr,
         incarnation: Incarnation,
+        id: ConnId,
         noise: Mutex<TransportState>,
         opener: Opener,
     ) -> Result<(), SideError> {
@@ -1416,6 +1441,7 @@ impl Inner {
             peer: peer.clone(),
             ip: stream.peer_addr().map_err(io("reading the peer's address"))?.ip(),
             incarnation,
+            id,
             stream,
             noise,
             out: Mutex::new(Outbound::new()),
@@ -1424,7 +1450,8 @@ impl Inner {
         });
         if let Some(old) = lock(&this.conns).insert(peer, conn) {
             // The peer reconnected (or restarted: the engine has already failed its old state): the
-            // old connection is over.
+            // old connection is over. Marked closed first, it is not reported lost: the engine
+            // knows the peer by the new connection already.
             old.closed.store(true, Ordering::SeqCst);
             let _ = old.stream.shutdown(Shutdown::Both);
         }
@@ -1438,7 +1465,9 @@ impl Inner {
         let _ = (&self.wake).write(&[1]);
     }
 
-    /// Closes `conn` and reports its peer lost, once, and only if it is still the peer's connection.
+    /// Closes `conn` and reports its peer lost, once, and only if it is still the peer's connection
+    /// (the engine then decides whether the peer is lost: it is not if the same incarnation has
+    /// handshaken again over a connection not yet started here).
     fn lost(this: &Arc<Inner>, conn: &Arc<Conn>, reason: &str) {
         if conn.closed.swap(true, Ordering::SeqCst) {
             return;
@@ -1453,10 +1482,12 @@ impl Inner {
             is_current
         };
         if current && !this.shutdown.load(Ordering::SeqCst) {
-            this.counters.peers_lost.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(peer = %conn.peer, %reason, "side-channel peer lost");
-            if let Ok(ep) = this.endpoint() {
-                ep.peer_lost(&conn.peer, conn.incarnation, reason);
+            let lost = this.endpoint().map_or(true, |ep| ep.peer_lost(&conn.peer, conn.incarnation, conn.id, reason));
+            if lost {
+                this.counters.peers_lost.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(peer = %conn.peer, conn = conn.id.0, %reason, "side-channel peer lost");
+            } else {
+                tracing::info!(peer = %conn.peer, conn = conn.id.0, %reason, "side-channel connection closed; the peer reconnected");
             }
         }
     }

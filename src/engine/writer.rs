@@ -13,7 +13,7 @@ use std::time::{Duration, Instant as StdInstant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
-use super::side::Incarnation;
+use super::side::{ConnId, Incarnation};
 use super::stats::TransferRecord;
 use super::timeline;
 use super::{
@@ -143,6 +143,9 @@ pub(super) struct Writer {
     owed: Vec<Finished>,
     /// Consumer: quarantined requests and the producer engine that may still write into them.
     quarantined: HashMap<Key, String>,
+    /// The process each peer worker was last lost as: only another process of it coming back says
+    /// the lost one is gone ([`Writer::peer_added`]); the same one reconnecting says nothing.
+    lost_as: HashMap<PeerAddr, Incarnation>,
     poll_interval: Duration,
     /// When this writer last did work (for lingering).
     last_active: StdInstant,
@@ -194,6 +197,7 @@ impl Writer {
             registered_by: HashMap::new(),
             owed: Vec::new(),
             quarantined: HashMap::new(),
+            lost_as: HashMap::new(),
             poll_interval: POLL_MIN,
             last_active: StdInstant::now(),
             batch: false,
@@ -538,8 +542,8 @@ impl Writer {
                 drop(credit);
                 self.message(now, from, incarnation, msg, via)
             }
-            Cmd::PeerLost { peer, incarnation, reason, fenced } => {
-                self.peer_lost(now, &peer, incarnation, &reason, fenced)
+            Cmd::PeerLost { peer, incarnation, conn, reason, fenced } => {
+                self.peer_lost(now, &peer, (incarnation, conn), &reason, fenced)
             }
             Cmd::PeerAdded { peer, incarnation } => self.peer_added(&peer, incarnation),
             Cmd::Wake | Cmd::Stop => {}
@@ -793,14 +797,19 @@ impl Writer {
     /// peer's transfers into our memory stopped if the transport confirmed the fence (`fenced`,
     /// [`crate::transport::Transport::revoke_peer`]); otherwise the requests they could write into
     /// end now *quarantined*: reported, with their blocks held ([`Finished::Quarantined`]).
+    /// `lost`: the peer's process and the connection it was known by (`None`: whichever).
     fn peer_lost(
         &mut self,
         now: Instant,
         peer: &PeerAddr,
-        incarnation: Option<super::side::Incarnation>,
+        lost: (Option<Incarnation>, Option<ConnId>),
         reason: &str,
         fenced: bool,
     ) {
+        let (incarnation, conn) = lost;
+        if let Some(i) = incarnation {
+            self.lost_as.insert(peer.clone(), i);
+        }
         let detail = format!("peer {peer} lost: {reason}");
         // Producer side: registrations from the lost consumer, and reads it was granted.
         let keys: Vec<Key> = self
@@ -834,18 +843,17 @@ impl Writer {
             self.comp.handle_lost(now, key, peer.rank, fenced, &detail);
         }
         if self.index == 0 {
-            let removed = {
-                let mut peers = self.shared.peers.write().unwrap_or_else(|p| p.into_inner());
-                // The peer may have come back as a new process already: forget only the lost one.
-                let same = |p: &Arc<super::Peer>| incarnation.is_none() || p.incarnation == incarnation;
-                let old = if peers.by_addr.get(peer).is_some_and(same) { peers.by_addr.remove(peer) } else { None };
-                if let Some(o) = &old {
-                    peers.by_agent.remove(&o.agent);
-                }
-                old
+            // The peer may have come back already, as a new process or over a new connection of
+            // the same one: forget only the entry that was lost. Its agent is dropped under the
+            // lock, so a handshake loading the same agent again (`Shared::add_peer`) comes after.
+            let mut peers = self.shared.peers.write().unwrap_or_else(|p| p.into_inner());
+            let same = |p: &Arc<super::Peer>| {
+                (incarnation.is_none() || p.incarnation == incarnation) && (conn.is_none() || p.conn == conn)
             };
-            if let Some(p) = removed {
-                self.shared.transport.drop_peer(&p.agent);
+            if let Some(old) = peers.by_addr.get(peer).filter(|p| same(p)).map(Arc::clone) {
+                peers.by_addr.remove(peer);
+                peers.by_agent.remove(&old.agent);
+                self.shared.transport.drop_peer(&old.agent);
             }
         }
     }
@@ -854,9 +862,16 @@ impl Writer {
     /// closed its connections and unmapped its memory), so whatever it could still have written into
     /// our quarantined blocks can no longer land.
     fn peer_added(&mut self, peer: &PeerAddr, incarnation: Option<Incarnation>) {
-        if incarnation.is_none() {
+        let Some(new) = incarnation else {
             return; // an in-process link: nothing says an earlier process ended
+        };
+        if self.lost_as.get(peer) == Some(&new) {
+            // The process that was lost reconnected: it is alive, and so is whatever of it could
+            // still touch our memory. What is quarantined stays so.
+            tracing::info!(worker = %self.shared.me, %peer, "a lost peer reconnected as the same process: its quarantine stays");
+            return;
         }
+        self.lost_as.remove(peer);
         let keys: Vec<Key> =
             self.quarantined.iter().filter(|(_, engine)| **engine == peer.engine).map(|(k, _)| *k).collect();
         for key in keys {

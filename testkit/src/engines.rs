@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpush::device::{host::HostDevice, Buffer, Device};
-use kvpush::engine::side::Incarnation;
+use kvpush::engine::side::{ConnId, Incarnation};
 use kvpush::engine::{Config, Engine, Finished, LocalHub};
 use kvpush::proto::layout::{KvLayout, Parallel};
 use kvpush::proto::Mode;
@@ -98,21 +98,40 @@ pub fn connect(a: &Engine, b: &Engine) {
 /// Introduces `a` and `b` to each other as the side channel does: `a` is the process
 /// `a_incarnation`, `b` the process `b_incarnation`, so a later `peer_lost` of either names it.
 pub fn connect_as(a: &Engine, a_incarnation: Incarnation, b: &Engine, b_incarnation: Incarnation) {
+    connect_over(a, a_incarnation, b, b_incarnation, ConnId(0));
+}
+
+/// [`connect_as`] over the side-channel connection `conn` (each side knows the other by it): the
+/// same processes connecting again over another `conn` is a reconnection.
+pub fn connect_over(a: &Engine, a_incarnation: Incarnation, b: &Engine, b_incarnation: Incarnation, conn: ConnId) {
     let (ea, eb) = (a.endpoint().upgrade().expect("engine a"), b.endpoint().upgrade().expect("engine b"));
     // Each side's receive key, as the side channel's handshake agrees them.
     let (a_recv, b_recv) = ([0xa5; 32], [0xb5; 32]);
     let keys_of_a = DataKeys { send: a_recv, recv: b_recv };
     let keys_of_b = DataKeys { send: b_recv, recv: a_recv };
-    eb.add_peer(&a.handshake().expect("handshake"), a_incarnation, keys_of_a).expect("peer accepted");
-    ea.add_peer(&b.handshake().expect("handshake"), b_incarnation, keys_of_b).expect("peer accepted");
+    eb.add_peer(&a.handshake().expect("handshake"), a_incarnation, conn, keys_of_a).expect("peer accepted");
+    ea.add_peer(&b.handshake().expect("handshake"), b_incarnation, conn, keys_of_b).expect("peer accepted");
 }
 
 /// Cuts the connection between `a` and `b` (connected with [`connect_as`]) on both sides, as the side
 /// channel reports a lost peer; their data path is left as it is.
 pub fn cut(a: &Engine, a_incarnation: Incarnation, b: &Engine, b_incarnation: Incarnation) {
+    cut_over(a, a_incarnation, b, b_incarnation, ConnId(0));
+}
+
+/// [`cut`] of the connection `conn` ([`connect_over`]); returns whether each side (`b`, then `a`)
+/// took it as the other's loss (not if that process had connected again over another connection).
+pub fn cut_over(
+    a: &Engine,
+    a_incarnation: Incarnation,
+    b: &Engine,
+    b_incarnation: Incarnation,
+    conn: ConnId,
+) -> (bool, bool) {
     let (ea, eb) = (a.endpoint().upgrade().expect("engine a"), b.endpoint().upgrade().expect("engine b"));
-    eb.peer_lost(a.addr(), a_incarnation, "cut by the test");
-    ea.peer_lost(b.addr(), b_incarnation, "cut by the test");
+    let b_lost_a = eb.peer_lost(a.addr(), a_incarnation, conn, "cut by the test");
+    let a_lost_b = ea.peer_lost(b.addr(), b_incarnation, conn, "cut by the test");
+    (b_lost_a, a_lost_b)
 }
 
 /// Polls `engine` until `pred` accepts an outcome (returned; the others seen meanwhile are dropped)

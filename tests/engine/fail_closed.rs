@@ -5,14 +5,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvpush::engine::side::Incarnation;
+use kvpush::engine::side::{ConnId, Incarnation};
 use kvpush::engine::{Finished, LocalHub, Staging};
 use kvpush::proto::codec;
 use kvpush::proto::msg::{Completion, Message};
 use kvpush::proto::{Key, Mode};
 use kvpush::transport::loopback::{Fabric, Fault, LoopbackStats};
 use kvpush_testkit::demo::pattern;
-use kvpush_testkit::engines::{connect_as, cut, poll_until, wait_for, Worker};
+use kvpush_testkit::engines::{connect_as, connect_over, cut, cut_over, poll_until, wait_for, Worker};
 use kvpush_testkit::stress::{build_side, outcome_key, Cluster, Setup, BLOCK_TOKENS, D_ENGINE, P_ENGINE};
 
 const LIMIT: Duration = Duration::from_secs(10);
@@ -273,6 +273,72 @@ fn an_unfenceable_lost_peer_gets_its_requests_failed_in_time_and_their_blocks_qu
     assert!(seen.iter().all(|f| !matches!(f, Finished::Released { .. })), "released before a fence: {seen:?}");
     // P comes back as a new process: the old one is gone, the blocks are free again.
     connect_as(&p.engine, Incarnation(0xa), &d.engine, D_INC);
+    wait_for(&d.engine, "the blocks released", LIMIT, |f| matches!(f, Finished::Released { key: k } if *k == key));
+}
+
+/// Issue 17 (P TP 1 → D TP 2 over vLLM): D's first side-channel connection to P closed right
+/// after D had handshaken again over a second one, under the same incarnation. The close of the
+/// replaced connection is not a lost peer: neither side loses the other, and what D registers
+/// over the new connection is served, every byte landing. (Before the fix P declared D lost at
+/// the close, forgot the entry of the new connection, and dropped D's registrations as "from a
+/// previous process of the peer"; D's request then failed at its timeout.)
+#[test]
+fn a_replaced_connection_closing_loses_no_peer_and_the_new_one_is_served() {
+    let (p, d, _hub, _fabric) = pair(Setup::new(Mode::Push, 1, 1));
+    // The same two processes handshake again over connection 1; then connection 0 closes.
+    connect_over(&p.engine, P_INC, &d.engine, D_INC, ConnId(1));
+    let (p_lost_d, d_lost_p) = cut_over(&p.engine, P_INC, &d.engine, D_INC, ConnId(0));
+    assert!(!p_lost_d && !d_lost_p, "a replaced connection's close was taken as a loss: P {p_lost_d}, D {d_lost_p}");
+    let key = Key::new(0x17_0001, 1);
+    let blocks = vec![vec![2, 3]];
+    let tokens = 2 * u64::from(BLOCK_TOKENS);
+    d.engine.blocks_allocated(key, P_ENGINE, blocks.clone(), tokens).expect("registers");
+    poll_until("P takes the registration", LIMIT, || p.engine.stats().counters.registrations, |n| *n == 1);
+    pattern::fill(p.engine.layout(), &p.buffers, &blocks, tokens, 0x17).expect("prefill");
+    p.engine.request_finished(key, blocks.clone(), tokens).expect("finished");
+    let out = wait_for(&d.engine, "D's outcome", LIMIT, |f| f.key() == key);
+    assert!(matches!(out, Finished::Received { .. }), "D's request over the new connection: {out:?}");
+    let v = pattern::verify(d.engine.layout(), &d.buffers, &blocks, tokens, 0x17).expect("reads");
+    assert!(v.ok(), "P's bytes in D's blocks: {v:?}");
+    wait_for(&p.engine, "P's release", LIMIT, |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
+    assert_eq!(p.engine.stats().failures.unknown_peer, 0, "P dropped a frame of D's live process");
+    // The connection the peers are known by now is the one whose loss counts.
+    let (p_lost_d, d_lost_p) = cut_over(&p.engine, P_INC, &d.engine, D_INC, ConnId(1));
+    assert!(p_lost_d && d_lost_p, "the current connection's close is a loss: P {p_lost_d}, D {d_lost_p}");
+}
+
+/// Issue 16 with issue 17's reconnection: a producer lost while its WRITE may still land (an
+/// unfenceable data path) that then reconnects as the *same* process has not gone away, and neither
+/// has its WRITE: D's quarantine stays. Only P returning as a new process frees the blocks.
+/// (Before the fix any handshake of the peer lifted the quarantine, the same process's included.)
+#[test]
+fn a_lost_peer_reconnecting_as_the_same_process_keeps_its_quarantine() {
+    let (p, d, _hub, _fabric) = pair(Setup::new(Mode::Push, 1, 1));
+    d.transport.set_unfenceable(true);
+    let key = Key::new(0x17_0002, 1);
+    let blocks = vec![vec![5, 6]];
+    let tokens = 2 * u64::from(BLOCK_TOKENS);
+    // Held long past what this test watches: its end (P's final word) would release the blocks.
+    write_held(&p, &d, key, &blocks, tokens, Duration::from_secs(3));
+    let (p_lost_d, d_lost_p) = cut_over(&p.engine, P_INC, &d.engine, D_INC, ConnId(0));
+    assert!(p_lost_d && d_lost_p, "the only connection's close is a loss");
+    let out = wait_for(&d.engine, "an outcome", LIMIT, |f| f.key() == key);
+    assert!(matches!(out, Finished::Quarantined { .. }), "a lost, unfenced peer's blocks: {out:?}");
+    // The same P process handshakes again: what it posted may still land.
+    connect_over(&p.engine, P_INC, &d.engine, D_INC, ConnId(1));
+    let mut seen = Vec::new();
+    let watched = std::time::Instant::now();
+    while watched.elapsed() < Duration::from_millis(500) {
+        d.engine.poll(&mut seen);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        seen.iter().all(|f| !matches!(f, Finished::Released { .. })),
+        "the quarantine was lifted by the same process reconnecting: {seen:?}"
+    );
+    assert!(!one_ended(&p.transport.stats()), "P's WRITE ended while the test watched: the check proved nothing");
+    // P comes back as a new process: the old one is gone, the blocks are free again.
+    connect_over(&p.engine, Incarnation(0xa), &d.engine, D_INC, ConnId(2));
     wait_for(&d.engine, "the blocks released", LIMIT, |f| matches!(f, Finished::Released { key: k } if *k == key));
 }
 
