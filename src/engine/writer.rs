@@ -1099,7 +1099,10 @@ impl Writer {
             match event {
                 GrantEvent::Ended { key, consumer, result, cause } => {
                     match cause {
-                        GrantCause::Expired => self.stats().failures.timeout += 1,
+                        GrantCause::Expired => {
+                            self.stats().failures.quarantine_expired += 1;
+                            tracing::error!(worker = %self.shared.me, %key, %consumer, "sources of an expired read released by the time bound, without the consumer's word");
+                        }
                         GrantCause::QuarantineExpired => {
                             self.stats().failures.quarantine_expired += 1;
                             tracing::error!(worker = %self.shared.me, %key, %consumer, "sources of a lost consumer's read released by the time bound, without a fence");
@@ -1107,6 +1110,14 @@ impl Writer {
                         GrantCause::Read | GrantCause::LostFenced | GrantCause::Returned => {}
                     }
                     self.rdv.handle_transfer_done(now, key, &target_of(&consumer), result);
+                }
+                GrantEvent::Expired { key, consumer } => {
+                    // The consumer fails the request and cancels its READ; the sources stay held
+                    // until it says the READ ended (its notification or its failure).
+                    self.stats().failures.timeout += 1;
+                    let kind = FailureKind::PeerLost;
+                    let detail = format!("{} reports: the read's grant expired", self.shared.me);
+                    self.send_frame(&consumer, &Message::Failure(Failure { key, rank: self.shared.me.rank, kind, detail }));
                 }
                 GrantEvent::Quarantined { key, consumer } => {
                     self.stats().counters.quarantined += 1;
