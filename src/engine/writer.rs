@@ -1025,6 +1025,15 @@ impl Writer {
             Message::Failure(f) => {
                 if self.grants.is_reading(f.key, &from) {
                     self.read_done(now, f.key, from, Err(f.kind));
+                } else if mode == Mode::Pull && f.kind == FailureKind::PeerLost && !self.reading_from(f.key, &from) {
+                    // A producer's grant expired (`proto::grants`): it holds its sources until our
+                    // READ ended. None of ours runs (it ended, and its notification may have been
+                    // lost, or it never started): say so, or the producer waits for its bound.
+                    let detail = "no read in flight".into();
+                    let answer = Failure { key: f.key, rank: self.shared.me.rank, kind: FailureKind::Aborted, detail };
+                    self.send_frame(&from, &Message::Failure(answer));
+                    self.stats().failures.remote += 1;
+                    self.comp.handle_failure(now, &f);
                 } else if f.kind == FailureKind::Aborted && self.answered_drop(f.key, from.rank) {
                     // A producer rank's answer to `abort_producer`: nothing of ours waited for it.
                 } else {
@@ -1084,6 +1093,11 @@ impl Writer {
         }
         timeline::record("eng_layers_notified", c.key);
         self.comp.handle_layers(now, &c);
+    }
+
+    /// Consumer, pull mode: whether our READ of `key` from `peer` is in flight.
+    fn reading_from(&self, key: Key, peer: &PeerAddr) -> bool {
+        self.inflight.values().any(|x| x.key == key && x.op == Op::Read && x.peer == *peer)
     }
 
     /// Producer, pull mode: a granted read ended.
