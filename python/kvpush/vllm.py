@@ -561,7 +561,7 @@ class _Scheduler:
         request.kv_transfer_params["do_remote_prefill"] = False
         self.meta.dropped.append(note)
         timeline.record("d_dropped", note.transfer_id, note.attempt)
-        logger.info(
+        logger.warning(
             "kvpush: request %s (transfer %s) ended (%s) before its blocks were allocated; producer %s told to "
             "drop it",
             request.request_id,
