@@ -561,6 +561,14 @@ class _Scheduler:
         request.kv_transfer_params["do_remote_prefill"] = False
         self.meta.dropped.append(note)
         timeline.record("d_dropped", note.transfer_id, note.attempt)
+        logger.warning(
+            "kvpush: request %s (transfer %s) ended (%s) before its blocks were allocated; producer %s told to "
+            "drop it",
+            request.request_id,
+            note.transfer_id,
+            request.status.name,
+            note.producer,
+        )
 
     def _to_producer(self, request: Request) -> ToProducer | None:
         parsed = consumer_transfer(request.kv_transfer_params, self.cfg.mode)

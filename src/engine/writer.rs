@@ -1040,6 +1040,15 @@ impl Writer {
             Message::Failure(f) => {
                 if self.grants.is_reading(f.key, &from) {
                     self.read_done(now, f.key, from, Err(f.kind));
+                } else if mode == Mode::Pull && f.kind == FailureKind::PeerLost && !self.reading_from(f.key, &from) {
+                    // A producer's grant expired (`proto::grants`): it holds its sources until our
+                    // READ ended. None of ours runs (it ended, and its notification may have been
+                    // lost, or it never started): say so, or the producer waits for its bound.
+                    let detail = "no read in flight".into();
+                    let answer = Failure { key: f.key, rank: self.shared.me.rank, kind: FailureKind::Aborted, detail };
+                    self.send_frame(&from, &Message::Failure(answer));
+                    self.stats().failures.remote += 1;
+                    self.comp.handle_failure(now, &f);
                 } else if f.kind == FailureKind::Aborted && self.answered_drop(f.key, from.rank) {
                     // A producer rank's answer to `abort_producer`: nothing of ours waited for it.
                 } else {
@@ -1101,6 +1110,11 @@ impl Writer {
         self.comp.handle_layers(now, &c);
     }
 
+    /// Consumer, pull mode: whether our READ of `key` from `peer` is in flight.
+    fn reading_from(&self, key: Key, peer: &PeerAddr) -> bool {
+        self.inflight.values().any(|x| x.key == key && x.op == Op::Read && x.peer == *peer)
+    }
+
     /// Producer, pull mode: a granted read ended.
     fn read_done(&mut self, now: Instant, key: Key, from: PeerAddr, result: Result<(), FailureKind>) {
         if self.grants.handle_read_done(key, &from, result) {
@@ -1114,7 +1128,10 @@ impl Writer {
             match event {
                 GrantEvent::Ended { key, consumer, result, cause } => {
                     match cause {
-                        GrantCause::Expired => self.stats().failures.timeout += 1,
+                        GrantCause::Expired => {
+                            self.stats().failures.quarantine_expired += 1;
+                            tracing::error!(worker = %self.shared.me, %key, %consumer, "sources of an expired read released by the time bound, without the consumer's word");
+                        }
                         GrantCause::QuarantineExpired => {
                             self.stats().failures.quarantine_expired += 1;
                             tracing::error!(worker = %self.shared.me, %key, %consumer, "sources of a lost consumer's read released by the time bound, without a fence");
@@ -1122,6 +1139,14 @@ impl Writer {
                         GrantCause::Read | GrantCause::LostFenced | GrantCause::Returned => {}
                     }
                     self.rdv.handle_transfer_done(now, key, &target_of(&consumer), result);
+                }
+                GrantEvent::Expired { key, consumer } => {
+                    // The consumer fails the request and cancels its READ; the sources stay held
+                    // until it says the READ ended (its notification or its failure).
+                    self.stats().failures.timeout += 1;
+                    let kind = FailureKind::PeerLost;
+                    let detail = format!("{} reports: the read's grant expired", self.shared.me);
+                    self.send_frame(&consumer, &Message::Failure(Failure { key, rank: self.shared.me.rank, kind, detail }));
                 }
                 GrantEvent::Quarantined { key, consumer } => {
                     self.stats().counters.quarantined += 1;

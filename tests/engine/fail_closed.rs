@@ -419,17 +419,9 @@ fn the_drain_timeout_reports_in_time_but_holds_the_blocks_until_the_producer_end
 /// and the READ then copied P's bytes over the reused blocks.)
 #[test]
 fn a_pull_whose_grant_expires_reports_only_after_its_read_ended() {
-    let mut setup = Setup::new(Mode::Pull, 1, 1);
-    setup.pull_read_timeout = Duration::from_millis(100);
-    let c = Cluster::new(setup);
-    let (p, d) = (&c.p[0], &c.d[0]);
     let key = Key::new(0x9a47_0001, 1);
-    let (src, dst) = (vec![vec![3, 4]], vec![vec![10, 11]]);
-    let tokens = 2 * u64::from(BLOCK_TOKENS);
-    pattern::fill(p.engine.layout(), &p.buffers, &src, tokens, 0x5eed).expect("prefill");
-    p.engine.request_finished(key, src.clone(), tokens).expect("finished");
-    d.transport.inject_once(Fault::Delay(Duration::from_millis(500)));
-    d.engine.start_pull(key, P_ENGINE, src.clone(), dst.clone(), tokens).expect("pull starts");
+    let (c, dst, tokens) = pull_past_its_read_timeout(key);
+    let d = &c.d[0];
     let out = wait_for(&d.engine, "an outcome", LIMIT, |f| f.key() == key);
     assert!(matches!(out, Finished::Failed { .. }), "the read's grant expired: {out:?}");
     assert_eq!(d.transport.open_transfers(), 0, "D reported while its READ was in flight");
@@ -437,6 +429,67 @@ fn a_pull_whose_grant_expires_reports_only_after_its_read_ended() {
     poll_until("D's READ ends", LIMIT, || d.transport.stats(), one_ended);
     std::thread::sleep(Duration::from_millis(50));
     assert_untouched(d, &dst, tokens, &format!("D's READ landed after D reported {out:?}"));
+}
+
+/// A pull of `key` whose READ D's data path holds for 500 ms, past P's read timeout (100 ms): the
+/// cluster, D's blocks and the tokens.
+fn pull_past_its_read_timeout(key: Key) -> (Cluster, Vec<Vec<u32>>, u64) {
+    let mut setup = Setup::new(Mode::Pull, 1, 1);
+    setup.pull_read_timeout = Duration::from_millis(100);
+    let c = Cluster::new(setup);
+    let (p, d) = (&c.p[0], &c.d[0]);
+    let (src, dst) = (vec![vec![3, 4]], vec![vec![10, 11]]);
+    let tokens = 2 * u64::from(BLOCK_TOKENS);
+    pattern::fill(p.engine.layout(), &p.buffers, &src, tokens, 0x5eed).expect("prefill");
+    p.engine.request_finished(key, src.clone(), tokens).expect("finished");
+    d.transport.inject_once(Fault::Delay(Duration::from_millis(500)));
+    d.engine.start_pull(key, P_ENGINE, src, dst.clone(), tokens).expect("pull starts");
+    (c, dst, tokens)
+}
+
+/// Issue 16, window 4 on P: P's grant expires while D's READ of its sources is held in D's data
+/// path. P tells D (which fails the request and cancels the READ), but must not give its sources
+/// back while that READ can still read them: their owner reuses them at `Sent`, and a READ that
+/// completes afterwards hands D other bytes (taken as its KV if it completes before P's failure
+/// reaches D). P releases only once D said the READ ended. (Before the fix P released its sources
+/// at the expiry, 400 ms before the READ ended.)
+#[test]
+fn a_pull_grant_that_expires_keeps_the_sources_until_the_read_ended() {
+    let key = Key::new(0x9a47_0003, 1);
+    let (c, _, _) = pull_past_its_read_timeout(key);
+    let (p, d) = (&c.p[0], &c.d[0]);
+    poll_until("D posts its READ", LIMIT, || d.transport.stats().posts, |n| *n == 1);
+    let sent = wait_for(&p.engine, "P's release", LIMIT, |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
+    // Ended: its notification went out (it completed) or it failed; D may not have polled it yet.
+    assert!(one_ended(&d.transport.stats()), "P released its sources ({sent:?}) while D's READ could still read them");
+    assert_eq!(p.engine.stats().failures.timeout, 1, "the expiry is counted");
+    assert_eq!(p.engine.stats().failures.quarantine_expired, 0, "released by D's word, not the bound");
+    let out = wait_for(&d.engine, "an outcome", LIMIT, |f| f.key() == key);
+    assert!(matches!(out, Finished::Failed { .. }), "the read's grant expired: {out:?}");
+}
+
+/// The other side of holding an expired grant: D's READ completed (D received the request) but its
+/// notification to P was lost, so P's grant expires with nothing of D's in flight. D answers P's
+/// failure at once ("no read in flight") and P releases its sources then, not at the quarantine
+/// bound (120 s). (Before that answer P held them for the bound.)
+#[test]
+fn an_expired_grant_whose_read_ended_unheard_is_released_at_ds_answer() {
+    let mut setup = Setup::new(Mode::Pull, 1, 1);
+    setup.pull_read_timeout = Duration::from_millis(100);
+    let c = Cluster::new(setup);
+    let (p, d) = (&c.p[0], &c.d[0]);
+    let key = Key::new(0x9a47_0004, 1);
+    let (src, dst) = (vec![vec![3, 4]], vec![vec![10, 11]]);
+    let tokens = 2 * u64::from(BLOCK_TOKENS);
+    pattern::fill(p.engine.layout(), &p.buffers, &src, tokens, 0x5eed).expect("prefill");
+    p.engine.request_finished(key, src.clone(), tokens).expect("finished");
+    d.transport.inject_once(Fault::LoseNotification);
+    d.engine.start_pull(key, P_ENGINE, src, dst, tokens).expect("pull starts");
+    let out = wait_for(&d.engine, "D's outcome", LIMIT, |f| f.key() == key);
+    assert!(matches!(out, Finished::Received { .. }), "{out:?}");
+    wait_for(&p.engine, "P's release", LIMIT, |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
+    assert_eq!(p.engine.stats().failures.timeout, 1, "the grant expired");
+    assert_eq!(p.engine.stats().failures.quarantine_expired, 0, "released by D's answer, not the bound");
 }
 
 /// Issue 16, window 3 with staging: D aborts while P's staged pieces queue behind a held one (one

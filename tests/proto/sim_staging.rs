@@ -18,8 +18,8 @@
 //!
 //! Pull grants (one producer, three consumers): **no READ runs on a source after its grant ended**
 //! ([`GrantEvent::Ended`] is what releases the sources), except at the quarantine bound (where
-//! liveness wins, by design) and at expiry (the consumer is alive: it is told and fails the
-//! request; see docs/reliability.md).
+//! liveness wins, by design). At expiry the consumer is told (late, like any frame) and cancels its
+//! READ if it still runs; the sources wait for the READ's end, reported as any other.
 //!
 //! Modelling choices: a sender's WRITE takes less than the quarantine bound and a notification is
 //! late by less than it (past the bound the receiver trades fail-closed for liveness, by design);
@@ -562,6 +562,13 @@ enum PullEv {
         consumer: u16,
         inc: u32,
     },
+    /// The producer's failure (the grant expired) reaches the consumer's process `inc`: it cancels
+    /// its READ if it still runs.
+    Told {
+        key: Key,
+        consumer: u16,
+        inc: u32,
+    },
     /// The notification of a READ's end reaches the producer.
     Word {
         key: Key,
@@ -592,6 +599,7 @@ fn pull_run(seed: u64) -> BTreeMap<&'static str, usize> {
     let mut inc = [0u32; 3];
     let mut lost = [false; 3];
     let mut reads: Vec<Read> = Vec::new();
+    let mut expired_at: HashMap<(Key, u16), Instant> = HashMap::new();
     let mut stats: BTreeMap<&'static str, usize> = BTreeMap::new();
     for i in 0..rng.between(1, 10) {
         let (t, consumer) = (rng.between(0, 10_000), rng.below(3) as u16);
@@ -624,7 +632,11 @@ fn pull_run(seed: u64) -> BTreeMap<&'static str, usize> {
                     put(&mut queue, now.plus_micros(took), PullEv::ReadEnds { key, consumer, inc: inc[c] });
                 }
                 PullEv::ReadEnds { key, consumer, inc: i } => {
-                    reads.retain(|r| !(r.key == key && r.consumer == consumer && r.inc == i));
+                    let running = |r: &Read| r.key == key && r.consumer == consumer && r.inc == i;
+                    if !reads.iter().any(running) {
+                        continue; // ended already (cancelled, or its process is gone)
+                    }
+                    reads.retain(|r| !running(r));
                     let result = if rng.percent(10) { Err(FailureKind::TransferFailed { status: -5 }) } else { Ok(()) };
                     let late = if rng.percent(10) { rng.between(1_000, 10_000) } else { rng.between(0, 300) };
                     put(&mut queue, now.plus_micros(late), PullEv::Word { key, consumer, inc: i, result });
@@ -634,6 +646,15 @@ fn pull_run(seed: u64) -> BTreeMap<&'static str, usize> {
                             now.plus_micros(late + rng.between(0, 500)),
                             PullEv::Word { key, consumer, inc: i, result },
                         );
+                    }
+                }
+                PullEv::Told { key, consumer, inc: i } => {
+                    let c = usize::from(consumer);
+                    let running = reads.iter().any(|r| r.key == key && r.consumer == consumer && r.inc == i);
+                    if i == inc[c] && !lost[c] && running {
+                        // Cancelled: it ends soon (it may still complete; either way it is reported).
+                        *stats.entry("cancelled").or_default() += 1;
+                        put(&mut queue, now.plus_micros(rng.between(0, 1_000)), PullEv::ReadEnds { key, consumer, inc: i });
                     }
                 }
                 PullEv::Word { key, consumer, inc: i, result } => {
@@ -677,7 +698,17 @@ fn pull_run(seed: u64) -> BTreeMap<&'static str, usize> {
             match e {
                 GrantEvent::Ended { key, consumer, cause, .. } => {
                     let running = reads.iter().any(|r| r.key == key && r.consumer == consumer);
+                    // The two bounds: a lost consumer's quarantine, an expired grant never answered.
                     let exempt = matches!(cause, Cause::QuarantineExpired | Cause::Expired);
+                    let expired = expired_at.remove(&(key, consumer));
+                    if cause == Cause::Expired {
+                        let at = expired.unwrap_or_else(|| panic!("seed {seed}: {key} ended expired, never expired"));
+                        assert!(
+                            now.micros_since(at) >= QUARANTINE_US,
+                            "seed {seed}: the sources of {key} went back {} µs after the expiry",
+                            now.micros_since(at)
+                        );
+                    }
                     assert!(
                         exempt || !running,
                         "seed {seed}: the sources of {key} went back ({cause:?}) while consumer {consumer}'s READ runs"
@@ -691,6 +722,13 @@ fn pull_run(seed: u64) -> BTreeMap<&'static str, usize> {
                             Cause::QuarantineExpired => "ended bound",
                         })
                         .or_default() += 1;
+                }
+                GrantEvent::Expired { key, consumer } => {
+                    *stats.entry("expired").or_default() += 1;
+                    assert!(expired_at.insert((key, consumer), now).is_none(), "seed {seed}: {key} expired twice");
+                    let c = usize::from(consumer);
+                    let late = rng.between(0, 2_000);
+                    put(&mut queue, now.plus_micros(late), PullEv::Told { key, consumer, inc: inc[c] });
                 }
                 GrantEvent::Quarantined { .. } => *stats.entry("quarantined").or_default() += 1,
             }
@@ -710,7 +748,7 @@ fn random_pull_grant_schedules_never_release_sources_under_a_read() {
             *total.entry(k).or_default() += n;
         }
     }
-    for what in ["ended read", "ended expired", "ended fenced", "ended returned", "quarantined", "lost unfenced"] {
+    for what in ["ended read", "expired", "cancelled", "ended fenced", "ended returned", "quarantined", "lost unfenced"] {
         assert!(total.get(what).copied().unwrap_or(0) > 0, "no {what} in any schedule: {total:?}");
     }
 }

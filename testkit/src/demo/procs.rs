@@ -171,6 +171,9 @@ pub struct WorkerSpec {
     /// Consumer completion timeout: how long a registered request waits for its data (ms).
     #[arg(long, default_value_t = 120_000)]
     pub timeout_ms: u64,
+    /// Producer, pull: how long a granted READ may take before its grant expires (ms).
+    #[arg(long, default_value_t = 60_000)]
+    pub pull_read_timeout_ms: u64,
     /// Side-channel heartbeat interval on idle connections (ms).
     #[arg(long, default_value_t = 1_000)]
     pub heartbeat_ms: u64,
@@ -238,6 +241,7 @@ impl WorkerSpec {
             whole_block_bytes: t.checks_whole_blocks(),
             lease_ms: 30_000,
             timeout_ms: 120_000,
+            pull_read_timeout_ms: 60_000,
             heartbeat_ms: 1_000,
             peer_timeout_ms: 5_000,
             handshake_timeout_ms: 10_000,
@@ -311,6 +315,7 @@ impl WorkerSpec {
         flag(&mut v, "allocator", self.allocator.as_str().into());
         flag(&mut v, "lease-ms", self.lease_ms.to_string());
         flag(&mut v, "timeout-ms", self.timeout_ms.to_string());
+        flag(&mut v, "pull-read-timeout-ms", self.pull_read_timeout_ms.to_string());
         flag(&mut v, "heartbeat-ms", self.heartbeat_ms.to_string());
         flag(&mut v, "peer-timeout-ms", self.peer_timeout_ms.to_string());
         flag(&mut v, "handshake-timeout-ms", self.handshake_timeout_ms.to_string());
@@ -1372,6 +1377,7 @@ fn nixl_workers(spec: &WorkerSpec, dev: &Arc<dyn Device>) -> Result<Vec<Worker>,
         config.layerwise = t.layerwise.engine();
         config.rendezvous.lease_us = spec.lease_ms * 1000;
         config.completion.timeout_us = spec.timeout_ms * 1000;
+        config.pull_read_timeout_us = spec.pull_read_timeout_ms * 1000;
         // SAFETY: the regions are `buffers`, allocated just above and owned by the same `Worker`
         // as the engine; `Worker` drops its engine before its buffers. This child follows the
         // block ownership rules: P's blocks return to the pool only after `Finished::Sent` from

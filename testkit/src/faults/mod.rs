@@ -201,6 +201,7 @@ pub const SCENARIOS: &[Scenario] = &[
     ("vllm56104_several_handles_one_request", scenarios::several_handles),
     ("sigstop_p_past_peer_timeout", procs::sigstop_p),
     ("kill9_d_mid_write_restart_same_id", procs::kill9_d_restart),
+    ("pull_grant_expiry_read_in_flight_nixl", procs::pull_expiry_sigstop_d),
 ];
 
 /// Runs every scenario (those `opts.only` names); `progress` is called with each line as it ends.

@@ -14,7 +14,9 @@
 //! (the legs a killed process held died with it and owe nothing).
 //!
 //! The scenarios: [`kill9_d_restart`] kills D with `SIGKILL` while WRITEs are in flight and starts a
-//! new D under the same engine id; [`sigstop_p`] stops P past D's peer timeout and continues it.
+//! new D under the same engine id; [`sigstop_p`] stops P past D's peer timeout and continues it;
+//! [`pull_expiry_sigstop_d`] (pull) stops D past P's read timeout, so that P's grants expire while
+//! D's READs are posted or about to be.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -25,7 +27,7 @@ use kvpush::proto::{Key, Mode};
 use super::{Options, ScenarioReport};
 use crate::demo::driver::Side;
 use crate::demo::procs::{self, Command, Event, Incoming, Options as ProcsOptions, Pair, ProcsError, Role, WorkerSpec};
-use crate::demo::{DemoError, Topology};
+use crate::demo::{BlockLists, DemoError, Topology};
 use crate::rng::Rng;
 
 /// How long a leg may wait for its outcome (the children's timeouts below, plus a margin).
@@ -42,12 +44,22 @@ fn tweak(s: &mut WorkerSpec) {
     s.scribble = true;
 }
 
+/// The pull scenario's children: P's grants expire after 150 ms, and the peer timeout (3 s) stays
+/// well above how long D is stopped, so that D is late, not lost.
+fn tweak_pull(s: &mut WorkerSpec) {
+    tweak(s);
+    s.pull_read_timeout_ms = 150;
+    s.peer_timeout_ms = 3_000;
+}
+
 fn topology() -> Topology {
     Topology { layers: 4, num_blocks: 2048, ..Topology::default() }
 }
 
 /// One request as the traffic tracks it.
 struct Live {
+    key: Key,
+    seed: u64,
     tokens: u64,
     p_done: bool,
     d_done: bool,
@@ -59,6 +71,9 @@ struct Live {
 /// The pair, its requests and what they came to.
 struct Traffic {
     pair: Pair,
+    mode: Mode,
+    /// Pull: P's blocks of requests whose prefill ended, for D to read (sent by [`Traffic::pump`]).
+    to_read: Vec<(u64, BlockLists)>,
     t: Topology,
     rng: Rng,
     next: u64,
@@ -76,16 +91,18 @@ struct Traffic {
 }
 
 impl Traffic {
-    fn start(opts: &Options) -> Result<Traffic, ProcsError> {
+    fn start(opts: &Options, mode: Mode, tweak: &dyn Fn(&mut WorkerSpec)) -> Result<Traffic, ProcsError> {
         if !kvpush::transport::nixl::available() {
             return Err(DemoError::Config("NIXL is not available: run `. scripts/nixl.sh` first".into()).into());
         }
         let t = topology();
         let popts =
             ProcsOptions { exe: opts.exe.clone(), backend: "UCX".into(), log: opts.log.clone(), references: false };
-        let (pair, secret, p_ports, _) = procs::start_with(&t, Mode::Push, &popts, &tweak)?;
+        let (pair, secret, p_ports, _) = procs::start_with(&t, mode, &popts, tweak)?;
         Ok(Traffic {
             pair,
+            mode,
+            to_read: Vec::new(),
             t,
             rng: Rng::new(0x9f0c),
             next: 0,
@@ -102,17 +119,20 @@ impl Traffic {
         })
     }
 
-    /// Sends one more request: D registers, then P prefills (no simulated delay).
+    /// Sends one more request. Push: D registers, then P prefills (no simulated delay). Pull: P
+    /// prefills; D reads once P's blocks are known ([`Event::Ready`]).
     fn admit(&mut self) -> Result<(), ProcsError> {
         let req = self.next;
         self.next += 1;
         let tokens = self.rng.between(16, 512);
         let key = Key::new(u128::from(self.rng.next()) << 64 | u128::from(req), 1);
         let seed = self.rng.next() >> 1;
-        self.pair
-            .send(Role::Decode, &Command::Decode { req, key, tokens, seed, remote_blocks: None, hold_verify: false })?;
+        if self.mode == Mode::Push {
+            let decode = Command::Decode { req, key, tokens, seed, remote_blocks: None, hold_verify: false };
+            self.pair.send(Role::Decode, &decode)?;
+        }
         self.pair.send(Role::Prefill, &Command::Prefill { req, key, tokens, seed, delay_ns: Some(0) })?;
-        self.live.insert(req, Live { tokens, p_done: false, d_done: false, d_gone: false, at: Instant::now() });
+        self.live.insert(req, Live { key, seed, tokens, p_done: false, d_done: false, d_gone: false, at: Instant::now() });
         self.requests += 1;
         Ok(())
     }
@@ -124,6 +144,12 @@ impl Traffic {
         loop {
             while self.next < total && self.open() < concurrency {
                 self.admit()?;
+            }
+            for (req, blocks) in std::mem::take(&mut self.to_read) {
+                let Some(l) = self.live.get(&req) else { continue };
+                let (key, tokens, seed) = (l.key, l.tokens, l.seed);
+                let decode = Command::Decode { req, key, tokens, seed, remote_blocks: Some(blocks), hold_verify: false };
+                self.pair.send(Role::Decode, &decode)?;
             }
             if total > 0 && self.next >= total {
                 // All admitted: the caller acts now, with the last ones in flight.
@@ -151,6 +177,10 @@ impl Traffic {
     fn on_event(&mut self, role: Role, ev: Event) {
         let req = match &ev {
             Event::Sent { req, .. } | Event::Received { req, .. } | Event::Failed { req, .. } => *req,
+            Event::Ready { req, blocks, .. } if self.mode == Mode::Pull => {
+                self.to_read.push((*req, blocks.clone()));
+                return;
+            }
             Event::Ready { .. } | Event::Registered { .. } => return,
             Event::Error { message } => {
                 // A command refused by a child (a registration to a lost peer): the request's leg ends
@@ -291,10 +321,12 @@ impl Traffic {
 /// the traffic and the round), then waits for every outcome and reports.
 fn in_rounds(
     opts: &Options,
+    mode: Mode,
+    tweak: &dyn Fn(&mut WorkerSpec),
     mut fault: impl FnMut(&mut Traffic, u64) -> Result<(), ProcsError>,
 ) -> Result<ScenarioReport, ProcsError> {
     let started = Instant::now();
-    let mut tr = Traffic::start(opts)?;
+    let mut tr = Traffic::start(opts, mode, tweak)?;
     let (n, rounds) = if opts.ci { (60u64, 1) } else { (400, 3) };
     let per = n / (rounds + 1);
     for round in 0..rounds {
@@ -310,7 +342,7 @@ fn in_rounds(
 /// request of the dead D (no leak, no hang) and serve the new one, whose every byte is checked: a
 /// WRITE P had addressed to the dead process must never land in the new one's blocks.
 pub fn kill9_d_restart(opts: &Options) -> Result<ScenarioReport, ProcsError> {
-    in_rounds(opts, |tr, round| {
+    in_rounds(opts, Mode::Push, &tweak, |tr, round| {
         tr.killed = Some(Role::Decode);
         tr.pair.d.kill();
         for l in tr.live.values_mut().filter(|l| !l.d_done) {
@@ -346,7 +378,7 @@ pub fn kill9_d_restart(opts: &Options) -> Result<ScenarioReport, ProcsError> {
 /// reuses their blocks for new ones), then SIGCONT: whatever P had posted must not land in the
 /// reused blocks. D then dials P again and the rest of the requests are served.
 pub fn sigstop_p(opts: &Options) -> Result<ScenarioReport, ProcsError> {
-    in_rounds(opts, |tr, round| {
+    in_rounds(opts, Mode::Push, &tweak, |tr, round| {
         let pid = tr.pair.p.pid() as libc::pid_t;
         // SAFETY: kill(2) on the pid of a child this process spawned and has not reaped.
         unsafe { libc::kill(pid, libc::SIGSTOP) };
@@ -366,5 +398,22 @@ pub fn sigstop_p(opts: &Options) -> Result<ScenarioReport, ProcsError> {
             tr.notes.push(format!("round {round}: D could not handshake with P again"));
         }
         Ok(())
+    })
+}
+
+/// Issue 16, "pull grant expiry with a READ in flight": pull, P's read timeout 150 ms, and D stopped
+/// (SIGSTOP) for 600 ms with requests in flight, three times. P's grants expire while D's READs are
+/// posted (held: a stopped process moves no data) or about to be; P tells D, but must not release
+/// its sources (which its Scribbler overwrites at once) until D's READ ended: D continues, cancels
+/// or completes its READs, and every request D reports received is checked byte by byte.
+pub fn pull_expiry_sigstop_d(opts: &Options) -> Result<ScenarioReport, ProcsError> {
+    in_rounds(opts, Mode::Pull, &tweak_pull, |tr, _round| {
+        let pid = tr.pair.d.pid() as libc::pid_t;
+        // SAFETY: kill(2) on the pid of a child this process spawned and has not reaped.
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+        std::thread::sleep(Duration::from_millis(600));
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+        tr.pump(Duration::from_secs(1), 0, 0)
     })
 }
