@@ -1035,8 +1035,7 @@ fn stage_split(dir: &Path, pair: &Pair, report: &ModeReport) -> super::stages::S
     let (p, d) = (read(pair.p.pid()), read(pair.d.pid()));
     // The demo's marks are on the monotonic clock ([`child::now_us`]), the timelines on the wall
     // clock; both are the host's, so one offset, taken here, maps the first onto the second.
-    let wall = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
-    let offset = wall.saturating_sub(child::now_us());
+    let offset = super::stages::wall_offset_us(child::now_us);
     let split: Vec<_> = report
         .ends
         .iter()

@@ -128,25 +128,55 @@ impl Timeline {
 }
 
 /// The stages of `key`, P's call at `ready_us` and D's outcome at `outcome_us` (µs since the epoch);
-/// `None` when a stage's event is missing or the events are out of order.
+/// `None` when a stage's event is missing or one engine's events are out of order. D may take the
+/// notification before P's writer records the post that sent it (the event is stamped when
+/// `postXferReq` returns, and the notification can land first): `notify_us` is then 0. The two
+/// marks come from another clock, mapped onto the wall clock within a few µs: a mark that lands up
+/// to [`MAPPING_SLACK_US`] on the wrong side of its engine event counts as a stage of 0.
 pub fn split(p: &Timeline, d: &Timeline, key: Key, ready_us: u64, outcome_us: u64) -> Option<Stages> {
     let handled = p.last_us(key, &["eng_layers_ready", "eng_blocks_ready"])?;
     let posted = p.last_us(key, &["eng_write_post"])?;
     let done = p.last_us(key, &["eng_write_done"])?;
     let notified = d.last_us(key, &["eng_layers_notified", "eng_notified"])?;
     let counted = d.last_us(key, &["eng_received"])?;
-    let marks = [ready_us, handled, posted, notified, counted, outcome_us];
-    if marks.windows(2).any(|w| w[1] < w[0]) || done < posted {
+    if posted < handled
+        || counted < notified
+        || done < posted
+        || ready_us > handled + MAPPING_SLACK_US
+        || counted > outcome_us + MAPPING_SLACK_US
+    {
         return None;
     }
     Some(Stages {
-        wake_us: handled - ready_us,
+        wake_us: handled.saturating_sub(ready_us),
         post_us: posted - handled,
-        notify_us: notified - posted,
+        notify_us: notified.saturating_sub(posted),
         count_us: counted - notified,
-        report_us: outcome_us - counted,
+        report_us: outcome_us.saturating_sub(counted),
         write_done_us: done - posted,
     })
+}
+
+/// How far the demo's marks may land on the wrong side of the engine events around them (µs): the
+/// error of mapping its monotonic clock onto the wall clock ([`wall_offset_us`]).
+pub const MAPPING_SLACK_US: u64 = 20;
+
+/// Wall clock minus `monotonic_us` (both µs; pass the clock the marks were taken on), read so that
+/// a preemption between the two reads does not skew it: the tightest of a few bracketed reads.
+pub fn wall_offset_us(monotonic_us: impl Fn() -> u64) -> u64 {
+    let wall =
+        || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
+    let mut best = (u64::MAX, 0);
+    for _ in 0..16 {
+        let before = monotonic_us();
+        let w = wall();
+        let after = monotonic_us();
+        let width = after.saturating_sub(before);
+        if width < best.0 {
+            best = (width, w.saturating_sub(before + width / 2));
+        }
+    }
+    best.1
 }
 
 /// Medians and 99th percentiles of `stages`.
@@ -221,10 +251,20 @@ mod tests {
             s,
             Stages { wake_us: 10, post_us: 30, notify_us: 170, count_us: 10, report_us: 40, write_done_us: 60 }
         );
-        // A ready stamped after P's writer handled the call is out of order: no split.
-        assert_eq!(split(&p, &d, key, 1001, 1250), None);
+        // A ready stamped after P's writer handled the call: within the mapping's slack a wake of 0,
+        // beyond it out of order (no split).
+        assert_eq!(split(&p, &d, key, 1010, 1250).map(|s| s.wake_us), Some(0));
+        assert_eq!(split(&p, &d, key, 1000 + MAPPING_SLACK_US + 1, 1250), None);
+        // D took the notification before P stamped the post: a notification stage of 0.
+        let early =
+            Timeline::parse(&[line(1020, "eng_layers_notified", key), line(1210, "eng_received", key)].concat());
+        assert_eq!(split(&p, &early, key, 990, 1250).map(|s| (s.notify_us, s.count_us)), Some((0, 190)));
         // D never counted it: no split.
         assert_eq!(split(&p, &Timeline::parse(&line(1200, "eng_layers_notified", key)), key, 990, 1250), None);
+        // The offset of a clock to the wall clock: a clock 5 s behind maps to within a few ms.
+        let behind = || wall_offset_us(|| 0) - 5_000_000;
+        let off = wall_offset_us(behind);
+        assert!((4_999_000..=5_001_000).contains(&off), "{off}");
         let sum = summarize(&[s, Stages { notify_us: 500, ..s }, Stages { notify_us: 300, ..s }]);
         assert_eq!((sum.requests, sum.notify_us_p50, sum.notify_us_p99, sum.wake_us_p50), (3, 300, 500, 10));
     }
