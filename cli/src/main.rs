@@ -405,6 +405,8 @@ fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             opts.backend = a.nixl_backend.clone();
             // The comparison is about latency; the bandwidth references would double the run.
             opts.references = !compare;
+            // ...and it reports where the exposed time goes (the engines' timelines).
+            opts.stages = compare.then(std::env::temp_dir);
             let b = bar.clone();
             opts.log = Some(std::sync::Arc::new(move |line: &str| b.suspend(|| eprintln!("{line}"))));
             demo::procs::run(&topo, work, &modes, &opts, &|| bar.inc(1))?
@@ -451,6 +453,21 @@ fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             "  cost: P posted {} vs {} transfers; engine-thread time per request p50 {:.1} vs {:.1} µs",
             l.producer_posts, l.whole_producer_posts, l.engine_us_p50, l.whole_engine_us_p50
         );
+        for (name, s) in [("layer-wise", &l.stages), ("whole", &l.whole_stages)] {
+            if let Some(s) = s {
+                println!(
+                    "  {name} stages p50 (µs, {} requests): writer wake {}, post {}, WRITE + notification to D \
+                     {}, D counts {}, outcome reported {} (P sees its WRITE done {} after the post)",
+                    s.requests,
+                    s.wake_us_p50,
+                    s.post_us_p50,
+                    s.notify_us_p50,
+                    s.count_us_p50,
+                    s.report_us_p50,
+                    s.write_done_us_p50
+                );
+            }
+        }
         for b in &l.by_tokens {
             let r = b.ratio_p50.map_or("-".to_string(), |r| format!("{r:.3}"));
             println!(

@@ -202,6 +202,12 @@ fn layerwise_compare_across_processes_every_byte_verified() {
     // Whole, each P rank posts one WRITE per request; layer by layer at least that (more where the
     // registration came before the last layers were computed, which depends on scheduling).
     assert!(num(&v, "push", "producer_posts") >= 80.0, "{v}");
+    // Where the exposed time went: every request of both runs has every stage in its engines'
+    // timelines (testkit's demo::stages).
+    for run in ["stages", "whole_stages"] {
+        assert_eq!(l[run]["requests"].as_u64(), Some(40), "{run}: {v}");
+        assert!(l[run]["notify_us_p50"].as_u64().is_some(), "{run}: {v}");
+    }
 }
 
 /// Two children driven directly, and their events.

@@ -45,6 +45,11 @@ const LINGER: Duration = Duration::from_millis(2);
 const LINGER_TICK: Duration = Duration::from_micros(50);
 /// Longest polling interval while only waiting for a peer's notification (a polled transport).
 const POLL_WAITING_MAX: Duration = Duration::from_micros(200);
+/// Longest polling interval while a request pushed layer by layer is landing here (some of its
+/// layers arrived, the rest are on their way): its next notification is due within one layer's
+/// compute, and the last one is on the path to the first token (issue #21: at 200 µs the wait for
+/// it was a third of the time left after P's last layer).
+const POLL_LANDING_MAX: Duration = Duration::from_micros(20);
 /// How long shutdown waits for the transfers a writer posted to end ([`Writer::fence`]).
 const SHUTDOWN_FENCE: Duration = Duration::from_secs(5);
 /// Dropped requests whose producers' answers a writer waits for at most (answers that never come,
@@ -162,6 +167,39 @@ enum Park {
     /// Right after work: a short sleep the engine loop's pushes do not interrupt (no wake-up on the
     /// engine thread); the inbox is looked at when it ends.
     Lingering,
+}
+
+/// What a writer on a polled transport waits for, most urgent first ([`polled_wait`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Expecting {
+    /// Transfers of its own (not cancelled for a lost peer) in flight.
+    OwnTransfers,
+    /// A request pushed layer by layer landing here: some of its layers arrived.
+    Landing,
+    /// A peer's notification, read or answer (a registered request, a cancelled transfer, a grant).
+    Peer,
+    /// Nothing.
+    Nothing,
+}
+
+/// How long a writer on a polled transport (NIXL without a progress thread: it moves data and
+/// delivers notifications only when asked) sleeps before its next poll, given the sleep its
+/// deadlines allow (`wait`), whether it made progress within [`SPIN_WINDOW`] (`spinning`) and its
+/// backed-off interval (`interval`, from [`POLL_MIN`] doubling up to [`POLL_WAITING_MAX`] while
+/// nothing happens).
+///
+/// Its own transfers: back to back while they move (each poll is what moves a large transfer along;
+/// measured: a 25 µs gap between polls halves the bandwidth), then at the interval. A request
+/// landing layer by layer: at most [`POLL_LANDING_MAX`] (its next layer is due within a layer's
+/// compute; the last one's notification is on the path to the first token). Any other peer: the
+/// interval. Nothing: no poll at all, only the deadlines (idle CPU stays near zero).
+fn polled_wait(wait: Duration, expecting: Expecting, spinning: bool, interval: Duration) -> Duration {
+    match expecting {
+        Expecting::OwnTransfers if spinning => Duration::ZERO,
+        Expecting::OwnTransfers | Expecting::Peer => wait.min(interval),
+        Expecting::Landing => wait.min(interval.min(POLL_LANDING_MAX)),
+        Expecting::Nothing => wait,
+    }
 }
 
 /// The channel from the engine loop is closed: the engine is gone and the writer stops.
@@ -474,20 +512,16 @@ impl Writer {
             // Staged pieces move only while we poll (gathers, WRITEs, scatters, grants).
             wait = if self.last_active.elapsed() < SPIN_WINDOW { Duration::ZERO } else { wait.min(self.poll_interval) };
         } else if self.shared.transport.needs_polling() {
-            // A polled transport (NIXL without a progress thread) moves data and delivers
-            // notifications only when asked. While our own transfers are in flight, poll back to
-            // back (each poll is what moves a large transfer along; measured: a 25 µs gap between
-            // polls halves the bandwidth); while we merely wait for a peer's notification or read,
-            // back off up to POLL_WAITING_MAX. With nothing expected, sleep until the next deadline.
-            if self.inflight.values().any(|f| !f.lost) {
-                wait = if self.last_active.elapsed() < SPIN_WINDOW {
-                    Duration::ZERO
-                } else {
-                    wait.min(self.poll_interval)
-                };
+            let expecting = if self.inflight.values().any(|f| !f.lost) {
+                Expecting::OwnTransfers
+            } else if self.comp.layer_keys() > 0 {
+                Expecting::Landing
             } else if !self.inflight.is_empty() || self.comp.pending() > 0 || self.grants.pending() > 0 {
-                wait = wait.min(self.poll_interval);
-            }
+                Expecting::Peer
+            } else {
+                Expecting::Nothing
+            };
+            wait = polled_wait(wait, expecting, self.last_active.elapsed() < SPIN_WINDOW, self.poll_interval);
         }
         wait
     }
@@ -1656,4 +1690,28 @@ fn grant_config(config: &super::Config) -> GrantConfig {
 /// The key an outcome is for.
 fn finished_key(f: &Finished) -> Key {
     f.key()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_landing_request_caps_the_poll_interval_and_nothing_expected_never_polls() {
+        let backed_off = POLL_WAITING_MAX;
+        let us = Duration::from_micros;
+        // Layers landing: the next poll at most POLL_LANDING_MAX away, however long the backoff grew,
+        // and never later than a deadline or the interval itself.
+        assert_eq!(polled_wait(IDLE_WAIT, Expecting::Landing, false, backed_off), POLL_LANDING_MAX);
+        assert_eq!(polled_wait(IDLE_WAIT, Expecting::Landing, false, POLL_MIN), POLL_MIN);
+        assert_eq!(polled_wait(us(5), Expecting::Landing, false, backed_off), us(5));
+        assert!(POLL_LANDING_MAX < POLL_WAITING_MAX);
+        // Any other peer: the backed-off interval.
+        assert_eq!(polled_wait(IDLE_WAIT, Expecting::Peer, false, backed_off), backed_off);
+        // Own transfers: back to back while they move, then the interval.
+        assert_eq!(polled_wait(IDLE_WAIT, Expecting::OwnTransfers, true, backed_off), Duration::ZERO);
+        assert_eq!(polled_wait(IDLE_WAIT, Expecting::OwnTransfers, false, backed_off), backed_off);
+        // Nothing expected: only the deadlines wake it (idle CPU).
+        assert_eq!(polled_wait(IDLE_WAIT, Expecting::Nothing, true, POLL_MIN), IDLE_WAIT);
+    }
 }

@@ -121,6 +121,7 @@ pub(crate) fn play<S: Side>(
     let (mut next, mut in_flight, mut finished) = (0usize, 0usize, 0usize);
     let mut latencies = Vec::with_capacity(specs.len());
     let mut exposed = Vec::with_capacity(specs.len());
+    let mut ends = Vec::with_capacity(specs.len());
     let (mut verified_bytes, mut verified, mut failed) = (0u64, 0u64, 0u64);
     let mut last_progress = Instant::now();
     let started = Instant::now();
@@ -275,6 +276,7 @@ pub(crate) fn play<S: Side>(
                 latencies.push(at_us.saturating_sub(ready));
                 if !r.failed {
                     exposed.push((i, r.tokens, at_us.saturating_sub(ready)));
+                    ends.push((r.key, ready, at_us));
                 }
             }
             if r.sent && r.d_done && !r.done {
@@ -297,6 +299,7 @@ pub(crate) fn play<S: Side>(
     report.summarize(latencies, reqs.iter().map(|r| r.engine_ns));
     report.producer_posts = posts(side, Role::Prefill)?;
     report.exposed = exposed;
+    report.ends = ends;
     Ok(report)
 }
 

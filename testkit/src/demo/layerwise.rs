@@ -9,6 +9,7 @@
 
 use serde::Serialize;
 
+use super::stages::StageSplit;
 use super::{pct, ModeReport};
 
 /// The requests `ratio_p50` is taken over: at least this many tokens.
@@ -40,6 +41,13 @@ pub struct LayerwiseReport {
     pub engine_us_p50: f64,
     /// ...and whole run.
     pub whole_engine_us_p50: f64,
+    /// Where the layer-wise run's exposed time went, per stage (two processes: from the engines'
+    /// timelines, [`super::stages`])...
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stages: Option<StageSplit>,
+    /// ...and the whole run's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub whole_stages: Option<StageSplit>,
 }
 
 /// One bucket of [`LayerwiseReport::by_tokens`]: requests of `min_tokens..=max_tokens` tokens.
@@ -130,6 +138,8 @@ pub fn compare(whole: &ModeReport, layered: &ModeReport) -> LayerwiseReport {
         whole_producer_posts: whole.producer_posts,
         engine_us_p50: layered.engine_us_p50,
         whole_engine_us_p50: whole.engine_us_p50,
+        stages: layered.stages.clone(),
+        whole_stages: whole.stages.clone(),
     }
 }
 

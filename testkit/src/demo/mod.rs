@@ -32,6 +32,7 @@ pub(crate) mod driver;
 pub mod layerwise;
 pub mod pattern;
 pub mod procs;
+pub mod stages;
 
 use procs::{Role, Worker, WorkerSpec, WorkerState};
 
@@ -315,6 +316,14 @@ pub struct ModeReport {
     /// pairs; not in the JSON).
     #[serde(skip)]
     pub exposed: Vec<(usize, u64, u64)>,
+    /// Per received request: `(key, P's ready µs, D's outcome µs)` on the shared wall clock, for
+    /// [`stages::split`] (not in the JSON).
+    #[serde(skip)]
+    pub ends: Vec<(kvpush::proto::Key, u64, u64)>,
+    /// Two-process runs with the engines' timelines on (`--layerwise compare`): where the time from
+    /// P's ready to D's outcome went, per stage ([`stages`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stages: Option<stages::StageSplit>,
 }
 
 /// Results of the demo: one report per mode played.

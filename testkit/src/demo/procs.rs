@@ -878,6 +878,10 @@ pub struct Options {
     pub log: Option<LogFn>,
     /// Measure `ceiling_gbps` and `push_gbps` after the workload.
     pub references: bool,
+    /// Run the children with their engines' timelines on, in a fresh directory per mode under this
+    /// one (removed once read), and report each mode's stage split ([`ModeReport::stages`],
+    /// [`super::stages`]).
+    pub stages: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Options {
@@ -891,7 +895,13 @@ impl Options {
     pub fn new() -> Result<Self, ProcsError> {
         let exe = std::env::current_exe()
             .map_err(|e| DemoError::Config(format!("cannot find this executable to start the workers: {e}")))?;
-        Ok(Self { exe, backend: "UCX".into(), log: None, references: true })
+        Ok(Self { exe, backend: "UCX".into(), log: None, references: true, stages: None })
+    }
+
+    /// `exe` over UCX with its children's log lines to `log`, without the references or the stage
+    /// split: for harnesses that drive a pair of children themselves.
+    pub fn bare(exe: PathBuf, log: Option<LogFn>) -> Self {
+        Self { exe, backend: "UCX".into(), log, references: false, stages: None }
     }
 }
 
@@ -917,17 +927,15 @@ pub fn run(t: &Topology, w: &Workload, modes: &[Mode], opts: &Options, tick: &dy
     Ok(report)
 }
 
-fn start(t: &Topology, mode: Mode, opts: &Options) -> Result<Pair, ProcsError> {
-    start_with(t, mode, opts, &|_| {}).map(|(pair, ..)| pair)
-}
-
-/// [`start`], with `tweak` applied to both children's flags; also returns the run's secret (for a
-/// third engine that is to join the pair) and P's and D's side-channel ports.
+/// Starts P and D, with `tweak` applied to both children's flags and their engines' timelines in
+/// `timeline` (when given); also returns the run's secret (for a third engine that is to join the
+/// pair) and P's and D's side-channel ports.
 pub(crate) fn start_with(
     t: &Topology,
     mode: Mode,
     opts: &Options,
     tweak: &dyn Fn(&mut WorkerSpec),
+    timeline: Option<&Path>,
 ) -> Result<(Pair, String, Vec<u16>, Vec<u16>), ProcsError> {
     let (tx, rx) = unbounded();
     // The two children authenticate each other with a secret made for this run.
@@ -936,7 +944,10 @@ pub(crate) fn start_with(
         exe: opts.exe.display().to_string(),
         source: std::io::Error::other(e.to_string()),
     })?;
-    let env = [(kvpush::engine::side::SECRET_ENV.to_owned(), secret.clone())];
+    let mut env = vec![(kvpush::engine::side::SECRET_ENV.to_owned(), secret.clone())];
+    if let Some(dir) = timeline {
+        env.push((kvpush::engine::timeline::ENV.to_owned(), dir.display().to_string()));
+    }
     let spawn =
         |role: Role| {
             let mut spec = WorkerSpec::new(role, mode, t);
@@ -979,8 +990,14 @@ pub(crate) fn start_with(
 }
 
 fn run_mode(t: &Topology, w: &Workload, mode: Mode, opts: &Options, tick: &dyn Fn()) -> Result<ModeReport, ProcsError> {
-    let mut pair = start(t, mode, opts)?;
+    let timeline = opts.stages.as_deref().map(|base| timeline_dir(base, mode));
+    let mut pair = start_with(t, mode, opts, &|_| {}, timeline.as_deref()).map(|(pair, ..)| pair)?;
     let mut report = driver::play(&mut pair, t, w, mode, tick)?;
+    if let Some(dir) = &timeline {
+        report.stages = Some(stage_split(dir, &pair, &report));
+        // The timelines were only for the split; one that cannot be removed is left behind.
+        let _ = std::fs::remove_dir_all(dir);
+    }
     let bytes = report.bytes.min(CEILING_MAX_BYTES);
     if opts.references && bytes > 0 {
         // Interleaved, so that both references see the same machine: a ceiling WRITE, then (push)
@@ -1001,6 +1018,35 @@ fn run_mode(t: &Topology, w: &Workload, mode: Mode, opts: &Options, tick: &dyn F
     }
     pair.close();
     Ok(report)
+}
+
+/// A fresh directory for one mode's timelines, under `base`.
+fn timeline_dir(base: &Path, mode: Mode) -> PathBuf {
+    static RUN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = RUN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    base.join(format!("kvpush-stages-{}-{mode}-{n}", std::process::id()))
+}
+
+/// The stage split of the requests `report` received, from the timelines P and D wrote to `dir`
+/// (requests whose timeline lacks a stage are left out; a timeline that cannot be read counts as
+/// empty, and is logged).
+fn stage_split(dir: &Path, pair: &Pair, report: &ModeReport) -> super::stages::StageSplit {
+    let read = |pid: u32| {
+        super::stages::Timeline::read(dir, pid).unwrap_or_else(|e| {
+            tracing::warn!(dir = %dir.display(), pid, error = %e, "cannot read an engine's timeline");
+            super::stages::Timeline::default()
+        })
+    };
+    let (p, d) = (read(pair.p.pid()), read(pair.d.pid()));
+    // The demo's marks are on the monotonic clock ([`child::now_us`]), the timelines on the wall
+    // clock; both are the host's, so one offset, taken here, maps the first onto the second.
+    let offset = super::stages::wall_offset_us(child::now_us);
+    let split: Vec<_> = report
+        .ends
+        .iter()
+        .filter_map(|&(key, ready, outcome)| super::stages::split(&p, &d, key, ready + offset, outcome + offset))
+        .collect();
+    super::stages::summarize(&split)
 }
 
 /// Where the single-descriptor reference writes: D's reference agent (metadata, hex) and buffer.

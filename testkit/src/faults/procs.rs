@@ -96,9 +96,8 @@ impl Traffic {
             return Err(DemoError::Config("NIXL is not available: run `. scripts/nixl.sh` first".into()).into());
         }
         let t = topology();
-        let popts =
-            ProcsOptions { exe: opts.exe.clone(), backend: "UCX".into(), log: opts.log.clone(), references: false };
-        let (pair, secret, p_ports, _) = procs::start_with(&t, mode, &popts, tweak)?;
+        let popts = ProcsOptions::bare(opts.exe.clone(), opts.log.clone());
+        let (pair, secret, p_ports, _) = procs::start_with(&t, mode, &popts, tweak, None)?;
         Ok(Traffic {
             pair,
             mode,

@@ -215,8 +215,8 @@ pub fn run(opts: &Options, progress: &dyn Fn(&AttackReport)) -> Result<Report, P
         return Err(DemoError::Config("NIXL is not available: run `. scripts/nixl.sh` first".into()).into());
     }
     let t = Topology { layers: 4, num_blocks: 1024, ..Topology::default() };
-    let popts = ProcsOptions { exe: opts.exe.clone(), backend: "UCX".into(), log: opts.log.clone(), references: false };
-    let (pair, secret, p_ports, d_ports) = procs::start_with(&t, Mode::Push, &popts, &tweak)?;
+    let popts = ProcsOptions::bare(opts.exe.clone(), opts.log.clone());
+    let (pair, secret, p_ports, d_ports) = procs::start_with(&t, Mode::Push, &popts, &tweak, None)?;
     let pids = [pair.p.pid(), pair.d.pid()];
     let mut probe = Probe {
         pair,
