@@ -208,7 +208,7 @@ pub fn kernel_block_lists(
     kernel_tokens: u32,
     num_tokens: u64,
 ) -> Result<Vec<Vec<u32>>, RangeError> {
-    if kernel_tokens == 0 || logical_tokens == 0 || logical_tokens % kernel_tokens != 0 {
+    if kernel_tokens == 0 || logical_tokens == 0 || !logical_tokens.is_multiple_of(kernel_tokens) {
         return Err(RangeError::BlockRatio { logical: logical_tokens, kernel: kernel_tokens });
     }
     let r = logical_tokens / kernel_tokens;
