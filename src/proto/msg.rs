@@ -478,8 +478,8 @@ mod tests {
     #[test]
     fn logical_block_ids_expand_to_kernel_blocks_as_the_connector_does() {
         // 64-token blocks of 16-token kernel blocks, 70 tokens: blocks 3 and 9 are kernel blocks
-        // 12..16 and 36..40, of which 70 tokens use 5 (38 and 39 hold nothing).
-        assert_eq!(kernel_block_lists(&[vec![3, 9]], 64, 16, 70), Ok(vec![vec![12, 13, 14, 15, 36, 37]]));
+        // 12..16 and 36..40, of which 70 tokens use 5 (37 to 39 hold nothing).
+        assert_eq!(kernel_block_lists(&[vec![3, 9]], 64, 16, 70), Ok(vec![vec![12, 13, 14, 15, 36]]));
         // A tail list (sliding window, prefix hit) loses the same blocks at its end; per group.
         assert_eq!(
             kernel_block_lists(&[vec![3, 9], vec![9]], 64, 16, 128),
