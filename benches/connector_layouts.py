@@ -27,8 +27,11 @@ that P posted layers separately, and that the hooks' host time stayed under a qu
 (the forward pass never waited for the host). ``--control-no-wait`` makes the feeder skip the wait:
 every layer-wise row on CUDA must then fail.
 
-Pull mode with kernel blocks smaller than vLLM's block is refused at start-up by design (D would need
-P's ratio): that row checks the refusal. vLLM CPU's layout is host-only: it runs on host tensors
+With kernel blocks smaller than vLLM's block, D's ``Receive`` names P's vLLM block ids and P's vLLM block
+size (``remote_block_size``, as P's scheduler half puts it in ``kv_transfer_params``): D's engine expands
+them to P's kernel blocks with the kernel block size P published at the handshake. Layout
+``kernel_blocks_mixed`` gives P and D different ratios (P: 64-token vLLM blocks of 16-token kernel
+blocks, D: 32-token blocks of the same kernel blocks). vLLM CPU's layout is host-only: it runs on host tensors
 whatever ``--device`` says.
 
 vLLM need not be installed: ``kvpush.vllm`` imports vLLM's connector base, metrics and logger at
@@ -180,7 +183,8 @@ class Layout:
     make: Callable[[Geometry, str], list[torch.Tensor]]
     block_axis: int = 0
     mla: bool = False
-    ratio: int = 1  # kernel blocks per vLLM block
+    ratio: int = 1  # kernel blocks per vLLM block (P's, and D's unless d_ratio says otherwise)
+    d_ratio: int | None = None  # D's kernel blocks per vLLM block where they differ from P's
     host_only: bool = False
     dtype: torch.dtype = torch.float16
 
@@ -224,12 +228,20 @@ def _layouts() -> list[Layout]:
         # vLLM blocks of 4 kernel blocks (64 tokens of 16): the tensor has 4× vLLM's blocks.
         Layout("kernel_blocks", "FLASH_ATTN", each(lambda g, d: torch.empty((2, 4 * g.blocks, g.block, g.heads, g.head_dim), dtype=f16, device=d)),
                block_axis=1, ratio=4),  # fmt: skip
+        # The same kernel blocks, P's vLLM blocks of 4 of them and D's of 2 (its cache: 2× the blocks).
+        Layout("kernel_blocks_mixed", "FLASH_ATTN", each(lambda g, d: torch.empty((2, 4 * g.blocks, g.block, g.heads, g.head_dim), dtype=f16, device=d)),
+               block_axis=1, ratio=4, d_ratio=2),  # fmt: skip
         Layout("cpu_attn", "CPU_ATTN", each(lambda g, d: torch.empty((g.blocks, g.heads, g.block, 2 * g.head_dim), dtype=f16, device="cpu")),
                host_only=True),  # fmt: skip
     ]  # fmt: skip
 
 
 LAYOUTS = {lay.name: lay for lay in _layouts()}
+
+
+def ratio_of(lay: Layout, role: str) -> int:
+    """Kernel blocks per vLLM block on ``role``'s side."""
+    return lay.d_ratio if role == "d" and lay.d_ratio is not None else lay.ratio
 
 
 def fill(tensors: list[torch.Tensor], seed: int) -> None:
@@ -270,14 +282,15 @@ def requests(case: Case) -> list[dict[str, Any]]:
     p_pool = torch.randperm(g.blocks, generator=gen).tolist()
     d_pool = torch.randperm(g.blocks, generator=gen).tolist()
     kernel = g.block  # tokens of the tensor's blocks; vLLM's block is `ratio` of them
+    p_r, d_r = ratio_of(lay, "p"), ratio_of(lay, "d")
     out = []
     for i, n in enumerate(g.lengths):
-        need = -(-n // (kernel * lay.ratio))
-        p_ids, d_ids = p_pool[:need], d_pool[:need]
-        p_pool, d_pool = p_pool[need:], d_pool[need:]
+        p_need, d_need = -(-n // (kernel * p_r)), -(-n // (kernel * d_r))
+        p_ids, d_ids = p_pool[:p_need], d_pool[:d_need]
+        p_pool, d_pool = p_pool[p_need:], d_pool[d_need:]
         kernel_blocks = -(-n // kernel)
-        p_k = [b * lay.ratio + j for b in p_ids for j in range(lay.ratio)][:kernel_blocks]
-        d_k = [b * lay.ratio + j for b in d_ids for j in range(lay.ratio)][:kernel_blocks]
+        p_k = [b * p_r + j for b in p_ids for j in range(p_r)][:kernel_blocks]
+        d_k = [b * d_r + j for b in d_ids for j in range(d_r)][:kernel_blocks]
         out.append({
             "req": f"req-{case.index}-{i}", "tid": "%016x%016x" % (case.index + 1, i + 1), "tokens": n,
             "p": p_ids, "d": d_ids, "pairs": list(zip(p_k, d_k)),
@@ -293,8 +306,9 @@ def build(case: Case, role: str) -> dict[str, torch.Tensor]:
     return {f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(tensors)}
 
 
-def vllm_config(case: Case, engine_id: str) -> tuple[Any, Any]:
+def vllm_config(case: Case, engine_id: str, role: str) -> tuple[Any, Any]:
     g, lay = case.geometry, LAYOUTS[case.layout]
+    ratio = ratio_of(lay, role)
     ns = types.SimpleNamespace
     extra = {"mode": "push" if case.layerwise else case.mode, "side_channel_port": 0,
              "side_channel_listen": "127.0.0.1", "insecure": True}  # fmt: skip
@@ -309,10 +323,12 @@ def vllm_config(case: Case, engine_id: str) -> tuple[Any, Any]:
             use_mla=lay.mla,
         ),
         parallel_config=ns(tensor_parallel_size=1, pipeline_parallel_size=1),
-        cache_config=ns(block_size=g.block * lay.ratio),
+        cache_config=ns(block_size=g.block * ratio),
     )
     names = [f"model.layers.{i}.self_attn.attn" for i in range(g.layers)]
-    kcc = ns(kv_cache_groups=[ns(layer_names=names, kv_cache_spec=FullAttentionSpec())], num_blocks=g.blocks)
+    # vLLM's blocks: the tensors hold ``g.blocks × lay.ratio`` kernel blocks.
+    kcc = ns(kv_cache_groups=[ns(layer_names=names, kv_cache_spec=FullAttentionSpec())],
+             num_blocks=g.blocks * lay.ratio // ratio)  # fmt: skip
     return vcfg, kcc
 
 
@@ -341,7 +357,7 @@ class Side:
 
         kvpush.Worker = record  # what register_kv_caches hands the engine
         try:
-            vcfg, kcc = vllm_config(case, self.engine_id)
+            vcfg, kcc = vllm_config(case, self.engine_id, role)
             kvv._backend_name = lambda _cfg: LAYOUTS[case.layout].backend
             if forced_staging:
                 # Host tensors stand in for the GPU's: the same host-mirror path, with device "cpu".
@@ -398,9 +414,12 @@ class Side:
             elif self.role == "p":
                 meta.finished.append(kvv.Finished(r["req"], r["tid"], 1, [r["p"]], r["tokens"], None))
             else:
+                pull = case.mode == "pull"
                 meta.receives.append(kvv.Receive(
                     r["req"], r["tid"], 1, f"prefill-{case.index}", "127.0.0.1", p_port, 1, [r["d"]], r["tokens"],
-                    [r["p"]] if case.mode == "pull" else None,
+                    [r["p"]] if pull else None,
+                    # P's vLLM block size, as P's scheduler half sends it (remote_block_size).
+                    case.geometry.block * LAYOUTS[case.layout].ratio if pull else None,
                 ))  # fmt: skip
         self.t0 = time.perf_counter()
         self.worker.start_load_kv(meta)
@@ -558,17 +577,6 @@ def run_case(case: Case, p: Any, d: Any, limit_s: float, forced_staging: bool) -
                            "device": case.device, "ok": False}  # fmt: skip
     t0 = time.perf_counter()
     try:
-        if case.mode == "pull" and lay.ratio > 1:
-            # Refused at start-up on both sides, as documented.
-            refusals = []
-            for conn in (p, d):
-                try:
-                    call(conn, "setup", limit_s, case=case)
-                except RuntimeError as e:
-                    refusals.append(str(e).splitlines()[0])
-            why = "pull mode needs kernel blocks of the whole block size"
-            row.update(ok=len(refusals) == 2 and all(why in r for r in refusals), refused="; ".join(refusals) or "not refused")
-            return row
         p_port = call(p, "setup", limit_s, case=case)
         call(d, "setup", limit_s, case=case)
         reqs = requests(case)

@@ -56,6 +56,9 @@ class Worker:
         remote_block_ids: list[list[int]],
         local_block_ids: list[list[int]],
         num_tokens: int,
+        producer_pp: int = 1,
+        producer_ranks: list[str] = ...,
+        remote_block_tokens: int | None = None,
     ) -> None: ...
     def tell_producer(
         self, word: str, transfer_id: str, attempt: int, producer: str, host: str, port: int, producer_tp: int

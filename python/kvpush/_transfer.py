@@ -59,6 +59,11 @@ class Producer:
     tp_size: int
     remote_block_ids: list[list[int]] | None  # pull only: P's blocks, per KV cache group
     pp_size: int = 1
+    # Pull only: the tokens per block of ``remote_block_ids`` (P's vLLM block size,
+    # ``remote_block_size``), from which D's engine finds P's kernel blocks. None: P did not say (a
+    # producer from before kernel blocks could be pulled): the ids are taken as P's engine blocks,
+    # and P's grant refuses the read, naming the missing field, if they are not.
+    remote_block_size: int | None = None
     # Each of P's ranks' side-channel ``host:port``, indexed ``pp_rank * tp_size + tp_rank``, as P
     # published them (``remote_ranks``); empty: rank ``r`` listens on ``host:port + r``.
     ranks: tuple[str, ...] = ()
@@ -155,6 +160,14 @@ def _ranks(params: dict[str, Any], tp: int, pp: int) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _remote_block_size(params: dict[str, Any]) -> int | None:
+    """``remote_block_size``: the tokens per block of ``remote_block_ids`` (P's vLLM block size), or
+    None when P did not send it."""
+    if _present(params, "remote_block_size") is None:
+        return None
+    return _int(params, "remote_block_size", 1, U32_MAX)
+
+
 def _attempt(params: dict[str, Any]) -> int:
     return _int(params, "attempt", 1, U32_MAX, default=1)
 
@@ -224,6 +237,7 @@ def consumer_transfer(params: Any, mode: str) -> tuple[Transfer, Producer] | Ref
             remote_block_ids=_block_ids(params, "remote_block_ids") if mode == "pull" else None,
             pp_size=pp,
             ranks=_ranks(params, tp, pp),
+            remote_block_size=_remote_block_size(params) if mode == "pull" else None,
         )
         return transfer, producer
     except _Bad as e:

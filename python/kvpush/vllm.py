@@ -233,6 +233,8 @@ class Receive(ToProducer):
     block_ids: list[list[int]]
     num_tokens: int
     remote_block_ids: list[list[int]] | None = None
+    # Pull: the tokens per block of ``remote_block_ids`` (P's vLLM block size); None: P did not say.
+    remote_block_size: int | None = None
 
 
 @dataclass
@@ -493,6 +495,7 @@ class _Scheduler:
                 block_ids=local,
                 num_tokens=num_tokens,
                 remote_block_ids=producer.remote_block_ids,
+                remote_block_size=producer.remote_block_size,
             )
         )
         self.receiving[request.request_id] = (transfer.key, transfer.attempt)
@@ -607,6 +610,9 @@ class _Scheduler:
             "pp_size": self.pp_size,
             **({"remote_ranks": list(self.rank_addrs)} if self.rank_addrs else {}),
             "remote_block_ids": groups,
+            # The tokens per block of remote_block_ids: D's engine expands them to P's kernel blocks
+            # with the kernel block size P's workers publish at the handshake (vLLM's name for it).
+            "remote_block_size": self.block_size,
             "remote_num_tokens": num_tokens,
             "transfer_mode": self.cfg.mode,
         }
@@ -825,7 +831,8 @@ class _Worker:
         assert ktc is not None
         self.engine_id = str(ktc.engine_id)
         self.native: Any = None
-        # Kernel blocks per vLLM block (describe_kv_caches): block ids are expanded before the engine.
+        # Kernel blocks per vLLM block (describe_kv_caches): this side's block ids are expanded before
+        # the engine; in pull mode P's are expanded by D's engine (``remote_block_size``).
         self.blocks_per_block = 1
         self.kernel_tokens = 0
         # Which request each outcome ends; role "p" or "d".
@@ -904,13 +911,6 @@ class _Worker:
         layout.pop("_local_heads")
         self.blocks_per_block = layout.pop("_blocks_per_block")
         self.kernel_tokens = int(layout["block_tokens"])
-        if self.blocks_per_block > 1 and self.cfg.mode == "pull":
-            # D would read P's kernel blocks by P's vLLM block ids, and nothing tells D P's ratio.
-            raise ValueError(
-                f"kvpush: pull mode needs kernel blocks of the whole block size ({layout['block_tokens']}-token "
-                f"kernel blocks in {self.vllm_config.cache_config.block_size}-token blocks here); use push "
-                f"mode or --block-size {layout['block_tokens']}"
-            )
         config = dict(layout)
         config.update(
             engine_id=self.engine_id,
@@ -1018,13 +1018,15 @@ class _Worker:
             self.outcomes.expect(r.transfer_id, r.attempt, r.req_id, "d")
             timeline.record("d_register", r.transfer_id, r.attempt)
             try:
+                blocks = expand_block_ids(r.block_ids, self.blocks_per_block, r.num_tokens, self.kernel_tokens)
                 if r.remote_block_ids is None:
-                    blocks = expand_block_ids(r.block_ids, self.blocks_per_block, r.num_tokens, self.kernel_tokens)
                     n.blocks_allocated(
                         r.transfer_id, r.attempt, r.producer, r.host, r.port, r.producer_tp, blocks, r.num_tokens,
                         **r.where(),
                     )
                 else:
+                    # P's ids are its vLLM blocks: the engine expands them to P's kernel blocks with
+                    # the kernel block size P published at the handshake (remote_block_tokens).
                     n.start_pull(
                         r.transfer_id,
                         r.attempt,
@@ -1033,16 +1035,14 @@ class _Worker:
                         r.port,
                         r.producer_tp,
                         r.remote_block_ids,
-                        r.block_ids,
+                        blocks,
                         r.num_tokens,
+                        remote_block_tokens=r.remote_block_size,
                         **r.where(),
                     )
                 self.stats.record("requests_registered", 1)
                 if self.host_regions is not None:
-                    self._staged[(r.transfer_id, r.attempt)] = [
-                        b for g in expand_block_ids(r.block_ids, self.blocks_per_block, r.num_tokens, self.kernel_tokens)
-                        for b in g
-                    ]
+                    self._staged[(r.transfer_id, r.attempt)] = [b for g in blocks for b in g]
             except Exception as e:
                 logger.error("kvpush: request %s (transfer %s) cannot receive: %s", r.req_id, r.transfer_id, e)
                 self._pending_failed[r.req_id] = [b for g in r.block_ids for b in g]

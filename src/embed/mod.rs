@@ -786,17 +786,22 @@ impl FfiEngine {
         Ok(self.engine.blocks_allocated(key, producer, block_ids, num_tokens)?)
     }
 
-    /// See [`Engine::start_pull`].
+    /// See [`Engine::start_pull`]; with `remote_block_tokens`, [`Engine::start_pull_logical`].
     pub fn start_pull(
         &self,
         key: Key,
         producer: &str,
         remote_blocks: Vec<Vec<u32>>,
+        remote_block_tokens: Option<u32>,
         local_blocks: Vec<Vec<u32>>,
         num_tokens: u64,
     ) -> Result<(), FfiError> {
         check_producer(producer)?;
-        Ok(self.engine.start_pull(key, producer, remote_blocks, local_blocks, num_tokens)?)
+        let e = &self.engine;
+        Ok(match remote_block_tokens {
+            None => e.start_pull(key, producer, remote_blocks, local_blocks, num_tokens),
+            Some(bt) => e.start_pull_logical(key, producer, remote_blocks, bt, local_blocks, num_tokens),
+        }?)
     }
 
     /// See [`Engine::abort`].

@@ -418,6 +418,9 @@ pub(crate) enum Cmd {
         key: Key,
         producer: String,
         remote_blocks: Vec<Vec<u32>>,
+        /// Tokens per block of the ids in `remote_blocks` where they are not the producer's own
+        /// blocks ([`Engine::start_pull_logical`]); None: they are.
+        remote_block_tokens: Option<u32>,
         local_blocks: Vec<Vec<u32>>,
         num_tokens: u64,
     },
@@ -1061,12 +1064,43 @@ impl Engine {
         local_blocks: Vec<Vec<u32>>,
         num_tokens: u64,
     ) -> Result<(), EngineError> {
+        self.pull(key, producer, remote_blocks, None, local_blocks, num_tokens)
+    }
+
+    /// As [`Engine::start_pull`], with `remote_blocks` named in blocks of `remote_block_tokens`
+    /// tokens — the serving engine's block ids, as vLLM's `remote_block_ids` are — rather than in
+    /// the producer's own: where the producer's layout has smaller (kernel) blocks, each id becomes
+    /// the kernel blocks it holds ([`crate::proto::msg::kernel_block_lists`]), with the producer's
+    /// block size learned at the handshake, as the producer expanded its own ids. Its grant must
+    /// still name exactly those blocks; a size its blocks do not divide fails the request.
+    pub fn start_pull_logical(
+        &self,
+        key: Key,
+        producer: &str,
+        remote_blocks: Vec<Vec<u32>>,
+        remote_block_tokens: u32,
+        local_blocks: Vec<Vec<u32>>,
+        num_tokens: u64,
+    ) -> Result<(), EngineError> {
+        self.pull(key, producer, remote_blocks, Some(remote_block_tokens), local_blocks, num_tokens)
+    }
+
+    fn pull(
+        &self,
+        key: Key,
+        producer: &str,
+        remote_blocks: Vec<Vec<u32>>,
+        remote_block_tokens: Option<u32>,
+        local_blocks: Vec<Vec<u32>>,
+        num_tokens: u64,
+    ) -> Result<(), EngineError> {
         if self.shared.config.mode != Mode::Pull {
             return Err(EngineError::WrongMode { call: "start_pull", mode: self.shared.config.mode });
         }
         check_block_lists(&local_blocks, num_tokens, &self.shared.layout)
             .map_err(|source| EngineError::Blocks { key, source })?;
-        let cmd = Cmd::Pull { key, producer: producer.to_owned(), remote_blocks, local_blocks, num_tokens };
+        let producer = producer.to_owned();
+        let cmd = Cmd::Pull { key, producer, remote_blocks, remote_block_tokens, local_blocks, num_tokens };
         self.shared.send_local(key, cmd)
     }
 

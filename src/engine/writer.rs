@@ -27,7 +27,8 @@ use crate::proto::ids::Instant;
 use crate::proto::layerwise::{part_layers, restrict_grid, LayerCompletion, LayerSend, LayerSet};
 use crate::proto::layout::KvLayout;
 use crate::proto::msg::{
-    clip_block_lists, common_tokens, Abort, Completion, Failure, FailureKind, Grant, Hold, Message, Mode, Registration,
+    clip_block_lists, common_tokens, kernel_block_lists, Abort, Completion, Failure, FailureKind, Grant, Hold, Message,
+    Mode, Registration,
 };
 use crate::proto::plan::{Grid, PlanInput, PlanStats, Planner};
 use crate::proto::rendezvous::{Action, Order, ReleaseReason, Rendezvous, Slot, SourceBlocks};
@@ -108,7 +109,10 @@ struct LayerPush {
 /// Consumer, pull mode: a read waiting for grants from its producer ranks.
 #[derive(Debug)]
 struct PullReq {
+    /// The producer's blocks, in blocks of `remote_block_tokens` tokens where that is set (the
+    /// serving engine's block ids; expanded to the producer's own at its first grant).
     remote_blocks: Vec<Vec<u32>>,
+    remote_block_tokens: Option<u32>,
     local_blocks: Vec<Vec<u32>>,
     num_tokens: u64,
 }
@@ -543,9 +547,9 @@ impl Writer {
             Cmd::Register { key, producer, block_ids, num_tokens } => {
                 self.register(now, key, producer, block_ids, num_tokens)
             }
-            Cmd::Pull { key, producer, remote_blocks, local_blocks, num_tokens } => {
+            Cmd::Pull { key, producer, remote_blocks, remote_block_tokens, local_blocks, num_tokens } => {
                 let ids = local_blocks.clone();
-                self.pulls.insert(key, PullReq { remote_blocks, local_blocks, num_tokens });
+                self.pulls.insert(key, PullReq { remote_blocks, remote_block_tokens, local_blocks, num_tokens });
                 self.register(now, key, producer, ids, num_tokens);
             }
             Cmd::Abort { key } => {
@@ -1048,27 +1052,26 @@ impl Writer {
                 if mode != Mode::Pull {
                     self.stats().failures.malformed += 1;
                     tracing::warn!(worker = %self.shared.me, peer = %from, key = %g.key, "grant in push mode refused");
-                } else if self.pulls.get(&g.key).is_some_and(|r| r.remote_blocks == g.block_ids) {
-                    // Consumer side of a pull: a producer rank pinned exactly the blocks we read.
-                    self.post_read(now, g.key, from);
                 } else {
-                    // A grant for a read this worker no longer wants (aborted, failed or superseded
-                    // before the grant came), or for other blocks than the request named (stale or
-                    // forged ids): nothing is read, the producer releases now instead of at its read
-                    // timeout, and the request fails.
-                    let wanted = self.pulls.contains_key(&g.key);
-                    let (kind, detail) = if wanted {
-                        self.stats().failures.plan += 1;
-                        tracing::warn!(worker = %self.shared.me, peer = %from, key = %g.key, "the producer pinned other blocks than the request named; nothing read");
-                        (FailureKind::Refused, "the producer pinned other blocks than the request named")
-                    } else {
-                        (FailureKind::Aborted, "read no longer wanted")
-                    };
-                    let f = Failure { key: g.key, rank: self.shared.me.rank, kind, detail: detail.into() };
-                    self.send_frame(&from, &Message::Failure(f));
-                    // And this producer rank has given its final word: nothing of it will land.
-                    let heard = Failure { key: g.key, rank: from.rank, kind, detail: detail.into() };
-                    self.comp.handle_failure(now, &heard);
+                    match self.granted(g.key, &from, &g.block_ids) {
+                        // Consumer side of a pull: a producer rank pinned exactly the blocks we read.
+                        Ok(()) => self.post_read(now, g.key, from),
+                        // A grant for a read this worker no longer wants (aborted, failed or
+                        // superseded before the grant came), or for other blocks than the request
+                        // named (stale or forged ids): nothing is read, the producer releases now
+                        // instead of at its read timeout, and the request fails.
+                        Err((kind, detail)) => {
+                            if kind != FailureKind::Aborted {
+                                self.stats().failures.plan += 1;
+                                tracing::warn!(worker = %self.shared.me, peer = %from, key = %g.key, %detail, "grant refused; nothing read");
+                            }
+                            let f = Failure { key: g.key, rank: self.shared.me.rank, kind, detail: detail.clone() };
+                            self.send_frame(&from, &Message::Failure(f));
+                            // And this producer rank has given its final word: nothing of it will land.
+                            let heard = Failure { key: g.key, rank: from.rank, kind, detail };
+                            self.comp.handle_failure(now, &heard);
+                        }
+                    }
                 }
             }
             Message::Failure(f) => {
@@ -1292,6 +1295,39 @@ impl Writer {
                 self.comp.handle_failure(now, &f);
             }
         }
+    }
+
+    /// Consumer, pull mode: whether producer worker `from`'s grant of `key`, pinning `pinned`,
+    /// names exactly the blocks the request named (in the producer's own blocks: ids the request
+    /// gave in larger blocks are expanded here once, with the block size of `from`'s layout). Else
+    /// the failure to report.
+    fn granted(&mut self, key: Key, from: &PeerAddr, pinned: &[Vec<u32>]) -> Result<(), (FailureKind, String)> {
+        let src_bt = self.shared.peer_by_addr(from).map(|p| p.layout.block_tokens);
+        let Some(req) = self.pulls.get_mut(&key) else {
+            return Err((FailureKind::Aborted, "read no longer wanted".into()));
+        };
+        let sized = req.remote_block_tokens;
+        if let (Some(logical), Some(kernel)) = (sized, src_bt) {
+            let blocks = kernel_block_lists(&req.remote_blocks, logical, kernel, req.num_tokens).map_err(|e| {
+                (FailureKind::Refused, format!("the request's producer block ids do not map to {from}'s blocks: {e}"))
+            })?;
+            // Now in the producer's own blocks: expanding again (logical = kernel) changes nothing.
+            (req.remote_blocks, req.remote_block_tokens) = (blocks, Some(kernel));
+        }
+        if req.remote_blocks == pinned {
+            return Ok(());
+        }
+        let mut detail = String::from("the producer pinned other blocks than the request named");
+        if sized.is_none() && pinned.iter().map(Vec::len).sum::<usize>() > req.remote_blocks.iter().map(Vec::len).sum()
+        {
+            // A producer whose serving engine splits blocks, and a request that did not say in which
+            // block size it named them (a router or a consumer that drops `remote_block_size`).
+            detail.push_str(
+                "; it pinned more blocks than were named, and the request gave no block size for its producer \
+                 block ids (remote_block_size), so they were taken as the producer's own blocks",
+            );
+        }
+        Err((FailureKind::Refused, detail))
     }
 
     /// Consumer, pull mode: producer worker `from` granted the read of `key`.

@@ -1083,7 +1083,7 @@ pub unsafe extern "C" fn kvpush_start_pull(
                 block_lists("local", local, num_local)?,
             )
         };
-        e.start_pull(key.key(), producer, remote, local, num_tokens)
+        e.start_pull(key.key(), producer, remote, None, local, num_tokens)
     })
 }
 

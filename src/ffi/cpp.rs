@@ -265,7 +265,7 @@ impl RustEngine {
         run("Engine::start_pull", || {
             let remote = lists("remote", remote_ids, remote_lens)?;
             let local = lists("local", local_ids, local_lens)?;
-            self.0.start_pull(key(k), producer, remote, local, num_tokens)
+            self.0.start_pull(key(k), producer, remote, None, local, num_tokens)
         })
     }
 

@@ -141,6 +141,15 @@ pub enum RangeError {
         /// The limit.
         max: usize,
     },
+    /// Block ids counted in blocks of `logical` tokens cannot be turned into blocks of `kernel`
+    /// tokens: `kernel` does not divide `logical`.
+    #[error("blocks of {logical} tokens are not whole blocks of {kernel} tokens")]
+    BlockRatio {
+        /// Tokens per block of the ids given.
+        logical: u32,
+        /// Tokens per block of the layout.
+        kernel: u32,
+    },
     /// The layout itself is invalid.
     #[error("invalid layout: {0}")]
     Layout(#[from] LayoutError),
@@ -182,6 +191,48 @@ pub fn clip_block_lists(block_ids: &[Vec<u32>], num_tokens: u64, block_tokens: u
             let skipped = all.saturating_sub(ids.len() as u64);
             let n = keep.saturating_sub(skipped).min(ids.len() as u64) as usize;
             ids[..n].to_vec()
+        })
+        .collect()
+}
+
+/// `block_ids` (lists for the last blocks of `num_tokens` tokens, as in a registration) named in
+/// blocks of `logical_tokens` tokens — a serving engine's block ids, such as vLLM's, where its
+/// attention kernel splits each block into smaller ones — as the layout's blocks of `kernel_tokens`:
+/// block `b` is blocks `b·r … b·r + r − 1` (`r = logical_tokens / kernel_tokens`), and each list
+/// loses the blocks of its last block past token `num_tokens` (its blocks are the request's last).
+/// The connector's `expand_block_ids` (python/kvpush/_layouts.py) is the same map: a producer that
+/// expanded its own ids with it pinned exactly what this returns for them.
+pub fn kernel_block_lists(
+    block_ids: &[Vec<u32>],
+    logical_tokens: u32,
+    kernel_tokens: u32,
+    num_tokens: u64,
+) -> Result<Vec<Vec<u32>>, RangeError> {
+    if kernel_tokens == 0 || logical_tokens == 0 || !logical_tokens.is_multiple_of(kernel_tokens) {
+        return Err(RangeError::BlockRatio { logical: logical_tokens, kernel: kernel_tokens });
+    }
+    let r = logical_tokens / kernel_tokens;
+    // Kernel blocks the last logical block has past the request's last token.
+    let unused =
+        (blocks_for(num_tokens, logical_tokens) * u64::from(r)).saturating_sub(blocks_for(num_tokens, kernel_tokens));
+    block_ids
+        .iter()
+        .map(|ids| {
+            let mut out = Vec::with_capacity(ids.len() * r as usize);
+            for &b in ids {
+                let first = u64::from(b) * u64::from(r);
+                let last = first + u64::from(r) - 1;
+                if last > u64::from(u32::MAX) {
+                    return Err(RangeError::OutOfRange {
+                        field: "kernel block id",
+                        value: last,
+                        limit: u32::MAX.into(),
+                    });
+                }
+                out.extend((first..=last).map(|k| k as u32));
+            }
+            out.truncate(out.len().saturating_sub(unused as usize));
+            Ok(out)
         })
         .collect()
 }
@@ -422,6 +473,26 @@ mod tests {
         assert_eq!(clip_block_lists(&[vec![2, 3, 4]], 64, 16, 48), vec![vec![2, 3]]);
         // Per group; nothing past the list's end is invented.
         assert_eq!(clip_block_lists(&[vec![5], vec![6, 9]], 32, 16, 32), vec![vec![5], vec![6, 9]]);
+    }
+
+    #[test]
+    fn logical_block_ids_expand_to_kernel_blocks_as_the_connector_does() {
+        // 64-token blocks of 16-token kernel blocks, 70 tokens: blocks 3 and 9 are kernel blocks
+        // 12..16 and 36..40, of which 70 tokens use 5 (37 to 39 hold nothing).
+        assert_eq!(kernel_block_lists(&[vec![3, 9]], 64, 16, 70), Ok(vec![vec![12, 13, 14, 15, 36]]));
+        // A tail list (sliding window, prefix hit) loses the same blocks at its end; per group.
+        assert_eq!(
+            kernel_block_lists(&[vec![3, 9], vec![9]], 64, 16, 128),
+            Ok(vec![(12..16).chain(36..40).collect(), (36..40).collect()])
+        );
+        // Equal sizes: the ids as they are.
+        assert_eq!(kernel_block_lists(&[vec![5, 1]], 16, 16, 17), Ok(vec![vec![5, 1]]));
+        assert_eq!(kernel_block_lists(&[vec![1]], 48, 32, 8), Err(RangeError::BlockRatio { logical: 48, kernel: 32 }));
+        assert_eq!(kernel_block_lists(&[vec![1]], 16, 0, 8), Err(RangeError::BlockRatio { logical: 16, kernel: 0 }));
+        assert!(matches!(
+            kernel_block_lists(&[vec![u32::MAX / 2]], 64, 16, 8),
+            Err(RangeError::OutOfRange { field: "kernel block id", .. })
+        ));
     }
 
     #[test]

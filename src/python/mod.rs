@@ -75,6 +75,9 @@ enum Queued {
     Pull {
         key: Key,
         remote: Vec<Vec<u32>>,
+        /// Tokens per block of the ids in `remote` (the producer's serving-engine blocks); None:
+        /// they are the producer's engine blocks.
+        remote_tokens: Option<u32>,
         local: Vec<Vec<u32>>,
         tokens: u64,
     },
@@ -129,7 +132,9 @@ impl Inner {
     fn submit(&self, producer: &str, q: Queued) -> Result<(), FfiError> {
         match q {
             Queued::Push { key, blocks, tokens } => self.engine.blocks_allocated(key, producer, blocks, tokens),
-            Queued::Pull { key, remote, local, tokens } => self.engine.start_pull(key, producer, remote, local, tokens),
+            Queued::Pull { key, remote, remote_tokens, local, tokens } => {
+                self.engine.start_pull(key, producer, remote, remote_tokens, local, tokens)
+            }
             Queued::Drop { key } => self.engine.abort_producer(key, producer),
             Queued::Hold { key } => self.engine.hold(key, producer),
         }
@@ -476,9 +481,12 @@ impl Worker {
     }
 
     /// Consumer, pull: reads the producer's `remote_block_ids` into `local_block_ids`
-    /// (`producer_pp`, `producer_ranks`: as for `blocks_allocated`).
+    /// (`producer_pp`, `producer_ranks`: as for `blocks_allocated`). `remote_block_tokens`: the
+    /// tokens per block of `remote_block_ids` where they are the producer's serving-engine blocks
+    /// (vLLM's block ids), which its engine may split into smaller kernel blocks; None: they are
+    /// the producer's engine blocks (`Engine::start_pull_logical`).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (transfer_id, attempt, producer, host, port, producer_tp, remote_block_ids, local_block_ids, num_tokens, producer_pp=1, producer_ranks=Vec::new()))]
+    #[pyo3(signature = (transfer_id, attempt, producer, host, port, producer_tp, remote_block_ids, local_block_ids, num_tokens, producer_pp=1, producer_ranks=Vec::new(), remote_block_tokens=None))]
     fn start_pull(
         &self,
         py: Python<'_>,
@@ -493,9 +501,16 @@ impl Worker {
         num_tokens: u64,
         producer_pp: u16,
         producer_ranks: Vec<String>,
+        remote_block_tokens: Option<u32>,
     ) -> PyResult<()> {
         let key = key_of(transfer_id, attempt)?;
-        let q = Queued::Pull { key, remote: remote_block_ids, local: local_block_ids, tokens: num_tokens };
+        let q = Queued::Pull {
+            key,
+            remote: remote_block_ids,
+            remote_tokens: remote_block_tokens,
+            local: local_block_ids,
+            tokens: num_tokens,
+        };
         let at = ProducerAt { host, port, tp: producer_tp, pp: producer_pp, ranks: &producer_ranks };
         py.detach(|| self.inner.route(producer, &at, q))
     }

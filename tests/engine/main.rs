@@ -5,6 +5,7 @@
 mod engine_matrix;
 mod engine_stress;
 mod fail_closed;
+mod kernel_pull;
 mod layerwise;
 mod lifecycle;
 mod side_channel;

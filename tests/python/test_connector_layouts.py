@@ -250,6 +250,9 @@ class _Recorder:
     def blocks_allocated(self, *args: Any) -> None:
         self.calls.append(("blocks_allocated", *args))
 
+    def start_pull(self, *args: Any, **kwargs: Any) -> None:
+        self.calls.append(("start_pull", *args, kwargs))
+
     def poll(self) -> list[tuple[Any, ...]]:
         out, self.outcomes = self.outcomes, []
         return out
@@ -276,6 +279,33 @@ def test_worker_expands_vllm_block_ids_to_kernel_blocks_and_back() -> None:
     w.native.outcomes = [("failed", d_key, 1, "read failed", [[21, 22]])]
     assert w.get_finished() == (set(), {"d-req"})
     assert w.get_block_ids_with_load_errors() == {5}
+
+
+def test_pulling_worker_expands_its_own_ids_and_hands_ps_with_their_block_size() -> None:
+    # D: 64-token vLLM blocks of 32-token kernel blocks; P: 128-token vLLM blocks (its kernel blocks
+    # only its engine knows). D expands its own ids; P's go to the engine as P named them, with their
+    # size, for the engine to expand with the kernel block size P published at the handshake.
+    kvv = pytest.importorskip("kvpush.vllm", reason="vLLM")
+    import connector_kit as kit
+
+    w = kit.worker(_Recorder(), blocks_per_block=2, kernel_tokens=32)
+    new, old = "3" * 32, "4" * 32
+    meta = kvv.KVPushMetadata(
+        receives=[
+            kvv.Receive("d-new", new, 1, "prefill-0", "10.0.0.1", 5600, 1, [[5, 1]], 100, [[7]], 128),
+            # A producer that did not say (older params): no size, the engine's default.
+            kvv.Receive("d-old", old, 1, "prefill-0", "10.0.0.1", 5600, 1, [[2]], 40, [[9]]),
+        ],
+    )
+    w.start_load_kv(meta)
+    assert w.native.calls == [
+        ("start_pull", new, 1, "prefill-0", "10.0.0.1", 5600, 1, [[7]], [[10, 11, 2, 3]], 100, {"remote_block_tokens": 128}),
+        ("start_pull", old, 1, "prefill-0", "10.0.0.1", 5600, 1, [[9]], [[4, 5]], 40, {"remote_block_tokens": None}),
+    ]
+    # A failed pull names D's kernel blocks; vLLM is told its own blocks.
+    w.native.outcomes = [("failed", new, 1, "read failed", [[11, 2]])]
+    assert w.get_finished() == (set(), {"d-new"})
+    assert w.get_block_ids_with_load_errors() == {5, 1}
 
 
 # ---- kv_buffer_device "cpu" on a GPU: the engine moves a host mirror (host tensors stand in for the GPU's)

@@ -99,6 +99,18 @@ def test_consumer_pull_reads_block_ids_flat_or_per_group() -> None:
     assert p.remote_block_ids == [[4, 5], [6]]
 
 
+def test_consumer_pull_reads_the_block_size_of_ps_ids() -> None:
+    # P's vLLM block size, from which D's engine expands P's ids to P's kernel blocks.
+    t, p = tr.consumer_transfer(d_params(remote_block_size=64), "pull")
+    assert p.remote_block_size == 64
+    # A producer that does not send it (older than pull with kernel blocks): None, and the engine
+    # takes the ids as P's engine blocks (its grant refuses them, naming the field, if they are not).
+    t, p = tr.consumer_transfer(d_params(), "pull")
+    assert p.remote_block_size is None
+    t, p = tr.consumer_transfer(d_params(remote_block_size=64), "push")
+    assert p.remote_block_size is None
+
+
 @pytest.mark.parametrize(
     ("over", "mode", "reason"),
     [
@@ -120,6 +132,8 @@ def test_consumer_pull_reads_block_ids_flat_or_per_group() -> None:
         ({"remote_block_ids": [[]]}, "pull", "holds no block"),
         ({"remote_block_ids": [[1, -2]]}, "pull", "not a list of block ids"),
         ({"remote_block_ids": "1,2"}, "pull", "not a non-empty list"),
+        ({"remote_block_size": 0}, "pull", "remote_block_size is 0, outside"),
+        ({"remote_block_size": "big"}, "pull", "remote_block_size is 'big', not an integer"),
     ],
 )
 def test_consumer_refuses_with_the_reason(over: dict[str, Any], mode: str, reason: str) -> None:

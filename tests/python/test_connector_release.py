@@ -67,6 +67,8 @@ def test_whole_prompt_of_a_one_token_request_is_released_with_its_step() -> None
     held, params = s.request_finished(req, (list(range(100, 108)),))
     assert held and params is not None
     assert params["transfer_id"] == TID and params["remote_block_ids"] == [list(range(100, 107))]
+    # The block size the ids count in: D's engine finds P's kernel blocks from it (pull).
+    assert params["remote_block_size"] == 16
     assert not s.has_pending_block_frees()
     later = s.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}))
     assert later.finished == [] and later.prefilled == []  # handed over once
