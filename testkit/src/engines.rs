@@ -13,7 +13,7 @@ use kvpush::device::{host::HostDevice, Buffer, Device};
 use kvpush::engine::side::Incarnation;
 use kvpush::engine::{Config, Engine, Finished, LocalHub};
 use kvpush::proto::layout::{KvLayout, Parallel};
-use kvpush::proto::Mode;
+use kvpush::proto::{Key, Mode};
 use kvpush::transport::loopback::{Fabric, LoopbackTransport};
 use kvpush::transport::trust::DataKeys;
 
@@ -113,6 +113,11 @@ pub fn cut(a: &Engine, a_incarnation: Incarnation, b: &Engine, b_incarnation: In
     let (ea, eb) = (a.endpoint().upgrade().expect("engine a"), b.endpoint().upgrade().expect("engine b"));
     eb.peer_lost(a.addr(), a_incarnation, "cut by the test");
     ea.peer_lost(b.addr(), b_incarnation, "cut by the test");
+}
+
+/// Whether `f` releases `key` on a producer ([`Finished::Sent`], for any reason).
+pub fn released(f: &Finished, key: Key) -> bool {
+    matches!(f, Finished::Sent { key: k, .. } if *k == key)
 }
 
 /// Polls `engine` until `pred` accepts an outcome (returned; the others seen meanwhile are dropped)
