@@ -272,6 +272,18 @@ struct Leg {
     doomed: bool,
 }
 
+impl Leg {
+    /// P's blocks for it (`None`: never given to P) and each P worker's release.
+    fn p_side(&mut self) -> (&Option<Vec<u32>>, &mut Vec<Option<ReleaseReason>>) {
+        (&self.p_blocks, &mut self.p_out)
+    }
+
+    /// D's blocks for it (`None`: never given to D) and each D worker's outcome.
+    fn d_side(&mut self) -> (&Option<Vec<u32>>, &mut Vec<Option<DOut>>) {
+        (&self.d_blocks, &mut self.d_out)
+    }
+}
+
 /// A script being played.
 struct Playing {
     id: u128,
@@ -793,19 +805,34 @@ impl Rig {
         }
     }
 
+    /// The leg of `key`, with worker `w`'s outcome `out` recorded in the slots `side` picks (the
+    /// side's blocks, `None` if that side was never given `key`, and one outcome slot per worker;
+    /// `who` names the side in violations). `None`, with a violation, if the side was never given
+    /// `key` or `w` reported it before. The leg is doomed unless `out` is `ok`.
+    fn report<T: Copy + PartialEq + std::fmt::Debug>(
+        &mut self,
+        (who, w): (&str, usize),
+        key: Key,
+        (out, ok): (T, T),
+        side: fn(&mut Leg) -> (&Option<Vec<u32>>, &mut Vec<Option<T>>),
+    ) -> Option<&mut Leg> {
+        if !self.legs.get_mut(&key).is_some_and(|l| side(l).0.is_some()) {
+            self.violations.push(format!("{who}[{w}] reported {out:?} for {key}, never given"));
+            return None;
+        }
+        let l = self.legs.get_mut(&key)?; // there: checked above
+        let slot = &mut side(l).1[w];
+        if slot.is_some() {
+            self.violations.push(format!("{who}[{w}] reported {key} twice ({out:?})"));
+            return None;
+        }
+        *slot = Some(out);
+        l.doomed |= out != ok;
+        Some(l)
+    }
+
     fn on_p(&mut self, w: usize, key: Key, reason: ReleaseReason) {
-        let Some(l) = self.legs.get_mut(&key).filter(|l| l.p_blocks.is_some()) else {
-            self.violations.push(format!("P[{w}] released {key} ({reason:?}), never given"));
-            return;
-        };
-        if l.p_out[w].is_some() {
-            self.violations.push(format!("P[{w}] released {key} twice ({reason:?})"));
-            return;
-        }
-        l.p_out[w] = Some(reason);
-        if reason != ReleaseReason::Sent {
-            l.doomed = true;
-        }
+        let Some(l) = self.report(("P", w), key, (reason, ReleaseReason::Sent), Leg::p_side) else { return };
         if l.p_out.iter().all(Option::is_some) {
             l.p_done = true;
             let given = l.p_given_at;
@@ -817,18 +844,7 @@ impl Rig {
     }
 
     fn on_d(&mut self, w: usize, key: Key, out: DOut) {
-        let Some(l) = self.legs.get_mut(&key).filter(|l| l.d_blocks.is_some()) else {
-            self.violations.push(format!("D[{w}] reported {out:?} for {key}, never given"));
-            return;
-        };
-        if l.d_out[w].is_some() {
-            self.violations.push(format!("D[{w}] reported {key} twice ({out:?})"));
-            return;
-        }
-        l.d_out[w] = Some(out);
-        if out != DOut::Received {
-            l.doomed = true;
-        }
+        let Some(l) = self.report(("D", w), key, (out, DOut::Received), Leg::d_side) else { return };
         if !l.d_out.iter().all(Option::is_some) {
             return;
         }
