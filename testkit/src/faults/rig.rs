@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use kvpush::device::host::HostDevice;
 use kvpush::device::{Buffer, Device};
 use kvpush::engine::side::{SideChannel, SideConfig};
-use kvpush::engine::{Config, Engine, Finished, Staging};
+use kvpush::engine::{Engine, Finished, Staging};
 use kvpush::proto::codec;
 use kvpush::proto::layout::KvLayout;
 use kvpush::proto::msg::{blocks_for, Completion, Message};
@@ -38,7 +38,7 @@ use super::scribbler::{Memory, Scribbler};
 use super::ScenarioReport;
 use crate::demo::pattern;
 use crate::layouts::{self, BLOCK_TOKENS};
-use crate::stress::{seed_of, D_ENGINE, P_ENGINE};
+use crate::stress::{seed_of, Setup, D_ENGINE, P_ENGINE};
 
 /// The intruder's engine id (issue 16, window 8).
 pub const X_ENGINE: &str = "intruder";
@@ -49,17 +49,9 @@ const SECRET: &[u8] = b"fault-suite-secret-0123456789abc";
 /// Engines, timeouts and load of one scenario.
 #[derive(Clone, Debug)]
 pub struct Params {
-    pub mode: Mode,
-    pub p_tp: u16,
-    pub d_tp: u16,
-    pub writers: usize,
-    pub num_blocks: u32,
-    pub lease: Duration,
-    pub registration_timeout: Duration,
-    pub completion_timeout: Duration,
-    pub drain_timeout: Duration,
-    pub pull_read_timeout: Duration,
-    pub staging: Staging,
+    /// Mode, TP sizes, writers, pool size, timeouts and staging: the engine stress driver's setup
+    /// (its `margin` is not used here).
+    pub engines: Setup,
     pub heartbeat: Duration,
     pub peer_timeout: Duration,
     /// Scripts played at once.
@@ -75,17 +67,17 @@ impl Params {
     /// loaded two-core machine does not hit them on healthy requests (which take milliseconds).
     pub fn new(mode: Mode, p_tp: u16, d_tp: u16) -> Params {
         Params {
-            mode,
-            p_tp,
-            d_tp,
-            writers: 1,
-            num_blocks: 2048,
-            lease: Duration::from_secs(3),
-            registration_timeout: Duration::from_secs(3),
-            completion_timeout: Duration::from_secs(3),
-            drain_timeout: Duration::from_secs(3),
-            pull_read_timeout: Duration::from_secs(3),
-            staging: Staging::Off,
+            engines: Setup {
+                writers: 1,
+                num_blocks: 2048,
+                lease: Duration::from_secs(3),
+                registration_timeout: Duration::from_secs(3),
+                completion_timeout: Duration::from_secs(3),
+                drain_timeout: Duration::from_secs(3),
+                pull_read_timeout: Duration::from_secs(3),
+                staging: Staging::Off,
+                ..Setup::new(mode, p_tp, d_tp)
+            },
             heartbeat: Duration::from_millis(100),
             peer_timeout: Duration::from_millis(1500),
             concurrency: 32,
@@ -97,20 +89,9 @@ impl Params {
     /// How long after a leg is given an outcome may come at most: the longest timeout that can end
     /// it, the drain, the longest injected delay and a margin of 5 s for a loaded machine.
     pub fn outcome_limit(&self) -> Duration {
-        let waits = self.lease.max(self.completion_timeout).max(self.pull_read_timeout).max(self.peer_timeout);
-        waits + self.drain_timeout + self.max_delay + Duration::from_secs(5)
-    }
-
-    fn config(&self, engine_id: &str) -> Config {
-        let mut c = Config::new(engine_id, self.mode);
-        c.writers = self.writers;
-        c.rendezvous.lease_us = self.lease.as_micros() as u64;
-        c.rendezvous.registration_timeout_us = self.registration_timeout.as_micros() as u64;
-        c.completion.timeout_us = self.completion_timeout.as_micros() as u64;
-        c.completion.drain_timeout_us = self.drain_timeout.as_micros() as u64;
-        c.pull_read_timeout_us = self.pull_read_timeout.as_micros() as u64;
-        c.staging = self.staging;
-        c
+        let e = &self.engines;
+        let waits = e.lease.max(e.completion_timeout).max(e.pull_read_timeout).max(self.peer_timeout);
+        waits + e.drain_timeout + self.max_delay + Duration::from_secs(5)
     }
 }
 
@@ -128,7 +109,8 @@ pub struct Node {
 impl Node {
     fn start(params: &Params, fabric: &Fabric, engine_id: &str, rank: u16, tp: u16) -> Node {
         let dev: Arc<dyn Device> = Arc::new(HostDevice::new());
-        let mut layout = layouts::separate(layouts::full_model(2, 2, 8), params.num_blocks, layouts::tp(rank, tp));
+        let mut layout =
+            layouts::separate(layouts::full_model(2, 2, 8), params.engines.num_blocks, layouts::tp(rank, tp));
         let buffers = layouts::allocate(&mut layout, dev.as_ref()).expect("host memory");
         let mut sc = SideConfig::for_rank(rank);
         sc.listen = "127.0.0.1:0".into();
@@ -142,9 +124,10 @@ impl Node {
         // returned node, which drops its engine first (field order). Precondition 2: the rig reuses,
         // reads or rewrites a request's blocks only after the outcome that frees them (the Scribbler
         // is given blocks from `Rig::on_p` / `Rig::on_d` only) or after the engine was shut down.
-        let engine =
-            unsafe { Engine::new(params.config(engine_id), layout.clone(), dev, transport.clone(), side.clone()) }
-                .expect("engine starts");
+        let engine = unsafe {
+            Engine::new(params.engines.config(engine_id), layout.clone(), dev, transport.clone(), side.clone())
+        }
+        .expect("engine starts");
         side.serve(engine.endpoint());
         Node { engine: Some(engine), side, transport, layout, buffers }
     }
@@ -329,14 +312,16 @@ impl Rig {
     /// Starts P, D (and the intruder) and handshakes every D worker with every P worker.
     pub fn new(params: Params) -> Rig {
         let fabric = Fabric::new();
-        let p: Vec<Node> = (0..params.p_tp).map(|r| Node::start(&params, &fabric, P_ENGINE, r, params.p_tp)).collect();
-        let d: Vec<Node> = (0..params.d_tp).map(|r| Node::start(&params, &fabric, D_ENGINE, r, params.d_tp)).collect();
+        let p: Vec<Node> =
+            (0..params.engines.p_tp).map(|r| Node::start(&params, &fabric, P_ENGINE, r, params.engines.p_tp)).collect();
+        let d: Vec<Node> =
+            (0..params.engines.d_tp).map(|r| Node::start(&params, &fabric, D_ENGINE, r, params.engines.d_tp)).collect();
         let x: Vec<Node> = if params.intruder {
-            (0..params.d_tp).map(|r| Node::start(&params, &fabric, X_ENGINE, r, params.d_tp)).collect()
+            (0..params.engines.d_tp).map(|r| Node::start(&params, &fabric, X_ENGINE, r, params.engines.d_tp)).collect()
         } else {
             Vec::new()
         };
-        let n = params.num_blocks;
+        let n = params.engines.num_blocks;
         let p_pool = Scribbler::new("P", n, &mem(&p));
         let d_pool = Scribbler::new("D", n, &mem(&d));
         let x_pool = (!x.is_empty()).then(|| Scribbler::new("X", n, &mem(&x)));
@@ -633,7 +618,7 @@ impl Rig {
                     .expect("prefix");
             }
         }
-        let mode = self.params.mode;
+        let mode = self.params.engines.mode;
         let l = self.leg(key, tokens);
         l.d_blocks = Some(ids.clone());
         l.d_prefix = prefix;
