@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpush::device::{Device, DeviceKind};
+use kvpush::device::{Device, DeviceKind, MemRegion};
 use kvpush::transport::bounce::{bounce_geometry, host_bounce};
 use kvpush::transport::loopback::Fabric;
 use kvpush::transport::staged::{Staged, StagingConfig};
@@ -35,6 +35,19 @@ pub fn pair(
         }
     };
     (side(p, p_dev), side(d, d_dev))
+}
+
+/// `n` descriptors of 4 KiB from `from` to `to`, scattered over the first `blocks` 4 KiB blocks of
+/// each (descriptor `i` reads block `37 i` and writes block `101 i`, modulo `blocks`): a fragmented
+/// request, as a paged KV pool makes one.
+pub fn scattered(from: &MemRegion, to: &MemRegion, n: u64, blocks: u64) -> Vec<Desc> {
+    (0..n)
+        .map(|i| Desc {
+            local: from.addr + ((i * 37) % blocks) * 4096,
+            remote: to.addr + ((i * 101) % blocks) * 4096,
+            len: 4096,
+        })
+        .collect()
 }
 
 /// Loads each side's metadata into the other, posts `descs` from `p` to `d` with `notif`, and pumps

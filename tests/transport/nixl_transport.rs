@@ -240,9 +240,7 @@ fn staged_write_over_ucx_lands_every_byte() {
     assert_eq!((name_d.as_str(), name_p.as_str()), ("s-decode", "s-prefill"));
     // 200 scattered 4 KiB descriptors (a fragmented request): ~12 pieces of 64 KiB.
     let (s, t) = (src.region().addr, dst.region().addr);
-    let descs: Vec<Desc> = (0..200u64)
-        .map(|i| Desc { local: s + ((i * 37) % 256) * 4096, remote: t + ((i * 101) % 256) * 4096, len: 4096 })
-        .collect();
+    let descs = bounce::scattered(&src.region(), &dst.region(), 200, 256);
     let id = p.post(Op::Write, &name_d, &descs, Some(b"staged-1")).expect("post");
     assert_eq!(p.counts().open, 1, "posted, not finished: {:?}", p.counts());
     let deadline = Instant::now() + Duration::from_secs(20);
