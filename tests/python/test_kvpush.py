@@ -41,12 +41,7 @@ kvpush_config = srv.kvpush_config
 
 @pytest.fixture(scope="module")
 def reference(servers: "object", vllm_ready: str) -> list[srv.Completion]:
-    """One engine alone: the outputs P/D must reproduce."""
-    s = servers.vllm("kvp-single", prefix_caching=False)
-    try:
-        return [srv.complete(s.url, p, MAX_TOKENS) for p in PROMPTS]
-    finally:
-        servers.stop(s)
+    return srv.outputs_alone(servers, "kvp-single", PROMPTS, MAX_TOKENS)
 
 
 def start_pair(
