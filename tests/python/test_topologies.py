@@ -92,8 +92,7 @@ def pair(request: pytest.FixtureRequest, servers: Any) -> Any:
     alone = p if p_tp == 1 else d
     reference = [srv.complete(alone.url, prompt, MAX_TOKENS) for prompt in PROMPTS]
     yield tag, p, d, reference
-    for s in (d, p):
-        servers.stop(s)
+    servers.stop(d, p)
 
 
 def test_tp_pairs_match_one_engine_and_every_p_rank_releases(pair: Any) -> None:
