@@ -255,14 +255,17 @@ struct Leg {
     doomed: bool,
 }
 
+/// One side of a [`Leg`]: its blocks (`None`: never given to that side) and each worker's outcome.
+type Side<'a, T> = (&'a Option<Vec<u32>>, &'a mut Vec<Option<T>>);
+
 impl Leg {
     /// P's blocks for it (`None`: never given to P) and each P worker's release.
-    fn p_side(&mut self) -> (&Option<Vec<u32>>, &mut Vec<Option<ReleaseReason>>) {
+    fn p_side(&mut self) -> Side<'_, ReleaseReason> {
         (&self.p_blocks, &mut self.p_out)
     }
 
     /// D's blocks for it (`None`: never given to D) and each D worker's outcome.
-    fn d_side(&mut self) -> (&Option<Vec<u32>>, &mut Vec<Option<DOut>>) {
+    fn d_side(&mut self) -> Side<'_, DOut> {
         (&self.d_blocks, &mut self.d_out)
     }
 }
@@ -799,7 +802,7 @@ impl Rig {
         (who, w): (&str, usize),
         key: Key,
         (out, ok): (T, T),
-        side: fn(&mut Leg) -> (&Option<Vec<u32>>, &mut Vec<Option<T>>),
+        side: fn(&mut Leg) -> Side<'_, T>,
     ) -> Option<&mut Leg> {
         if !self.legs.get_mut(&key).is_some_and(|l| side(l).0.is_some()) {
             self.violations.push(format!("{who}[{w}] reported {out:?} for {key}, never given"));
