@@ -770,7 +770,7 @@ fn host_bounce_moves_gpu_memory_through_host_slots() {
     use kvpush::device::host::HostDevice;
     use kvpush::transport::loopback::Fabric;
     use kvpush::transport::staged::StagingConfig;
-    use kvpush::transport::{Desc, Transport};
+    use kvpush::transport::Transport;
     use kvpush_testkit::bounce;
     use std::sync::Arc;
     let Some(gpu) = gpu_or_skip() else { return };
@@ -791,13 +791,7 @@ fn host_bounce_moves_gpu_memory_through_host_slots() {
             p.register(&rs).unwrap();
             d.register(&rd).unwrap();
         }
-        let descs: Vec<Desc> = (0..300u64)
-            .map(|i| Desc {
-                local: rs.addr + ((i * 37) % 512) * 4096,
-                remote: rd.addr + ((i * 101) % 512) * 4096,
-                len: 4096,
-            })
-            .collect();
+        let descs = bounce::scattered(&rs, &rd, 300, 512);
         let seen = bounce::push(&p, &d, &descs, b"bounced", std::time::Duration::from_secs(30));
         assert_eq!(seen[0].msg, b"bounced");
         let mut got = vec![0u8; len];

@@ -782,13 +782,7 @@ fn push_through_the_bounce(p_offer: MemoryOffer, d_offer: MemoryOffer, expected:
         p.register(&rs).unwrap();
         d.register(&rd).unwrap();
     }
-    let descs: Vec<Desc> = (0..200u64)
-        .map(|i| Desc {
-            local: rs.addr + ((i * 37) % 256) * 4096,
-            remote: rd.addr + ((i * 101) % 256) * 4096,
-            len: 4096,
-        })
-        .collect();
+    let descs = bounce::scattered(&rs, &rd, 200, 256);
     let seen = bounce::push(&p, &d, &descs, b"bounced", Duration::from_secs(20));
     assert_eq!(seen[0].msg, b"bounced");
     let mut got = vec![0u8; 1 << 20];

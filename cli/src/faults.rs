@@ -60,19 +60,6 @@ pub(crate) fn run(a: FaultsArgs) -> ExitCode {
         t.hung,
         t.seconds
     );
-    if let Some(path) = &a.json {
-        if let Err(e) = super::write_json(path, &report) {
-            eprintln!("kvpush faults: {e}");
-            return ExitCode::FAILURE;
-        }
-    }
     let missed = report.missed(opts.min_requests());
-    for m in &missed {
-        eprintln!("kvpush faults: target missed: {m}");
-    }
-    if missed.is_empty() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    super::conclude("faults", a.json.as_deref(), &report, &missed)
 }

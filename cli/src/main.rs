@@ -303,21 +303,8 @@ fn hostile_cmd(a: HostileArgs) -> ExitCode {
     }
     let t = &report.totals;
     println!("| **total** | {} | {} | ({}) | | |", t.attempts, t.accepted, t.served_failed);
-    if let Some(path) = &a.json {
-        if let Err(e) = write_json(path, &report) {
-            eprintln!("kvpush hostile: {e}");
-            return ExitCode::FAILURE;
-        }
-    }
     let missed = report.missed();
-    for m in &missed {
-        eprintln!("kvpush hostile: target missed: {m}");
-    }
-    if missed.is_empty() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    conclude("hostile", a.json.as_deref(), &report, &missed)
 }
 
 fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
@@ -490,6 +477,26 @@ fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
 }
 
 /// Writes `report` as pretty JSON (and a newline) to `path`; the error says which file.
+/// The end of a `faults` or `hostile` run: writes `report` to `json` (if asked) and names each
+/// target `missed`, prefixed with `kvpush {cmd}`; success only when the report was written and no
+/// target was missed.
+fn conclude(cmd: &str, json: Option<&std::path::Path>, report: &impl serde::Serialize, missed: &[String]) -> ExitCode {
+    if let Some(path) = json {
+        if let Err(e) = write_json(path, report) {
+            eprintln!("kvpush {cmd}: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    for m in missed {
+        eprintln!("kvpush {cmd}: target missed: {m}");
+    }
+    if missed.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
 fn write_json(path: &std::path::Path, report: &impl serde::Serialize) -> std::io::Result<()> {
     let text = serde_json::to_string_pretty(report).map_err(std::io::Error::other)?;
     std::fs::write(path, text + "\n")

@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use kvpush::proto::codec::{
-    decode, frame_len, to_vec, HEADER_LEN, MAGIC, MAX_HANDSHAKE_PAYLOAD, MAX_PAYLOAD, PROTOCOL_VERSION,
+    decode, frame_len, to_vec, Kind, HEADER_LEN, MAGIC, MAX_HANDSHAKE_PAYLOAD, MAX_PAYLOAD, PROTOCOL_VERSION,
 };
 use kvpush::proto::ids::{Key, Rank};
 use kvpush::proto::layout::{
@@ -41,15 +41,16 @@ use kvpush_testkit::corpus::{
 };
 use serde::Serialize;
 
-const HANDSHAKE: u8 = 1;
-const REGISTRATION: u8 = 2;
-const COMPLETION: u8 = 3;
-const FAILURE: u8 = 4;
-const ABORT: u8 = 5;
-const HEARTBEAT: u8 = 6;
-const GRANT: u8 = 7;
-const LAYERS: u8 = 8;
-const HOLD: u8 = 9;
+// The kind bytes (docs/protocol.md §1) as kvpush numbers them: one list of kinds, the codec's.
+const HANDSHAKE: u8 = Kind::Handshake as u8;
+const REGISTRATION: u8 = Kind::Registration as u8;
+const COMPLETION: u8 = Kind::Completion as u8;
+const FAILURE: u8 = Kind::Failure as u8;
+const ABORT: u8 = Kind::Abort as u8;
+const HEARTBEAT: u8 = Kind::Heartbeat as u8;
+const GRANT: u8 = Kind::Grant as u8;
+const LAYERS: u8 = Kind::Layers as u8;
+const HOLD: u8 = Kind::Hold as u8;
 
 /// A registration's fields in wire order (docs/protocol.md §2), encoded by [`reg_bytes`].
 #[derive(Clone)]

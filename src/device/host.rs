@@ -371,16 +371,14 @@ mod tests {
         assert!(format!("{buf:?}").contains("len: 64"));
     }
 
+    /// What `describe` accepts (a buffer of its own, a range inside one, memory it did not allocate)
+    /// is tested through the public API (tests/device.rs, `host_describe`); here, that its refusals
+    /// say why.
     #[test]
-    fn describe_own_buffer() {
+    fn describe_refusals_say_why() {
         let dev = HostDevice::new();
-        let buf = dev.alloc(1 << 20).unwrap();
-        let r = buf.region();
-        assert_eq!(dev.describe(r.addr, r.len).unwrap(), r);
-        assert!(dev.describe(r.addr + 4096, 100).is_ok());
         let err = dev.describe(0, 10).unwrap_err();
         assert!(err.to_string().contains("null"), "{err}");
-        assert!(dev.describe(r.addr, 0).is_err());
         assert!(dev.describe(u64::MAX - 10, 100).unwrap_err().to_string().contains("wraps"));
     }
 

@@ -13,7 +13,7 @@ use kvpush::device::{host::HostDevice, Buffer, Device};
 use kvpush::engine::side::{ConnId, Incarnation};
 use kvpush::engine::{Config, Engine, Finished, LocalHub};
 use kvpush::proto::layout::{KvLayout, Parallel};
-use kvpush::proto::Mode;
+use kvpush::proto::{Key, Mode};
 use kvpush::transport::loopback::{Fabric, LoopbackTransport};
 use kvpush::transport::trust::DataKeys;
 
@@ -132,6 +132,11 @@ pub fn cut_over(
     let b_lost_a = eb.peer_lost(a.addr(), a_incarnation, conn, "cut by the test");
     let a_lost_b = ea.peer_lost(b.addr(), b_incarnation, conn, "cut by the test");
     (b_lost_a, a_lost_b)
+}
+
+/// Whether `f` releases `key` on a producer ([`Finished::Sent`], for any reason).
+pub fn released(f: &Finished, key: Key) -> bool {
+    matches!(f, Finished::Sent { key: k, .. } if *k == key)
 }
 
 /// Polls `engine` until `pred` accepts an outcome (returned; the others seen meanwhile are dropped)

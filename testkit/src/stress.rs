@@ -173,6 +173,17 @@ impl Cluster {
         x
     }
 
+    /// Every P worker finished `key` (its KV in `blocks`, `tokens` tokens) and holds it; then D worker 0
+    /// drops it before allocating anything (`abort_producer`). Returns each P worker's release of `key`,
+    /// in worker order (a panic if one does not come within `limit`).
+    pub fn dropped_by_d(&self, key: Key, blocks: &[Vec<u32>], tokens: u64, limit: Duration) -> Vec<Finished> {
+        for p in &self.p {
+            p.engine.request_finished(key, blocks.to_vec(), tokens).expect("finished");
+        }
+        self.d[0].engine.abort_producer(key, P_ENGINE).expect("told");
+        self.p.iter().map(|p| engines::wait_for(&p.engine, "released", limit, |f| engines::released(f, key))).collect()
+    }
+
     /// How many D workers P worker `i` writes into (their KV heads overlap).
     pub fn p_fan_out(&self, i: usize) -> usize {
         let mine = self.p[i].engine.layout().head_range();

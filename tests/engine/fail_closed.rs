@@ -184,6 +184,19 @@ fn pair(setup: Setup) -> (Worker, Worker, Arc<LocalHub>, Fabric) {
 const P_INC: Incarnation = Incarnation(0x9);
 const D_INC: Incarnation = Incarnation(0xd);
 
+/// A pull of `key` whose READ the data path holds: P finished `key` in blocks 3 and 4 (filled, seed
+/// 0x5eed), D's transport delays its next transfer by `delay`, and D starts reading into blocks 10
+/// and 11. Returns D's blocks and the token count.
+fn delayed_pull(p: &Worker, d: &Worker, key: Key, delay: Duration) -> (Vec<Vec<u32>>, u64) {
+    let (src, dst) = (vec![vec![3, 4]], vec![vec![10, 11]]);
+    let tokens = 2 * u64::from(BLOCK_TOKENS);
+    pattern::fill(p.engine.layout(), &p.buffers, &src, tokens, 0x5eed).expect("prefill");
+    p.engine.request_finished(key, src.clone(), tokens).expect("finished");
+    d.transport.inject_once(Fault::Delay(delay));
+    d.engine.start_pull(key, P_ENGINE, src, dst.clone(), tokens).expect("pull starts");
+    (dst, tokens)
+}
+
 /// Whether `s` saw one transfer or notification of `p`'s end: landed (its notification sent) or
 /// refused (failed).
 fn one_ended(s: &LoopbackStats) -> bool {
@@ -352,12 +365,7 @@ fn a_lost_consumers_read_keeps_ps_sources_quarantined_until_it_returns() {
     let (p, d, _hub, _fabric) = pair(Setup::new(Mode::Pull, 1, 1));
     p.transport.set_unfenceable(true);
     let key = Key::new(0x9a47_0002, 1);
-    let (src, dst) = (vec![vec![3, 4]], vec![vec![10, 11]]);
-    let tokens = 2 * u64::from(BLOCK_TOKENS);
-    pattern::fill(p.engine.layout(), &p.buffers, &src, tokens, 0x5eed).expect("prefill");
-    p.engine.request_finished(key, src.clone(), tokens).expect("finished");
-    d.transport.inject_once(Fault::Delay(Duration::from_millis(400)));
-    d.engine.start_pull(key, P_ENGINE, src.clone(), dst, tokens).expect("pull starts");
+    delayed_pull(&p, &d, key, Duration::from_millis(400));
     poll_until("D posts its READ", LIMIT, || d.transport.stats().posts, |n| *n == 1);
     cut(&p.engine, P_INC, &d.engine, D_INC);
     let mut early = Vec::new();
@@ -388,9 +396,7 @@ fn a_lost_consumers_read_keeps_ps_sources_quarantined_until_it_returns() {
 /// timeout and the WRITE overwrote the reused blocks.)
 #[test]
 fn the_drain_timeout_reports_in_time_but_holds_the_blocks_until_the_producer_ended() {
-    let mut setup = Setup::new(Mode::Push, 1, 1);
-    setup.drain_timeout = Duration::from_millis(100);
-    let c = Cluster::new(setup);
+    let c = Cluster::new(Setup { drain_timeout: Duration::from_millis(100), ..Setup::new(Mode::Push, 1, 1) });
     let (p, d) = (&c.p[0], &c.d[0]);
     let key = Key::new(0xd4a1_0001, 1);
     let blocks = vec![vec![5, 6]];
@@ -434,16 +440,8 @@ fn a_pull_whose_grant_expires_reports_only_after_its_read_ended() {
 /// A pull of `key` whose READ D's data path holds for 500 ms, past P's read timeout (100 ms): the
 /// cluster, D's blocks and the tokens.
 fn pull_past_its_read_timeout(key: Key) -> (Cluster, Vec<Vec<u32>>, u64) {
-    let mut setup = Setup::new(Mode::Pull, 1, 1);
-    setup.pull_read_timeout = Duration::from_millis(100);
-    let c = Cluster::new(setup);
-    let (p, d) = (&c.p[0], &c.d[0]);
-    let (src, dst) = (vec![vec![3, 4]], vec![vec![10, 11]]);
-    let tokens = 2 * u64::from(BLOCK_TOKENS);
-    pattern::fill(p.engine.layout(), &p.buffers, &src, tokens, 0x5eed).expect("prefill");
-    p.engine.request_finished(key, src.clone(), tokens).expect("finished");
-    d.transport.inject_once(Fault::Delay(Duration::from_millis(500)));
-    d.engine.start_pull(key, P_ENGINE, src, dst.clone(), tokens).expect("pull starts");
+    let c = Cluster::new(Setup { pull_read_timeout: Duration::from_millis(100), ..Setup::new(Mode::Pull, 1, 1) });
+    let (dst, tokens) = delayed_pull(&c.p[0], &c.d[0], key, Duration::from_millis(500));
     (c, dst, tokens)
 }
 

@@ -99,14 +99,19 @@ fn off_and_auto_below_the_threshold_push_whole() {
     }
 }
 
-/// P and D of 8 layers, TP 1 each, on loopback; P's blocks 0..4 filled (seed 77).
+/// P and D of 8 layers, TP 1 each, on loopback, layer-wise; P's blocks 0..4 filled (seed 77).
 fn pair(tokens: u64) -> (Worker, Worker) {
+    pair_in(Layerwise::On, tokens)
+}
+
+/// [`pair`] with both sides' [`Config::layerwise`] set to `layerwise`.
+fn pair_in(layerwise: Layerwise, tokens: u64) -> (Worker, Worker) {
     let dev: Arc<dyn Device> = device::from_env().expect("device");
     let (fabric, hub) = (Fabric::new(), LocalHub::new());
     let layout = layouts::separate(layouts::full_model(8, 2, 16), 64, layouts::tp(0, 1));
     let cfg = |id: &str| {
         let mut c = Config::new(id, Mode::Push);
-        c.layerwise = Layerwise::On;
+        c.layerwise = layerwise;
         c
     };
     // SAFETY: this test writes P's blocks before the first `layers_ready` and reads D's only after
@@ -119,6 +124,9 @@ fn pair(tokens: u64) -> (Worker, Worker) {
     (p, d)
 }
 
+/// How long the hand-driven tests wait for any one outcome.
+const LIMIT: Duration = Duration::from_secs(10);
+
 fn posts(w: &Worker) -> u64 {
     w.engine.stats().counters.posts
 }
@@ -128,14 +136,13 @@ fn posts_follow_the_layers_as_they_become_final() {
     let (key, tokens) = (Key::new(0x21, 1), 60);
     let (p, d) = pair(tokens);
     let (src, dst) = (vec![vec![0, 1, 2, 3]], vec![vec![9, 10, 11, 12]]);
-    let limit = Duration::from_secs(10);
     // Layers 0..3 final before the registration: held.
     p.engine.layers_ready(key, src.clone(), tokens, 0..3).expect("layers 0..3");
     std::thread::sleep(Duration::from_millis(20));
     assert_eq!(posts(&p), 0, "nothing is posted before the registration");
     // The registration: layers 0..3 go in one WRITE.
     d.engine.blocks_allocated(key, "prefill", dst.clone(), tokens).expect("register");
-    poll_until("the batch of layers 0..3", limit, || posts(&p), |&n| n >= 1);
+    poll_until("the batch of layers 0..3", LIMIT, || posts(&p), |&n| n >= 1);
     // Then one WRITE per layer as each becomes final; D has not received before the last.
     for layer in 3..8 {
         let mut out = Vec::new();
@@ -143,10 +150,10 @@ fn posts_follow_the_layers_as_they_become_final() {
         assert!(out.is_empty(), "D finished before layer {layer} was final: {out:?}");
         p.engine.layers_ready(key, src.clone(), tokens, layer..layer + 1).expect("layer");
         let want = u64::from(layer) - 1;
-        poll_until(&format!("the WRITE of layer {layer}"), limit, || posts(&p), |&n| n >= want);
+        poll_until(&format!("the WRITE of layer {layer}"), LIMIT, || posts(&p), |&n| n >= want);
     }
-    wait_for(&d.engine, "received", limit, |f| matches!(f, Finished::Received { key: k } if *k == key));
-    wait_for(&p.engine, "sent", limit, |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
+    wait_for(&d.engine, "received", LIMIT, |f| matches!(f, Finished::Received { key: k } if *k == key));
+    wait_for(&p.engine, "sent", LIMIT, |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
     assert_eq!(posts(&p), 6, "one batch and five single layers");
     let v = pattern::verify(d.engine.layout(), &d.buffers, &dst, tokens, 77).expect("read D");
     assert!(v.ok() && v.bytes == 8 * 2 * 2 * 16 * 2 * tokens, "{v:?}");
@@ -159,15 +166,14 @@ fn an_abort_between_layers_ends_the_push_and_releases_both_sides() {
     let (key, tokens) = (Key::new(0x22, 1), 60);
     let (p, d) = pair(tokens);
     let (src, dst) = (vec![vec![0, 1, 2, 3]], vec![vec![9, 10, 11, 12]]);
-    let limit = Duration::from_secs(10);
     d.engine.blocks_allocated(key, "prefill", dst, tokens).expect("register");
-    poll_until("P got the registration", limit, || p.engine.stats().counters.registrations, |&n| n == 1);
+    poll_until("P got the registration", LIMIT, || p.engine.stats().counters.registrations, |&n| n == 1);
     p.engine.layers_ready(key, src.clone(), tokens, 0..2).expect("layers 0..2");
-    poll_until("the WRITE of layers 0..2", limit, || posts(&p), |&n| n == 1);
+    poll_until("the WRITE of layers 0..2", LIMIT, || posts(&p), |&n| n == 1);
     // D gives up mid-prefill: P posts nothing more and releases its blocks; D ends the request.
     d.engine.abort(key).expect("abort");
-    wait_for(&d.engine, "ended", limit, |f| matches!(f, Finished::Ended { key: k } if *k == key));
-    wait_for(&p.engine, "released", limit, |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
+    wait_for(&d.engine, "ended", LIMIT, |f| matches!(f, Finished::Ended { key: k } if *k == key));
+    wait_for(&p.engine, "released", LIMIT, |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
     p.engine.layers_ready(key, src, tokens, 2..8).expect("late layers are accepted and dropped");
     std::thread::sleep(Duration::from_millis(20));
     assert_eq!(posts(&p), 1, "nothing posted after the abort");
@@ -175,43 +181,31 @@ fn an_abort_between_layers_ends_the_push_and_releases_both_sides() {
 
 #[test]
 fn whole_mode_collects_layers_and_an_abort_before_the_last_releases_at_once() {
-    let dev: Arc<dyn Device> = device::from_env().expect("device");
-    let (fabric, hub) = (Fabric::new(), LocalHub::new());
-    let layout = layouts::separate(layouts::full_model(8, 2, 16), 64, layouts::tp(0, 1));
-    let mut c = Config::new("prefill", Mode::Push);
-    c.layerwise = Layerwise::Off;
-    // SAFETY: nothing reads or writes the blocks of this test's requests.
-    let p = unsafe { engines::loopback_worker(c, layout.clone(), &dev, &fabric, "p", &hub) };
-    let mut c = Config::new("decode", Mode::Push);
-    c.layerwise = Layerwise::Off;
-    // SAFETY: as above.
-    let d = unsafe { engines::loopback_worker(c, layout, &dev, &fabric, "d", &hub) };
-    engines::connect(&p.engine, &d.engine);
-    let limit = Duration::from_secs(10);
-    // Off: layers are collected; nothing goes before the last, then the request goes whole.
     let (key, tokens, src) = (Key::new(0x23, 1), 60, vec![vec![0, 1, 2, 3]]);
+    let (p, d) = pair_in(Layerwise::Off, tokens);
+    // Off: layers are collected; nothing goes before the last, then the request goes whole.
     d.engine.blocks_allocated(key, "prefill", vec![vec![9, 10, 11, 12]], tokens).expect("register");
-    poll_until("P got the registration", limit, || p.engine.stats().counters.registrations, |&n| n == 1);
+    poll_until("P got the registration", LIMIT, || p.engine.stats().counters.registrations, |&n| n == 1);
     p.engine.layers_ready(key, src.clone(), tokens, 0..7).expect("layers 0..7");
     std::thread::sleep(Duration::from_millis(20));
     assert_eq!(posts(&p), 0, "off: nothing before the last layer");
     p.engine.layers_ready(key, src.clone(), tokens, 7..8).expect("layer 7");
-    wait_for(&d.engine, "received", limit, |f| matches!(f, Finished::Received { key: k } if *k == key));
+    wait_for(&d.engine, "received", LIMIT, |f| matches!(f, Finished::Received { key: k } if *k == key));
     assert_eq!(posts(&p), 1, "off: one WRITE for the whole request");
     // Aborted before its last layer: the blocks never reached the rendezvous and come back at once.
     let other = Key::new(0x24, 1);
     p.engine.layers_ready(other, src, tokens, 0..3).expect("layers 0..3");
     p.engine.abort(other).expect("abort");
-    let f = wait_for(&p.engine, "released", limit, |f| matches!(f, Finished::Sent { key: k, .. } if *k == other));
+    let f = wait_for(&p.engine, "released", LIMIT, |f| matches!(f, Finished::Sent { key: k, .. } if *k == other));
     assert!(matches!(f, Finished::Sent { reason: ReleaseReason::Aborted, .. }), "{f:?}");
     // A newer attempt supersedes one still collecting its layers: the older blocks come back.
     let (old, new) = (Key::new(0x25, 1), Key::new(0x25, 2));
     p.engine.layers_ready(old, vec![vec![20, 21, 22, 23]], tokens, 0..4).expect("old layers 0..4");
     p.engine.layers_ready(new, vec![vec![30, 31, 32, 33]], tokens, 0..2).expect("new layers 0..2");
-    let f = wait_for(&p.engine, "superseded", limit, |f| matches!(f, Finished::Sent { key: k, .. } if *k == old));
+    let f = wait_for(&p.engine, "superseded", LIMIT, |f| matches!(f, Finished::Sent { key: k, .. } if *k == old));
     assert!(matches!(f, Finished::Sent { reason: ReleaseReason::Superseded, .. }), "{f:?}");
     p.engine.abort(new).expect("abort the newer attempt");
-    wait_for(&p.engine, "released", limit, |f| matches!(f, Finished::Sent { key: k, .. } if *k == new));
+    wait_for(&p.engine, "released", LIMIT, |f| matches!(f, Finished::Sent { key: k, .. } if *k == new));
 }
 
 #[test]

@@ -10,14 +10,10 @@ use kvpush::engine::Finished;
 use kvpush::proto::rendezvous::ReleaseReason;
 use kvpush::proto::{Key, Mode};
 use kvpush_testkit::demo::pattern;
-use kvpush_testkit::engines::wait_for;
+use kvpush_testkit::engines::{released, wait_for};
 use kvpush_testkit::stress::{Cluster, Setup, BLOCK_TOKENS, P_ENGINE};
 
 const LIMIT: Duration = Duration::from_secs(10);
-
-fn released(f: &Finished, key: Key) -> bool {
-    matches!(f, Finished::Sent { key: k, .. } if *k == key)
-}
 
 #[test]
 fn a_request_dropped_on_d_before_allocation_frees_p_at_once() {
@@ -27,13 +23,7 @@ fn a_request_dropped_on_d_before_allocation_frees_p_at_once() {
         let d = &c.d[0];
         let tokens = 2 * u64::from(BLOCK_TOKENS);
         // P finished first and holds the blocks; D drops the request.
-        let held = Key::new(0xd209_0001, 1);
-        for p in &c.p {
-            p.engine.request_finished(held, vec![vec![3, 4]], tokens).expect("finished");
-        }
-        d.engine.abort_producer(held, P_ENGINE).expect("told");
-        for p in &c.p {
-            let f = wait_for(&p.engine, "released", LIMIT, |f| released(f, held));
+        for f in c.dropped_by_d(Key::new(0xd209_0001, 1), &[vec![3, 4]], tokens, LIMIT) {
             assert!(matches!(f, Finished::Sent { reason: ReleaseReason::Aborted, .. }), "{mode:?}: {f:?}");
         }
         // D drops it before P's prefill finished: P releases the blocks as soon as it has them.

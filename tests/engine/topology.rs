@@ -10,14 +10,10 @@ use kvpush::engine::Finished;
 use kvpush::proto::rendezvous::ReleaseReason;
 use kvpush::proto::{Key, Mode};
 use kvpush_testkit::demo::pattern;
-use kvpush_testkit::engines::wait_for;
+use kvpush_testkit::engines::{released, wait_for};
 use kvpush_testkit::stress::{Cluster, Setup, BLOCK_TOKENS, P_ENGINE};
 
 const LIMIT: Duration = Duration::from_secs(10);
-
-fn released(f: &Finished, key: Key) -> bool {
-    matches!(f, Finished::Sent { key: k, .. } if *k == key)
-}
 
 /// P TP 4 over two KV heads (each head on two ranks) → D TP 1, with a second consumer engine of TP 4
 /// known to P as well (so a P rank cannot tell from its peers alone that it feeds no one: rank 1
@@ -85,13 +81,7 @@ fn p_ranks_holding_replicated_heads_are_released_by_d() {
         }
 
         // D drops a request before allocating: the replicas are released too.
-        let dropped = Key::new(0x7e91_0003, 1);
-        for p in &c.p {
-            p.engine.request_finished(dropped, vec![vec![5, 6]], tokens).expect("finished");
-        }
-        d.engine.abort_producer(dropped, P_ENGINE).expect("told");
-        for p in &c.p {
-            let f = wait_for(&p.engine, "released", LIMIT, |f| released(f, dropped));
+        for f in c.dropped_by_d(Key::new(0x7e91_0003, 1), &[vec![5, 6]], tokens, LIMIT) {
             assert!(matches!(f, Finished::Sent { reason: Aborted, .. }), "{mode:?}: {f:?}");
         }
         std::thread::sleep(Duration::from_millis(200));

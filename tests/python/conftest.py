@@ -141,8 +141,10 @@ class Servers:
         self.started.append(s)
         return s
 
-    def stop(self, server: srv.Server) -> None:
-        server.stop()
+    def stop(self, *servers: srv.Server) -> None:
+        """Stops ``servers``, in the order given."""
+        for s in servers:
+            s.stop()
 
     def stop_all(self) -> None:
         for s in reversed(self.started):

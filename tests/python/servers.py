@@ -366,6 +366,17 @@ def wait_idle(server: VllmServer, timeout_s: float = 60.0) -> tuple[float, float
         time.sleep(0.5)
 
 
+def outputs_alone(pool: Any, name: str, prompts: Sequence[str], max_tokens: int) -> list["Completion"]:
+    """One engine alone: a vLLM server ``name`` started from ``pool`` (conftest's ``servers``) without
+    prefix caching or a connector, and its outputs for ``prompts``, which P/D must reproduce. The
+    server is stopped before this returns."""
+    s = pool.vllm(name, prefix_caching=False)
+    try:
+        return [complete(s.url, p, max_tokens) for p in prompts]
+    finally:
+        pool.stop(s)
+
+
 def check_transfer_counted(d: VllmServer, before: dict[str, float], lengths: Sequence[int]) -> dict[str, float]:
     """Asserts that D took the prompts of ``lengths`` (one request each, since ``before`` =
     ``d.prompt_tokens_by_source()``) from the connector: at most the last prompt token of a request

@@ -61,8 +61,7 @@ def pair(request: pytest.FixtureRequest, servers: Any, hybrid_dir: Any) -> Any:
     # One engine alone: D (no prefix caching) computing each prompt itself, no kv_transfer_params.
     reference = [srv.complete(d.url, prompt, MAX_TOKENS) for prompt in PROMPTS]
     yield mode, p, d, reference
-    for s in (d, p):
-        servers.stop(s)
+    servers.stop(d, p)
 
 
 def test_vllm_builds_two_kv_cache_groups_and_kvpush_starts(pair: Any) -> None:

@@ -41,12 +41,7 @@ kvpush_config = srv.kvpush_config
 
 @pytest.fixture(scope="module")
 def reference(servers: "object", vllm_ready: str) -> list[srv.Completion]:
-    """One engine alone: the outputs P/D must reproduce."""
-    s = servers.vllm("kvp-single", prefix_caching=False)
-    try:
-        return [srv.complete(s.url, p, MAX_TOKENS) for p in PROMPTS]
-    finally:
-        servers.stop(s)
+    return srv.outputs_alone(servers, "kvp-single", PROMPTS, MAX_TOKENS)
 
 
 def start_pair(
@@ -95,11 +90,7 @@ def test_push_matches_single_engine_and_d_computes_nothing(push_pair, reference)
         print(f"  {n:4d} tokens: tokens {'equal' if same else 'DIFFER'}, logprobs within {worst:.1e}"
               f"{' TTFT %.3f s' % got.ttft_s if got.ttft_s else ''}")
         srv.assert_same_output(got, ref, f"push, {n}-token prompt")
-    after = d.prompt_tokens_by_source()
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    print(f"  D's prompt tokens by source: {delta}")
-    assert delta.get("local_compute", 0) <= len(PROMPTS), delta
-    assert delta.get("external_kv_transfer", 0) >= sum(LENGTHS) - len(PROMPTS), delta
+    srv.check_transfer_counted(d, before, LENGTHS)
 
 
 # Every event of a push request, in an order each must respect (kvpush/_timeline.py names them).

@@ -35,11 +35,7 @@ LAYERS = tiny_model.TinyLlama().num_hidden_layers
 
 @pytest.fixture(scope="module")
 def reference(servers: "object", vllm_ready: str) -> list[srv.Completion]:
-    s = servers.vllm("lw-single", prefix_caching=False)
-    try:
-        return [srv.complete(s.url, p, MAX_TOKENS) for p in PROMPTS]
-    finally:
-        servers.stop(s)
+    return srv.outputs_alone(servers, "lw-single", PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

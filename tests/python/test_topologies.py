@@ -101,8 +101,7 @@ def pair(request: pytest.FixtureRequest, servers: Any) -> Any:
     alone = p if p_tp == 1 and p_dp == 1 else d
     reference = [srv.complete(alone.url, prompt, MAX_TOKENS) for prompt in PROMPTS]
     yield tag, p, d, reference
-    for s in (d, p):
-        servers.stop(s)
+    servers.stop(d, p)
 
 
 def test_tp_pairs_match_one_engine_and_every_p_rank_releases(pair: Any) -> None:
@@ -121,11 +120,7 @@ def test_tp_pairs_match_one_engine_and_every_p_rank_releases(pair: Any) -> None:
     for got, n, ref in zip(outputs, LENGTHS, reference):
         print(f"  {tag}, {n:4d} tokens: {got.token_ids[:6]}..., logprobs within {srv.logprob_gap(got, ref):.1e}")
         srv.assert_same_output(got, ref, f"{tag}, {n}-token prompt")
-    after_d = d.prompt_tokens_by_source()
-    delta = {k: after_d.get(k, 0) - before_d.get(k, 0) for k in after_d}
-    print(f"  D's prompt tokens by source: {delta}")
-    assert delta.get("local_compute", 0) <= len(PROMPTS), delta
-    assert delta.get("external_kv_transfer", 0) >= sum(LENGTHS) - len(PROMPTS), delta
+    srv.check_transfer_counted(d, before_d, LENGTHS)
     # Every P rank reports each request released (its outcome, counted per rank), well before the
     # lease: vLLM frees a request's blocks on P only once every rank has.
     for s in (p, d):

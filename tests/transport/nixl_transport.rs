@@ -9,6 +9,7 @@ use kvpush::device::{Buffer, MemKind, MemRegion};
 use kvpush::transport::nixl::PostCounts;
 use kvpush::transport::nixl::{self, NixlConfig, NixlTransport};
 use kvpush::transport::{Desc, Notification, Op, Transport, TransportError, Units, XferState};
+use kvpush_testkit::bounce;
 
 fn nixl_or_skip() -> bool {
     kvpush_testkit::require(
@@ -239,28 +240,17 @@ fn staged_write_over_ucx_lands_every_byte() {
     assert_eq!((name_d.as_str(), name_p.as_str()), ("s-decode", "s-prefill"));
     // 200 scattered 4 KiB descriptors (a fragmented request): ~12 pieces of 64 KiB.
     let (s, t) = (src.region().addr, dst.region().addr);
-    let descs: Vec<Desc> = (0..200u64)
-        .map(|i| Desc { local: s + ((i * 37) % 256) * 4096, remote: t + ((i * 101) % 256) * 4096, len: 4096 })
-        .collect();
+    let descs = bounce::scattered(&src.region(), &dst.region(), 200, 256);
     let id = p.post(Op::Write, &name_d, &descs, Some(b"staged-1")).expect("post");
     assert_eq!(p.counts().open, 1, "posted, not finished: {:?}", p.counts());
     let deadline = Instant::now() + Duration::from_secs(20);
-    let (mut done, mut seen) = (false, Vec::new());
     // D's gauges while the transfer lands: it needs more than one D pump (2 slots, ~12 pieces, each
     // grant answered by P), so the gauges are seen up at least once.
     let (mut incoming, mut in_use) = (0, 0);
-    while !done || seen.is_empty() {
-        if !done {
-            done = p.poll(id).expect("staged transfer") == XferState::Done;
-        }
-        let mut mine = Vec::new();
-        p.take_notifications(&mut mine).expect("P pumps");
-        assert!(mine.is_empty(), "staging frames never reach the engine: {mine:?}");
-        d.take_notifications(&mut seen).expect("D pumps");
+    let seen = bounce::pump(&p, &d, id, deadline, |_, d| {
         let dc = d.counts();
         (incoming, in_use) = (incoming.max(dc.incoming), in_use.max(dc.slots_in_use));
-        assert!(Instant::now() < deadline, "staged transfer did not finish");
-    }
+    });
     assert_eq!((incoming, in_use), (1, 2), "D tracked one transfer in both its slots at some point");
     // Then every slot comes back, and nothing stays tracked.
     let idle = |p: &Staged, d: &Staged| {

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use kvpush::device::host::HostDevice;
 use kvpush::device::{Buffer, Device};
 use kvpush::engine::side::{SideChannel, SideConfig};
-use kvpush::engine::{Config, Engine, Finished, Staging};
+use kvpush::engine::{Engine, Finished, Staging};
 use kvpush::proto::codec;
 use kvpush::proto::layout::KvLayout;
 use kvpush::proto::msg::{blocks_for, Completion, Message};
@@ -38,7 +38,7 @@ use super::scribbler::{Memory, Scribbler};
 use super::ScenarioReport;
 use crate::demo::pattern;
 use crate::layouts::{self, BLOCK_TOKENS};
-use crate::stress::{seed_of, D_ENGINE, P_ENGINE};
+use crate::stress::{seed_of, Setup, D_ENGINE, P_ENGINE};
 
 /// The intruder's engine id (issue 16, window 8).
 pub const X_ENGINE: &str = "intruder";
@@ -49,17 +49,9 @@ const SECRET: &[u8] = b"fault-suite-secret-0123456789abc";
 /// Engines, timeouts and load of one scenario.
 #[derive(Clone, Debug)]
 pub struct Params {
-    pub mode: Mode,
-    pub p_tp: u16,
-    pub d_tp: u16,
-    pub writers: usize,
-    pub num_blocks: u32,
-    pub lease: Duration,
-    pub registration_timeout: Duration,
-    pub completion_timeout: Duration,
-    pub drain_timeout: Duration,
-    pub pull_read_timeout: Duration,
-    pub staging: Staging,
+    /// Mode, TP sizes, writers, pool size, timeouts and staging: the engine stress driver's setup
+    /// (its `margin` is not used here).
+    pub engines: Setup,
     pub heartbeat: Duration,
     pub peer_timeout: Duration,
     /// Scripts played at once.
@@ -75,17 +67,17 @@ impl Params {
     /// loaded two-core machine does not hit them on healthy requests (which take milliseconds).
     pub fn new(mode: Mode, p_tp: u16, d_tp: u16) -> Params {
         Params {
-            mode,
-            p_tp,
-            d_tp,
-            writers: 1,
-            num_blocks: 2048,
-            lease: Duration::from_secs(3),
-            registration_timeout: Duration::from_secs(3),
-            completion_timeout: Duration::from_secs(3),
-            drain_timeout: Duration::from_secs(3),
-            pull_read_timeout: Duration::from_secs(3),
-            staging: Staging::Off,
+            engines: Setup {
+                writers: 1,
+                num_blocks: 2048,
+                lease: Duration::from_secs(3),
+                registration_timeout: Duration::from_secs(3),
+                completion_timeout: Duration::from_secs(3),
+                drain_timeout: Duration::from_secs(3),
+                pull_read_timeout: Duration::from_secs(3),
+                staging: Staging::Off,
+                ..Setup::new(mode, p_tp, d_tp)
+            },
             heartbeat: Duration::from_millis(100),
             peer_timeout: Duration::from_millis(1500),
             concurrency: 32,
@@ -97,20 +89,9 @@ impl Params {
     /// How long after a leg is given an outcome may come at most: the longest timeout that can end
     /// it, the drain, the longest injected delay and a margin of 5 s for a loaded machine.
     pub fn outcome_limit(&self) -> Duration {
-        let waits = self.lease.max(self.completion_timeout).max(self.pull_read_timeout).max(self.peer_timeout);
-        waits + self.drain_timeout + self.max_delay + Duration::from_secs(5)
-    }
-
-    fn config(&self, engine_id: &str) -> Config {
-        let mut c = Config::new(engine_id, self.mode);
-        c.writers = self.writers;
-        c.rendezvous.lease_us = self.lease.as_micros() as u64;
-        c.rendezvous.registration_timeout_us = self.registration_timeout.as_micros() as u64;
-        c.completion.timeout_us = self.completion_timeout.as_micros() as u64;
-        c.completion.drain_timeout_us = self.drain_timeout.as_micros() as u64;
-        c.pull_read_timeout_us = self.pull_read_timeout.as_micros() as u64;
-        c.staging = self.staging;
-        c
+        let e = &self.engines;
+        let waits = e.lease.max(e.completion_timeout).max(e.pull_read_timeout).max(self.peer_timeout);
+        waits + e.drain_timeout + self.max_delay + Duration::from_secs(5)
     }
 }
 
@@ -128,7 +109,8 @@ pub struct Node {
 impl Node {
     fn start(params: &Params, fabric: &Fabric, engine_id: &str, rank: u16, tp: u16) -> Node {
         let dev: Arc<dyn Device> = Arc::new(HostDevice::new());
-        let mut layout = layouts::separate(layouts::full_model(2, 2, 8), params.num_blocks, layouts::tp(rank, tp));
+        let mut layout =
+            layouts::separate(layouts::full_model(2, 2, 8), params.engines.num_blocks, layouts::tp(rank, tp));
         let buffers = layouts::allocate(&mut layout, dev.as_ref()).expect("host memory");
         let mut sc = SideConfig::for_rank(rank);
         sc.listen = "127.0.0.1:0".into();
@@ -142,9 +124,10 @@ impl Node {
         // returned node, which drops its engine first (field order). Precondition 2: the rig reuses,
         // reads or rewrites a request's blocks only after the outcome that frees them (the Scribbler
         // is given blocks from `Rig::on_p` / `Rig::on_d` only) or after the engine was shut down.
-        let engine =
-            unsafe { Engine::new(params.config(engine_id), layout.clone(), dev, transport.clone(), side.clone()) }
-                .expect("engine starts");
+        let engine = unsafe {
+            Engine::new(params.engines.config(engine_id), layout.clone(), dev, transport.clone(), side.clone())
+        }
+        .expect("engine starts");
         side.serve(engine.endpoint());
         Node { engine: Some(engine), side, transport, layout, buffers }
     }
@@ -272,6 +255,21 @@ struct Leg {
     doomed: bool,
 }
 
+/// One side of a [`Leg`]: its blocks (`None`: never given to that side) and each worker's outcome.
+type Side<'a, T> = (&'a Option<Vec<u32>>, &'a mut Vec<Option<T>>);
+
+impl Leg {
+    /// P's blocks for it (`None`: never given to P) and each P worker's release.
+    fn p_side(&mut self) -> Side<'_, ReleaseReason> {
+        (&self.p_blocks, &mut self.p_out)
+    }
+
+    /// D's blocks for it (`None`: never given to D) and each D worker's outcome.
+    fn d_side(&mut self) -> Side<'_, DOut> {
+        (&self.d_blocks, &mut self.d_out)
+    }
+}
+
 /// A script being played.
 struct Playing {
     id: u128,
@@ -317,14 +315,16 @@ impl Rig {
     /// Starts P, D (and the intruder) and handshakes every D worker with every P worker.
     pub fn new(params: Params) -> Rig {
         let fabric = Fabric::new();
-        let p: Vec<Node> = (0..params.p_tp).map(|r| Node::start(&params, &fabric, P_ENGINE, r, params.p_tp)).collect();
-        let d: Vec<Node> = (0..params.d_tp).map(|r| Node::start(&params, &fabric, D_ENGINE, r, params.d_tp)).collect();
+        let p: Vec<Node> =
+            (0..params.engines.p_tp).map(|r| Node::start(&params, &fabric, P_ENGINE, r, params.engines.p_tp)).collect();
+        let d: Vec<Node> =
+            (0..params.engines.d_tp).map(|r| Node::start(&params, &fabric, D_ENGINE, r, params.engines.d_tp)).collect();
         let x: Vec<Node> = if params.intruder {
-            (0..params.d_tp).map(|r| Node::start(&params, &fabric, X_ENGINE, r, params.d_tp)).collect()
+            (0..params.engines.d_tp).map(|r| Node::start(&params, &fabric, X_ENGINE, r, params.engines.d_tp)).collect()
         } else {
             Vec::new()
         };
-        let n = params.num_blocks;
+        let n = params.engines.num_blocks;
         let p_pool = Scribbler::new("P", n, &mem(&p));
         let d_pool = Scribbler::new("D", n, &mem(&d));
         let x_pool = (!x.is_empty()).then(|| Scribbler::new("X", n, &mem(&x)));
@@ -621,7 +621,7 @@ impl Rig {
                     .expect("prefix");
             }
         }
-        let mode = self.params.mode;
+        let mode = self.params.engines.mode;
         let l = self.leg(key, tokens);
         l.d_blocks = Some(ids.clone());
         l.d_prefix = prefix;
@@ -793,19 +793,34 @@ impl Rig {
         }
     }
 
+    /// The leg of `key`, with worker `w`'s outcome `out` recorded in the slots `side` picks (the
+    /// side's blocks, `None` if that side was never given `key`, and one outcome slot per worker;
+    /// `who` names the side in violations). `None`, with a violation, if the side was never given
+    /// `key` or `w` reported it before. The leg is doomed unless `out` is `ok`.
+    fn report<T: Copy + PartialEq + std::fmt::Debug>(
+        &mut self,
+        (who, w): (&str, usize),
+        key: Key,
+        (out, ok): (T, T),
+        side: fn(&mut Leg) -> Side<'_, T>,
+    ) -> Option<&mut Leg> {
+        if !self.legs.get_mut(&key).is_some_and(|l| side(l).0.is_some()) {
+            self.violations.push(format!("{who}[{w}] reported {out:?} for {key}, never given"));
+            return None;
+        }
+        let l = self.legs.get_mut(&key)?; // there: checked above
+        let slot = &mut side(l).1[w];
+        if slot.is_some() {
+            self.violations.push(format!("{who}[{w}] reported {key} twice ({out:?})"));
+            return None;
+        }
+        *slot = Some(out);
+        l.doomed |= out != ok;
+        Some(l)
+    }
+
     fn on_p(&mut self, w: usize, key: Key, reason: ReleaseReason) {
-        let Some(l) = self.legs.get_mut(&key).filter(|l| l.p_blocks.is_some()) else {
-            self.violations.push(format!("P[{w}] released {key} ({reason:?}), never given"));
-            return;
-        };
-        if l.p_out[w].is_some() {
-            self.violations.push(format!("P[{w}] released {key} twice ({reason:?})"));
-            return;
-        }
-        l.p_out[w] = Some(reason);
-        if reason != ReleaseReason::Sent {
-            l.doomed = true;
-        }
+        let Some(l) = self.report(("P", w), key, (reason, ReleaseReason::Sent), Leg::p_side) else { return };
         if l.p_out.iter().all(Option::is_some) {
             l.p_done = true;
             let given = l.p_given_at;
@@ -817,18 +832,7 @@ impl Rig {
     }
 
     fn on_d(&mut self, w: usize, key: Key, out: DOut) {
-        let Some(l) = self.legs.get_mut(&key).filter(|l| l.d_blocks.is_some()) else {
-            self.violations.push(format!("D[{w}] reported {out:?} for {key}, never given"));
-            return;
-        };
-        if l.d_out[w].is_some() {
-            self.violations.push(format!("D[{w}] reported {key} twice ({out:?})"));
-            return;
-        }
-        l.d_out[w] = Some(out);
-        if out != DOut::Received {
-            l.doomed = true;
-        }
+        let Some(l) = self.report(("D", w), key, (out, DOut::Received), Leg::d_side) else { return };
         if !l.d_out.iter().all(Option::is_some) {
             return;
         }

@@ -51,7 +51,7 @@ fn play(params: Params, scripts: Vec<Script>, limit: Duration) -> Outcome {
 
 /// Staging on with small slots, so that every WRITE goes through them in pieces.
 fn staged(p: &mut Params, slots: usize) {
-    p.staging = crate::stress::small_staging(slots);
+    p.engines.staging = crate::stress::small_staging(slots);
 }
 
 /// Requests, a third of whose WRITEs are delayed, D registered first, while a control script cuts the side
@@ -74,7 +74,7 @@ fn cut_while_delayed(opts: &Options, seed: u64, n: usize, mut p: Params, period:
         let mut steps = vec![Step::DAlloc(1)];
         // A third of the WRITEs are held (and hold back those queued behind them on their pair).
         if i % 3 == 0 {
-            let w = rng.below(u64::from(p.p_tp)) as usize;
+            let w = rng.below(u64::from(p.engines.p_tp)) as usize;
             steps.push(Step::Inject(Who::P, w, Fault::Delay(ms(rng.between(20, 200)))));
         }
         steps.extend([nap(&mut rng, 2), Step::PFinish(1)]);
@@ -131,7 +131,7 @@ pub fn w3_drain_timeout(opts: &Options) -> Outcome {
     let mut rng = Rng::new(0xf3);
     let mut p = Params::new(Mode::Push, 1, 1);
     staged(&mut p, 1);
-    p.drain_timeout = ms(150);
+    p.engines.drain_timeout = ms(150);
     p.max_delay = ms(400);
     let scripts = (0..opts.n(400))
         .map(|_| {
@@ -149,8 +149,8 @@ pub fn w3_drain_timeout(opts: &Options) -> Outcome {
 pub fn w4_pull_grant_expiry(opts: &Options) -> Outcome {
     let mut rng = Rng::new(0xf4);
     let mut p = Params::new(Mode::Pull, 1, 1);
-    p.lease = ms(150);
-    p.pull_read_timeout = ms(150);
+    p.engines.lease = ms(150);
+    p.engines.pull_read_timeout = ms(150);
     p.max_delay = ms(400);
     let scripts = (0..opts.n(400))
         .map(|i| {
@@ -277,8 +277,8 @@ pub fn w9_consumer_shutdown(opts: &Options) -> Outcome {
 pub fn w10_no_silent_hang(opts: &Options) -> Outcome {
     let mut rng = Rng::new(0xfa);
     let mut p = Params::new(Mode::Push, 1, 1);
-    p.completion_timeout = Duration::from_secs(2);
-    p.lease = Duration::from_secs(2);
+    p.engines.completion_timeout = Duration::from_secs(2);
+    p.engines.lease = Duration::from_secs(2);
     let mut scripts =
         vec![Script::new("control", 0, vec![Step::Sleep(ms(200)), Step::Inject(Who::P, 0, Fault::Panic)])];
     scripts.push(Script::new("control", 0, vec![Step::Sleep(ms(600)), Step::Cut]));
@@ -304,8 +304,8 @@ pub fn cut_under_load(opts: &Options) -> Outcome {
 pub fn lease_expiry_slow_d(opts: &Options) -> Outcome {
     let mut rng = Rng::new(0x1ea5);
     let mut p = Params::new(Mode::Push, 1, 1);
-    p.lease = ms(150);
-    p.completion_timeout = ms(1000);
+    p.engines.lease = ms(150);
+    p.engines.completion_timeout = ms(1000);
     let scripts = (0..opts.n(600))
         .map(|_| {
             let s = vec![Step::PFinish(1), nap(&mut rng, 400), Step::DAlloc(1)];
@@ -321,8 +321,8 @@ fn aborts(opts: &Options, seed: u64, mode: Mode) -> Outcome {
     let mut rng = Rng::new(seed);
     let mut p = Params::new(mode, 2, 2);
     p.max_delay = ms(30);
-    p.completion_timeout = Duration::from_secs(3);
-    p.lease = Duration::from_secs(3);
+    p.engines.completion_timeout = Duration::from_secs(3);
+    p.engines.lease = Duration::from_secs(3);
     let scripts = (0..opts.n(1000))
         .map(|_| {
             let mut s = Vec::new();
@@ -397,8 +397,8 @@ pub fn c3_partial_prefix_hit(opts: &Options) -> Outcome {
 pub fn l1_liveness(opts: &Options) -> Outcome {
     let mut rng = Rng::new(0x11);
     let mut p = Params::new(Mode::Push, 2, 1);
-    p.completion_timeout = ms(1000);
-    p.lease = ms(2000);
+    p.engines.completion_timeout = ms(1000);
+    p.engines.lease = ms(2000);
     p.concurrency = 64;
     let scripts: Vec<Script> = (0..opts.n(1500))
         .map(|_| {
@@ -466,7 +466,7 @@ pub fn post_failures(opts: &Options) -> Outcome {
 pub fn lease_renewal(opts: &Options) -> Outcome {
     let mut rng = Rng::new(0x53095);
     let mut p = Params::new(Mode::Push, 1, 1);
-    p.lease = ms(200);
+    p.engines.lease = ms(200);
     p.max_delay = ms(300);
     let scripts = (0..opts.n(400))
         .map(|_| {
