@@ -108,6 +108,12 @@ impl<'a> Reader<'a> {
     }
 
     pub(crate) fn u64(&mut self, what: &'static str) -> Result<u64, ListError> {
+        // Most of a list's varints are one byte (a delta of a fragmented list, a run's first id
+        // and length): taken without the general loop's 128-bit arithmetic.
+        if let Some((&b, rest)) = self.bytes.split_first().filter(|(&b, _)| b < 0x80) {
+            self.bytes = rest;
+            return Ok(b.into());
+        }
         self.varint(64, what).map(|v| v as u64)
     }
 
@@ -161,10 +167,13 @@ impl<'a> Reader<'a> {
             }
             let span = i128::from(len - 1);
             let last = id(if descending { i128::from(first) - span } else { i128::from(first) + span })?;
+            // Every id from `first` to `last` is in u32 (checked above), so `k < len <= 2^32` fits
+            // u32 and no sum below overflows. Written as a counted map, which the compiler
+            // vectorizes (an inclusive range's extend it does not).
             if descending {
-                ids.extend((last..=first).rev());
+                ids.extend((0..len).map(|k| first - k as u32));
             } else {
-                ids.extend(first..=last);
+                ids.extend((0..len).map(|k| first + k as u32));
             }
             prev = last.into();
             got += len;
