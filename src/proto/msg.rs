@@ -306,8 +306,12 @@ pub fn check_block_lists(block_ids: &[Vec<u32>], num_tokens: u64, layout: &KvLay
                 block_tokens: layout.block_tokens,
             });
         }
-        if let Some(&block) = ids.iter().find(|&&b| b >= layout.num_blocks) {
-            return Err(RangeError::BlockId { group, block, num_blocks: layout.num_blocks });
+        // The largest id first (a vectorized pass; a search for the first id out of range is not
+        // vectorized), and that search only to name the id in the error.
+        if ids.iter().max().is_some_and(|&b| b >= layout.num_blocks) {
+            if let Some(&block) = ids.iter().find(|&&b| b >= layout.num_blocks) {
+                return Err(RangeError::BlockId { group, block, num_blocks: layout.num_blocks });
+            }
         }
     }
     check_block_count(block_ids)
