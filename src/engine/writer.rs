@@ -1183,7 +1183,10 @@ impl Writer {
                     self.stats().failures.timeout += 1;
                     let kind = FailureKind::PeerLost;
                     let detail = format!("{} reports: the read's grant expired", self.shared.me);
-                    self.send_frame(&consumer, &Message::Failure(Failure { key, rank: self.shared.me.rank, kind, detail }));
+                    self.send_frame(
+                        &consumer,
+                        &Message::Failure(Failure { key, rank: self.shared.me.rank, kind, detail }),
+                    );
                 }
                 GrantEvent::Quarantined { key, consumer } => {
                     self.stats().counters.quarantined += 1;

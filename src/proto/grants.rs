@@ -313,7 +313,9 @@ mod tests {
         assert_eq!((g.pending(), g.quarantined()), (4, 0));
         // The READ completed before the consumer heard of the expiry: it read held sources.
         assert!(g.handle_read_done(a, &7, Ok(())));
-        assert!(matches!(g.poll_event(), Some(Event::Ended { key, result: Ok(()), cause: Cause::Read, .. }) if key == a));
+        assert!(
+            matches!(g.poll_event(), Some(Event::Ended { key, result: Ok(()), cause: Cause::Read, .. }) if key == a)
+        );
         // Cancelled: its failure.
         assert!(g.handle_read_done(b, &7, Err(FailureKind::TransferFailed { status: -1 })));
         assert_eq!(ended(&mut g), [(b, 7, Cause::Read)]);

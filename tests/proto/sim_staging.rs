@@ -654,7 +654,11 @@ fn pull_run(seed: u64) -> BTreeMap<&'static str, usize> {
                     if i == inc[c] && !lost[c] && running {
                         // Cancelled: it ends soon (it may still complete; either way it is reported).
                         *stats.entry("cancelled").or_default() += 1;
-                        put(&mut queue, now.plus_micros(rng.between(0, 1_000)), PullEv::ReadEnds { key, consumer, inc: i });
+                        put(
+                            &mut queue,
+                            now.plus_micros(rng.between(0, 1_000)),
+                            PullEv::ReadEnds { key, consumer, inc: i },
+                        );
                     }
                 }
                 PullEv::Word { key, consumer, inc: i, result } => {
@@ -748,7 +752,8 @@ fn random_pull_grant_schedules_never_release_sources_under_a_read() {
             *total.entry(k).or_default() += n;
         }
     }
-    for what in ["ended read", "expired", "cancelled", "ended fenced", "ended returned", "quarantined", "lost unfenced"] {
+    for what in ["ended read", "expired", "cancelled", "ended fenced", "ended returned", "quarantined", "lost unfenced"]
+    {
         assert!(total.get(what).copied().unwrap_or(0) > 0, "no {what} in any schedule: {total:?}");
     }
 }

@@ -131,7 +131,8 @@ impl Traffic {
             self.pair.send(Role::Decode, &decode)?;
         }
         self.pair.send(Role::Prefill, &Command::Prefill { req, key, tokens, seed, delay_ns: Some(0) })?;
-        self.live.insert(req, Live { key, seed, tokens, p_done: false, d_done: false, d_gone: false, at: Instant::now() });
+        self.live
+            .insert(req, Live { key, seed, tokens, p_done: false, d_done: false, d_gone: false, at: Instant::now() });
         self.requests += 1;
         Ok(())
     }
@@ -147,7 +148,8 @@ impl Traffic {
             for (req, blocks) in std::mem::take(&mut self.to_read) {
                 let Some(l) = self.live.get(&req) else { continue };
                 let (key, tokens, seed) = (l.key, l.tokens, l.seed);
-                let decode = Command::Decode { req, key, tokens, seed, remote_blocks: Some(blocks), hold_verify: false };
+                let decode =
+                    Command::Decode { req, key, tokens, seed, remote_blocks: Some(blocks), hold_verify: false };
                 self.pair.send(Role::Decode, &decode)?;
             }
             if total > 0 && self.next >= total {
