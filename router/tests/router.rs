@@ -388,7 +388,9 @@ async fn pull_sends_p_token_before_d_answers_and_a_failing_d_ends_the_stream_wit
             }),
         )
         .await;
-        let (_r, base) = start(config(TransferMode::Pull, &[&p], &[&d])).await;
+        let mut c = config(TransferMode::Pull, &[&p], &[&d]);
+        c.first_token_from_prefill = true;
+        let (_r, base) = start(c).await;
         let resp =
             within(5.0, "the head before D's", post(&client(), &format!("{base}/v1/completions"), greedy_stream()))
                 .await;
