@@ -112,7 +112,10 @@ fn fifo_pools_on_host_memory_go_staged_every_byte_verified() {
     let Some(_serial) = nixl_or_skip("fifo_pools_on_host_memory_go_staged_every_byte_verified") else { return };
     // vLLM-like FIFO pools scatter a request over many small descriptors (2 KiB per block, layer and
     // K/V here); each costs UCX's cma a system call, so `--staging auto` (the default) on host memory
-    // over NIXL measures both paths and should send most of these requests staged.
+    // over NIXL measures both paths per WRITE. Which one wins depends on the host and its load (on a
+    // loaded 2-core VM most went staged, on an idle one most went direct), so the test asks that the
+    // staged path was taken and verified, not how often: the split is a benchmark
+    // (docs/benchmarks.md, "FIFO pools on host memory").
     let requests = 120;
     let v = demo(
         "fifo-staged",
@@ -131,7 +134,7 @@ fn fifo_pools_on_host_memory_go_staged_every_byte_verified() {
     assert!(!rounds.is_empty(), "{v}");
     let staged: u64 = rounds.iter().sum();
     let posted = rounds.len() as u64 * requests as u64;
-    assert!(2 * staged >= posted, "{staged} of {posted} requests staged (pieces per round {rounds:?}): {v}");
+    assert!(staged > 0, "none of {posted} requests staged (pieces per round {rounds:?}): {v}");
 }
 
 #[test]
