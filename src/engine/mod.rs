@@ -1177,6 +1177,10 @@ impl Engine {
     }
 
     fn stop(&mut self) {
+        if self.threads.is_empty() {
+            // Stopped already (`shutdown`, then `drop`): the regions left the transport then.
+            return;
+        }
         for s in &self.shared.shards {
             let _ = s.tx.send(Cmd::Stop);
         }
