@@ -569,7 +569,7 @@ class _Scheduler:
             "drop it",
             request.request_id,
             note.transfer_id,
-            request.status.name,
+            getattr(request.status, "name", request.status),
             note.producer,
         )
 
