@@ -212,7 +212,9 @@ def test_request_dropped_while_queued_on_d_frees_p_at_once(pair: Pair) -> None:
         took = time.monotonic() - t0
         print(f"\n  P freed the dropped request's blocks {took:.1f} s after D's client left (lease 120 s)")
         assert srv.kv_usage(p) == 0 and took < 30, took
-        assert not hog.done(), "D's slot came free: the request may have been allocated, not dropped"
+        # The request was dropped before D allocated it, not allocated and then ended: D counts only
+        # the first as dropped. (Whether the long request still holds D's slot by now depends on the
+        # machine's speed: on an idle host it can finish within the seconds the drop takes.)
         assert wait_moved(d, "vllm:kvpush_requests_dropped_total", dropped) == dropped + 1
         hog.result()
     for s in (p, d):
