@@ -313,38 +313,80 @@ pub struct GroupSpec {
     pub layers: Vec<u32>,
 }
 
-/// A worker's KV layout as plain numbers (`kvpush_layout` in C). Enum fields are codes, checked.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LayoutSpec {
-    /// Layers of the whole model.
-    pub total_layers: u32,
-    /// KV heads of the whole model (1 for a latent cache).
-    pub kv_heads: u32,
-    /// Elements per head.
-    pub head_dim: u32,
-    /// Element type: 0 f16, 1 bf16, 2 f32, 3 f8e4m3, 4 f8e5m2, 5 u8.
-    pub dtype: u32,
-    /// 0 keys and values, 1 latent (MLA).
-    pub kv_kind: u32,
-    /// Tokens per block.
-    pub block_tokens: u32,
-    /// Blocks in every region.
-    pub num_blocks: u32,
-    /// 0 HND (`[heads, tokens, head_dim]`), 1 NHD.
-    pub order: u32,
-    /// 0 separate K and V regions, 1 joint (K then V in each block), 2 single (latent), 3 K then V
-    /// per head in each block (vLLM's CPU layout), 4 K then V in each (head, token) cell.
-    pub placement: u32,
-    /// TP and PP position.
-    pub parallel: Parallel,
-    /// Bytes from one block to the next (0: the bytes a block holds).
-    pub block_stride: u64,
-    /// KV cache groups; empty: one full-attention group with every layer.
-    pub groups: Vec<GroupSpec>,
-    /// Region base addresses: per local layer, K then V (separate) or one (joint, single).
-    pub region_bases: Vec<u64>,
-    /// Bytes available at each base (checked to hold `num_blocks × block_stride`); empty: exactly that.
-    pub region_lens: Vec<u64>,
+/// Declares a layout struct: the nine numbers every binding's layout starts with (`total_layers`
+/// to `placement`, in this order, each a `u32` code or count), then the fields given, each with
+/// its default value; and `Default`, those numbers 0 and each given field its value. The C ABI's
+/// `kvpush_layout` ([`crate::ffi::capi`]) and [`LayoutSpec`] are declared through it, so their
+/// shared fields and defaults have one source; the C struct's field order (its ABI) is the order
+/// written here, checked against `kvpush.h` by `tests/ffi/ffi_c.rs`.
+macro_rules! layout_struct {
+    (
+        $(#[$meta:meta])*
+        pub struct $name:ident {
+            $($(#[$fmeta:meta])* pub $field:ident: $ty:ty = $default:expr),* $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        pub struct $name {
+            /// Layers of the whole model.
+            pub total_layers: u32,
+            /// KV heads of the whole model (1 for a latent cache).
+            pub kv_heads: u32,
+            /// Elements per head.
+            pub head_dim: u32,
+            /// Element type (`kvpush_dtype`): 0 f16, 1 bf16, 2 f32, 3 f8e4m3, 4 f8e5m2, 5 u8.
+            pub dtype: u32,
+            /// `kvpush_kv_kind`: 0 keys and values, 1 latent (MLA).
+            pub kv_kind: u32,
+            /// Tokens per block.
+            pub block_tokens: u32,
+            /// Blocks in every region.
+            pub num_blocks: u32,
+            /// `kvpush_block_order`: 0 HND (`[heads, tokens, head_dim]`), 1 NHD.
+            pub order: u32,
+            /// `kvpush_placement`: 0 separate K and V regions, 1 joint (K then V in each block),
+            /// 2 single (latent), 3 K then V per head in each block (vLLM's CPU layout), 4 K then V
+            /// in each (head, token) cell.
+            pub placement: u32,
+            $($(#[$fmeta])* pub $field: $ty,)*
+        }
+
+        impl Default for $name {
+            fn default() -> Self {
+                Self {
+                    total_layers: 0,
+                    kv_heads: 0,
+                    head_dim: 0,
+                    dtype: 0,
+                    kv_kind: 0,
+                    block_tokens: 0,
+                    num_blocks: 0,
+                    order: 0,
+                    placement: 0,
+                    $($field: $default,)*
+                }
+            }
+        }
+    };
+}
+pub(crate) use layout_struct;
+
+layout_struct! {
+    /// A worker's KV layout as plain numbers (`kvpush_layout` in C). Enum fields are codes, checked.
+    /// `Default`: every number 0 (codes: f16, keys and values, HND, separate), one worker (TP 1, PP 1).
+    #[derive(Clone, Debug, PartialEq, Eq)]
+    pub struct LayoutSpec {
+        /// TP and PP position.
+        pub parallel: Parallel = Parallel::SINGLE,
+        /// Bytes from one block to the next (0: the bytes a block holds).
+        pub block_stride: u64 = 0,
+        /// KV cache groups; empty: one full-attention group with every layer.
+        pub groups: Vec<GroupSpec> = Vec::new(),
+        /// Region base addresses: per local layer, K then V (separate) or one (joint, single).
+        pub region_bases: Vec<u64> = Vec::new(),
+        /// Bytes available at each base (checked to hold `num_blocks × block_stride`); empty: exactly that.
+        pub region_lens: Vec<u64> = Vec::new(),
+    }
 }
 
 /// Builds a [`LayoutSpec`] from a binding's flat layout `$l` — the C ABI's `kvpush_layout` or the cxx
@@ -377,28 +419,6 @@ macro_rules! layout_spec_from_flat {
     }};
 }
 pub(crate) use layout_spec_from_flat;
-
-impl Default for LayoutSpec {
-    /// Every number 0 (codes: f16, keys and values, HND, separate), one worker (TP 1, PP 1).
-    fn default() -> Self {
-        Self {
-            total_layers: 0,
-            kv_heads: 0,
-            head_dim: 0,
-            dtype: 0,
-            kv_kind: 0,
-            block_tokens: 0,
-            num_blocks: 0,
-            order: 0,
-            placement: 0,
-            parallel: Parallel::SINGLE,
-            block_stride: 0,
-            groups: Vec::new(),
-            region_bases: Vec::new(),
-            region_lens: Vec::new(),
-        }
-    }
-}
 
 fn code<T: Copy>(field: &'static str, value: u32, table: &[T]) -> Result<T, FfiError> {
     table.get(value as usize).copied().ok_or_else(|| {

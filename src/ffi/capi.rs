@@ -93,48 +93,33 @@ pub struct kvpush_kv_group {
     pub num_layers: usize,
 }
 
-/// A worker's KV layout. See [`LayoutSpec`] for each field.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct kvpush_layout {
-    /// Layers of the whole model.
-    pub total_layers: u32,
-    /// KV heads of the whole model.
-    pub kv_heads: u32,
-    /// Elements per head.
-    pub head_dim: u32,
-    /// `kvpush_dtype`.
-    pub dtype: u32,
-    /// `kvpush_kv_kind`.
-    pub kv_kind: u32,
-    /// Tokens per block.
-    pub block_tokens: u32,
-    /// Blocks in every region.
-    pub num_blocks: u32,
-    /// `kvpush_block_order`.
-    pub order: u32,
-    /// `kvpush_placement`.
-    pub placement: u32,
-    /// Tensor-parallel rank.
-    pub tp_rank: u16,
-    /// Tensor-parallel size.
-    pub tp_size: u16,
-    /// Pipeline-parallel rank.
-    pub pp_rank: u16,
-    /// Pipeline-parallel size.
-    pub pp_size: u16,
-    /// Bytes from one block to the next (0: packed).
-    pub block_stride: u64,
-    /// KV cache groups (null with 0: one full-attention group with every layer).
-    pub groups: *const kvpush_kv_group,
-    /// Number of groups.
-    pub num_groups: usize,
-    /// Region base addresses.
-    pub region_bases: *const u64,
-    /// Number of regions.
-    pub num_regions: usize,
-    /// Bytes at each base (`num_regions` of them), or null: exactly `num_blocks × block_stride`.
-    pub region_lens: *const u64,
+crate::embed::layout_struct! {
+    /// A worker's KV layout. See [`LayoutSpec`] for each field. `Default` is
+    /// [`kvpush_layout_init`]'s: everything zero, `tp_size` and `pp_size` 1.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug)]
+    pub struct kvpush_layout {
+        /// Tensor-parallel rank.
+        pub tp_rank: u16 = 0,
+        /// Tensor-parallel size.
+        pub tp_size: u16 = 1,
+        /// Pipeline-parallel rank.
+        pub pp_rank: u16 = 0,
+        /// Pipeline-parallel size.
+        pub pp_size: u16 = 1,
+        /// Bytes from one block to the next (0: packed).
+        pub block_stride: u64 = 0,
+        /// KV cache groups (null with 0: one full-attention group with every layer).
+        pub groups: *const kvpush_kv_group = std::ptr::null(),
+        /// Number of groups.
+        pub num_groups: usize = 0,
+        /// Region base addresses.
+        pub region_bases: *const u64 = std::ptr::null(),
+        /// Number of regions.
+        pub num_regions: usize = 0,
+        /// Bytes at each base (`num_regions` of them), or null: exactly `num_blocks × block_stride`.
+        pub region_lens: *const u64 = std::ptr::null(),
+    }
 }
 
 /// An engine's configuration. Strings are UTF-8, NUL-terminated; null or empty optional strings
@@ -669,27 +654,7 @@ pub extern "C" fn kvpush_nixl_available() -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn kvpush_layout_init(layout: *mut kvpush_layout) -> c_int {
     guard("kvpush_layout_init", || {
-        let l = kvpush_layout {
-            total_layers: 0,
-            kv_heads: 0,
-            head_dim: 0,
-            dtype: 0,
-            kv_kind: 0,
-            block_tokens: 0,
-            num_blocks: 0,
-            order: 0,
-            placement: 0,
-            tp_rank: 0,
-            tp_size: 1,
-            pp_rank: 0,
-            pp_size: 1,
-            block_stride: 0,
-            groups: std::ptr::null(),
-            num_groups: 0,
-            region_bases: std::ptr::null(),
-            num_regions: 0,
-            region_lens: std::ptr::null(),
-        };
+        let l = kvpush_layout::default();
         // SAFETY: the caller's contract (1).
         unsafe { put("layout", layout, l) }
     })

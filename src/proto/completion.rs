@@ -661,14 +661,27 @@ mod tests {
             .expect("fits")
     }
 
+    /// Completions under `cfg` with the requests `(id, attempt, producer ranks)` registered at 0.
+    fn registered(cfg: CompletionConfig, regs: &[(u128, u32, u32)]) -> Completions {
+        let mut c = Completions::new(cfg);
+        for &(id, attempt, producers) in regs {
+            c.handle_registered(Instant(0), &reg(id, attempt), producers).expect("registers");
+        }
+        c
+    }
+
+    /// Timeouts of a test: `timeout_us`, drain 50 µs, quarantine 500 µs.
+    fn short(timeout_us: u64, max_pending: usize) -> CompletionConfig {
+        CompletionConfig { timeout_us, max_pending, drain_timeout_us: 50, quarantine_us: 500 }
+    }
+
     fn done(id: u128, attempt: u32, tp: u16) -> Completion {
         Completion { key: Key::new(id, attempt), rank: Rank::new(tp, 0) }
     }
 
     #[test]
     fn counts_distinct_producers_and_ignores_duplicates_and_stale() {
-        let mut c = Completions::new(CompletionConfig::default());
-        c.handle_registered(Instant(0), &reg(1, 2), 2).expect("registers");
+        let mut c = registered(CompletionConfig::default(), &[(1, 2, 2)]);
         c.handle_completion(Instant(5), &done(1, 2, 0));
         c.handle_completion(Instant(6), &done(1, 2, 0));
         c.handle_completion(Instant(7), &done(1, 1, 1));
@@ -686,14 +699,7 @@ mod tests {
 
     #[test]
     fn failure_and_timeout_report_blocks_invalid() {
-        let mut c = Completions::new(CompletionConfig {
-            timeout_us: 100,
-            max_pending: 8,
-            drain_timeout_us: 50,
-            quarantine_us: 500,
-        });
-        c.handle_registered(Instant(0), &reg(1, 1), 1).expect("registers");
-        c.handle_registered(Instant(0), &reg(2, 1), 2).expect("registers");
+        let mut c = registered(short(100, 8), &[(1, 1, 1), (2, 1, 2)]);
         let f =
             Failure { key: Key::new(1, 1), rank: Rank::new(0, 0), kind: FailureKind::LeaseExpired, detail: "x".into() };
         c.handle_failure(Instant(3), &f);
@@ -726,14 +732,8 @@ mod tests {
 
     #[test]
     fn ended_requests_wait_for_every_producer_or_the_drain_timeout() {
-        let mut c = Completions::new(CompletionConfig {
-            timeout_us: 1000,
-            max_pending: 8,
-            drain_timeout_us: 50,
-            quarantine_us: 500,
-        });
         // Two producers; the first fails: the second may still be writing.
-        c.handle_registered(Instant(0), &reg(1, 1), 2).expect("registers");
+        let mut c = registered(short(1000, 8), &[(1, 1, 2)]);
         let f =
             Failure { key: Key::new(1, 1), rank: Rank::new(0, 0), kind: FailureKind::PlanFailed, detail: "".into() };
         c.handle_failure(Instant(1), &f);
@@ -764,14 +764,7 @@ mod tests {
 
     #[test]
     fn newer_attempt_supersedes_and_bounds_hold() {
-        let mut c = Completions::new(CompletionConfig {
-            timeout_us: 100,
-            max_pending: 2,
-            drain_timeout_us: 50,
-            quarantine_us: 500,
-        });
-        c.handle_registered(Instant(0), &reg(1, 1), 1).expect("registers");
-        c.handle_registered(Instant(0), &reg(3, 1), 1).expect("registers");
+        let mut c = registered(short(100, 2), &[(1, 1, 1), (3, 1, 1)]);
         assert_eq!(c.handle_registered(Instant(0), &reg(2, 1), 1), Err(RegisterError::Full { pending: 2, max: 2 }));
         assert!(matches!(c.handle_registered(Instant(0), &reg(1, 1), 1), Err(RegisterError::Stale { .. })));
         c.handle_registered(Instant(1), &reg(1, 2), 1).expect("newer attempt");
@@ -803,10 +796,7 @@ mod tests {
     /// word, or the quarantine bound.
     #[test]
     fn the_drain_timeout_reports_the_outcome_but_holds_the_blocks() {
-        let cfg = CompletionConfig { timeout_us: 100, max_pending: 8, drain_timeout_us: 50, quarantine_us: 500 };
-        let mut c = Completions::new(cfg);
-        c.handle_registered(Instant(0), &reg(1, 1), 2).expect("registers");
-        c.handle_registered(Instant(0), &reg(2, 1), 1).expect("registers");
+        let mut c = registered(short(100, 8), &[(1, 1, 2), (2, 1, 1)]);
         c.handle_abort(Instant(1), Key::new(1, 1));
         c.handle_abort(Instant(1), Key::new(2, 1));
         assert_eq!(c.poll_event(), Some(Event::Draining { key: Key::new(1, 1) }));
@@ -845,9 +835,7 @@ mod tests {
     /// blocks quarantined until the rank is fenced (it came back as a new process).
     #[test]
     fn a_producer_lost_unfenced_fails_at_once_and_holds_the_blocks() {
-        let mut c = Completions::new(CompletionConfig::default());
-        c.handle_registered(Instant(0), &reg(1, 1), 1).expect("registers");
-        c.handle_registered(Instant(0), &reg(2, 1), 1).expect("registers");
+        let mut c = registered(CompletionConfig::default(), &[(1, 1, 1), (2, 1, 1)]);
         c.handle_lost(Instant(5), Key::new(1, 1), Rank::new(0, 0), false, "cut");
         match c.poll_event() {
             Some(Event::Quarantined { key, ended, why, .. }) => {
@@ -869,8 +857,7 @@ mod tests {
     /// draining: the owner never sees attempt 2 end while attempt 1 may still write.
     #[test]
     fn a_newer_attempt_is_reported_after_the_older_one_drained() {
-        let mut c = Completions::new(CompletionConfig::default());
-        c.handle_registered(Instant(0), &reg(1, 1), 1).expect("registers");
+        let mut c = registered(CompletionConfig::default(), &[(1, 1, 1)]);
         c.handle_registered(Instant(1), &reg(1, 2), 1).expect("newer attempt");
         assert_eq!(c.poll_event(), Some(Event::Draining { key: Key::new(1, 1) }));
         // Attempt 2's part lands before attempt 1's final word.

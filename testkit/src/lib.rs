@@ -6,6 +6,16 @@
 //! Used by the `kvpush` command (`cli/`), the integration tests and the benches; never by the
 //! library itself.
 
+/// Adds each named field of `$src` to the same field of `$dst` (`$dst.f += $src.f`): how the
+/// reports sum counters gathered per worker or per scenario, one list of names per sum. Defined
+/// before the modules so that every module of the crate can use it.
+macro_rules! add_fields {
+    ($dst:expr, $src:expr; $($field:ident),+ $(,)?) => {{
+        let (dst, src) = (&mut $dst, &$src);
+        $(dst.$field += src.$field;)+
+    }};
+}
+
 pub mod bounce;
 pub mod child;
 pub mod corpus;

@@ -6,21 +6,8 @@ use kvpush::proto::Mode;
 use kvpush_testkit::demo::{self, Topology, Workload};
 
 fn topology(p_tp: u16, d_tp: u16, p_block: u32, d_block: u32) -> Topology {
-    Topology {
-        layers: 4,
-        kv_heads: 4,
-        head_dim: 16,
-        p_tp,
-        d_tp,
-        p_block,
-        d_block,
-        num_blocks: 512,
-        window_every: 2,
-        window_tokens: 40,
-        // vLLM's FIFO pool: scattered ids, so transfers exercise both merged and unmerged copies.
-        allocator: kvpush_testkit::demo::AllocatorFlag::Fifo,
-        ..Topology::default()
-    }
+    // Topology::small's FIFO pool: scattered ids, so transfers exercise both merged and unmerged copies.
+    Topology { layers: 4, p_block, d_block, window_every: 2, ..Topology::small(p_tp, d_tp) }
 }
 
 fn workload(seed: u64) -> Workload {

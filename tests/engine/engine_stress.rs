@@ -21,20 +21,43 @@ use ReleaseReason as R;
 // ---------------------------------------------------------------------------------------------
 // 1. Many concurrent requests, every byte verified.
 
-fn stress(setup: Setup, requests: usize, seed: u64) -> Driver {
+/// One `#[test]` per line, `name => call;`: the cases of a parameterized driver of this file.
+macro_rules! cases {
+    ($($name:ident => $call:expr;)+) => {
+        $(
+            #[test]
+            fn $name() {
+                $call;
+            }
+        )+
+    };
+}
+
+/// Plays `n` requests on a driver of `setup` for at most `limit`, request `i` as `plan` writes it
+/// from the PRNG seeded with `seed`; checks every outcome and prints the summary under `what`.
+fn play(
+    setup: Setup,
+    n: usize,
+    seed: u64,
+    limit: Duration,
+    what: &str,
+    mut plan: impl FnMut(&mut Rng, usize) -> Req,
+) -> Driver {
     let mut rng = Rng(seed);
     let mut d = Driver::new(setup);
-    let reqs = (0..requests)
-        .map(|i| {
-            let registration_first = rng.coin();
-            let steps = legs(&mut rng, 1, registration_first, 20);
-            Req::new("normal", rng.id(i), rng.tokens(), steps, vec![(1, OK)])
-        })
-        .collect();
-    d.run(reqs, Duration::from_secs(90));
+    let reqs = (0..n).map(|i| plan(&mut rng, i)).collect();
+    d.run(reqs, limit);
     d.check();
-    eprintln!("stress: {}", d.summary());
+    eprintln!("{what}: {}", d.summary());
     d
+}
+
+fn stress(setup: Setup, requests: usize, seed: u64) -> Driver {
+    play(setup, requests, seed, Duration::from_secs(90), "stress", |rng, i| {
+        let registration_first = rng.coin();
+        let steps = legs(rng, 1, registration_first, 20);
+        Req::new("normal", rng.id(i), rng.tokens(), steps, vec![(1, OK)])
+    })
 }
 
 #[test]
@@ -61,17 +84,10 @@ fn pull_concurrent_requests_p2_d2() {
     s.writers = 2;
     s.num_blocks = 8192;
     // Pull: D reads after the router relayed P's block ids, so P always finishes first.
-    let mut rng = Rng(0x9011);
-    let mut d = Driver::new(s);
-    let reqs = (0..300)
-        .map(|i| {
-            let steps = legs(&mut rng, 1, false, 10);
-            Req::new("pull", rng.id(i), rng.tokens(), steps, vec![(1, OK)])
-        })
-        .collect();
-    d.run(reqs, Duration::from_secs(30));
-    d.check();
-    eprintln!("pull: {}", d.summary());
+    play(s, 300, 0x9011, Duration::from_secs(30), "pull", |rng, i| {
+        let steps = legs(rng, 1, false, 10);
+        Req::new("pull", rng.id(i), rng.tokens(), steps, vec![(1, OK)])
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -181,13 +197,7 @@ fn abort_plan(rng: &mut Rng, i: usize, mode: Mode) -> Req {
 
 fn aborts(setup: Setup, requests: usize, seed: u64) -> Driver {
     let mode = setup.mode;
-    let mut rng = Rng(seed);
-    let mut d = Driver::new(setup);
-    let reqs = (0..requests).map(|i| abort_plan(&mut rng, i, mode)).collect();
-    d.run(reqs, Duration::from_secs(40));
-    d.check();
-    eprintln!("aborts: {}", d.summary());
-    d
+    play(setup, requests, seed, Duration::from_secs(40), "aborts", |rng, i| abort_plan(rng, i, mode))
 }
 
 fn abort_setup(mode: Mode, p_tp: u16, d_tp: u16, writers: usize) -> Setup {
@@ -201,24 +211,11 @@ fn abort_setup(mode: Mode, p_tp: u16, d_tp: u16, writers: usize) -> Setup {
     s
 }
 
-#[test]
-fn push_aborts_at_every_stage_p1_d2() {
-    aborts(abort_setup(Mode::Push, 1, 2, 2), 400, 0xab01);
-}
-
-#[test]
-fn push_aborts_at_every_stage_p2_d1() {
-    aborts(abort_setup(Mode::Push, 2, 1, 1), 400, 0xab02);
-}
-
-#[test]
-fn push_aborts_at_every_stage_p2_d2() {
-    aborts(abort_setup(Mode::Push, 2, 2, 2), 300, 0xab03);
-}
-
-#[test]
-fn pull_aborts_at_every_stage() {
-    aborts(abort_setup(Mode::Pull, 2, 1, 2), 300, 0xab04);
+cases! {
+    push_aborts_at_every_stage_p1_d2 => aborts(abort_setup(Mode::Push, 1, 2, 2), 400, 0xab01);
+    push_aborts_at_every_stage_p2_d1 => aborts(abort_setup(Mode::Push, 2, 1, 1), 400, 0xab02);
+    push_aborts_at_every_stage_p2_d2 => aborts(abort_setup(Mode::Push, 2, 2, 2), 300, 0xab03);
+    pull_aborts_at_every_stage => aborts(abort_setup(Mode::Pull, 2, 1, 2), 300, 0xab04);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -231,6 +228,38 @@ fn delay_every_write(c: &Cluster, delay: Duration) -> Vec<Step> {
 
 fn wait_every_write(c: &Cluster) -> Vec<Step> {
     (0..c.p.len()).map(|w| Step::Wait(Cond::PInFlight(w))).collect()
+}
+
+/// Request `id` of 150 tokens: D registers, every write P posts for it is delayed by `delay`, P
+/// finishes, and once every write is in flight `abort` runs; P must end it as aborted, D as one of
+/// `d_out`.
+fn abort_in_flight(
+    c: &Cluster,
+    delay: Duration,
+    id: u128,
+    label: &'static str,
+    abort: &[Step],
+    d_out: &'static [DKind],
+) -> Req {
+    let mut steps = vec![Step::DAlloc(1)];
+    steps.extend(delay_every_write(c, delay));
+    steps.push(Step::PFinish(1));
+    steps.extend(wait_every_write(c));
+    steps.extend(abort.iter().cloned());
+    Req::new(label, id, 150, steps, vec![(1, Expect { p: Some(&[R::Aborted]), d: Some(d_out) })])
+}
+
+/// Every P worker released the request `t` no sooner than `delay` after it was handed over: not
+/// before its delayed write ended.
+fn assert_released_after(t: &Track, delay: Duration) {
+    let given = t.p_given_at.expect("given");
+    for (w, s) in t.p_sent.iter().enumerate() {
+        assert!(
+            s[0].1 - given >= delay,
+            "P[{w}] released {:?} after request_finished, under its delayed write",
+            s[0].1 - given
+        );
+    }
 }
 
 fn aborts_in_flight(p_tp: u16, d_tp: u16, writers: usize) {
@@ -248,42 +277,20 @@ fn aborts_in_flight_in(mut s: Setup, writers: usize) {
     // P aborts while its writes are in flight: the data still lands and verifies; P's blocks come
     // back (once) only after the writes are done.
     let id = rng.id(0);
-    let mut steps = vec![Step::DAlloc(1)];
-    steps.extend(delay_every_write(&d.c, delay));
-    steps.push(Step::PFinish(1));
-    steps.extend(wait_every_write(&d.c));
-    steps.push(Step::PAbort(1));
-    let req = Req::new(
-        "P abort in flight",
-        id,
-        150,
-        steps,
-        vec![(1, Expect { p: Some(&[R::Aborted]), d: Some(&[DKind::Received]) })],
-    );
+    let req = abort_in_flight(&d.c, delay, id, "P abort in flight", &[Step::PAbort(1)], &[DKind::Received]);
     d.run(vec![req], Duration::from_secs(20));
     let t = d.get(id, 1);
-    let given = t.p_given_at.expect("given");
-    for (w, s) in t.p_sent.iter().enumerate() {
-        assert!(
-            s[0].1 - given >= delay,
-            "P[{w}] released {:?} after request_finished, under its delayed write",
-            s[0].1 - given
-        );
-    }
+    assert_released_after(t, delay);
 
     // D aborts while P's writes are in flight: D ends at once, P releases after its writes.
     let id = rng.id(1);
-    let mut steps = vec![Step::DAlloc(1)];
-    steps.extend(delay_every_write(&d.c, delay));
-    steps.push(Step::PFinish(1));
-    steps.extend(wait_every_write(&d.c));
-    steps.extend([Step::DAbort(1), Step::Wait(Cond::DAll(1))]);
-    let req = Req::new(
-        "D abort in flight",
+    let req = abort_in_flight(
+        &d.c,
+        delay,
         id,
-        150,
-        steps,
-        vec![(1, Expect { p: Some(&[R::Aborted]), d: Some(&[DKind::Ended]) })],
+        "D abort in flight",
+        &[Step::DAbort(1), Step::Wait(Cond::DAll(1))],
+        &[DKind::Ended],
     );
     // As soon as D ended, a second request takes D's freed blocks (the pool is LIFO) while the first
     // one's write is still in flight; it must verify.
@@ -293,27 +300,15 @@ fn aborts_in_flight_in(mut s: Setup, writers: usize) {
     let follow = Req::new("reuses D blocks", next, 150, steps, vec![(1, OK)]);
     d.run(vec![req, follow], Duration::from_secs(20));
     let t = d.get(id, 1);
-    let given = t.p_given_at.expect("given");
-    for (w, s) in t.p_sent.iter().enumerate() {
-        assert!(
-            s[0].1 - given >= delay,
-            "P[{w}] released {:?} after request_finished, under its delayed write",
-            s[0].1 - given
-        );
-    }
+    assert_released_after(t, delay);
     let sorted = |b: &Option<Vec<Vec<u32>>>| b.as_ref().map(|b| b.iter().flatten().copied().collect::<HashSet<u32>>());
     assert_eq!(sorted(&d.get(next, 1).d_blocks), sorted(&t.d_blocks), "the freed blocks were not handed out again");
     d.check();
 }
 
-#[test]
-fn aborts_while_in_flight_p1_d2() {
-    aborts_in_flight(1, 2, 2);
-}
-
-#[test]
-fn aborts_while_in_flight_p2_d1() {
-    aborts_in_flight(2, 1, 1);
+cases! {
+    aborts_while_in_flight_p1_d2 => aborts_in_flight(1, 2, 2);
+    aborts_while_in_flight_p2_d1 => aborts_in_flight(2, 1, 1);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -379,19 +374,10 @@ fn reissue(p_tp: u16, d_tp: u16, writers: usize) {
     eprintln!("reissue: {}", d.summary());
 }
 
-#[test]
-fn reissue_with_stale_write_in_flight_p1_d1() {
-    reissue(1, 1, 2);
-}
-
-#[test]
-fn reissue_with_stale_write_in_flight_p2_d1() {
-    reissue(2, 1, 1);
-}
-
-#[test]
-fn reissue_with_stale_write_in_flight_p1_d2() {
-    reissue(1, 2, 2);
+cases! {
+    reissue_with_stale_write_in_flight_p1_d1 => reissue(1, 1, 2);
+    reissue_with_stale_write_in_flight_p2_d1 => reissue(2, 1, 1);
+    reissue_with_stale_write_in_flight_p1_d2 => reissue(1, 2, 2);
 }
 
 /// Many reissues at once, with random stale writes in flight, mixed with plain requests.
@@ -485,19 +471,10 @@ fn faults_one_by_one_in(mut s: Setup) {
     d.check();
 }
 
-#[test]
-fn post_failures_and_partial_transfers_fail_at_once_p1_d1() {
-    faults_one_by_one(1, 1);
-}
-
-#[test]
-fn post_failures_and_partial_transfers_fail_at_once_p2_d1() {
-    faults_one_by_one(2, 1);
-}
-
-#[test]
-fn post_failures_and_partial_transfers_fail_at_once_p1_d2() {
-    faults_one_by_one(1, 2);
+cases! {
+    post_failures_and_partial_transfers_fail_at_once_p1_d1 => faults_one_by_one(1, 1);
+    post_failures_and_partial_transfers_fail_at_once_p2_d1 => faults_one_by_one(2, 1);
+    post_failures_and_partial_transfers_fail_at_once_p1_d2 => faults_one_by_one(1, 2);
 }
 
 #[test]
@@ -565,6 +542,12 @@ fn consumer_failure_stops_the_other_producers() {
     }
 }
 
+/// Post errors, lost notifications and partial transfers, each at `rate`, from the transport's PRNG
+/// seeded with `seed`.
+fn fault_rates(rate: f64, seed: u64) -> FaultRates {
+    FaultRates { post_error: rate, lose_notification: rate, partial: rate, seed }
+}
+
 /// Random post errors, lost notifications and partial transfers under load: every request ends as
 /// the fault it met dictates, and the counts match the transport's exactly (one post per request).
 #[test]
@@ -573,12 +556,7 @@ fn random_faults_under_load_p1_d1() {
     s.writers = 2;
     s.completion_timeout = Duration::from_secs(1);
     let mut d = Driver::new(s);
-    d.c.p[0].transport.set_fault_rates(FaultRates {
-        post_error: 0.08,
-        lose_notification: 0.08,
-        partial: 0.08,
-        seed: 42,
-    });
+    d.c.p[0].transport.set_fault_rates(fault_rates(0.08, 42));
     let mut rng = Rng(0x4a7e);
     let reqs = (0..300)
         .map(|i| {
@@ -630,8 +608,7 @@ fn random_faults_under_load_p2_d2() {
     s.completion_timeout = Duration::from_secs(1);
     let mut d = Driver::new(s);
     for (i, w) in d.c.p.iter().enumerate() {
-        let rates = FaultRates { post_error: 0.05, lose_notification: 0.05, partial: 0.05, seed: 7 + i as u64 };
-        w.transport.set_fault_rates(rates);
+        w.transport.set_fault_rates(fault_rates(0.05, 7 + i as u64));
     }
     let mut rng = Rng(0x4a7f);
     d.run(faulty_requests(&mut rng, 200, "random faults"), Duration::from_secs(30));
@@ -708,14 +685,9 @@ fn leases(p_tp: u16, d_tp: u16) {
     d.check();
 }
 
-#[test]
-fn lease_expiry_p1_d2() {
-    leases(1, 2);
-}
-
-#[test]
-fn lease_expiry_p2_d1() {
-    leases(2, 1);
+cases! {
+    lease_expiry_p1_d2 => leases(1, 2);
+    lease_expiry_p2_d1 => leases(2, 1);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -806,13 +778,20 @@ fn assert_staged(d: &Driver, ctx: &str) {
     }
 }
 
+/// [`stress`] with staging on, P TP `p_tp` and D TP `d_tp`, `writers` per worker; then
+/// [`assert_staged`].
+fn staged_stress(p_tp: u16, d_tp: u16, writers: usize, requests: usize, seed: u64) -> Driver {
+    let mut s = staged(Setup::new(Mode::Push, p_tp, d_tp));
+    s.writers = writers;
+    s.num_blocks = 30_000;
+    let d = stress(s, requests, seed);
+    assert_staged(&d, &format!("P TP {p_tp}, D TP {d_tp}"));
+    d
+}
+
 #[test]
 fn staged_push_concurrent_requests_p2_d1() {
-    let mut s = staged(Setup::new(Mode::Push, 2, 1));
-    s.writers = 2;
-    s.num_blocks = 30_000;
-    let d = stress(s, 600, 0x5a9e);
-    assert_staged(&d, "P TP 2, D TP 1");
+    let d = staged_stress(2, 1, 2, 600, 0x5a9e);
     let c = d.c.p[0].engine.staging_counts().expect("on");
     assert_eq!(c.direct, 0, "every WRITE qualifies: {c:?}");
 }
@@ -835,12 +814,8 @@ fn measured_path_choice_moves_every_byte_both_ways_p2_d1() {
     }
 }
 
-#[test]
-fn staged_push_concurrent_requests_p1_d2() {
-    let mut s = staged(Setup::new(Mode::Push, 1, 2));
-    s.num_blocks = 30_000;
-    let d = stress(s, 300, 0x5a9f);
-    assert_staged(&d, "P TP 1, D TP 2");
+cases! {
+    staged_push_concurrent_requests_p1_d2 => staged_stress(1, 2, 1, 300, 0x5a9f);
 }
 
 #[test]
@@ -879,12 +854,7 @@ fn staged_random_faults_under_load_p1_d1() {
         .with_test_writer()
         .try_init();
     let mut d = Driver::new(s);
-    d.c.p[0].transport.set_fault_rates(FaultRates {
-        post_error: 0.02,
-        lose_notification: 0.02,
-        partial: 0.02,
-        seed: 43,
-    });
+    d.c.p[0].transport.set_fault_rates(fault_rates(0.02, 43));
     let mut rng = Rng(0x5a7e);
     // A lost piece holds its receive slot until the stall timeout, so requests queued behind it may
     // time out on D too, and D then aborts them on P: the same outcomes as with two producers.

@@ -18,21 +18,7 @@ use kvpush_testkit::engines::{self, poll_until, wait_for, Worker};
 use kvpush_testkit::layouts;
 
 fn topology(p_tp: u16, d_tp: u16, flag: LayerwiseFlag) -> Topology {
-    Topology {
-        layers: 6,
-        kv_heads: 4,
-        head_dim: 16,
-        p_tp,
-        d_tp,
-        p_block: 16,
-        d_block: 16,
-        num_blocks: 512,
-        window_every: 3,
-        window_tokens: 40,
-        allocator: kvpush_testkit::demo::AllocatorFlag::Fifo,
-        layerwise: flag,
-        ..Topology::default()
-    }
+    Topology { layers: 6, p_block: 16, d_block: 16, window_every: 3, layerwise: flag, ..Topology::small(p_tp, d_tp) }
 }
 
 fn workload(layerwise: bool) -> Workload {

@@ -873,22 +873,26 @@ fn an_intruder_registering_first_is_refused_and_d_receives() {
     assert_eq!((sim.intrusions, sim.intruder_fails), (2, 2));
 }
 
-#[test]
-fn registration_first_is_received() {
-    let sim = Sim::run(fixed(1), &[at(0, register(1, 0)), at(500, ready(1))]);
+/// Request 1 reached consumer rank 0 after it waited `waited_us`, through a transfer that started
+/// at `started_at`, and its producer released the blocks as sent.
+fn assert_received(sim: &Sim, waited_us: u64, started_at: u64) {
     let key = Key::new(1, 1);
-    assert!(matches!(sim.end(key, 0), Event::Received { waited_us: 560, .. }), "{:?}", sim.end(key, 0));
-    assert_eq!(sim.transfers[&(key, 0)].started_at, Instant(500));
+    match sim.end(key, 0) {
+        Event::Received { waited_us: w, .. } if *w == waited_us => {}
+        other => panic!("expected received after {waited_us} µs, got {other:?}"),
+    }
+    assert_eq!(sim.transfers[&(key, 0)].started_at, Instant(started_at));
     assert_eq!(sim.releases(key), vec![ReleaseReason::Sent]);
 }
 
 #[test]
+fn registration_first_is_received() {
+    assert_received(&Sim::run(fixed(1), &[at(0, register(1, 0)), at(500, ready(1))]), 560, 500);
+}
+
+#[test]
 fn blocks_first_is_received() {
-    let sim = Sim::run(fixed(1), &[at(0, ready(1)), at(300, register(1, 0))]);
-    let key = Key::new(1, 1);
-    assert!(matches!(sim.end(key, 0), Event::Received { waited_us: 70, .. }), "{:?}", sim.end(key, 0));
-    assert_eq!(sim.transfers[&(key, 0)].started_at, Instant(310));
-    assert_eq!(sim.releases(key), vec![ReleaseReason::Sent]);
+    assert_received(&Sim::run(fixed(1), &[at(0, ready(1)), at(300, register(1, 0))]), 70, 310);
 }
 
 #[test]
@@ -917,16 +921,22 @@ fn producer_abort_mid_transfer_releases_after_the_transfer() {
     assert!(matches!(sim.end(key, 0), Event::Received { .. }), "{:?}", sim.end(key, 0));
 }
 
+/// Request 1's producer released its blocks for `release`, and consumer rank 0 failed it as the
+/// producer told it: `kind`.
+fn assert_producer_failed(sim: &Sim, release: ReleaseReason, kind: FailureKind) {
+    let key = Key::new(1, 1);
+    assert_eq!(sim.releases(key), vec![release]);
+    match sim.end(key, 0) {
+        Event::Failed { reason: FailReason::Producer { kind: k, .. }, .. } if *k == kind => {}
+        other => panic!("expected a producer failure {kind:?}, got {other:?}"),
+    }
+}
+
 #[test]
 fn producer_abort_before_registration_fails_the_consumer_at_once() {
     let steps = [at(0, ready(1)), at(100, Op::AbortP { id: 1 }), at(100, register(1, 0))];
     let sim = Sim::run(fixed(1), &steps);
-    let key = Key::new(1, 1);
-    assert_eq!(sim.releases(key), vec![ReleaseReason::Aborted]);
-    match sim.end(key, 0) {
-        Event::Failed { reason: FailReason::Producer { kind: FailureKind::Aborted, .. }, .. } => {}
-        other => panic!("expected an abort failure, got {other:?}"),
-    }
+    assert_producer_failed(&sim, ReleaseReason::Aborted, FailureKind::Aborted);
     assert!(sim.transfers.is_empty());
 }
 
@@ -953,12 +963,7 @@ fn consumer_times_out_before_prefill_finishes() {
 fn lease_expiry_tells_the_consumer_before_its_own_timeout() {
     let steps = [at(0, ready(1)), at(1_500, register(1, 0))];
     let sim = Sim::run(fixed(1), &steps);
-    let key = Key::new(1, 1);
-    assert_eq!(sim.releases(key), vec![ReleaseReason::LeaseExpired]);
-    match sim.end(key, 0) {
-        Event::Failed { reason: FailReason::Producer { kind: FailureKind::LeaseExpired, .. }, .. } => {}
-        other => panic!("expected a lease failure, got {other:?}"),
-    }
+    assert_producer_failed(&sim, ReleaseReason::LeaseExpired, FailureKind::LeaseExpired);
 }
 
 #[test]
@@ -1034,29 +1039,21 @@ fn a_transfer_outlasting_the_lease_is_not_cut_short() {
 /// draining blocks (released under a running transfer), and the second blocks were never released.
 #[test]
 fn a_forgotten_tombstone_does_not_revive_a_draining_attempt() {
+    let fixed = fixed(2);
     let p = Params {
-        d_ranks: 2,
         rendezvous: RendezvousConfig {
             lease_us: 50,
             registration_timeout_us: 50,
             max_pending: 2,
             tombstone_us: 0,
             max_tombstones: 1,
-            max_waiting_bytes_per_engine: usize::MAX,
-            max_waiting_per_engine: usize::MAX,
-            max_engines_per_key: 4,
+            ..fixed.rendezvous
         },
-        completion: CompletionConfig {
-            timeout_us: 300,
-            max_pending: UNBOUNDED,
-            drain_timeout_us: 300,
-            quarantine_us: 300,
-        },
+        completion: CompletionConfig { timeout_us: 300, drain_timeout_us: 300, quarantine_us: 300, ..fixed.completion },
         net_us: (0, 0),
         transfer_us: (1, 34),
-        fail_pct: 0,
-        dup_pct: 0,
         seed: 3_373_198_392_924_330_895,
+        ..fixed
     };
     let steps = [
         at(0, ready(0)),

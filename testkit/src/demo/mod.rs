@@ -91,6 +91,23 @@ impl Topology {
     pub fn checks_whole_blocks(&self) -> bool {
         self.whole_block_bytes || self.p_block == self.d_block
     }
+
+    /// A small P TP `p_tp` → D TP `d_tp` pair for the engine tests: 4 KV heads of 16 elements,
+    /// 512 blocks a worker, sliding windows of 40 tokens (on no layer until `window_every` is set),
+    /// and vLLM's FIFO pool, whose scattered ids exercise both merged and unmerged copies; the rest
+    /// as [`Topology::default`]. Tests set the layers, block sizes and windows they vary.
+    pub fn small(p_tp: u16, d_tp: u16) -> Self {
+        Self {
+            kv_heads: 4,
+            head_dim: 16,
+            p_tp,
+            d_tp,
+            num_blocks: 512,
+            window_tokens: 40,
+            allocator: AllocatorFlag::Fifo,
+            ..Self::default()
+        }
+    }
 }
 
 /// `--layerwise` of an engine: [`Layerwise`].

@@ -1586,10 +1586,7 @@ impl WorkerState {
                 for w in self.workers.iter() {
                     let st = w.engine.stats();
                     let c = st.counters;
-                    engine.received += c.received;
-                    engine.failed += c.failed;
-                    engine.aborted += c.aborted;
-                    engine.posts += c.posts;
+                    add_fields!(engine, c; received, failed, aborted, posts);
                     engine.remote_failures += st.failures.remote;
                     engine.unknown_peer += st.failures.unknown_peer;
                     engine.malformed += st.failures.malformed;
@@ -1603,16 +1600,8 @@ impl WorkerState {
                     registrations += c.registrations;
                     staged_pieces += w.engine.staging_counts().map_or(0, |c| c.pieces);
                     if let Some(s) = w.side.as_ref().map(|s| s.stats()) {
-                        side.handshakes += s.handshakes;
-                        side.refused += s.refused;
-                        side.malformed += s.malformed;
-                        side.peers_lost += s.peers_lost;
-                        side.auth_failures += s.auth_failures;
-                        side.timeouts += s.timeouts;
-                        side.oversized += s.oversized;
-                        side.over_limit += s.over_limit;
-                        side.frames_in += s.frames_in;
-                        side.restarts += s.restarts;
+                        add_fields!(side, s; handshakes, refused, malformed, peers_lost, auth_failures, timeouts,
+                            oversized, over_limit, frames_in, restarts);
                     }
                 }
                 let ev = Event::Stats {

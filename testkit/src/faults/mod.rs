@@ -93,12 +93,7 @@ impl Report {
     pub fn total(&mut self) {
         let mut t = Totals::default();
         for s in &self.scenarios {
-            t.requests += s.requests;
-            t.corrupt_blocks += s.corrupt_blocks;
-            t.leaked_blocks += s.leaked_blocks;
-            t.hung += s.hung;
-            t.violations += s.violations;
-            t.seconds += s.seconds;
+            add_fields!(t, s; requests, corrupt_blocks, leaked_blocks, hung, violations, seconds);
         }
         self.totals = t;
     }

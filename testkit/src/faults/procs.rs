@@ -375,21 +375,32 @@ pub fn kill9_d_restart(opts: &Options) -> Result<ScenarioReport, ProcsError> {
     })
 }
 
+/// Runs `f` with the child process `pid` stopped: SIGSTOP before, SIGCONT after, whatever `f`
+/// returns. `pid` is one of the pair's children ([`procs::WorkerProc::pid`]), spawned by this
+/// process and not reaped while the pair lives.
+fn while_stopped<T>(pid: u32, f: impl FnOnce() -> T) -> T {
+    let pid = pid as libc::pid_t;
+    // SAFETY: kill(2) takes no memory of ours; `pid` is a child this process spawned and has not
+    // reaped (this function's contract), so the signal cannot reach a process that reused the id.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let out = f();
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    out
+}
+
 /// SIGSTOP of P with requests in flight, held past D's peer timeout (D fails P's requests and
 /// reuses their blocks for new ones), then SIGCONT: whatever P had posted must not land in the
 /// reused blocks. D then dials P again and the rest of the requests are served.
 pub fn sigstop_p(opts: &Options) -> Result<ScenarioReport, ProcsError> {
     in_rounds(opts, Mode::Push, &tweak, |tr, round| {
-        let pid = tr.pair.p.pid() as libc::pid_t;
-        // SAFETY: kill(2) on the pid of a child this process spawned and has not reaped.
-        unsafe { libc::kill(pid, libc::SIGSTOP) };
-        let lost = tr.wait_d_lost_peer(Duration::from_secs(10));
-        // D keeps serving its side while P is stopped: new registrations fail at once and their
-        // blocks (and those of the failed requests) are reused.
-        let more = tr.next + 24;
-        let served = tr.pump(Duration::from_millis(500), 48, more);
-        // SAFETY: as above.
-        unsafe { libc::kill(pid, libc::SIGCONT) };
+        let (lost, served) = while_stopped(tr.pair.p.pid(), || {
+            let lost = tr.wait_d_lost_peer(Duration::from_secs(10));
+            // D keeps serving its side while P is stopped: new registrations fail at once and their
+            // blocks (and those of the failed requests) are reused.
+            let more = tr.next + 24;
+            (lost, tr.pump(Duration::from_millis(500), 48, more))
+        });
         if !lost? {
             tr.notes.push(format!("round {round}: D never reported P lost"));
         }
@@ -409,12 +420,7 @@ pub fn sigstop_p(opts: &Options) -> Result<ScenarioReport, ProcsError> {
 /// or completes its READs, and every request D reports received is checked byte by byte.
 pub fn pull_expiry_sigstop_d(opts: &Options) -> Result<ScenarioReport, ProcsError> {
     in_rounds(opts, Mode::Pull, &tweak_pull, |tr, _round| {
-        let pid = tr.pair.d.pid() as libc::pid_t;
-        // SAFETY: kill(2) on the pid of a child this process spawned and has not reaped.
-        unsafe { libc::kill(pid, libc::SIGSTOP) };
-        std::thread::sleep(Duration::from_millis(600));
-        // SAFETY: as above.
-        unsafe { libc::kill(pid, libc::SIGCONT) };
+        while_stopped(tr.pair.d.pid(), || std::thread::sleep(Duration::from_millis(600)));
         tr.pump(Duration::from_secs(1), 0, 0)
     })
 }

@@ -49,6 +49,37 @@ fn play(params: Params, scripts: Vec<Script>, limit: Duration) -> Outcome {
     Ok(rig.finish(""))
 }
 
+/// Plays `n` requests labelled `label` on a rig of `params`, at most two minutes, and reports: the
+/// steps of request `i` are `steps(rng, i)`, its length is drawn after them ([`tokens`]), all from
+/// the one PRNG seeded with `seed`.
+fn requests(
+    params: Params,
+    seed: u64,
+    n: usize,
+    label: &'static str,
+    mut steps: impl FnMut(&mut Rng, usize) -> Vec<Step>,
+) -> Outcome {
+    let mut rng = Rng::new(seed);
+    let scripts = (0..n)
+        .map(|i| {
+            let s = steps(&mut rng, i);
+            Script::new(label, tokens(&mut rng), s)
+        })
+        .collect();
+    play(params, scripts, Duration::from_secs(120))
+}
+
+/// D registers attempt 1, P's WRITE of it is held 10 to 100 ms in the data path (set the rig's
+/// `max_delay` to 100 ms), P finishes it, then a random sleep of up to `nap_ms` ms.
+fn held_write(rng: &mut Rng, nap_ms: u64) -> Vec<Step> {
+    vec![
+        Step::DAlloc(1),
+        Step::Inject(Who::P, 0, Fault::Delay(ms(rng.between(10, 100)))),
+        Step::PFinish(1),
+        nap(rng, nap_ms),
+    ]
+}
+
 /// Staging on with small slots, so that every WRITE goes through them in pieces.
 fn staged(p: &mut Params, slots: usize) {
     p.engines.staging = crate::stress::small_staging(slots);
@@ -128,41 +159,33 @@ pub fn w2_staged_slots(opts: &Options) -> Outcome {
 /// ms) passes before P's final word, and D's outcome frees blocks the queued pieces are still
 /// granted and scattered into.
 pub fn w3_drain_timeout(opts: &Options) -> Outcome {
-    let mut rng = Rng::new(0xf3);
     let mut p = Params::new(Mode::Push, 1, 1);
     staged(&mut p, 1);
     p.engines.drain_timeout = ms(150);
     p.max_delay = ms(400);
-    let scripts = (0..opts.n(400))
-        .map(|_| {
-            let mut s = vec![Step::DAlloc(1), Step::Inject(Who::P, 0, Fault::Delay(ms(rng.between(200, 400))))];
-            s.extend([Step::PFinish(1), nap(&mut rng, 30), Step::DAbort(1)]);
-            Script::new("abort, drain times out", tokens(&mut rng), s)
-        })
-        .collect();
-    play(p, scripts, Duration::from_secs(120))
+    requests(p, 0xf3, opts.n(400), "abort, drain times out", |rng, _| {
+        let mut s = vec![Step::DAlloc(1), Step::Inject(Who::P, 0, Fault::Delay(ms(rng.between(200, 400))))];
+        s.extend([Step::PFinish(1), nap(rng, 30), Step::DAbort(1)]);
+        s
+    })
 }
 
 /// Window 4: pull; D's READ is held 400 ms in the data path while P's grant (lease and read
 /// timeout 150 ms) expires. P releases its sources (overwritten at once) and D may fail while its
 /// READ still lands in its blocks.
 pub fn w4_pull_grant_expiry(opts: &Options) -> Outcome {
-    let mut rng = Rng::new(0xf4);
     let mut p = Params::new(Mode::Pull, 1, 1);
     p.engines.lease = ms(150);
     p.engines.pull_read_timeout = ms(150);
     p.max_delay = ms(400);
-    let scripts = (0..opts.n(400))
-        .map(|i| {
-            let mut s = vec![Step::PFinish(1)];
-            if i % 2 == 0 {
-                s.push(Step::Inject(Who::D, 0, Fault::Delay(ms(rng.between(200, 400)))));
-            }
-            s.push(Step::DAlloc(1));
-            Script::new("READ outlives the grant", tokens(&mut rng), s)
-        })
-        .collect();
-    play(p, scripts, Duration::from_secs(120))
+    requests(p, 0xf4, opts.n(400), "READ outlives the grant", |rng, i| {
+        let mut s = vec![Step::PFinish(1)];
+        if i % 2 == 0 {
+            s.push(Step::Inject(Who::D, 0, Fault::Delay(ms(rng.between(200, 400)))));
+        }
+        s.push(Step::DAlloc(1));
+        s
+    })
 }
 
 /// Window 5: a completion frame on D's control link claims P's part landed before P wrote a byte;
@@ -183,25 +206,13 @@ pub fn w5_control_link_completion(opts: &Options) -> Outcome {
 /// flight, D aborts it and registers attempt 2 at once, P finishes attempt 2. Attempt 1's outcome
 /// must not complete attempt 2, nor its bytes land in attempt 2's (or reused) blocks.
 pub fn w6_attempts(opts: &Options) -> Outcome {
-    let mut rng = Rng::new(0xf6);
     let mut p = Params::new(Mode::Push, 1, 1);
     p.max_delay = ms(100);
-    let scripts = (0..opts.n(400))
-        .map(|_| {
-            let s = vec![
-                Step::DAlloc(1),
-                Step::Inject(Who::P, 0, Fault::Delay(ms(rng.between(10, 100)))),
-                Step::PFinish(1),
-                nap(&mut rng, 5),
-                Step::DAbort(1),
-                Step::DAlloc(2),
-                nap(&mut rng, 3),
-                Step::PFinish(2),
-            ];
-            Script::new("reissue over a stale WRITE", tokens(&mut rng), s)
-        })
-        .collect();
-    play(p, scripts, Duration::from_secs(120))
+    requests(p, 0xf6, opts.n(400), "reissue over a stale WRITE", |rng, _| {
+        let mut s = held_write(rng, 5);
+        s.extend([Step::DAbort(1), Step::DAlloc(2), nap(rng, 3), Step::PFinish(2)]);
+        s
+    })
 }
 
 /// Window 7: pulls naming other P blocks than P pinned (holding another request's KV), mixed with
@@ -226,20 +237,15 @@ pub fn w7_forged_pull(opts: &Options) -> Outcome {
 /// Window 8: an intruder engine (another consumer with the secret) registers the keys D registered,
 /// before or after D. Any KV it receives is counted as corrupt blocks.
 pub fn w8_intruder(opts: &Options) -> Outcome {
-    let mut rng = Rng::new(0xf8);
     let mut p = Params::new(Mode::Push, 1, 1);
     p.intruder = true;
-    let scripts = (0..opts.n(400))
-        .map(|_| {
-            let s = if rng.coin() {
-                vec![Step::DAlloc(1), Step::XAlloc(1), nap(&mut rng, 2), Step::PFinish(1)]
-            } else {
-                vec![Step::XAlloc(1), Step::DAlloc(1), nap(&mut rng, 2), Step::PFinish(1)]
-            };
-            Script::new("intruder registers the key", tokens(&mut rng), s)
-        })
-        .collect();
-    play(p, scripts, Duration::from_secs(120))
+    requests(p, 0xf8, opts.n(400), "intruder registers the key", |rng, _| {
+        if rng.coin() {
+            vec![Step::DAlloc(1), Step::XAlloc(1), nap(rng, 2), Step::PFinish(1)]
+        } else {
+            vec![Step::XAlloc(1), Step::DAlloc(1), nap(rng, 2), Step::PFinish(1)]
+        }
+    })
 }
 
 /// Requests with delayed WRITEs while a control script shuts `who` down after 300 ms. When the
@@ -302,48 +308,37 @@ pub fn cut_under_load(opts: &Options) -> Outcome {
 /// D registers late (0 to 400 ms after P finished) with a 150 ms lease: many registrations come
 /// after P released the sources (overwritten at once); D must fail those, never receive.
 pub fn lease_expiry_slow_d(opts: &Options) -> Outcome {
-    let mut rng = Rng::new(0x1ea5);
     let mut p = Params::new(Mode::Push, 1, 1);
     p.engines.lease = ms(150);
     p.engines.completion_timeout = ms(1000);
-    let scripts = (0..opts.n(600))
-        .map(|_| {
-            let s = vec![Step::PFinish(1), nap(&mut rng, 400), Step::DAlloc(1)];
-            Script::new("slow D", tokens(&mut rng), s)
-        })
-        .collect();
-    play(p, scripts, Duration::from_secs(120))
+    requests(p, 0x1ea5, opts.n(600), "slow D", |rng, _| vec![Step::PFinish(1), nap(rng, 400), Step::DAlloc(1)])
 }
 
 /// An abort on P or D at a random stage of a random request (before either leg, between them,
 /// right after, while the WRITE or READ is held in flight), P and D with two workers.
 fn aborts(opts: &Options, seed: u64, mode: Mode) -> Outcome {
-    let mut rng = Rng::new(seed);
     let mut p = Params::new(mode, 2, 2);
     p.max_delay = ms(30);
     p.engines.completion_timeout = Duration::from_secs(3);
     p.engines.lease = Duration::from_secs(3);
-    let scripts = (0..opts.n(1000))
-        .map(|_| {
-            let mut s = Vec::new();
-            if rng.percent(30) {
-                let who = if mode == Mode::Push { Who::P } else { Who::D };
-                s.push(Step::Inject(who, rng.below(2) as usize, Fault::Delay(ms(rng.below(30)))));
-            }
-            let legs = both(&mut rng, 1, mode);
-            let abort = if rng.coin() { Step::PAbort(1) } else { Step::DAbort(1) };
-            // Where the abort goes among the legs' steps (0: before all, 4: after all).
-            let at = rng.below(5) as usize;
-            s.extend(legs[..at].iter().cloned());
-            s.push(abort);
-            s.extend(legs[at..].iter().cloned());
-            if rng.percent(30) {
-                s.extend([nap(&mut rng, 5), Step::PAbort(1), Step::DAbort(1)]);
-            }
-            Script::new("abort", tokens(&mut rng), s)
-        })
-        .collect();
-    play(p, scripts, Duration::from_secs(120))
+    requests(p, seed, opts.n(1000), "abort", |rng, _| {
+        let mut s = Vec::new();
+        if rng.percent(30) {
+            let who = if mode == Mode::Push { Who::P } else { Who::D };
+            s.push(Step::Inject(who, rng.below(2) as usize, Fault::Delay(ms(rng.below(30)))));
+        }
+        let legs = both(rng, 1, mode);
+        let abort = if rng.coin() { Step::PAbort(1) } else { Step::DAbort(1) };
+        // Where the abort goes among the legs' steps (0: before all, 4: after all).
+        let at = rng.below(5) as usize;
+        s.extend(legs[..at].iter().cloned());
+        s.push(abort);
+        s.extend(legs[at..].iter().cloned());
+        if rng.percent(30) {
+            s.extend([nap(rng, 5), Step::PAbort(1), Step::DAbort(1)]);
+        }
+        s
+    })
 }
 
 pub fn aborts_push(opts: &Options) -> Outcome {
@@ -357,24 +352,20 @@ pub fn aborts_pull(opts: &Options) -> Outcome {
 /// vLLM #48633 C1: D aborts right after registering (0 to 5 ms), with P's WRITE delayed half the
 /// time; D's blocks go back (canaried) with its `Ended`, so a WRITE that lands later is counted.
 pub fn c1_d_aborts_after_registering(opts: &Options) -> Outcome {
-    let mut rng = Rng::new(0xc1);
     let mut p = Params::new(Mode::Push, 1, 1);
     p.max_delay = ms(50);
-    let scripts = (0..opts.n(800))
-        .map(|_| {
-            let mut s = vec![Step::DAlloc(1)];
-            if rng.coin() {
-                s.push(Step::Inject(Who::P, 0, Fault::Delay(ms(rng.between(5, 50)))));
-            }
-            if rng.coin() {
-                s.extend([Step::PFinish(1), nap(&mut rng, 5), Step::DAbort(1)]);
-            } else {
-                s.extend([nap(&mut rng, 5), Step::DAbort(1), nap(&mut rng, 5), Step::PFinish(1)]);
-            }
-            Script::new("D aborts after registering", tokens(&mut rng), s)
-        })
-        .collect();
-    play(p, scripts, Duration::from_secs(120))
+    requests(p, 0xc1, opts.n(800), "D aborts after registering", |rng, _| {
+        let mut s = vec![Step::DAlloc(1)];
+        if rng.coin() {
+            s.push(Step::Inject(Who::P, 0, Fault::Delay(ms(rng.between(5, 50)))));
+        }
+        if rng.coin() {
+            s.extend([Step::PFinish(1), nap(rng, 5), Step::DAbort(1)]);
+        } else {
+            s.extend([nap(rng, 5), Step::DAbort(1), nap(rng, 5), Step::PFinish(1)]);
+        }
+        s
+    })
 }
 
 /// vLLM #48633 C3: D already holds the first blocks of the prompt (a prefix-cache hit, holding the
@@ -464,63 +455,45 @@ pub fn post_failures(opts: &Options) -> Outcome {
 /// held past the lease: P must keep the sources until the WRITE ended (they are overwritten the
 /// moment P releases them).
 pub fn lease_renewal(opts: &Options) -> Outcome {
-    let mut rng = Rng::new(0x53095);
     let mut p = Params::new(Mode::Push, 1, 1);
     p.engines.lease = ms(200);
     p.max_delay = ms(300);
-    let scripts = (0..opts.n(400))
-        .map(|_| {
-            let s = vec![
-                Step::PFinish(1),
-                Step::Sleep(ms(rng.between(120, 190))),
-                Step::Inject(Who::P, 0, Fault::Delay(ms(rng.between(100, 300)))),
-                Step::DAlloc(1),
-            ];
-            Script::new("registration at the lease's end", tokens(&mut rng), s)
-        })
-        .collect();
-    play(p, scripts, Duration::from_secs(120))
+    requests(p, 0x53095, opts.n(400), "registration at the lease's end", |rng, _| {
+        vec![
+            Step::PFinish(1),
+            Step::Sleep(ms(rng.between(120, 190))),
+            Step::Inject(Who::P, 0, Fault::Delay(ms(rng.between(100, 300)))),
+            Step::DAlloc(1),
+        ]
+    })
 }
 
 /// vLLM #55470: P's request ends (abort) while its WRITE is held in flight: P's sources are
 /// overwritten the moment P releases them, so a WRITE that reads them afterwards delivers canaries,
 /// which D's check of a `Received` catches.
 pub fn write_after_p_ended(opts: &Options) -> Outcome {
-    let mut rng = Rng::new(0x55470);
     let mut p = Params::new(Mode::Push, 1, 1);
     p.max_delay = ms(100);
-    let scripts = (0..opts.n(600))
-        .map(|_| {
-            let s = vec![
-                Step::DAlloc(1),
-                Step::Inject(Who::P, 0, Fault::Delay(ms(rng.between(10, 100)))),
-                Step::PFinish(1),
-                nap(&mut rng, 20),
-                Step::PAbort(1),
-            ];
-            Script::new("P ends mid-WRITE", tokens(&mut rng), s)
-        })
-        .collect();
-    play(p, scripts, Duration::from_secs(120))
+    requests(p, 0x55470, opts.n(600), "P ends mid-WRITE", |rng, _| {
+        let mut s = held_write(rng, 20);
+        s.push(Step::PAbort(1));
+        s
+    })
 }
 
 /// vLLM #56104 / #58188: P and D with two workers, so every request has several transfer handles;
 /// one handle of a third of them fails half way or is held, while the others complete.
 pub fn several_handles(opts: &Options) -> Outcome {
-    let mut rng = Rng::new(0x56104);
     let mut p = Params::new(Mode::Push, 2, 2);
     p.max_delay = ms(50);
-    let scripts = (0..opts.n(800))
-        .map(|i| {
-            let mut s = Vec::new();
-            match i % 3 {
-                0 => s.push(Step::Inject(Who::P, rng.below(2) as usize, Fault::Partial)),
-                1 => s.push(Step::Inject(Who::P, rng.below(2) as usize, Fault::Delay(ms(rng.between(5, 50))))),
-                _ => {}
-            }
-            s.extend(both(&mut rng, 1, Mode::Push));
-            Script::new("several handles", tokens(&mut rng), s)
-        })
-        .collect();
-    play(p, scripts, Duration::from_secs(120))
+    requests(p, 0x56104, opts.n(800), "several handles", |rng, i| {
+        let mut s = Vec::new();
+        match i % 3 {
+            0 => s.push(Step::Inject(Who::P, rng.below(2) as usize, Fault::Partial)),
+            1 => s.push(Step::Inject(Who::P, rng.below(2) as usize, Fault::Delay(ms(rng.between(5, 50))))),
+            _ => {}
+        }
+        s.extend(both(rng, 1, Mode::Push));
+        s
+    })
 }
