@@ -644,7 +644,18 @@ impl Staged {
                 let chooser = st.choosers.entry(peer.to_owned()).or_default();
                 let before = chooser.explored(Path::Direct) + chooser.explored(Path::Staged);
                 let path = chooser.choose(shape);
-                st.counts.explored += chooser.explored(Path::Direct) + chooser.explored(Path::Staged) - before;
+                let explored = chooser.explored(Path::Direct) + chooser.explored(Path::Staged) - before;
+                st.counts.explored += explored;
+                tracing::debug!(
+                    peer,
+                    descs = shape.descs,
+                    bytes = shape.bytes,
+                    ?path,
+                    explored = explored > 0,
+                    direct_us = chooser.predict(Path::Direct, shape),
+                    staged_us = chooser.predict(Path::Staged, shape),
+                    "staging: path chosen"
+                );
                 path
             }
         }
@@ -670,6 +681,8 @@ impl Staged {
         st.served_until.insert(t.peer.clone(), now);
         if completed {
             let nanos = now.duration_since(from).as_nanos().min(u128::from(u64::MAX)) as u64;
+            tracing::debug!(peer = %t.peer, path = ?t.path, descs = t.shape.descs, bytes = t.shape.bytes,
+                us = nanos / 1000, "staging: path timed");
             st.choosers.entry(t.peer).or_default().observe(t.path, t.shape, nanos);
         }
     }
