@@ -62,7 +62,7 @@ use std::time::{Duration, Instant};
 
 use super::{Desc, Fence, Notification, Op, Transport, TransportError, Units, Waker, XferId, XferState};
 use crate::device::stage::{BadEntry, StageEntry, Stager, ENTRY_BYTES, STAGE_ALIGN};
-use crate::device::{Buffer, Device, MemRegion};
+use crate::device::{Buffer, Device, MemRegion, RegionSet};
 use crate::proto::path::{Path, PathChooser, Shape};
 use crate::proto::plan::Grid;
 use crate::proto::staging::frame::Reader;
@@ -417,7 +417,7 @@ impl Outgoing {
 struct State {
     stager: Box<dyn Stager>,
     /// Registered KV memory (what a receive table may point into).
-    regions: Vec<MemRegion>,
+    regions: RegionSet,
     peers: HashMap<String, PeerCaps>,
     out: HashMap<u64, Outgoing>,
     /// Outgoing tags in post order (gathers are served in this order).
@@ -558,7 +558,7 @@ impl Staged {
         tracing::debug!(slots = cfg.slots, slot_bytes = cfg.slot_bytes, kind = %stager.kind(), "staging slots registered");
         let state = State {
             stager,
-            regions: Vec::new(),
+            regions: RegionSet::default(),
             peers: HashMap::new(),
             out: HashMap::new(),
             out_order: VecDeque::new(),
@@ -629,7 +629,7 @@ impl Staged {
                 return None;
             }
             if !last.is_some_and(|r| r.contains(d.local, d.len)) {
-                last = Some(st.regions.iter().find(|r| r.contains(d.local, d.len))?);
+                last = Some(st.regions.find(d.local, d.len)?);
             }
             total += d.len;
         }
@@ -728,7 +728,7 @@ impl Staged {
                 for (p, &(lo, hi)) in ext.iter().enumerate().filter(|(_, e)| e.0 < e.1) {
                     let (addr, len) = (r.src[p].checked_add(lo)?, hi - lo);
                     if !last.is_some_and(|m| m.contains(addr, len)) {
-                        last = Some(st.regions.iter().find(|m| m.contains(addr, len))?);
+                        last = Some(st.regions.find(addr, len)?);
                     }
                 }
             }
@@ -1184,7 +1184,7 @@ impl Staged {
                 let e = StageEntry::from_bytes(&b);
                 let in_data = u64::from(e.off) + u64::from(e.len) <= bytes;
                 let inside = last.is_some_and(|r| r.contains(e.addr, u64::from(e.len))) || {
-                    last = regions.iter().find(|r| r.contains(e.addr, u64::from(e.len))).copied();
+                    last = regions.find(e.addr, u64::from(e.len)).copied();
                     last.is_some()
                 };
                 if !e.aligned() || !in_data || !inside {
@@ -1283,12 +1283,12 @@ impl Transport for Staged {
     unsafe fn register(&self, region: &MemRegion) -> Result<(), TransportError> {
         // SAFETY: forwarded; the caller's contract is the inner transport's.
         unsafe { self.inner.register(region) }?;
-        lock(&self.state).regions.push(*region);
+        lock(&self.state).regions.insert(*region);
         Ok(())
     }
 
     fn deregister(&self, region: &MemRegion) -> Result<(), TransportError> {
-        lock(&self.state).regions.retain(|r| r != region);
+        lock(&self.state).regions.remove(region);
         self.inner.deregister(region)
     }
 
@@ -1685,9 +1685,9 @@ mod tests {
             // Not registered memory.
             assert!(a.qualifies_grid(&st, "b", &grid).is_none());
             // Rows 0 and 1 registered, row 2 not.
-            st.regions.push(region(0x1000_0000, 2 << 20));
+            st.regions.insert(region(0x1000_0000, 2 << 20));
             assert!(a.qualifies_grid(&st, "b", &grid).is_none());
-            st.regions.push(region(0x1000_0000 + (2 << 20), 1 << 20));
+            st.regions.insert(region(0x1000_0000 + (2 << 20), 1 << 20));
             assert_eq!(a.qualifies_grid(&st, "b", &grid), Some(caps));
             assert!(a.qualifies(&st, Op::Write, "b", &expanded(&grid)).is_some(), "its expansion qualifies too");
             // A misaligned cell or base disqualifies it.
