@@ -665,15 +665,16 @@ fn cuda_stager_refuses_misaligned_entries_and_unknown_lanes() {
 }
 
 /// The checked scatter: the peer's table in device memory is snapshotted, the check sees it whole,
-/// a refused table scatters nothing, an accepted one scatters every byte, and rewriting the table
-/// after the call changes nothing.
+/// a refused table scatters nothing (the lane reports the refusal), an accepted one scatters every
+/// byte, and the kernel scatters the snapshot the check saw: a table rewritten while the check runs
+/// changes nothing.
 #[test]
 fn cuda_stager_scatters_a_checked_snapshot_of_a_device_table() {
     let Some(dev) = gpu_or_skip() else { return };
     let (cache_len, slot_len) = (16u64 << 20, 4u64 << 20);
     let slot = dev.alloc_cuda(slot_len).unwrap();
     let cache = dev.alloc_cuda(cache_len).unwrap();
-    let table = dev.alloc_cuda(1024 * 16).unwrap();
+    let table = std::sync::Arc::new(dev.alloc_cuda(1024 * 16).unwrap());
     let data = word_pattern(slot_len as usize, 0xab5e);
     slot.write_at(0, &data).unwrap();
     let picks = random_entries(cache_len, slot_len, 0x7ab1e);
@@ -683,21 +684,48 @@ fn cuda_stager_scatters_a_checked_snapshot_of_a_device_table() {
         picks.iter().flat_map(|&(at, off, len)| StageEntry { addr: c + at, off, len }.to_bytes()).collect();
     table.write_at(0, &bytes).unwrap();
     let mut st = dev.stager(2, 1024).unwrap().expect("the CUDA device has a stager");
-    let mut seen = Vec::new();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let saw = std::sync::Arc::clone(&seen);
     // SAFETY: refused by the check; nothing is scattered.
-    let err = unsafe {
-        st.scatter_table(0, t, picks.len(), s, &mut |tb: &[u8]| {
-            seen = tb.to_vec();
-            Err(BadEntry { index: 0, addr: 0, len: 16, off: 0 })
-        })
-    }
-    .unwrap_err();
+    let queued = unsafe {
+        st.scatter_table(
+            0,
+            t,
+            picks.len(),
+            s,
+            Box::new(move |tb: &[u8]| {
+                *saw.lock().unwrap() = tb.to_vec();
+                Err(BadEntry { index: 0, addr: 0, len: 16, off: 0 })
+            }),
+        )
+    };
+    // The stager may check at once or once its snapshot is taken: then the lane reports it.
+    let err = queued.and_then(|()| loop {
+        if st.is_done(0)? {
+            break Ok(());
+        }
+    });
+    let err = err.unwrap_err();
     assert!(err.to_string().contains("entry 0 (0x0+16 from offset 0)"), "{err}");
-    assert_eq!(seen, bytes, "the check sees the table as written");
+    assert_eq!(*seen.lock().unwrap(), bytes, "the check sees the table as written");
+    // The check rewrites the peer's table before accepting it: the kernel must still scatter the
+    // snapshot the check saw.
+    let peer_table = std::sync::Arc::clone(&table);
+    let zeros = vec![0u8; bytes.len()];
     // SAFETY: every entry lies in `cache` (destinations) and `slot` (sources); waited for below.
-    unsafe { st.scatter_table(1, t, picks.len(), s, &mut |_: &[u8]| Ok(())) }.unwrap();
-    // Rewriting the peer's table now must not matter: the kernel reads the snapshot.
-    table.write_at(0, &vec![0u8; bytes.len()]).unwrap();
+    unsafe {
+        st.scatter_table(
+            1,
+            t,
+            picks.len(),
+            s,
+            Box::new(move |_: &[u8]| {
+                peer_table.write_at(0, &zeros).unwrap();
+                Ok(())
+            }),
+        )
+    }
+    .unwrap();
     wait_lane(st.as_mut(), 1);
     let mut got = vec![0u8; cache_len as usize];
     cache.read_at(0, &mut got).unwrap();

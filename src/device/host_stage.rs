@@ -19,7 +19,7 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{unbounded, Sender};
 
-use super::stage::{check_entries, check_table, BadEntry, HostStager, StageEntry, Stager, ENTRY_BYTES};
+use super::stage::{check_entries, check_table, BadEntry, HostStager, StageEntry, Stager, TableCheck, ENTRY_BYTES};
 use super::{DeviceError, DeviceKind};
 
 /// Which way a job copies.
@@ -190,7 +190,7 @@ impl Stager for CopyThread {
         table_at: u64,
         n: usize,
         slot: u64,
-        check: &mut dyn FnMut(&[u8]) -> Result<(), BadEntry>,
+        mut check: TableCheck,
     ) -> Result<(), DeviceError> {
         let mut snapshot = vec![0u8; n * ENTRY_BYTES];
         // SAFETY: the caller guarantees the table's bytes are readable host memory.
@@ -281,10 +281,17 @@ mod tests {
         wait(&mut st, 1);
         // SAFETY: as above; the check accepts only entries inside `dst`.
         unsafe {
-            st.scatter_table(3, table_at, picks.len(), slot_at, &mut |t: &[u8]| {
-                assert_eq!(t, &remote[..], "the check sees the table as written");
-                Ok(())
-            })
+            let written = remote.clone();
+            st.scatter_table(
+                3,
+                table_at,
+                picks.len(),
+                slot_at,
+                Box::new(move |t: &[u8]| {
+                    assert_eq!(t, &written[..], "the check sees the table as written");
+                    Ok(())
+                }),
+            )
         }
         .unwrap();
         wait(&mut st, 3);
@@ -308,9 +315,13 @@ mod tests {
         dst.as_mut_slice().fill(0);
         // SAFETY: refused by the check before anything is queued.
         let err = unsafe {
-            st.scatter_table(2, table_at, picks.len(), slot_at, &mut |_: &[u8]| {
-                Err(BadEntry { index: 0, addr: 0xdead, len: 16, off: 0 })
-            })
+            st.scatter_table(
+                2,
+                table_at,
+                picks.len(),
+                slot_at,
+                Box::new(|_: &[u8]| Err(BadEntry { index: 0, addr: 0xdead, len: 16, off: 0 })),
+            )
         }
         .unwrap_err();
         assert!(err.to_string().contains("0xdead"), "{err}");

@@ -29,6 +29,10 @@ pub struct StageEntry {
     pub len: u32,
 }
 
+/// What [`Stager::scatter_table`] runs on a table's snapshot before scattering it: `Err` names the
+/// first entry it refuses. Owned, since a stager may run it after the call returns.
+pub type TableCheck = Box<dyn FnMut(&[u8]) -> Result<(), BadEntry> + Send>;
+
 /// A scatter-table entry the receiver refused ([`Stager::scatter_table`]'s check): it is misaligned,
 /// reads past the piece's data, or writes outside the receiver's registered KV memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -118,7 +122,10 @@ pub trait Stager: Send + fmt::Debug {
     /// table area that a peer wrote), hands it to `check` in table form, and only if `check` accepts
     /// it starts the scatter the snapshot describes on `lane` (as [`Stager::scatter`]). The scatter
     /// reads the snapshot, never `table_at` again, so a writer that changes the table after the
-    /// check changes nothing. The default reads the table with [`Stager::read`].
+    /// check changes nothing. The default reads the table with [`Stager::read`] and checks it before
+    /// returning; a stager whose snapshot is an asynchronous copy may check it later, in
+    /// [`Stager::is_done`], which then reports a rejected table as the lane's error (nothing was
+    /// scattered).
     ///
     /// # Safety
     ///
@@ -130,7 +137,7 @@ pub trait Stager: Send + fmt::Debug {
         table_at: u64,
         n: usize,
         slot: u64,
-        check: &mut dyn FnMut(&[u8]) -> Result<(), BadEntry>,
+        mut check: TableCheck,
     ) -> Result<(), DeviceError> {
         let mut table = vec![0u8; n * ENTRY_BYTES];
         // SAFETY: the caller guarantees the table's bytes are readable memory of this device.
@@ -357,20 +364,27 @@ mod tests {
         }
         let table_at = table.as_mut_slice().as_ptr() as u64;
         let mut st = HostStager::new(DeviceKind::Host, 8);
-        let mut seen = 0;
+        let seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let saw = std::sync::Arc::clone(&seen);
         // SAFETY: refused by the check before anything is copied.
         let err = unsafe {
-            st.scatter_table(0, table_at, 2, slot_at, &mut |t: &[u8]| {
-                seen = t.len();
-                Err(BadEntry { index: 1, addr: 0xdead, len: 16, off: 0 })
-            })
+            st.scatter_table(
+                0,
+                table_at,
+                2,
+                slot_at,
+                Box::new(move |t: &[u8]| {
+                    saw.store(t.len(), std::sync::atomic::Ordering::Relaxed);
+                    Err(BadEntry { index: 1, addr: 0xdead, len: 16, off: 0 })
+                }),
+            )
         }
         .unwrap_err();
         assert!(err.to_string().contains("entry 1 (0xdead+16 from offset 0)"), "{err}");
-        assert_eq!(seen, 32, "the check sees the whole table");
+        assert_eq!(seen.load(std::sync::atomic::Ordering::Relaxed), 32, "the check sees the whole table");
         assert!(dst.as_mut_slice().iter().all(|&b| b == 0), "nothing scattered");
         // SAFETY: the entries lie in `dst` and `slot`, which outlive the call.
-        unsafe { st.scatter_table(0, table_at, 2, slot_at, &mut |_: &[u8]| Ok(())) }.unwrap();
+        unsafe { st.scatter_table(0, table_at, 2, slot_at, Box::new(|_: &[u8]| Ok(()))) }.unwrap();
         let (d, sl) = (dst.as_mut_slice().to_vec(), slot.as_mut_slice().to_vec());
         assert_eq!(d[1024..1088], sl[..64]);
         assert_eq!(d[..32], sl[64..96]);

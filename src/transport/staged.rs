@@ -62,7 +62,7 @@ use std::time::{Duration, Instant};
 
 use super::{Desc, Fence, Notification, Op, Transport, TransportError, Units, Waker, XferId, XferState};
 use crate::device::stage::{BadEntry, StageEntry, Stager, ENTRY_BYTES, STAGE_ALIGN};
-use crate::device::{Buffer, Device, MemRegion};
+use crate::device::{Buffer, Device, MemRegion, RegionSet};
 use crate::proto::path::{Path, PathChooser, Shape};
 use crate::proto::plan::Grid;
 use crate::proto::staging::frame::Reader;
@@ -416,8 +416,10 @@ impl Outgoing {
 
 struct State {
     stager: Box<dyn Stager>,
-    /// Registered KV memory (what a receive table may point into).
-    regions: Vec<MemRegion>,
+    /// Registered KV memory (what a receive table may point into). Shared with the checks of
+    /// scatters a stager has not started yet, which must see a region deregistered meanwhile gone;
+    /// never locked while taking `state`.
+    regions: Arc<Mutex<RegionSet>>,
     peers: HashMap<String, PeerCaps>,
     out: HashMap<u64, Outgoing>,
     /// Outgoing tags in post order (gathers are served in this order).
@@ -558,7 +560,7 @@ impl Staged {
         tracing::debug!(slots = cfg.slots, slot_bytes = cfg.slot_bytes, kind = %stager.kind(), "staging slots registered");
         let state = State {
             stager,
-            regions: Vec::new(),
+            regions: Arc::default(),
             peers: HashMap::new(),
             out: HashMap::new(),
             out_order: VecDeque::new(),
@@ -623,13 +625,14 @@ impl Staged {
         }
         let caps = *st.peers.get(peer)?;
         // One pass: the total, and every descriptor aligned, non-empty and in registered memory.
+        let regions = lock(&st.regions);
         let (mut total, mut last) = (0u64, None::<&MemRegion>);
         for d in descs {
             if !(d.local | d.remote | d.len).is_multiple_of(STAGE_ALIGN) || d.len == 0 {
                 return None;
             }
             if !last.is_some_and(|r| r.contains(d.local, d.len)) {
-                last = Some(st.regions.iter().find(|r| r.contains(d.local, d.len))?);
+                last = Some(regions.find(d.local, d.len)?);
             }
             total += d.len;
         }
@@ -644,7 +647,18 @@ impl Staged {
                 let chooser = st.choosers.entry(peer.to_owned()).or_default();
                 let before = chooser.explored(Path::Direct) + chooser.explored(Path::Staged);
                 let path = chooser.choose(shape);
-                st.counts.explored += chooser.explored(Path::Direct) + chooser.explored(Path::Staged) - before;
+                let explored = chooser.explored(Path::Direct) + chooser.explored(Path::Staged) - before;
+                st.counts.explored += explored;
+                tracing::debug!(
+                    peer,
+                    descs = shape.descs,
+                    bytes = shape.bytes,
+                    ?path,
+                    explored = explored > 0,
+                    direct_us = chooser.predict(Path::Direct, shape),
+                    staged_us = chooser.predict(Path::Staged, shape),
+                    "staging: path chosen"
+                );
                 path
             }
         }
@@ -670,6 +684,8 @@ impl Staged {
         st.served_until.insert(t.peer.clone(), now);
         if completed {
             let nanos = now.duration_since(from).as_nanos().min(u128::from(u64::MAX)) as u64;
+            tracing::debug!(peer = %t.peer, path = ?t.path, descs = t.shape.descs, bytes = t.shape.bytes,
+                us = nanos / 1000, "staging: path timed");
             st.choosers.entry(t.peer).or_default().observe(t.path, t.shape, nanos);
         }
     }
@@ -696,6 +712,7 @@ impl Staged {
         }
         let caps = *st.peers.get(peer)?;
         let aligned = |x: u64| x.is_multiple_of(STAGE_ALIGN);
+        let regions = lock(&st.regions);
         let mut last = None::<&MemRegion>;
         for g in &grid.groups {
             let cells = &grid.cells[g.cells.clone()];
@@ -715,7 +732,7 @@ impl Staged {
                 for (p, &(lo, hi)) in ext.iter().enumerate().filter(|(_, e)| e.0 < e.1) {
                     let (addr, len) = (r.src[p].checked_add(lo)?, hi - lo);
                     if !last.is_some_and(|m| m.contains(addr, len)) {
-                        last = Some(st.regions.iter().find(|m| m.contains(addr, len))?);
+                        last = Some(regions.find(addr, len)?);
                     }
                 }
             }
@@ -1163,7 +1180,11 @@ impl Staged {
         let base = self.recv_slot(s);
         let State { stager, regions, .. } = st;
         // Every entry must name an aligned range of registered KV memory and a range of the piece.
-        let mut check = |table: &[u8]| -> Result<(), BadEntry> {
+        // The stager may run the check after this returns (once its snapshot is taken): it reads
+        // the regions registered then.
+        let regions = Arc::clone(regions);
+        let check = move |table: &[u8]| -> Result<(), BadEntry> {
+            let regions = lock(&regions);
             let mut last: Option<MemRegion> = None;
             for (k, c) in table.chunks_exact(ENTRY_BYTES).enumerate() {
                 let mut b = [0u8; ENTRY_BYTES];
@@ -1171,7 +1192,7 @@ impl Staged {
                 let e = StageEntry::from_bytes(&b);
                 let in_data = u64::from(e.off) + u64::from(e.len) <= bytes;
                 let inside = last.is_some_and(|r| r.contains(e.addr, u64::from(e.len))) || {
-                    last = regions.iter().find(|r| r.contains(e.addr, u64::from(e.len))).copied();
+                    last = regions.find(e.addr, u64::from(e.len)).copied();
                     last.is_some()
                 };
                 if !e.aligned() || !in_data || !inside {
@@ -1187,7 +1208,7 @@ impl Staged {
         // with this transport (whose owner lets transfers write a registered request's blocks until
         // it is received), and the slot's data area holds the landed piece, not written again until
         // this scatter is done and the slot granted anew.
-        unsafe { stager.scatter_table(self.cfg.slots + s, base, n, base + self.cfg.table_bytes(), &mut check) }
+        unsafe { stager.scatter_table(self.cfg.slots + s, base, n, base + self.cfg.table_bytes(), Box::new(check)) }
             .map_err(|e| format!("scatter: {e}"))
     }
 
@@ -1270,12 +1291,14 @@ impl Transport for Staged {
     unsafe fn register(&self, region: &MemRegion) -> Result<(), TransportError> {
         // SAFETY: forwarded; the caller's contract is the inner transport's.
         unsafe { self.inner.register(region) }?;
-        lock(&self.state).regions.push(*region);
+        let regions = Arc::clone(&lock(&self.state).regions);
+        lock(&regions).insert(*region);
         Ok(())
     }
 
     fn deregister(&self, region: &MemRegion) -> Result<(), TransportError> {
-        lock(&self.state).regions.retain(|r| r != region);
+        let regions = Arc::clone(&lock(&self.state).regions);
+        lock(&regions).remove(region);
         self.inner.deregister(region)
     }
 
@@ -1672,9 +1695,9 @@ mod tests {
             // Not registered memory.
             assert!(a.qualifies_grid(&st, "b", &grid).is_none());
             // Rows 0 and 1 registered, row 2 not.
-            st.regions.push(region(0x1000_0000, 2 << 20));
+            lock(&st.regions).insert(region(0x1000_0000, 2 << 20));
             assert!(a.qualifies_grid(&st, "b", &grid).is_none());
-            st.regions.push(region(0x1000_0000 + (2 << 20), 1 << 20));
+            lock(&st.regions).insert(region(0x1000_0000 + (2 << 20), 1 << 20));
             assert_eq!(a.qualifies_grid(&st, "b", &grid), Some(caps));
             assert!(a.qualifies(&st, Op::Write, "b", &expanded(&grid)).is_some(), "its expansion qualifies too");
             // A misaligned cell or base disqualifies it.
