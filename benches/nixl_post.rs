@@ -10,7 +10,7 @@
 //!   for one-unit descriptors);
 //! * `repost`: a request made once and posted again (the floor: no request set-up at all);
 //!
-//! then `postXferReq`, then the status polled until it is done (`complete`, the receiver's
+//! then `postXferReq` (after `--gap-us` asleep, as a writer waiting for the next layer), then the status polled until it is done (`complete`, the receiver's
 //! notifications drained meanwhile), then the request released. Each call is timed on its own
 //! (`Instant`, µs, median and p90 over `--iters`).
 //!
@@ -65,6 +65,9 @@ struct Args {
     counts: Vec<u64>,
     #[arg(long, default_value_t = 200)]
     iters: u32,
+    /// Sleep this long before each post, as a writer that waits for the next layer does.
+    #[arg(long, default_value_t = 0)]
+    gap_us: u64,
     /// D's agent in this process too (without it D runs in a child process, as kvpush's peers do).
     #[arg(long)]
     one_process: bool,
@@ -336,10 +339,11 @@ fn run(args: &Args) -> Result<(), String> {
         return Err(format!("--pool {} is less than twice the largest count {max_count}", args.pool));
     }
     println!(
-        "memory {:?}, pool {} units, {} iterations per case, {}",
+        "memory {:?}, pool {} units, {} iterations per case, {} µs asleep before each post, {}",
         args.memory,
         args.pool,
         args.iters,
+        args.gap_us,
         if !args.one_process { "D in a child process" } else { "one process" }
     );
     println!("| unit | descriptors | way | make µs p50 / p90 | post µs p50 / p90 | complete µs p50 | release µs p50 |");
@@ -404,6 +408,9 @@ fn run(args: &Args) -> Result<(), String> {
                 let idx = b.indices(count, iter, args.pool);
                 for (w, c) in calls.iter_mut().enumerate() {
                     let a = b.args(b"note")?;
+                    if args.gap_us > 0 {
+                        std::thread::sleep(Duration::from_micros(args.gap_us));
+                    }
                     let t0 = Instant::now();
                     let (req, a) = match w {
                         0 => (Some(b.built(&idx, &a)?), a),
