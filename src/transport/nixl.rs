@@ -419,6 +419,20 @@ impl NixlTransport {
     }
 }
 
+/// Traces what one post spent making its request (`started` to `made`: lists built or indexed,
+/// `createXferReq` or `makeXferReq`) and in `postXferReq` (`made` to now).
+fn trace_post(peer: &str, descs: usize, prepared: bool, started: std::time::Instant, made: std::time::Instant) {
+    let posted = std::time::Instant::now();
+    tracing::trace!(
+        %peer,
+        descs,
+        prepared,
+        make_us = (made - started).as_secs_f64() * 1e6,
+        post_us = (posted - made).as_secs_f64() * 1e6,
+        "NIXL post"
+    );
+}
+
 impl Transport for NixlTransport {
     fn name(&self) -> &str {
         &self.name
@@ -583,6 +597,9 @@ impl Transport for NixlTransport {
             Op::Write => XferOp::Write,
             Op::Read => XferOp::Read,
         };
+        // What NIXL's calls cost, apart from the rest of a post (docs/benchmarks.md, "The fixed cost
+        // of one NIXL post"): traced per post.
+        let started = std::time::Instant::now();
         if let Some(lists) = self.prepared_pair(peer) {
             if let Some((li, ri)) = Self::indices(&lists, descs) {
                 let args =
@@ -592,9 +609,11 @@ impl Transport for NixlTransport {
                     .agent
                     .make_xfer_req(xop, &lists.0.handle.0, &li, &lists.1.handle.0, &ri, Some(&args))
                     .map_err(|e| call_err("makeXferReq", Some(peer), &e, what()))?;
+                let made = std::time::Instant::now();
                 self.agent
                     .post_xfer_req(&req, Some(&args))
                     .map_err(|e| call_err("postXferReq", Some(peer), &e, what()))?;
+                trace_post(peer, descs.len(), true, started, made);
                 self.posted_prepared.fetch_add(1, Ordering::Relaxed);
                 let id = self.next.fetch_add(1, Ordering::Relaxed);
                 lock(&self.xfers).insert(id, Posted { req, peer: peer.to_owned(), _lists: Some(lists) });
@@ -637,9 +656,11 @@ impl Transport for NixlTransport {
             .agent
             .create_xfer_req(xop, &local, &remote, peer, Some(&args))
             .map_err(|e| call_err("createXferReq", Some(peer), &e, format!("{op:?} of {} descriptors", descs.len())))?;
+        let made = std::time::Instant::now();
         self.agent
             .post_xfer_req(&req, Some(&args))
             .map_err(|e| call_err("postXferReq", Some(peer), &e, format!("{op:?} of {} descriptors", descs.len())))?;
+        trace_post(peer, descs.len(), false, started, made);
         self.posted_built.fetch_add(1, Ordering::Relaxed);
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         lock(&self.xfers).insert(id, Posted { req, peer: peer.to_owned(), _lists: None });
