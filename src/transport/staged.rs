@@ -958,11 +958,13 @@ impl Staged {
                         }
                         Ok(true) if grant.is_none() => {
                             any = true;
+                            tracing::trace!(tag, piece = i, lane, "staging: gathered, waiting for a grant");
                             o.pieces[i].state = PieceState::Gathered { lane };
                         }
                         Ok(true) => {
                             let (slot, addr) = grant.unwrap_or_default();
                             any = true;
+                            tracing::trace!(tag, piece = i, lane, "staging: gathered");
                             let p = &o.pieces[i];
                             let base = self.send_slot(lane);
                             let descs = [
