@@ -917,6 +917,14 @@ impl Drop for SideChannel {
         // Wake the accept loop.
         let _ = TcpStream::connect_timeout(&self.inner.local, Duration::from_millis(200));
         let conns: Vec<Arc<Conn>> = lock(&self.inner.conns).drain().map(|(_, c)| c).collect();
+        if !conns.is_empty() {
+            // The peers see these connections end with nothing lost on this side: say why here.
+            tracing::info!(
+                listen = %self.inner.local,
+                connections = conns.len(),
+                "side channel stopping with its engine: closing its connections"
+            );
+        }
         for c in conns {
             c.closed.store(true, Ordering::SeqCst);
             c.shut();
