@@ -24,6 +24,7 @@ import os
 import sys
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -377,6 +378,9 @@ def full_layer_groups(
 
 # The engine's lease when ``lease_ms`` is 0 (src/proto/rendezvous.rs, RendezvousConfig::default).
 ENGINE_LEASE_MS = 30_000
+# D: how many of its latest registrations the scheduler half remembers (``_Scheduler.registered``). vLLM's
+# rejection stand-in for a request follows that request's end within its HTTP answer.
+REGISTERED_MEMORY = 4096
 
 
 class _Scheduler:
@@ -419,6 +423,10 @@ class _Scheduler:
         # to P, and when to send it next, monotonic seconds). P's lease runs from the end of its
         # prefill; while D queues, D restarts it every third of a lease.
         self.queued: dict[str, tuple[ToProducer, float]] = {}
+        # D: the transfers registered lately (transfer key, attempt) -> req_id, the newest
+        # REGISTERED_MEMORY: a request vLLM finishes still asking for remote KV whose transfer is one
+        # of these is not a drop (``_drop``).
+        self.registered: OrderedDict[tuple[str, int], str] = OrderedDict()
         self.hold_every = (cfg.lease_ms or ENGINE_LEASE_MS) / 3000.0
         self.timeline = timeline.SchedulerTrack()
 
@@ -499,6 +507,9 @@ class _Scheduler:
             )
         )
         self.receiving[request.request_id] = (transfer.key, transfer.attempt)
+        self.registered[(transfer.key, transfer.attempt)] = request.request_id
+        while len(self.registered) > REGISTERED_MEMORY:
+            self.registered.popitem(last=False)
         timeline.record("d_alloc", transfer.key, transfer.attempt)
         # Registered once: a re-entry (preemption, reschedule) must not register again.
         request.kv_transfer_params["do_remote_prefill"] = False
@@ -562,6 +573,22 @@ class _Scheduler:
         if note is None:
             return  # nothing names the producer's transfer: its lease ends it
         request.kv_transfer_params["do_remote_prefill"] = False
+        owner = self.registered.get((note.transfer_id, note.attempt))
+        if owner is not None and owner != request.request_id:
+            # vLLM's serving layer answers a request that ended in error (a failed or quarantined load
+            # under the "fail" policy: HTTP 500) as one that never reached the engine: it submits a
+            # pre-aborted stand-in with the request's kv_transfer_params
+            # (AsyncLLM.notify_kv_transfer_request_rejected, abort_immediately) so that this hook frees
+            # P. The request did reach us and registered this transfer: P hears of its end from the
+            # request's own outcome (its failure or abort), and telling P to drop it is not ours.
+            logger.debug(
+                "kvpush: request %s: vLLM's rejection stand-in for transfer %s, registered by request %s; "
+                "not a drop",
+                request.request_id,
+                note.transfer_id,
+                owner,
+            )
+            return
         self.meta.dropped.append(note)
         timeline.record("d_dropped", note.transfer_id, note.attempt)
         logger.warning(

@@ -48,6 +48,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::io::{Read, Write};
+use std::mem::ManuallyDrop;
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -545,7 +546,12 @@ struct Conn {
     incarnation: Incarnation,
     /// This connection's number (what the engine knows it by).
     id: ConnId,
-    stream: TcpStream,
+    /// Closed when the connection is dropped, unless `fd_gone`.
+    stream: Socket,
+    /// `poll` found the descriptor closed (`POLLNVAL`): other code in this process closed it under
+    /// the I/O thread, so its number is no longer this connection's and may already be reused for
+    /// another file. It is then neither shut down, written, nor closed again.
+    fd_gone: AtomicBool,
     /// The session: both directions' keys and nonces (sealing and opening take turns on it).
     noise: Mutex<TransportState>,
     out: Mutex<Outbound>,
@@ -631,7 +637,49 @@ struct Inbound {
     parked: Option<(Vec<u8>, Instant)>,
 }
 
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if !*self.fd_gone.get_mut() {
+            // SAFETY: the socket is dropped here only, once, as the connection itself is dropped; it
+            // is never used after. With `fd_gone` it is leaked instead: its number is not ours to close.
+            unsafe { ManuallyDrop::drop(&mut self.stream.0) };
+        }
+    }
+}
+
+/// A connection's socket, closed only by [`Conn`]'s `Drop` (which may leave it open: `fd_gone`).
+struct Socket(ManuallyDrop<TcpStream>);
+
+impl std::ops::Deref for Socket {
+    type Target = TcpStream;
+    fn deref(&self) -> &TcpStream {
+        &self.0
+    }
+}
+
+impl Read for &Socket {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        (&*self.0).read(buf)
+    }
+}
+
+impl Write for &Socket {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        (&*self.0).write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        (&*self.0).flush()
+    }
+}
+
 impl Conn {
+    /// Shuts the connection down both ways (the peer reads its end), unless its descriptor is gone.
+    fn shut(&self) {
+        if !self.fd_gone.load(Ordering::SeqCst) {
+            let _ = self.stream.shutdown(Shutdown::Both);
+        }
+    }
+
     /// Seals `frame` and writes what the socket takes on the caller's thread; whether bytes are left
     /// for the I/O thread. Refused past the send-queue limits.
     fn queue(&self, frame: &[u8], limits: &SideLimits) -> Result<bool, LinkError> {
@@ -869,9 +917,17 @@ impl Drop for SideChannel {
         // Wake the accept loop.
         let _ = TcpStream::connect_timeout(&self.inner.local, Duration::from_millis(200));
         let conns: Vec<Arc<Conn>> = lock(&self.inner.conns).drain().map(|(_, c)| c).collect();
+        if !conns.is_empty() {
+            // The peers see these connections end with nothing lost on this side: say why here.
+            tracing::info!(
+                listen = %self.inner.local,
+                connections = conns.len(),
+                "side channel stopping with its engine: closing its connections"
+            );
+        }
         for c in conns {
             c.closed.store(true, Ordering::SeqCst);
-            let _ = c.stream.shutdown(Shutdown::Both);
+            c.shut();
         }
         let threads: Vec<JoinHandle<()>> = lock(&self.inner.threads).drain(..).collect();
         for t in threads {
@@ -1442,7 +1498,8 @@ impl Inner {
             ip: stream.peer_addr().map_err(io("reading the peer's address"))?.ip(),
             incarnation,
             id,
-            stream,
+            stream: Socket(ManuallyDrop::new(stream)),
+            fd_gone: AtomicBool::new(false),
             noise,
             out: Mutex::new(Outbound::new()),
             inbound: Mutex::new(Inbound { opener, msg: Vec::new(), parked: None }),
@@ -1453,7 +1510,7 @@ impl Inner {
             // old connection is over. Marked closed first, it is not reported lost: the engine
             // knows the peer by the new connection already.
             old.closed.store(true, Ordering::SeqCst);
-            let _ = old.stream.shutdown(Shutdown::Both);
+            old.shut();
         }
         this.wake_io();
         Ok(())
@@ -1472,7 +1529,7 @@ impl Inner {
         if conn.closed.swap(true, Ordering::SeqCst) {
             return;
         }
-        let _ = conn.stream.shutdown(Shutdown::Both);
+        conn.shut();
         let current = {
             let mut conns = lock(&this.conns);
             let is_current = conns.get(&conn.peer).is_some_and(|c| Arc::ptr_eq(c, conn));
@@ -1580,9 +1637,24 @@ fn io_loop(inner: &Weak<Inner>, woken: &UnixStream) {
         }
         let Some(this) = inner.upgrade() else { return };
         for (c, fd) in conns.iter().zip(&fds[1..]) {
-            if !c.closed.load(Ordering::SeqCst) {
-                service(&this, c, fd.revents);
+            if c.closed.load(Ordering::SeqCst) {
+                continue;
             }
+            if fd.revents & libc::POLLNVAL != 0 {
+                // Polled again, it would answer POLLNVAL at once, for ever: a spinning thread, and a
+                // peer that hears nothing until it declares us silent.
+                c.fd_gone.store(true, Ordering::SeqCst);
+                tracing::error!(
+                    peer = %c.peer,
+                    conn = c.id.0,
+                    fd = fd.fd,
+                    "side-channel descriptor closed under the I/O thread by other code in this process (POLLNVAL); \
+                     the connection is lost and its number left alone"
+                );
+                Inner::lost(&this, c, "descriptor closed by other code in this process (POLLNVAL)");
+                continue;
+            }
+            service(&this, c, fd.revents);
         }
     }
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpush::device::{host::HostDevice, Buffer, Device};
-use kvpush::engine::side::{ConnId, Incarnation};
+use kvpush::engine::side::{ConnId, Incarnation, SideChannel, SideConfig};
 use kvpush::engine::{Config, Engine, Finished, LocalHub};
 use kvpush::proto::layout::{KvLayout, Parallel};
 use kvpush::proto::{Key, Mode};
@@ -55,6 +55,40 @@ pub unsafe fn loopback_worker(
         unsafe { Engine::new(config, layout, dev.clone(), transport.clone(), hub.clone()) }.expect("engine starts");
     hub.attach(engine.addr().clone(), engine.sink());
     Worker { engine, transport, buffers }
+}
+
+/// One worker whose control link is a real TCP side channel. Field order is drop order: the engine
+/// first, the memory last.
+#[derive(Debug)]
+pub struct SideWorker {
+    pub engine: Engine,
+    pub side: Arc<SideChannel>,
+    pub buffers: Vec<Box<dyn Buffer>>,
+}
+
+/// Starts a worker of engine `id` in `mode` over a side channel bound with `side` and an endpoint of
+/// `fabric` named `endpoint` (two processes of one engine, the old and the restarted, need two
+/// endpoints): two layers, two KV heads of dimension 16, 64 blocks on host memory; completion timeout
+/// and lease 3 s. Not yet connected to anyone.
+///
+/// # Safety
+///
+/// [`loopback_worker`]'s precondition 2: a request's blocks are not written while the engine reads
+/// them nor read or reused while peers write them, until the request's outcome.
+pub unsafe fn side_worker(id: &str, endpoint: &str, mode: Mode, fabric: &Fabric, side: SideConfig) -> SideWorker {
+    let dev: Arc<dyn Device> = Arc::new(HostDevice::new());
+    let mut l = layouts::separate(layouts::full_model(2, 2, 16), 64, Parallel::SINGLE);
+    let buffers = layouts::allocate(&mut l, dev.as_ref()).expect("host memory");
+    let side = Arc::new(SideChannel::bind(side).expect("bind"));
+    let transport = Arc::new(fabric.endpoint(endpoint).expect("endpoint"));
+    let mut config = Config::new(id, mode);
+    config.completion.timeout_us = 3_000_000;
+    config.rendezvous.lease_us = 3_000_000;
+    // SAFETY: precondition 1: the regions are `buffers`, allocated just above and owned by the
+    // returned worker, which drops its engine first. Precondition 2 is this function's own.
+    let engine = unsafe { Engine::new(config, l, dev, transport, side.clone()) }.expect("engine");
+    side.serve(engine.endpoint());
+    SideWorker { engine, side, buffers }
 }
 
 /// Two small push engines, `p` and `d` (two layers, one KV head of dimension 64, 64 blocks each, on

@@ -9,7 +9,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvpush::device::{host::HostDevice, Buffer, Device};
+use kvpush::device::{host::HostDevice, Device};
 use kvpush::engine::side::{SideChannel, SideConfig, SideError, SideLimits, SideStats};
 use kvpush::engine::{Config, Engine, Finished};
 use kvpush::proto::layout::Parallel;
@@ -19,11 +19,7 @@ use kvpush_testkit::demo::pattern;
 use kvpush_testkit::engines::{self, poll_until};
 use kvpush_testkit::layouts;
 
-struct Worker {
-    engine: Engine,
-    side: Arc<SideChannel>,
-    buffers: Vec<Box<dyn Buffer>>,
-}
+type Worker = engines::SideWorker;
 
 fn side_config(secret: Option<&[u8]>) -> SideConfig {
     let mut c = SideConfig::for_rank(0);
@@ -45,22 +41,11 @@ fn pair(fabric: &Fabric, d_mode: Mode, p_secret: Option<&[u8]>, d_secret: Option
     (worker("prefill", Mode::Push, fabric, p_secret), worker("decode", d_mode, fabric, d_secret))
 }
 
-/// A worker of engine `id` whose loopback endpoint is `endpoint` (two processes of one engine, the
-/// old and the restarted, need two endpoints).
+/// A worker of engine `id` whose loopback endpoint is `endpoint` ([`engines::side_worker`]).
 fn worker_with(id: &str, endpoint: &str, mode: Mode, fabric: &Fabric, side: SideConfig) -> Worker {
-    let dev: Arc<dyn Device> = Arc::new(HostDevice::new());
-    // Two layers, two KV heads of dimension 16, 64 blocks.
-    let mut l = layouts::separate(layouts::full_model(2, 2, 16), 64, Parallel::SINGLE);
-    let buffers = layouts::allocate(&mut l, dev.as_ref()).expect("host memory");
-    let side = Arc::new(SideChannel::bind(side).expect("bind"));
-    let transport = Arc::new(fabric.endpoint(endpoint).expect("endpoint"));
-    let mut config = Config::new(id, mode);
-    config.completion.timeout_us = 3_000_000;
-    config.rendezvous.lease_us = 3_000_000;
-    // SAFETY: the regions are `buffers`, owned by the returned Worker, which drops the engine first.
-    let engine = unsafe { Engine::new(config, l, dev, transport, side.clone()) }.expect("engine");
-    side.serve(engine.endpoint());
-    Worker { engine, side, buffers }
+    // SAFETY: precondition 2: these tests write a request's blocks only before registering it or
+    // after its outcome.
+    unsafe { engines::side_worker(id, endpoint, mode, fabric, side) }
 }
 
 fn wait_for(w: &Worker, what: &str, pred: impl Fn(&Finished) -> bool) -> Finished {

@@ -756,6 +756,11 @@ VLLM_PROXY_P_PARAMS: dict[str, Any] = {
 VLLM_PUSH_PROXY_RELAYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size")
 
 
+def kvpush_sum(server: "VllmServer", name: str) -> float:
+    """The samples of ``name`` on ``server`` summed over labels (engines, failure kinds)."""
+    return sum(v for k, v in server.metrics().items() if k == name or k.startswith(name + "{"))
+
+
 def vllm_proxy_complete(
     p_url: str,
     d_url: str,

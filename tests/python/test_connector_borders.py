@@ -77,9 +77,7 @@ def pair(servers: Any) -> Any:
         servers.stop(s)
 
 
-def kvpush_sum(server: srv.VllmServer, name: str) -> float:
-    """The samples of ``name`` summed over labels (engines, failure kinds)."""
-    return sum(v for k, v in server.metrics().items() if k == name or k.startswith(name + "{"))
+kvpush_sum = srv.kvpush_sum
 
 
 def wait_moved(server: srv.VllmServer, name: str, before: float, timeout_s: float = 20.0) -> float:

@@ -140,6 +140,36 @@ def test_d_request_finished_after_its_kv_arrived_tells_nobody() -> None:
     assert not s.has_pending_push_work()
 
 
+@pytest.mark.parametrize("reported", [False, True], ids=["quarantined", "failed"])
+def test_vllms_rejection_stand_in_for_a_registered_request_is_not_a_drop(reported: bool) -> None:
+    # A registered request ends in error while its KV is awaited (the "fail" policy after a failed or
+    # quarantined load). vLLM's serving layer answers HTTP 500 and, taking the error for a request that
+    # never reached the engine, submits a pre-aborted stand-in under the body's request id, with a prompt
+    # of one token and a copy of the request's kv_transfer_params (do_remote_prefill still set):
+    # AsyncLLM.notify_kv_transfer_request_rejected. The transfer is the request's, already ended by its
+    # own outcome: the stand-in is not a drop (it was counted as one, requests_dropped=1, in
+    # tests/python/test_quarantine_vllm.py).
+    s = scheduler()
+    req = d_request("cmpl-d-1-0-1a2b3c4d", status=RequestStatus.FINISHED_ERROR)
+    count, _ = s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, Blocks([7, 8, 9]), count)
+    assert [r.req_id for r in s.build_connector_meta(no_step()).receives] == ["cmpl-d-1-0-1a2b3c4d"]
+    if reported:  # failed: the workers reported it, its blocks went back
+        s.update_connector_output(SimpleNamespace(finished_sending=None, finished_recving={"cmpl-d-1-0-1a2b3c4d"}))
+        assert s.request_finished(req, ([7, 8, 9],)) == (False, None)
+    else:  # quarantined: still awaited, its blocks held
+        assert s.request_finished(req, ([7, 8, 9],)) == (True, None)
+    s.build_connector_meta(no_step())
+    stand_in = d_request("d-1")
+    stand_in.prompt_token_ids = [0]
+    assert s.request_finished(stand_in, ([],)) == (False, None)
+    assert s.build_connector_meta(no_step()).dropped == []
+    # Another attempt of the transfer, never registered here, is still a drop.
+    other = d_request("d-2", attempt=2)
+    assert s.request_finished(other, ([],)) == (False, None)
+    assert [(d.req_id, d.attempt) for d in s.build_connector_meta(no_step()).dropped] == [("d-2", 2)]
+
+
 def p_request(rid: str, status: Any) -> SimpleNamespace:
     return SimpleNamespace(
         request_id=rid,

@@ -84,6 +84,16 @@ def test_a_lost_producers_blocks_stay_held_until_released(servers: "object", vll
         print(f"  after P's return: D's (kv usage, requests) {state}")
         assert state == (0, 0), f"D still holds blocks: {state}"
         assert "quarantined blocks released" in d.log_tail(400)
+        # D's request counters: the one quarantine and nothing dropped. vLLM's serving layer follows its
+        # HTTP 500 with a pre-aborted stand-in carrying the request's kv_transfer_params (it takes the
+        # error for a request that never reached the engine); the transfer was registered, so the stand-in
+        # is not a drop (docs/reliability.md). It used to count one.
+        counts = {
+            k: srv.kvpush_sum(d, f"vllm:kvpush_requests_{k}_total") for k in ("quarantined", "failed", "dropped")
+        }
+        print(f"  D's request counters: {counts}")
+        assert "vllm:kvpush_requests_dropped_total" in "".join(d.metrics()), "D publishes no drop counter"
+        assert counts == {"quarantined": 1, "failed": 1, "dropped": 0}, counts
     finally:
         for s in (d, p2, p):
             servers.stop(s)

@@ -71,8 +71,7 @@ def side_ports(n: int, avoid: list[int]) -> int:
             return base
 
 
-def kvpush_sum(server: srv.VllmServer, name: str) -> float:
-    return sum(v for k, v in server.metrics().items() if k.split("{", 1)[0] == name)
+kvpush_sum = srv.kvpush_sum
 
 
 @pytest.fixture(scope="module", params=CHOSEN)
