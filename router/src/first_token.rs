@@ -7,14 +7,22 @@
 //! (docs/benchmarks.md, "Time to first token"). All of that now lies between the first and the second
 //! token instead.
 //!
-//! Read [`eligible`] first: only where P's token is the token D will send — greedy (`temperature` 0), one
-//! choice, one prompt, no echo, no `min_tokens` (P's leg drops it, so P could stop where D may not), no
-//! prompt logprobs — and only on `/v1/completions`. P's answer is used only when it stopped for length
-//! (its one token is not a stop) and its text is whole (no U+FFFD of a token that ends mid-character).
-//! D's first token event is then checked against P's (text, and the token strings and ids where the
-//! request asked for them) and sent without that token; a mismatch ends the stream with an error event,
-//! never a silently different text. When D's first bytes come before P's answer, D's stream goes through
-//! untouched and P's answer is not used.
+//! Read [`eligible`] first: only where P's token is the token one engine would send and D can continue
+//! from it — greedy (`temperature` 0), one choice, one prompt, no echo, no `min_tokens` (P's leg drops
+//! it, so P could stop where D may not), no prompt logprobs, nothing that treats output tokens apart
+//! from prompt tokens (`CONTINUATION_BREAKS`) — and only on `/v1/completions`. P's answer is used only
+//! when it stopped for length (its one token is not a stop), its text is whole (no U+FFFD of a token
+//! that ends mid-character), no stop string could begin inside it, and it carries the prompt's token ids
+//! and its token's id (P's leg asks for `return_token_ids`): [`from_prefill`].
+//!
+//! D never recomputes P's token where the client has it: its leg is the [`Continuation`] — P's prompt
+//! ids and P's token as the prompt, one token fewer to make — whose stream [`Fixup`] rewrites (usage,
+//! text offsets, id). In pull that is D's only leg (it loads the KV of P's whole prompt). In push D's
+//! leg leaves with the client's request before P answers; its first token event is checked against P's
+//! ([`Sent`]) and sent without that token, and if it differs (greedy P and D can break a near-tie
+//! differently) the relay replaces D's leg by the continuation: the client never sees D's other token,
+//! nor an error for it. When D's first bytes come before P's answer, D's stream goes through untouched
+//! and P's answer is not used.
 //!
 //! This module parses and rewrites; the relay (`body.rs`) decides when to call it. It must never panic
 //! on what a server sends.
