@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import hashlib
 import re
+import sys
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 _HEX32 = re.compile(r"^[0-9a-fA-F]{32}$")
 _PERSON = b"kvpush.transfer"
+_PROMPT_PERSON = b"kvpush.prompt"
 U32_MAX = 2**32 - 1
 MAX_ENGINE_ID = 256  # bytes of an engine id (MAX_ENGINE_ID in src/proto/msg.rs)
 
@@ -35,6 +39,19 @@ def transfer_key(transfer_id: str) -> str:
         return transfer_id.lower()
     data = transfer_id.encode("utf-8", "surrogatepass")
     return hashlib.blake2b(data, digest_size=16, person=_PERSON).hexdigest()
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str | None:
+    """BLAKE2b-128 of a prompt's token ids (each a little-endian u64), 32 hex digits, or None for ids
+    that are not u64: P sends it with the prompt's KV (``remote_prompt_digest``) and D checks that its
+    prompt begins with those tokens before it loads their KV into its own request."""
+    try:
+        ids = array("Q", token_ids)
+    except (OverflowError, TypeError):
+        return None
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return hashlib.blake2b(ids.tobytes(), digest_size=16, person=_PROMPT_PERSON).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -67,6 +84,11 @@ class Producer:
     # Each of P's ranks' side-channel ``host:port``, indexed ``pp_rank * tp_size + tp_rank``, as P
     # published them (``remote_ranks``); empty: rank ``r`` listens on ``host:port + r``.
     ranks: tuple[str, ...] = ()
+    # Pull only: how many prompt tokens P computed (``remote_num_tokens``) and their digest
+    # (``remote_prompt_digest``, :func:`prompt_digest`). D's prompt may be longer (a router's
+    # continuation: P's prompt plus the token P sampled); D loads only these. None: P did not say.
+    prompt_tokens: int | None = None
+    prompt_digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -168,6 +190,16 @@ def _remote_block_size(params: dict[str, Any]) -> int | None:
     return _int(params, "remote_block_size", 1, U32_MAX)
 
 
+def _prompt_digest(params: dict[str, Any]) -> str | None:
+    """``remote_prompt_digest``: 32 hex digits, or None when P did not send it."""
+    if _present(params, "remote_prompt_digest") is None:
+        return None
+    v = params["remote_prompt_digest"]
+    if not isinstance(v, str) or not _HEX32.match(v):
+        raise _Bad(f"remote_prompt_digest is {v!r:.80}, not 32 hex digits")
+    return v.lower()
+
+
 def _attempt(params: dict[str, Any]) -> int:
     return _int(params, "attempt", 1, U32_MAX, default=1)
 
@@ -238,6 +270,12 @@ def consumer_transfer(params: Any, mode: str) -> tuple[Transfer, Producer] | Ref
             pp_size=pp,
             ranks=_ranks(params, tp, pp),
             remote_block_size=_remote_block_size(params) if mode == "pull" else None,
+            prompt_tokens=(
+                _int(params, "remote_num_tokens", 1, U32_MAX)
+                if mode == "pull" and _present(params, "remote_num_tokens") is not None
+                else None
+            ),
+            prompt_digest=_prompt_digest(params) if mode == "pull" else None,
         )
         return transfer, producer
     except _Bad as e:

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,7 @@ from kvpush._transfer import (
     is_consumer,
     is_producer,
     producer_transfer,
+    prompt_digest,
 )
 
 if TYPE_CHECKING:
@@ -469,8 +471,12 @@ class _Scheduler:
             produced = producer_transfer(params, request.request_id)
             if not isinstance(produced, Refused):  # request_finished says why
                 self.producing[request.request_id] = produced
-        if self._consumer(request) is not None:
-            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        parsed = self._consumer(request)
+        if parsed is not None:
+            loaded = self._loaded_tokens(request, parsed[1])
+            if loaded is None:
+                return 0, False
+            count = loaded - num_computed_tokens
             if count > 0:
                 if request.request_id not in self.queued:
                     note = self._to_producer(request)
@@ -478,6 +484,31 @@ class _Scheduler:
                         self.queued[request.request_id] = (note, time.monotonic() + self.hold_every)
                 return count, True
         return 0, False
+
+    def _loaded_tokens(self, request: Request, producer: Producer) -> int | None:
+        """D: how many of ``request``'s prompt tokens come from its producer: P's prompt length where P
+        said it (pull: ``remote_num_tokens``), else the whole prompt. D's prompt may be longer than P's
+        (a router's continuation: P's prompt and the token P sampled, so D computes only that token's
+        position). A prompt that does not begin with P's tokens (``remote_prompt_digest``) is refused:
+        the transfer is dropped at P (its blocks freed now, not at the lease's end), a clear error is
+        logged, and D computes the prompt itself (None)."""
+        prompt = request.prompt_token_ids or ()
+        n = producer.prompt_tokens
+        if n is None:
+            return len(prompt)
+        why = None
+        if n > len(prompt):
+            why = f"P computed {n} prompt tokens, D's prompt has {len(prompt)}"
+        elif producer.prompt_digest is not None and prompt_digest(prompt[:n]) != producer.prompt_digest:
+            why = f"D's first {n} prompt tokens are not the ones P computed (remote_prompt_digest differs)"
+        if why is None:
+            return n
+        note = self._to_producer(request)
+        request.kv_transfer_params["do_remote_prefill"] = False
+        if note is not None:
+            self.meta.dropped.append(note)
+        logger.error("kvpush: request %s: refusing P's KV: %s; computing the prompt here", request.request_id, why)
+        return None
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -487,7 +518,10 @@ class _Scheduler:
             return
         transfer, producer = parsed
         self.queued.pop(request.request_id, None)
-        num_tokens, needed = self._prompt(request)
+        loaded = self._loaded_tokens(request, producer)
+        if loaded is None:
+            return
+        num_tokens, needed = self._prompt_of(loaded)
         local = [list(g)[:needed] for g in blocks.get_unhashed_block_ids_all_groups()]
         self.meta.receives.append(
             Receive(
@@ -553,7 +587,7 @@ class _Scheduler:
                 return True, None
             timeline.record("p_finished", tid, attempt)
             groups = handed if handed is not None else [list(g)[:needed] for g in block_ids]
-            return True, self._decode_params(transfer, groups, num_tokens)
+            return True, self._decode_params(transfer, groups, num_tokens, request.prompt_token_ids or ())
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             # P: aborted before its KV was complete; D is told and fails or recomputes at once.
             self.meta.aborts.append(Abort(rid, tid, attempt))
@@ -565,7 +599,7 @@ class _Scheduler:
         self.meta.finished.append(Finished(rid, tid, attempt, groups, num_tokens, transfer.consumer_engine_id))
         timeline.record("p_finished", tid, attempt)
         self.sending[rid] = (tid, attempt)
-        return True, self._decode_params(transfer, groups, num_tokens)
+        return True, self._decode_params(transfer, groups, num_tokens, request.prompt_token_ids or ())
 
     def _drop(self, request: Request) -> None:
         """D: ``request`` ended before allocation; its producer is told through the workers."""
@@ -619,8 +653,11 @@ class _Scheduler:
                 self.queued[rid] = (note, now + self.hold_every)
                 meta.holds.append(note)
 
-    def _decode_params(self, transfer: Transfer, groups: list[list[int]], num_tokens: int) -> dict[str, Any]:
-        """The ``kv_transfer_params`` P's response carries to D."""
+    def _decode_params(
+        self, transfer: Transfer, groups: list[list[int]], num_tokens: int, prompt: Sequence[int]
+    ) -> dict[str, Any]:
+        """The ``kv_transfer_params`` P's response carries to D (``prompt``: the request's token ids)."""
+        digest = prompt_digest(prompt[:num_tokens])
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -640,7 +677,10 @@ class _Scheduler:
             # The tokens per block of remote_block_ids: D's engine expands them to P's kernel blocks
             # with the kernel block size P's workers publish at the handshake (vLLM's name for it).
             "remote_block_size": self.block_size,
+            # D loads this many prompt tokens, and checks with the digest that its prompt begins with
+            # them (a router's continuation sends D this prompt and the token P sampled).
             "remote_num_tokens": num_tokens,
+            **({"remote_prompt_digest": digest} if digest is not None else {}),
             "transfer_mode": self.cfg.mode,
         }
 

@@ -16,12 +16,13 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
-use serde_json::Value;
+use hyper::header::HeaderMap;
+use serde_json::{Map, Value};
 use tokio::task::JoinHandle;
 use tokio::time::Sleep;
 use tracing::warn;
 
-use super::first_token::{self, Sent, Step};
+use super::first_token::{self, Continuation, Fixup, Sent, Step};
 use super::metrics::ErrorKind;
 use super::timeline;
 use super::upstream::{Lease, LegError};
@@ -195,7 +196,7 @@ impl Body for ProxyBody {
     fn size_hint(&self) -> SizeHint {
         match &self.0 {
             Inner::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
-            Inner::Relay(r) if !r.sse => r.upstream.size_hint(),
+            Inner::Relay(r) if !r.sse => r.upstream.as_ref().map(Body::size_hint).unwrap_or_default(),
             Inner::Relay(_) | Inner::Early(_) => SizeHint::default(),
         }
     }
@@ -211,7 +212,11 @@ enum State {
 #[derive(Debug)]
 pub(crate) struct Relay {
     shared: Arc<Shared>,
-    upstream: Incoming,
+    /// D's body; None while a continuation replaces it (`recovering`).
+    upstream: Option<Incoming>,
+    /// D's continuation on its way after D's first token was not P's (push): its body, lease and when
+    /// it was sent, or the error event that ends the stream.
+    recovering: Option<DecodeLeg>,
     /// The response is an SSE stream: errors are sent in band as a `data: {"error": ...}` event.
     sse: bool,
     /// When the router received the client's request (TTFT is measured from here).
@@ -246,10 +251,37 @@ pub(crate) struct Relay {
 pub(crate) enum First {
     /// From D's stream, as D sends it.
     FromDecode,
-    /// From P's answer, if it comes before D's first bytes.
-    Eligible,
-    /// P's token went out: D's stream is held until its first token event, which goes out without it.
-    Sent(Sent),
+    /// From P's answer, if it comes before D's first bytes (push: D's leg has the client's request,
+    /// which a continuation is made of if D's first token is not P's).
+    Eligible(Box<Resend>),
+    /// P's token went out: D's stream is held until its first token event, which goes out without it;
+    /// if that token is not P's, D's leg is replaced by the continuation (`Resend`).
+    Sent(Sent, Option<(Box<Resend>, Continuation)>),
+    /// P's token went out and D's stream is its continuation, rewritten on its way (`Fixup`).
+    Continued(Fixup),
+}
+
+/// What sending D a continuation takes beside its body: the client's request, and the leg's path,
+/// headers and transfer id.
+#[derive(Debug)]
+pub(crate) struct Resend {
+    pub(crate) request: Map<String, Value>,
+    pub(crate) path: &'static str,
+    pub(crate) headers: HeaderMap,
+    pub(crate) tid: String,
+}
+
+/// D's leg of a stream that began with P's token, on its way: D's event-stream body, its lease and when
+/// it was sent, or the error event that ends the client's stream.
+pub(crate) type DecodeStream = Result<(Incoming, Lease, Instant), Bytes>;
+
+/// A decode leg being sent (the future of a [`DecodeStream`]).
+pub(crate) struct DecodeLeg(pub(crate) Pin<Box<dyn Future<Output = DecodeStream> + Send>>);
+
+impl std::fmt::Debug for DecodeLeg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DecodeLeg")
+    }
 }
 
 impl Relay {
@@ -269,7 +301,8 @@ impl Relay {
         let idle = shared.config.stream_idle_timeout;
         Relay {
             shared,
-            upstream,
+            upstream: Some(upstream),
+            recovering: None,
             sse,
             received,
             decode_sent,
@@ -291,22 +324,34 @@ impl Relay {
 
     /// P's answer: the client's first token when it may be (`first_token`), else nothing to send.
     fn prefill_answered(&mut self, answer: &Value) -> Option<Bytes> {
-        if !matches!(self.first, First::Eligible) {
+        let First::Eligible(resend) = std::mem::replace(&mut self.first, First::FromDecode) else {
             return None;
+        };
+        let pre = first_token::from_prefill(answer, &resend.request)?;
+        self.first = First::Sent(pre.sent, Some((resend, pre.continuation)));
+        if let Some(tid) = &self.timeline_id {
+            timeline::record("router_p_token", tid);
         }
-        match first_token::from_prefill(answer) {
-            Some((event, sent)) => {
-                self.first = First::Sent(sent);
-                if let Some(tid) = &self.timeline_id {
-                    timeline::record("router_p_token", tid);
-                }
-                Some(event)
-            }
-            None => {
-                self.first = First::FromDecode;
-                None
-            }
-        }
+        Some(pre.event)
+    }
+
+    /// D's first token was not P's (push): D's leg is cancelled (its body and lease dropped) and its
+    /// continuation from P's token sent instead; the client sees nothing of it. False when there is no
+    /// continuation to send.
+    fn recover(&mut self) -> bool {
+        let First::Sent(_, Some((resend, cont))) = std::mem::replace(&mut self.first, First::FromDecode) else {
+            return false;
+        };
+        self.shared.metrics.first_token_recovery();
+        warn!("decode leg's first token was not prefill's; continuing from prefill's token instead");
+        self.upstream = None;
+        self.lease = None;
+        let Resend { path, headers, tid, .. } = *resend;
+        let body = Bytes::from(serde_json::to_vec(&cont.request).unwrap_or_default());
+        let leg = super::proxy::decode_stream(Arc::clone(&self.shared), path, headers, tid, body);
+        self.recovering = Some(DecodeLeg(Box::pin(leg)));
+        self.first = First::Continued(cont.fixup);
+        true
     }
 
     /// Sends `data` to the client: the transfer id masked, the first byte recorded.
@@ -362,7 +407,29 @@ impl Relay {
                 return self.send(event, cx);
             }
         }
-        match Pin::new(&mut self.upstream).poll_frame(cx) {
+        if let Some(leg) = &mut self.recovering {
+            match leg.0.as_mut().poll(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(end)) => {
+                    self.recovering = None;
+                    self.finished = true;
+                    self.state = State::Done;
+                    self.flight = None;
+                    return self.send(end, cx);
+                }
+                Poll::Ready(Ok((body, lease, sent))) => {
+                    self.recovering = None;
+                    self.upstream = Some(body);
+                    self.lease = Some(lease);
+                    self.decode_sent = sent;
+                    self.idle_timer.as_mut().reset(tokio::time::Instant::now() + self.idle);
+                }
+            }
+        }
+        let Some(upstream) = self.upstream.as_mut() else {
+            return self.fail(Some(ErrorKind::Internal), "the decode stream is missing".into());
+        };
+        match Pin::new(upstream).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 let idle = self.idle;
                 self.idle_timer.as_mut().reset(tokio::time::Instant::now() + idle);
@@ -373,12 +440,13 @@ impl Relay {
                 };
                 let data = match &mut self.first {
                     First::FromDecode => data,
-                    First::Eligible => {
+                    First::Eligible(_) => {
                         // D's stream began before P answered: it goes through as D sends it.
                         self.first = First::FromDecode;
                         data
                     }
-                    First::Sent(sent) => match sent.decode_data(&data) {
+                    First::Continued(fixup) => fixup.data(&data),
+                    First::Sent(sent, _) => match sent.decode_data(&data) {
                         Ok(Step::Hold) => {
                             cx.waker().wake_by_ref();
                             return Poll::Pending;
@@ -387,7 +455,13 @@ impl Relay {
                             self.first = First::FromDecode;
                             rest
                         }
-                        Err(m) => return self.fail(Some(ErrorKind::FirstTokenMismatch), m.0),
+                        Err(m) => {
+                            if self.recover() {
+                                cx.waker().wake_by_ref();
+                                return Poll::Pending;
+                            }
+                            return self.fail(Some(ErrorKind::FirstTokenMismatch), m.0);
+                        }
                     },
                 };
                 return self.send(data, cx);
@@ -398,12 +472,14 @@ impl Relay {
                 return self.fail(Some(ErrorKind::DecodeBroken), format!("decode stream from {url} broke: {detail}"));
             }
             Poll::Ready(None) => {
-                if let First::Sent(sent) = &mut self.first {
-                    let held = sent.finish();
-                    self.first = First::FromDecode;
-                    if let Some(held) = held {
-                        return self.send(held, cx);
-                    }
+                let held = match &mut self.first {
+                    First::Sent(sent, _) => sent.finish(),
+                    First::Continued(fixup) => fixup.finish(),
+                    First::FromDecode | First::Eligible(_) => None,
+                };
+                self.first = First::FromDecode;
+                if let Some(held) = held {
+                    return self.send(held, cx);
                 }
                 if let Some(rest) = self.mask.as_mut().and_then(IdMask::finish) {
                     return Poll::Ready(Some(Ok(Frame::data(rest))));

@@ -92,9 +92,8 @@ pub struct RouterArgs {
     /// Largest request body accepted from a client, in bytes; larger ones get 413 [default: 67108864].
     #[arg(long, value_name = "BYTES")]
     pub max_body_bytes: Option<usize>,
-    /// Send a streamed greedy completion's first token from P's answer, then D's stream without it
-    /// (docs/router.md); off by default: a first token of D's unlike P's ends the stream with an
-    /// error [default: false].
+    /// Send a streamed greedy completion's first token from P's answer, then D's continuation of it
+    /// (docs/router.md, "The first token from P") [default: true].
     #[arg(long, value_name = "BOOL")]
     pub first_token_from_prefill: Option<bool>,
     /// Longest time a client may take to send its request head or body, in seconds; past it the client
@@ -334,7 +333,7 @@ impl Config {
             decode_timeout: Duration::from_secs(600),
             stream_idle_timeout: Duration::from_secs(600),
             max_body_bytes: 64 << 20,
-            first_token_from_prefill: false,
+            first_token_from_prefill: true,
             body_timeout: Duration::from_secs(30),
             max_connections: 1024,
             connect_retries: 2,

@@ -157,6 +157,7 @@ pub(crate) struct Metrics {
     errors: [AtomicU64; ErrorKind::ALL.len()],
     in_flight: AtomicI64,
     retries: AtomicU64,
+    first_token_recoveries: AtomicU64,
     pub(crate) prefill_leg: Histogram,
     pub(crate) decode_leg: Histogram,
     pub(crate) ttft: Histogram,
@@ -170,6 +171,7 @@ impl Metrics {
             errors: std::array::from_fn(|_| AtomicU64::new(0)),
             in_flight: AtomicI64::new(0),
             retries: AtomicU64::new(0),
+            first_token_recoveries: AtomicU64::new(0),
             prefill_leg: Histogram::new(),
             decode_leg: Histogram::new(),
             ttft: Histogram::new(),
@@ -192,6 +194,11 @@ impl Metrics {
 
     pub(crate) fn retry(&self) {
         self.retries.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// D's first token was not P's, which the client had: D's continuation of P's token replaced D's leg.
+    pub(crate) fn first_token_recovery(&self) {
+        self.first_token_recoveries.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(crate) fn in_flight(&self, delta: i64) {
@@ -224,6 +231,14 @@ impl Metrics {
             "Requests sent again to other servers after a leg could not connect.",
         );
         let _ = writeln!(out, "kvpush_router_retries_total {}", self.retries.load(Ordering::Relaxed));
+        family(
+            &mut out,
+            "kvpush_router_first_token_recoveries_total",
+            "counter",
+            "Streams whose decode leg was replaced by its continuation of the prefill leg's token, after the decode leg's first token differed.",
+        );
+        let recoveries = self.first_token_recoveries.load(Ordering::Relaxed);
+        let _ = writeln!(out, "kvpush_router_first_token_recoveries_total {recoveries}");
         family(&mut out, "kvpush_router_in_flight", "gauge", "Client requests being served now.");
         let _ = writeln!(out, "kvpush_router_in_flight {}", self.in_flight.load(Ordering::Relaxed));
         family(

@@ -22,7 +22,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{json, Map, Value};
 use tracing::debug;
 
-use super::body::{error_event, Early, First, IdMask, InFlight, PrefillResult, ProxyBody, Relay};
+use super::body::{error_event, DecodeStream, Early, First, IdMask, InFlight, PrefillResult, ProxyBody, Relay, Resend};
 use super::config::TransferMode;
 use super::first_token;
 use super::metrics::{Endpoint, ErrorKind};
@@ -230,12 +230,18 @@ pub(crate) fn mint_transfer_id() -> Result<String, getrandom::Error> {
 /// P's request: one token, not streamed, asked to keep its KV for a remote decode. `consumer` is the
 /// KV engine id of the D chosen for the request when known: P then serves its KV to that engine only
 /// (`consumer_engine_id`; another engine holding the secret that registers the transfer is refused).
+/// `token_ids`: P is asked for its prompt's token ids and its token's id (`return_token_ids`), which
+/// D's continuation of P's token is made of (`first_token`).
 pub(crate) fn prefill_body(
     request: &Map<String, Value>,
     transfer_id: &str,
     consumer: Option<&str>,
+    token_ids: bool,
 ) -> Map<String, Value> {
     let mut m = request.clone();
+    if token_ids {
+        m.insert("return_token_ids".into(), json!(true));
+    }
     m.insert("max_tokens".into(), json!(1));
     if m.contains_key("max_completion_tokens") {
         m.insert("max_completion_tokens".into(), json!(1));
@@ -388,7 +394,8 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
         return Outcome::Response(error_response(StatusCode::INTERNAL_SERVER_ERROR, ErrorKind::Internal, &msg));
     };
     let consumer = d_lease.instance().engine_id();
-    let p_body = to_bytes(&prefill_body(request, tid, consumer.as_deref()));
+    let first = first_from_prefill(shared, proxied, tid);
+    let p_body = to_bytes(&prefill_body(request, tid, consumer.as_deref(), !matches!(first, First::FromDecode)));
     let d_body = to_bytes(&push_decode_body(request, path, tid, &target));
     let d_inst = Arc::clone(d_lease.instance());
 
@@ -446,7 +453,6 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
                 shared.metrics.error(ErrorKind::DecodeStatus);
                 None
             };
-            let first = first_from_prefill(shared, proxied);
             let head = RelayHead { tid, received, decode_sent, prefill, first, answered };
             Outcome::Response(relay(shared, resp, head, d_lease))
         }
@@ -454,9 +460,10 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
 }
 
 /// Whether the client's first token may come from P's answer (`first_token`).
-fn first_from_prefill(shared: &Shared, proxied: Proxied<'_>) -> First {
+fn first_from_prefill(shared: &Shared, proxied: Proxied<'_>, tid: &str) -> First {
     if shared.config.first_token_from_prefill && first_token::eligible(proxied.request, proxied.path) {
-        First::Eligible
+        let Proxied { path, headers, request, .. } = proxied;
+        First::Eligible(Box::new(Resend { request: request.clone(), path, headers: headers.clone(), tid: tid.into() }))
     } else {
         First::FromDecode
     }
@@ -467,7 +474,8 @@ async fn pull(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
     let p_lease = or_reject!(pick(shared, Leg::Prefill));
     timeline::record_at("router_recv", tid, received);
     // D is chosen after P answers (and may be retried on another D): P is not told a consumer.
-    let p_body = to_bytes(&prefill_body(request, tid, None));
+    let eligible = shared.config.first_token_from_prefill && first_token::eligible(request, path);
+    let p_body = to_bytes(&prefill_body(request, tid, None, eligible));
     let p_url = format!("{}{path}", p_lease.instance().base);
     // Run inline: a client that goes away drops this future, and with it P's request.
     let p_json = match prefill_leg(Arc::clone(shared), p_lease, path, headers.clone(), tid.to_owned(), p_body).await {
@@ -488,16 +496,16 @@ async fn pull(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
         }
     };
     params.entry("transfer_id").or_insert_with(|| json!(tid));
+    if let Some(pre) = eligible.then(|| first_token::from_prefill(&p_json, request)).flatten() {
+        // The client's stream begins now, with P's token; D continues from it (loading the KV of P's
+        // whole prompt and computing only the position after P's token) once its head is in.
+        let first_token::Continuation { request: mut d_req, fixup } = pre.continuation;
+        d_req.insert("kv_transfer_params".into(), Value::Object(params));
+        return Outcome::Response(early_pull(shared, proxied, tid, to_bytes(&d_req), pre.event, fixup));
+    }
     let mut d_req = request.clone();
     d_req.insert("kv_transfer_params".into(), Value::Object(params));
     let d_body = to_bytes(&d_req);
-    let first = first_from_prefill(shared, proxied);
-    if let First::Eligible = first {
-        if let Some((event, sent)) = first_token::from_prefill(&p_json) {
-            // The client's stream begins now, with P's token; D's follows once its head is in.
-            return Outcome::Response(early_pull(shared, proxied, tid, d_body, event, sent));
-        }
-    }
     match pull_decode(shared, path, headers, tid, d_body).await {
         Ok((resp, d_lease, decode_sent)) => {
             let head =
@@ -555,57 +563,59 @@ async fn pull_decode(
     }
 }
 
+/// A decode leg whose body goes on a stream that began already (with P's token): D's event-stream body,
+/// its lease and when it was sent; anything else — no D, a failed leg, an error status, a body that is
+/// not an event stream — is the error event that ends the client's stream (the status is sent already).
+pub(crate) async fn decode_stream(
+    shared: Arc<Shared>,
+    path: &'static str,
+    headers: HeaderMap,
+    tid: String,
+    d_body: Bytes,
+) -> DecodeStream {
+    let (resp, lease, decode_sent) = match pull_decode(&shared, path, &headers, &tid, d_body).await {
+        Ok(r) => r,
+        Err(DecodeFailed::Reject(r)) => return Err(error_event(&r.message, r.kind.as_str())),
+        Err(DecodeFailed::Leg(e)) => {
+            let (_, message) = leg_error_message(Leg::Decode, &e);
+            return Err(error_event(&message, leg_error_kind(Leg::Decode, &e).as_str()));
+        }
+    };
+    let (parts, body) = resp.into_parts();
+    if !parts.status.is_success() || !is_sse(&parts.headers) {
+        let url = format!("{}{path}", lease.instance().base);
+        let got = Limited::new(body, MAX_UPSTREAM_JSON).collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+        let content_type = parts.headers.get(CONTENT_TYPE).cloned();
+        let e = if parts.status.is_success() {
+            LegError::BadResponse { url, detail: "the decode response is not an event stream".into() }
+        } else {
+            LegError::Status { status: parts.status, content_type, body: got }
+        };
+        let (_, message) = leg_error_message(Leg::Decode, &e);
+        return Err(error_event(&message, leg_error_kind(Leg::Decode, &e).as_str()));
+    }
+    Ok((body, lease, decode_sent))
+}
+
 /// Pull with P's token first (`first_token`): a `200` event stream that sends P's token at once and
-/// then D's stream without it; whatever goes wrong on D's side after that ends the stream with an error
-/// event (the status is sent already).
+/// then D's continuation of it; whatever goes wrong on D's side after that ends the stream with an
+/// error event (the status is sent already).
 fn early_pull(
     shared: &Arc<Shared>,
     proxied: Proxied<'_>,
     tid: &str,
     d_body: Bytes,
     event: Bytes,
-    sent: first_token::Sent,
+    fixup: first_token::Fixup,
 ) -> Response<ProxyBody> {
     let Proxied { path, headers, received, .. } = proxied;
     let (shared2, headers, tid2) = (Arc::clone(shared), headers.clone(), tid.to_owned());
     let decode = async move {
-        let shared = &shared2;
-        let (resp, lease, decode_sent) = match pull_decode(shared, path, &headers, &tid2, d_body).await {
-            Ok(r) => r,
-            Err(DecodeFailed::Reject(r)) => return Err(error_event(&r.message, r.kind.as_str())),
-            Err(DecodeFailed::Leg(e)) => {
-                let (_, message) = leg_error_message(Leg::Decode, &e);
-                return Err(error_event(&message, leg_error_kind(Leg::Decode, &e).as_str()));
-            }
-        };
-        let (parts, body) = resp.into_parts();
-        if !parts.status.is_success() || !is_sse(&parts.headers) {
-            let url = format!("{}{path}", lease.instance().base);
-            let got = Limited::new(body, MAX_UPSTREAM_JSON).collect().await.map(|c| c.to_bytes()).unwrap_or_default();
-            let content_type = parts.headers.get(CONTENT_TYPE).cloned();
-            let e = if parts.status.is_success() {
-                LegError::BadResponse { url, detail: "the decode response is not an event stream".into() }
-            } else {
-                LegError::Status { status: parts.status, content_type, body: got }
-            };
-            let (_, message) = leg_error_message(Leg::Decode, &e);
-            return Err(error_event(&message, leg_error_kind(Leg::Decode, &e).as_str()));
-        }
-        let mut relay = Relay::new(
-            Arc::clone(shared),
-            body,
-            true,
-            received,
-            decode_sent,
-            None,
-            lease,
-            true,
-            First::Sent(sent),
-            None,
-        );
-        if timeline::enabled() {
-            relay.timeline_id = Some(tid2);
-        }
+        let timeline_id = timeline::enabled().then(|| tid2.clone());
+        let (body, lease, decode_sent) = decode_stream(Arc::clone(&shared2), path, headers, tid2, d_body).await?;
+        let first = First::Continued(fixup);
+        let mut relay = Relay::new(shared2, body, true, received, decode_sent, None, lease, true, first, None);
+        relay.timeline_id = timeline_id;
         Ok(relay)
     };
     let tl_id = timeline::enabled().then(|| tid.to_owned());
@@ -847,7 +857,7 @@ mod tests {
                 "stream_options":{"include_usage":true},"kv_transfer_params":{"evil":1}}"#,
         )
         .unwrap();
-        let p = prefill_body(&req, "t1", None);
+        let p = prefill_body(&req, "t1", None, false);
         assert_eq!(p["max_tokens"], 1);
         assert_eq!(p["max_completion_tokens"], 1);
         assert_eq!(p["stream"], false);
@@ -859,11 +869,11 @@ mod tests {
     #[test]
     fn prefill_body_names_the_consumer_engine_when_known() {
         let req = parse_request(br#"{"prompt":"hi","kv_transfer_params":{"consumer_engine_id":"evil"}}"#).unwrap();
-        let p = prefill_body(&req, "t1", Some("d-engine-0"));
+        let p = prefill_body(&req, "t1", Some("d-engine-0"), false);
         let want = json!({"do_remote_decode": true, "transfer_id": "t1", "consumer_engine_id": "d-engine-0"});
         assert_eq!(p["kv_transfer_params"], want);
         // The client's own kv_transfer_params never reach P, with or without a known consumer.
-        let p = prefill_body(&req, "t1", None);
+        let p = prefill_body(&req, "t1", None, false);
         assert_eq!(p["kv_transfer_params"], json!({"do_remote_decode": true, "transfer_id": "t1"}));
     }
 }

@@ -245,7 +245,8 @@ fn p_token_answer(text: &str, tok: u32) -> Value {
     json!({"id": "cmpl-a", "object": "text_completion", "created": 1, "model": "m",
            "choices": [{"index": 0, "text": text, "finish_reason": "length", "stop_reason": null,
                         "logprobs": {"tokens": [format!("token_id:{tok}")], "token_logprobs": [-0.5],
-                                     "top_logprobs": [{}], "text_offset": [0]}}],
+                                     "top_logprobs": [{}], "text_offset": [0]},
+                        "prompt_token_ids": [1, 2, 3], "token_ids": [tok]}],
            "kv_transfer_params": {"remote_engine_id": "p"}})
 }
 
@@ -274,23 +275,31 @@ fn sse_tokens(body: &str) -> (String, Vec<String>, Vec<String>) {
     (text, toks, errors)
 }
 
-/// A push pair whose P answers at once with " the" (token 5) and whose D streams the events `d_events`
-/// only once `go` is notified. With `from_prefill` off the router is told to leave the first token to D.
+/// A pair whose P answers at once with " the" (token 5, prompt [1, 2, 3]) and whose D streams the
+/// events `d_events`, or `cont_events` for a continuation of P's token (prompt [1, 2, 3, 5]); a leg
+/// with `kv_transfer_params` only once `go` is notified (a push continuation has none: it answers at
+/// once). With `from_prefill` off the router is told to leave the first token to D.
 async fn first_token_pair(
     mode: TransferMode,
     d_events: Vec<Bytes>,
+    cont_events: Vec<Bytes>,
     go: Arc<Notify>,
     from_prefill: bool,
 ) -> (Fake, Fake, RouterHandle, String) {
     let p = Fake::start(None, handler(|_s: Seen| async { json_reply(200, &p_token_answer(" the", 5)) })).await;
     let d = Fake::start(
         None,
-        handler(move |_s: Seen| {
-            let (events, go) = (d_events.clone(), go.clone());
+        handler(move |s: Seen| {
+            let cont = s.json["prompt"] == json!([1, 2, 3, 5]);
+            let events = if cont { cont_events.clone() } else { d_events.clone() };
+            let wait = s.json.get("kv_transfer_params").is_some();
+            let go = go.clone();
             async move {
                 let (reply, tx) = sse_reply();
                 tokio::spawn(async move {
-                    go.notified().await;
+                    if wait {
+                        go.notified().await;
+                    }
                     for e in events {
                         tx.send(e).await.unwrap();
                     }
@@ -321,7 +330,8 @@ async fn a_greedy_stream_gets_its_first_token_from_prefill_before_decode_sends_a
             d_token_event(" cat", &[9], Value::Null),
             d_token_event(" sat", &[4], json!("length")),
         ];
-        let (p, d, _r, base) = first_token_pair(mode, d_events, go.clone(), true).await;
+        let cont_events = d_events[1..].to_vec();
+        let (p, d, _r, base) = first_token_pair(mode, d_events, cont_events, go.clone(), true).await;
         let resp = within(10.0, "the head", post(&client(), &format!("{base}/v1/completions"), greedy_stream())).await;
         assert_eq!(resp.status(), 200);
         let mut body = resp.into_body();
@@ -338,24 +348,45 @@ async fn a_greedy_stream_gets_its_first_token_from_prefill_before_decode_sends_a
         assert_eq!(toks, ["token_id:5", "token_id:9", "token_id:4"], "{mode:?}");
         assert!(errors.is_empty() && all.ends_with("data: [DONE]\n\n"), "{all}");
         assert_eq!((p.count(), d.count()), (1, 1));
+        let d_leg = &d.requests()[0].json;
+        if mode == TransferMode::Pull {
+            // Pull: D continues from P's token, with P's KV of the whole prompt.
+            assert_eq!((&d_leg["prompt"], &d_leg["max_tokens"]), (&json!([1, 2, 3, 5]), &json!(2)), "{d_leg}");
+            assert_eq!(d_leg["kv_transfer_params"]["remote_engine_id"], "p");
+        } else {
+            assert_eq!((&d_leg["prompt"], &d_leg["max_tokens"]), (&json!([1, 2, 3]), &json!(3)), "{d_leg}");
+        }
+        assert_eq!(p.requests()[0].json["return_token_ids"], true, "the continuation is made of P's ids");
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_decode_first_token_unlike_prefill_s_ends_the_stream_with_an_error() {
+async fn a_decode_first_token_unlike_prefill_s_is_replaced_by_d_s_continuation_of_p_s() {
     let go = Arc::new(Notify::new());
+    // D's own first token is " a" (a near-tie P and D broke differently); its continuation of P's " the"
+    // says " cat sat".
     let d_events = vec![d_token_event(" a", &[6], Value::Null), d_token_event(" cat", &[9], Value::Null)];
-    let (_p, _d, _r, base) = first_token_pair(TransferMode::Push, d_events, go.clone(), true).await;
+    let cont_events = vec![d_token_event(" cat", &[9], Value::Null), d_token_event(" sat", &[4], json!("length"))];
+    let (_p, d, _r, base) = first_token_pair(TransferMode::Push, d_events, cont_events, go.clone(), true).await;
     let resp = within(10.0, "the head", post(&client(), &format!("{base}/v1/completions"), greedy_stream())).await;
     let mut body = resp.into_body();
     let frame = within(5.0, "P's token", body.frame()).await.unwrap().unwrap();
     let first = String::from_utf8_lossy(frame.data_ref().unwrap()).into_owned();
     go.notify_one();
-    let rest = within(5.0, "the error", body.collect()).await.unwrap().to_bytes();
+    let rest = within(5.0, "the continuation", body.collect()).await.unwrap().to_bytes();
     let all = format!("{first}{}", String::from_utf8_lossy(&rest));
-    let (text, _, errors) = sse_tokens(&all);
-    assert_eq!((text.as_str(), errors), (" the", vec!["first_token_mismatch".to_owned()]), "never D's text: {all}");
-    assert_eq!(metric(&metrics(&base).await, "kvpush_router_errors_total{kind=\"first_token_mismatch\"}"), 1.0);
+    let (text, toks, errors) = sse_tokens(&all);
+    assert_eq!((text.as_str(), errors.len()), (" the cat sat", 0), "P's token, then the continuation's: {all}");
+    assert_eq!(toks, ["token_id:5", "token_id:9", "token_id:4"]);
+    assert!(all.ends_with("data: [DONE]\n\n") && !all.contains(" a"), "nothing of D's first leg: {all}");
+    let legs = d.requests();
+    assert_eq!(legs.len(), 2, "D's leg, then its continuation");
+    let cont = &legs[1].json;
+    assert_eq!((&cont["prompt"], &cont["max_tokens"]), (&json!([1, 2, 3, 5]), &json!(2)), "{cont}");
+    assert!(cont.get("kv_transfer_params").is_none(), "the prompt's KV is D's own (cached or recomputed)");
+    let m = metrics(&base).await;
+    assert_eq!(metric(&m, "kvpush_router_first_token_recoveries_total"), 1.0);
+    assert_eq!(metric(&m, "kvpush_router_errors_total{kind=\"first_token_mismatch\"}"), 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -376,9 +407,7 @@ async fn pull_sends_p_token_before_d_answers_and_a_failing_d_ends_the_stream_wit
                     }
                     let (reply, tx) = sse_reply();
                     tokio::spawn(async move {
-                        for e in
-                            [d_token_event(" the cat", &[5, 9], Value::Null), d_token_event("", &[], json!("length"))]
-                        {
+                        for e in [d_token_event(" cat", &[9], Value::Null), d_token_event("", &[], json!("length"))] {
                             tx.send(e).await.unwrap();
                         }
                         tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await.unwrap();
@@ -420,7 +449,7 @@ async fn sampled_or_switched_off_streams_wait_for_decode_s_first_token() {
     for (body, from_prefill) in [(sampled.to_string(), true), (greedy_stream(), false)] {
         let go = Arc::new(Notify::new());
         let d_events = vec![d_token_event(" the", &[5], Value::Null), d_token_event(" cat", &[9], json!("length"))];
-        let (_p, _d, _r, base) = first_token_pair(TransferMode::Push, d_events, go.clone(), from_prefill).await;
+        let (_p, _d, _r, base) = first_token_pair(TransferMode::Push, d_events, vec![], go.clone(), from_prefill).await;
         let resp = within(10.0, "the head", post(&client(), &format!("{base}/v1/completions"), body)).await;
         let mut body = resp.into_body();
         let early = tokio::time::timeout(Duration::from_millis(300), body.frame()).await;

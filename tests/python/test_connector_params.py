@@ -305,3 +305,38 @@ def test_p_abort_of_a_string_id_is_staged_under_its_key() -> None:
     assert s.request_finished(request(params, status=RequestStatus.FINISHED_ABORTED), ([1],)) == (False, None)
     [a] = s.meta.aborts
     assert (a.transfer_id, a.attempt) == (tr.transfer_key("my-router-42"), 3)
+
+
+def test_d_continuation_loads_only_p_s_prompt_tokens() -> None:
+    # The router's continuation (issue #18): D's prompt is P's 40 tokens and the token P sampled; D
+    # loads P's 40 and computes only position 40.
+    p = scheduler("pull")
+    _, out = p.request_finished(request({"do_remote_decode": True, "transfer_id": HEX}), ([1, 2, 3],))
+    assert (out["remote_num_tokens"], out["remote_prompt_digest"]) == (40, tr.prompt_digest(range(40)))
+    for tokens in (41, 40):  # the continuation, and a plain pull request (unchanged)
+        d = scheduler("pull")
+        req = request(dict(out), tokens=tokens)
+        assert d.get_num_new_matched_tokens(req, 0) == (40, True)
+        d.update_state_after_alloc(req, Blocks([7, 8, 9, 10]), 40)
+        [r] = d.meta.receives
+        assert (r.num_tokens, r.block_ids) == (40, [[7, 8, 9]])
+    # With 16 of them in D's prefix cache, the other 24 come from P.
+    assert scheduler("pull").get_num_new_matched_tokens(request(dict(out), tokens=41), 16) == (24, True)
+
+
+@pytest.mark.parametrize("tokens, first", [(41, 1), (39, 0)])
+def test_d_refuses_p_s_kv_for_a_prompt_that_does_not_begin_with_p_s(
+    tokens: int, first: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, out = scheduler("pull").request_finished(request({"do_remote_decode": True, "transfer_id": HEX}), ([1, 2, 3],))
+    d = scheduler("pull")
+    params = dict(out)
+    req = SimpleNamespace(request_id="req-2", prompt_token_ids=list(range(first, first + tokens)),
+                          kv_transfer_params=params, status=RequestStatus.FINISHED_LENGTH_CAPPED)  # fmt: skip
+    assert d.get_num_new_matched_tokens(req, 0) == (0, False)  # D computes its prompt itself
+    assert not d.meta.receives and params["do_remote_prefill"] is False
+    # P is told to free the transfer's blocks now rather than at its lease's end.
+    [note] = d.meta.dropped
+    assert (note.transfer_id, note.producer) == (HEX.lower(), "engine-x")
+    assert "refusing P's KV" in caplog.text
+    assert d.get_num_new_matched_tokens(req, 0) == (0, False) and len(d.meta.dropped) == 1

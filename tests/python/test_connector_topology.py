@@ -160,7 +160,7 @@ def test_dp_engines_offset_their_ports_and_p_names_its_own(monkeypatch: pytest.M
     _, config = start_worker(monkeypatch, vllm_config(tp=2, dp_index=3), [group([0, 1, 2, 3])], 0, tp_rank=1)
     assert (config["dp_index"], config["side_channel_port"], config["tp_rank"]) == (3, 5700, 1)
     s = kv._Scheduler(vllm_config(tp=2, dp_index=3), None, cfg())
-    params = s._decode_params(tr.Transfer("t", "0" * 32, 1), [[1]], 10)
+    params = s._decode_params(tr.Transfer("t", "0" * 32, 1), [[1]], 10, list(range(10)))
     # Engine 3's rank 0 listens after engines 0-2's two ports each (the engine adds the rank).
     assert (params["remote_port"], params["tp_size"], params["pp_size"]) == (5706, 2, 1)
     assert "remote_ranks" not in params
@@ -178,7 +178,7 @@ def test_p_publishes_every_rank_s_address_from_vllm_s_handshake_metadata() -> No
     c = object.__new__(kv.KVPushConnector)
     c._worker, c._scheduler = None, kv._Scheduler(vllm_config(tp=2, pp=2), None, cfg())
     c.set_xfer_handshake_metadata_pp_aware(handshakes())
-    params = c._scheduler._decode_params(tr.Transfer("t", "0" * 32, 1), [[1]], 10)
+    params = c._scheduler._decode_params(tr.Transfer("t", "0" * 32, 1), [[1]], 10, list(range(10)))
     assert params["remote_ranks"] == ["10.1.0.1:5600", "10.1.0.2:5600", "10.1.0.3:7000", "[fd00::9]:7001"]
     assert (params["tp_size"], params["pp_size"]) == (2, 2)
     # D reads them back exactly.

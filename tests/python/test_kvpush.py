@@ -11,6 +11,9 @@ differently by a few 1e-6):
   - 8 concurrent clients over the same prompts, equal again;
   - a client that disconnects mid-stream leaves no KV blocks held on either server;
   - pull: the same 20 prompts and 8 clients, equal;
+  - both: every streamed one gets its first token from P's answer (the router's default) and the rest
+    from D's continuation of it (pull: D's prompt is P's plus P's token, one more prompt token on D than
+    sent), with the one engine's usage;
   - the push pair runs with the request timeline on (``KVPUSH_TIMELINE``): one request's timeline has
     every event of the router, both connectors and both engines, in causal order;
   - a mode mismatch (P pull, D push) is refused at the handshake with proto's message on D, and both
@@ -90,7 +93,18 @@ def test_push_matches_single_engine_and_d_computes_nothing(push_pair, reference)
         print(f"  {n:4d} tokens: tokens {'equal' if same else 'DIFFER'}, logprobs within {worst:.1e}"
               f"{' TTFT %.3f s' % got.ttft_s if got.ttft_s else ''}")
         srv.assert_same_output(got, ref, f"push, {n}-token prompt")
+        check_usage(got, n, i % 2 == 1)
     srv.check_transfer_counted(d, before, LENGTHS)
+    recovered = requests.get(router.url + "/metrics", timeout=10).text
+    print("  " + next(ln for ln in recovered.splitlines() if ln.startswith("kvpush_router_first_token_recoveries")))
+
+
+def check_usage(got: srv.Completion, n: int, streamed: bool) -> None:
+    """A streamed greedy completion's first token comes from P and the rest from D's continuation of it
+    (docs/router.md): its usage must still be the one engine's (P's token is output, not prompt)."""
+    if streamed:
+        assert got.usage is not None, "stream_options.include_usage asked for usage"
+        assert (got.usage["prompt_tokens"], got.usage["completion_tokens"]) == (n, MAX_TOKENS), got.usage
 
 
 # Every event of a push request, in an order each must respect (kvpush/_timeline.py names them).
@@ -193,10 +207,15 @@ def test_pull_matches_single_engine(servers: "object", reference) -> None:
         for i, (n, ref) in enumerate(zip(LENGTHS, reference)):
             got = srv.complete(router.url, PROMPTS[i], MAX_TOKENS, stream=(i % 3 == 0))
             srv.assert_same_output(got, ref, f"pull, {n}-token prompt")
+            check_usage(got, n, i % 3 == 0)
         after = d.prompt_tokens_by_source()
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
         print(f"\nkvpush pull: {len(PROMPTS)} prompts equal; D's prompt tokens by source: {delta}")
         assert delta.get("local_compute", 0) <= len(PROMPTS), delta
+        # A streamed one went to D as its continuation of P's token (one prompt token more, whose
+        # position is the one D computes); the others as the client's prompt.
+        streamed = sum(1 for i in range(len(PROMPTS)) if i % 3 == 0)
+        assert sum(delta.values()) == sum(LENGTHS) + streamed, delta
         with ThreadPoolExecutor(8) as pool:
             outs = list(pool.map(lambda i: srv.complete(router.url, PROMPTS[i], MAX_TOKENS), range(len(PROMPTS))))
         for n, got, ref in zip(LENGTHS, outs, reference):
