@@ -150,6 +150,10 @@ pub(super) struct Writer {
     /// Consumer: outcomes of requests whose own READ was still in flight when they ended; each goes
     /// out once its READs ended (cancelled on the way), never before (issue 16, window 4).
     owed: Vec<Finished>,
+    /// Producer: consumers that gave up on a request while our WRITE into them was in flight. The
+    /// WRITE's notification is their word that it ended; should it be lost, they would hold their
+    /// blocks until their quarantine bound, so its end is also said on the control link.
+    abort_heard: HashSet<(Key, PeerAddr)>,
     /// Consumer: quarantined requests and the producer engine that may still write into them.
     quarantined: HashMap<Key, String>,
     /// The process each peer worker was last lost as: only another process of it coming back says
@@ -238,6 +242,7 @@ impl Writer {
             dropped: HashMap::new(),
             registered_by: HashMap::new(),
             owed: Vec::new(),
+            abort_heard: HashSet::new(),
             quarantined: HashMap::new(),
             lost_as: HashMap::new(),
             poll_interval: POLL_MIN,
@@ -859,6 +864,8 @@ impl Writer {
         for key in keys {
             self.rdv.handle_abort(now, key);
         }
+        // (Its WRITEs in flight end as lost: no word of their end goes to it.)
+        self.abort_heard.retain(|(_, p)| p != peer);
         // Its READs of our sources: fenced, they ended; otherwise they may still run, and the
         // sources stay quarantined until it returns as a new process (or the bound).
         self.grants.handle_peer_lost(now, peer, fenced);
@@ -1107,6 +1114,9 @@ impl Writer {
                     self.shared.transport.cancel(*id);
                 }
                 let writing = !ours.is_empty();
+                if writing && ours.iter().any(|id| self.inflight.get(id).is_some_and(|f| f.op == Op::Write)) {
+                    self.abort_heard.insert((a.key, from.clone()));
+                }
                 let granted = self.grants.get(a.key, &from).is_some();
                 if self.registered_by.get(&a.key).is_none_or(|peers| !peers.iter().any(|(p, _)| *p == from))
                     && !writing
@@ -1232,6 +1242,13 @@ impl Writer {
                     }
                 };
                 timeline::record(if f.op == Op::Write { "eng_write_done" } else { "eng_read_done" }, f.key);
+                if f.op == Op::Write && !f.lost && self.abort_heard.remove(&(f.key, f.peer.clone())) {
+                    // The consumer gave up while this WRITE ran and waits for its end: the WRITE
+                    // ended (the transport says so), so nothing more of it lands; say it.
+                    let detail = "the write in flight at the abort ended".into();
+                    let done = Failure { key: f.key, rank: self.shared.me.rank, kind: FailureKind::Aborted, detail };
+                    self.send_frame(&f.peer, &Message::Failure(done));
+                }
                 match f.op {
                     Op::Write => self.write_done(now, f.key, f.peer, result),
                     Op::Read => self.read_finished(now, f.key, f.peer, result),

@@ -455,6 +455,34 @@ fn the_drain_timeout_reports_in_time_but_holds_the_blocks_until_the_producer_end
     assert_untouched(d, &blocks, tokens, "a WRITE landed after the blocks were released");
 }
 
+/// Issue 16, window 3, the notification lost (`vllm48633_l1_liveness_random_faults` held some of
+/// D's blocks for the 120 s bound): D gives up on a request while P's WRITE into it is in flight
+/// (here queued behind another, held WRITE), so P does not answer D's abort; the WRITE then lands
+/// but its notification, P's final word, is lost. P says on the control link that the WRITE ended,
+/// and D releases the blocks then, not at the bound. (Before the fix D held them until the bound.)
+#[test]
+fn a_write_whose_notification_is_lost_after_the_abort_is_still_answered() {
+    let c = Cluster::new(Setup { drain_timeout: Duration::from_millis(100), ..Setup::new(Mode::Push, 1, 1) });
+    let (p, d) = (&c.p[0], &c.d[0]);
+    let (first, key) = (Key::new(0x11a1_0001, 1), Key::new(0x11a1_0002, 1));
+    let tokens = 2 * u64::from(BLOCK_TOKENS);
+    let (held, blocks) = (vec![vec![3, 4]], vec![vec![5, 6]]);
+    write_held(p, d, first, &held, tokens, Duration::from_millis(400));
+    d.engine.blocks_allocated(key, P_ENGINE, blocks.clone(), tokens).expect("registers");
+    poll_until("P sees the registration", LIMIT, || p.engine.stats().counters.registrations, |n| *n == 2);
+    p.transport.inject_once(Fault::LoseNotification);
+    p.engine.request_finished(key, blocks.clone(), tokens).expect("finished");
+    poll_until("P posts its WRITE", LIMIT, || p.transport.stats().posts, |n| *n == 2);
+    let aborted_at = std::time::Instant::now();
+    d.engine.abort(key).expect("abort");
+    let out = wait_for(&d.engine, "an outcome", LIMIT, |f| f.key() == key);
+    assert!(matches!(out, Finished::Quarantined { failed: false, .. }), "{out:?}");
+    wait_for(&d.engine, "the blocks released", LIMIT, |f| matches!(f, Finished::Released { key: k } if *k == key));
+    assert!(aborted_at.elapsed() >= Duration::from_millis(300), "released before the WRITE ended");
+    assert_eq!(d.engine.stats().failures.quarantine_expired, 0, "released by P's word, not the bound");
+    wait_for(&p.engine, "P's release", LIMIT, |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
+}
+
 /// Issue 16, window 4: in a pull, P's grant expires while D's READ is held in the data path. P
 /// tells D; D must not report the request (giving its blocks back) while its own READ can still
 /// land in them: it cancels the READ and reports once the READ ended. The owner reuses the blocks

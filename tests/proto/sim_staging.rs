@@ -1,20 +1,27 @@
-//! The staging receiver ([`Receiver`]) and the producer's pull grants ([`Grants`]) on virtual time,
-//! driven like `sim.rs`: a network that delays (so reorders) and sometimes repeats frames, data
-//! transfers that take a random time, notifications that come late, senders and consumers that are
-//! lost (with or without a confirmed fence) and come back as new processes, and a consumer that
-//! stops waiting for a request (the drain timeout). The invariants are checked after every event.
+//! The staging receiver ([`Receiver`]) and sender ([`Sender`]), and the producer's pull grants
+//! ([`Grants`]), on virtual time, driven like `sim.rs`: a network that delays (so reorders) and
+//! sometimes repeats frames, data transfers that take a random time, notifications that come late,
+//! senders and consumers that are lost (with or without a confirmed fence) and come back, and a
+//! consumer that stops waiting for a request (the drain timeout). The invariants are checked after every event.
 //!
-//! Staging (one receiver, up to three senders, modelled as `transport::staged`'s sender behaves:
-//! a granted piece is written at once; after a FAIL it writes nothing more, waits for its WRITEs and
-//! sends CANCEL):
+//! Staging (one receiver, up to three sender processes, each the real [`Sender`] with one to three
+//! send slots; the simulator carries out their actions as `transport::staged` does: gathers and
+//! WRITEs that take a random time, a gather or post that sometimes fails; a sender hears of a lost
+//! receiver a little after the receiver lost it, and comes back either as a new process or as the
+//! same process reconnected):
 //!
+//! * **a send slot is never gathered into while its WRITE runs, and a WRITE sends what was
+//!   gathered** (the oracle tracks each slot); **CANCEL goes out only when no WRITE of the
+//!   transfer can land**, and a failure is reported only then (unless the receiver was lost);
+//! * every transfer of a live sender ends with exactly one outcome; done only if delivered; its
+//!   counters agree with its pieces;
 //! * **no slot is re-granted while a WRITE into it can still land**: when the receiver grants slot
 //!   `s`, no WRITE into `s` is in flight; when a WRITE lands, its slot is still granted to its piece
 //!   (or quarantined, its sender lost unfenced);
 //! * a scatter reads what landed: the slot holds the piece its notification names;
 //! * **fail closed**: nothing of a transfer is granted or scattered after the consumer stopped
 //!   waiting for it (`handle_stop`), or after it was delivered;
-//! * delivered once, with every piece scattered; at quiescence nothing is held.
+//! * delivered once, with every piece scattered; at quiescence nothing is held on either side.
 //!
 //! Pull grants (one producer, three consumers): **no READ runs on a source after its grant ended**
 //! ([`GrantEvent::Ended`] is what releases the sources), except at the quarantine bound (where
@@ -31,7 +38,9 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use kvpush::proto::grants::{Cause, Event as GrantEvent, GrantConfig, Grants};
 use kvpush::proto::msg::FailureKind;
-use kvpush::proto::staging::{Frame, Landed, Output, PieceNote, Receiver, RecvConfig, Slot};
+use kvpush::proto::staging::{
+    Action, Frame, Landed, Output, PieceNote, Receiver, RecvConfig, Report, SendConfig, Sender, Slot,
+};
 use kvpush::proto::{Instant, Key};
 use kvpush_testkit::rng::Rng;
 
@@ -42,44 +51,65 @@ const MAX_STEPS: usize = 200_000;
 // ---------------------------------------------------------------------------------------------
 // Staging
 
-/// A sender process: peer `peer`, incarnation `inc`.
+/// A connection as the receiver knows it: peer `peer`, incarnation `inc` (a new process, or the
+/// same process after a reconnect: either way the receiver sees a new data-path agent).
 type Proc = (usize, u32);
 
+/// What the oracle knows a send slot (lane) of a sender process holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum OutPiece {
-    Waiting,
-    Writing,
-    Written,
+enum LaneO {
+    Idle,
+    /// A gather of (tag, piece) runs into it.
+    Gathering(u64, u32),
+    /// It holds (tag, piece), gathered.
+    Holds(u64, u32),
+    /// A WRITE of (tag, piece) runs out of it.
+    Writing(u64, u32),
 }
 
+/// A sender process: the real [`Sender`] and what the oracle knows of it.
 #[derive(Debug)]
-struct OutXfer {
-    pieces: Vec<OutPiece>,
-    failed: bool,
-    cancel_sent: bool,
-    ended: bool,
+struct SProc {
+    peer: usize,
+    /// The connection the receiver knows it by.
+    conn: u32,
+    tx: Sender,
+    /// Killed (a new process took its place): it does nothing more, and nothing of it ends.
+    dead: bool,
+    /// It heard that the receiver was lost (its transfers fail at once).
+    lost_heard: bool,
+    lanes: Vec<LaneO>,
+    next_tag: u64,
+    /// Per tag: the connection it was posted on, and its outcome once reported.
+    posted: BTreeMap<u64, (u32, Option<bool>)>,
 }
 
 #[derive(Debug)]
 enum Ev {
-    /// A frame from process `from` reaches the receiver.
+    /// A frame from connection `from` reaches the receiver.
     ToRecv { from: Proc, frame: Frame },
-    /// A frame from the receiver reaches process `to`.
+    /// A frame from the receiver reaches connection `to`.
     ToSender { to: Proc, frame: Frame },
-    /// A WRITE of `from`'s piece lands in receive slot `slot`.
-    Lands { from: Proc, tag: u64, piece: u32, slot: u32 },
-    /// The sender sees its WRITE ended.
-    WriteEnded { from: Proc, tag: u64, piece: u32 },
+    /// A WRITE of process `pid`'s piece (posted on connection `from`) lands in receive slot `slot`.
+    Lands { pid: usize, from: Proc, tag: u64, piece: u32, slot: u32, lane: usize },
+    /// Process `pid` sees its WRITE out of `lane` ended.
+    WriteEnded { pid: usize, lane: usize, ok: bool },
+    /// Process `pid`'s gather into `lane` ends.
+    GatherDone { pid: usize, lane: usize },
     /// A scatter of `slot` ends.
     ScatterDone { slot: usize },
     /// A sender posts a new transfer of `pieces` pieces.
     Post { peer: usize, pieces: u32 },
     /// The side channel to `peer` is lost; `fenced`: the transport confirmed its fence.
     Lose { peer: usize, fenced: bool },
-    /// `peer` comes back as a new process.
-    Return { peer: usize },
-    /// The consumer stops waiting for `peer`'s transfer number `nth` of its current process.
+    /// Process `pid` hears that the receiver was lost.
+    SenderLost { pid: usize },
+    /// `peer` comes back: as a new process (`restart`), or the same process reconnected.
+    Return { peer: usize, restart: bool },
+    /// The consumer stops waiting for `peer`'s transfer number `nth` of its current connection.
     Stop { peer: usize, nth: u64 },
+    /// `peer`'s current process gives up on its transfer `nth` (`Transport::cancel`).
+    Cancel { peer: usize, nth: u64 },
 }
 
 #[derive(Debug)]
@@ -90,13 +120,18 @@ struct StagingSim {
     queue: BTreeMap<(Instant, u64), Ev>,
     seq: u64,
     rx: Receiver,
-    /// Current incarnation of each peer, and whether it is lost (not yet returned).
+    /// Current incarnation of each peer, whether it is lost (not yet returned), its process.
     inc: Vec<u32>,
     lost: Vec<bool>,
-    out: HashMap<Proc, HashMap<u64, OutXfer>>,
-    next_tag: HashMap<Proc, u64>,
+    pid: Vec<usize>,
+    procs: Vec<SProc>,
+    /// Connections lost with a confirmed fence: nothing they post lands.
+    fenced: HashSet<Proc>,
     dup_pct: u8,
     late_pct: u8,
+    /// Percent of PIECE notifications and CANCELLED frames lost (the receiver's and the sender's
+    /// stall timeouts end what waits for them).
+    drop_pct: u8,
     net_us: (u64, u64),
     write_us: (u64, u64),
     // ---- oracle ----
@@ -127,6 +162,12 @@ impl StagingSim {
             quarantine_us: QUARANTINE_US,
         };
         let net = rng.between(0, 300);
+        let procs = (0..senders)
+            .map(|peer| {
+                let lanes = rng.between(1, 3) as usize;
+                SProc::new(peer, 0, lanes)
+            })
+            .collect();
         StagingSim {
             seed,
             now: Instant(0),
@@ -135,10 +176,12 @@ impl StagingSim {
             rx: Receiver::new(cfg),
             inc: vec![0; senders],
             lost: vec![false; senders],
-            out: HashMap::new(),
-            next_tag: HashMap::new(),
+            pid: (0..senders).collect(),
+            procs,
+            fenced: HashSet::new(),
             dup_pct: if rng.coin() { 0 } else { rng.between(1, 30) as u8 },
             late_pct: if rng.coin() { 0 } else { rng.between(1, 10) as u8 },
+            drop_pct: if rng.percent(70) { 0 } else { rng.between(1, 10) as u8 },
             net_us: (net, net + rng.between(0, 800)),
             write_us: (rng.between(1, 200), rng.between(200, 3_000)),
             content: vec![None; slots],
@@ -204,6 +247,10 @@ impl StagingSim {
                         self.granted[s] = Some((to, tag, piece));
                         self.count("grant");
                     }
+                    if matches!(frame, Frame::Cancelled { .. }) && self.rng.percent(self.drop_pct) {
+                        self.count("cancelled lost");
+                        continue;
+                    }
                     if !self.lost[p] {
                         self.send(|| Ev::ToSender { to, frame: frame.clone() });
                     }
@@ -223,60 +270,100 @@ impl StagingSim {
         }
     }
 
-    // ---- the sender model ----
+    // ---- the senders' actions (what `transport::staged` carries out) ----
 
-    fn sender_frame(&mut self, to: Proc, frame: Frame) {
-        if !self.current(to) {
-            return; // a lost process hears nothing more
-        }
-        let tag = frame.tag();
-        let Some(o) = self.out.get_mut(&to).and_then(|m| m.get_mut(&tag)) else { return };
-        if o.ended {
-            return;
-        }
-        match frame {
-            Frame::Grant { piece, slot, .. } => {
-                let Some(p) = o.pieces.get_mut(piece as usize) else { return };
-                if *p != OutPiece::Waiting {
-                    return; // a repeated grant
-                }
-                if o.failed {
-                    *p = OutPiece::Written;
-                } else {
-                    *p = OutPiece::Writing;
-                    let d = self.rng.between(self.write_us.0, self.write_us.1);
-                    self.in_flight.entry(slot).or_default().push((to, tag, piece));
-                    self.at(d, Ev::Lands { from: to, tag, piece, slot });
-                }
-            }
-            Frame::Fail { .. } => {
-                o.failed = true;
-                for p in &mut o.pieces {
-                    if *p == OutPiece::Waiting {
-                        *p = OutPiece::Written;
+    fn drain_tx(&mut self, pid: usize) {
+        while let Some(a) = self.procs[pid].tx.poll_action() {
+            let (seed, from) = (self.seed, (self.procs[pid].peer, self.procs[pid].conn));
+            match a {
+                Action::Send { peer, frame } => {
+                    assert_eq!(peer, "d", "seed {seed}: a frame for {peer}");
+                    if let Frame::Cancel { tag } = frame {
+                        // CANCEL lets the receiver free the transfer's slots: no WRITE of it may
+                        // still land.
+                        let writing = self.in_flight.values().flatten().any(|w| w.0 == from && w.1 == tag);
+                        let lane = self.procs[pid].lanes.iter().any(|l| matches!(*l, LaneO::Writing(t, _) if t == tag));
+                        assert!(!writing && !lane, "seed {seed}: {from:?}/{tag} sent CANCEL while its WRITE can land");
+                        self.count("cancel sent");
                     }
+                    self.send(|| Ev::ToRecv { from, frame: frame.clone() });
+                }
+                Action::Gather { tag, piece, lane, .. } => {
+                    let l = self.procs[pid].lanes[lane];
+                    assert!(
+                        matches!(l, LaneO::Idle | LaneO::Holds(..)),
+                        "seed {seed}: {from:?} gathers {tag}/{piece} into lane {lane} while it is {l:?}"
+                    );
+                    self.procs[pid].lanes[lane] = LaneO::Gathering(tag, piece);
+                    let d = self.rng.between(1, 300);
+                    self.at(d, Ev::GatherDone { pid, lane });
+                    self.count("gather");
+                }
+                Action::Write { tag, piece, lane, slot, .. } => {
+                    let l = self.procs[pid].lanes[lane];
+                    assert_eq!(
+                        l,
+                        LaneO::Holds(tag, piece),
+                        "seed {seed}: {from:?} writes {tag}/{piece} from lane {lane}"
+                    );
+                    self.procs[pid].lanes[lane] = LaneO::Writing(tag, piece);
+                    self.count("write");
+                    if self.fenced.contains(&from) || self.procs[pid].lost_heard && self.rng.coin() {
+                        // The transport refuses it (fenced), or the post fails: it ends at once.
+                        self.at(1, Ev::WriteEnded { pid, lane, ok: false });
+                        continue;
+                    }
+                    let d = self.rng.between(self.write_us.0, self.write_us.1);
+                    self.in_flight.entry(slot).or_default().push((from, tag, piece));
+                    self.at(d, Ev::Lands { pid, from, tag, piece, slot, lane });
                 }
             }
-            Frame::Done { .. } => {
-                o.ended = true;
-                self.count("sender done");
-            }
-            Frame::Cancelled { .. } if o.cancel_sent => {
-                o.ended = true;
-                self.count("sender cancelled");
-            }
-            _ => {}
         }
-        self.maybe_cancel(to, tag);
+        self.report(pid);
+        let (kept, fresh) = self.procs[pid].tx.tallies();
+        assert_eq!(kept, fresh, "seed {}: the sender's tallies drifted: {:?}", self.seed, self.procs[pid].tx);
     }
 
-    /// A failed transfer with nothing in flight sends CANCEL (once).
-    fn maybe_cancel(&mut self, from: Proc, tag: u64) {
-        let Some(o) = self.out.get_mut(&from).and_then(|m| m.get_mut(&tag)) else { return };
-        if o.failed && !o.cancel_sent && !o.ended && !o.pieces.contains(&OutPiece::Writing) {
-            o.cancel_sent = true;
-            self.send(|| Ev::ToRecv { from, frame: Frame::Cancel { tag } });
+    /// Asks process `pid` for the outcome of every transfer not reported yet (as the engine polls
+    /// its handles), and checks what it says.
+    fn report(&mut self, pid: usize) {
+        let now = self.now;
+        let tags: Vec<u64> = self.procs[pid].posted.iter().filter(|(_, (_, o))| o.is_none()).map(|(t, _)| *t).collect();
+        for tag in tags {
+            let r = self.procs[pid].tx.handle_report(now, tag);
+            let p = &self.procs[pid];
+            let (seed, conn, peer) = (self.seed, p.posted[&tag].0, p.peer);
+            let from = (peer, conn);
+            let ok = match r {
+                Report::Pending => continue,
+                Report::Unknown => panic!("seed {seed}: {from:?}/{tag} unknown before its outcome"),
+                Report::Finished(r) => r.is_ok(),
+            };
+            if ok {
+                assert!(self.delivered.contains(&(from, tag)), "seed {seed}: {from:?}/{tag} done, never delivered");
+                self.count("sender done");
+            } else if !p.lost_heard {
+                // A failure is reported only once nothing of the transfer can land or be scattered.
+                let writing = self.in_flight.values().flatten().any(|w| w.0 == from && w.1 == tag);
+                assert!(!writing, "seed {seed}: {from:?}/{tag} reported failed while its WRITE can land");
+                let scattering = (0..self.rx.slots().len())
+                    .any(|s| self.current(from) && self.rx.holder(s) == Some((format!("p{peer}").as_str(), tag, None)));
+                assert!(!scattering, "seed {seed}: {from:?}/{tag} reported failed while a piece of it is scattered");
+                self.count("sender failed");
+            }
+            self.procs[pid].posted.get_mut(&tag).expect("posted").1 = Some(ok);
         }
+        self.drain_tx_quiet(pid);
+    }
+
+    /// A report may let the sender forget a transfer; it asks nothing of the carrier then.
+    fn drain_tx_quiet(&mut self, pid: usize) {
+        assert!(self.procs[pid].tx.poll_action().is_none(), "seed {}: an action after a report", self.seed);
+    }
+
+    /// Process `pid` of connection `to` is the one that hears frames sent to `to`.
+    fn pid_of(&self, to: Proc) -> Option<usize> {
+        self.procs.iter().position(|p| !p.dead && p.peer == to.0 && p.conn == to.1)
     }
 
     // ---- events ----
@@ -288,20 +375,19 @@ impl StagingSim {
                 if self.lost[peer] {
                     return;
                 }
+                let pid = self.pid[peer];
                 let from = (peer, self.inc[peer]);
-                let tag = *self.next_tag.entry(from).and_modify(|t| *t += 1).or_insert(0);
-                let o = OutXfer {
-                    pieces: vec![OutPiece::Waiting; pieces as usize],
-                    failed: false,
-                    cancel_sent: false,
-                    ended: false,
-                };
-                self.out.entry(from).or_default().insert(tag, o);
+                let p = &mut self.procs[pid];
+                let tag = p.next_tag;
+                p.next_tag += 1;
+                p.posted.insert(tag, (from.1, None));
                 // The notification names the transfer (the oracle reads it back at delivery).
                 let mut notif = tag.to_le_bytes().to_vec();
                 notif.extend_from_slice(&pieces.to_le_bytes());
                 notif.extend_from_slice(&from.1.to_le_bytes());
                 self.send(|| Ev::ToRecv { from, frame: Frame::Request { tag, pieces, notif: notif.clone() } });
+                self.procs[pid].tx.handle_post(now, tag, "d", pieces);
+                self.drain_tx(pid);
             }
             Ev::ToRecv { from, frame } => {
                 if !self.current(from) {
@@ -309,8 +395,13 @@ impl StagingSim {
                 }
                 self.rx.handle_frame(now, &format!("p{}", from.0), frame);
             }
-            Ev::ToSender { to, frame } => self.sender_frame(to, frame),
-            Ev::Lands { from, tag, piece, slot } => {
+            Ev::ToSender { to, frame } => {
+                if let Some(pid) = self.pid_of(to).filter(|_| self.current(to)) {
+                    self.procs[pid].tx.handle_frame(now, "d", frame);
+                    self.drain_tx(pid);
+                }
+            }
+            Ev::Lands { pid, from, tag, piece, slot, lane } => {
                 let s = slot as usize;
                 let w = self.in_flight.get_mut(&slot).expect("in flight");
                 w.retain(|x| *x != (from, tag, piece));
@@ -327,7 +418,11 @@ impl StagingSim {
                 self.content[s] = Some((from, tag, piece));
                 self.count("landed");
                 // The sender's completion, and the data path's notification (after the data).
-                self.at(1, Ev::WriteEnded { from, tag, piece });
+                self.at(1, Ev::WriteEnded { pid, lane, ok: true });
+                if self.rng.percent(self.drop_pct) {
+                    self.count("notification lost");
+                    return;
+                }
                 let late = if self.rng.percent(self.late_pct) {
                     self.count("late notification");
                     self.rng.between(STALL_US, QUARANTINE_US / 2)
@@ -337,14 +432,27 @@ impl StagingSim {
                 let note = Frame::Piece { tag, piece, slot, entries: 1, bytes: 4096 };
                 self.at(late, Ev::ToRecv { from, frame: note });
             }
-            Ev::WriteEnded { from, tag, piece } => {
-                if !self.current(from) {
+            Ev::WriteEnded { pid, lane, ok } => {
+                if self.procs[pid].dead {
                     return;
                 }
-                if let Some(o) = self.out.get_mut(&from).and_then(|m| m.get_mut(&tag)) {
-                    o.pieces[piece as usize] = OutPiece::Written;
+                let l = self.procs[pid].lanes[lane];
+                assert!(matches!(l, LaneO::Writing(..)), "seed {}: a WRITE ended from lane {lane} ({l:?})", self.seed);
+                self.procs[pid].lanes[lane] = LaneO::Idle;
+                self.procs[pid].tx.handle_written(now, lane, if ok { Ok(()) } else { Err("refused".into()) });
+                self.drain_tx(pid);
+            }
+            Ev::GatherDone { pid, lane } => {
+                if self.procs[pid].dead {
+                    return;
                 }
-                self.maybe_cancel(from, tag);
+                let LaneO::Gathering(tag, piece) = self.procs[pid].lanes[lane] else {
+                    panic!("seed {}: a gather ended in lane {lane} ({:?})", self.seed, self.procs[pid].lanes[lane])
+                };
+                let fail = self.rng.percent(2);
+                self.procs[pid].lanes[lane] = if fail { LaneO::Idle } else { LaneO::Holds(tag, piece) };
+                self.procs[pid].tx.handle_gathered(now, lane, if fail { Err("injected".into()) } else { Ok(()) });
+                self.drain_tx(pid);
             }
             Ev::ScatterDone { slot } => {
                 let c = self.content[slot].expect("a scatter of a landed piece");
@@ -358,27 +466,54 @@ impl StagingSim {
                 }
                 self.lost[peer] = true;
                 let name = format!("p{peer}");
+                let conn = (peer, self.inc[peer]);
                 if fenced {
                     // The transport confirmed: nothing the peer posted lands any more.
-                    let proc_ = (peer, self.inc[peer]);
-                    self.cancel_writes(|p| p == proc_);
+                    self.fenced.insert(conn);
+                    self.cancel_writes(|p| p == conn, true);
                     self.rx.handle_fenced(&name);
                     self.count("lost fenced");
                 } else {
                     self.count("lost unfenced");
                 }
                 self.rx.handle_peer_lost(now, &name);
+                // The sender hears of it on its side a little later.
+                let (pid, d) = (self.pid[peer], self.rng.between(0, 2_000));
+                self.at(d, Ev::SenderLost { pid });
             }
-            Ev::Return { peer } => {
+            Ev::SenderLost { pid } => {
+                let p = &mut self.procs[pid];
+                if p.dead || p.lost_heard {
+                    return;
+                }
+                p.lost_heard = true;
+                p.tx.handle_peer_lost(now, "d");
+                self.drain_tx(pid);
+            }
+            Ev::Return { peer, restart } => {
                 if !self.lost[peer] {
                     return;
                 }
-                // The old process is gone: its WRITEs can no longer land.
-                let old = (peer, self.inc[peer]);
-                self.cancel_writes(|p| p == old);
+                let old = self.pid[peer];
+                if restart || !self.procs[old].lost_heard {
+                    // The old process is gone (killed): its WRITEs can no longer land.
+                    let conn = (peer, self.inc[peer]);
+                    self.cancel_writes(|p| p == conn, false);
+                    self.procs[old].dead = true;
+                    let lanes = self.procs[old].lanes.len();
+                    self.procs.push(SProc::new(peer, self.inc[peer] + 1, lanes));
+                    self.pid[peer] = self.procs.len() - 1;
+                    self.count("restarted");
+                } else {
+                    // The same process dials again: a new connection; what it posted before the
+                    // loss may still land (or was refused, fenced).
+                    let p = &mut self.procs[old];
+                    p.conn += 1;
+                    p.lost_heard = false;
+                    self.count("reconnected");
+                }
                 self.inc[peer] += 1;
                 self.lost[peer] = false;
-                self.count("returned");
             }
             Ev::Stop { peer, nth } => {
                 let from = (peer, self.inc[peer]);
@@ -393,11 +528,20 @@ impl StagingSim {
                     self.count("stopped");
                 }
             }
+            Ev::Cancel { peer, nth } => {
+                let pid = self.pid[peer];
+                if self.procs[pid].tx.handle_cancel(now, nth) {
+                    self.count("sender cancel");
+                }
+                self.drain_tx(pid);
+            }
         }
-        self.after_input(now);
+        self.drain_rx();
     }
 
-    fn cancel_writes(&mut self, gone: impl Fn(Proc) -> bool) {
+    /// WRITEs of `gone` connections in flight never land: the process is gone (they never end
+    /// either), or the fence is confirmed (they end, failed).
+    fn cancel_writes(&mut self, gone: impl Fn(Proc) -> bool, end: bool) {
         let lands: Vec<(Instant, u64)> = self
             .queue
             .iter()
@@ -405,18 +549,15 @@ impl StagingSim {
             .map(|(k, _)| *k)
             .collect();
         for k in lands {
-            if let Some(Ev::Lands { from, tag, piece, slot }) = self.queue.remove(&k) {
+            if let Some(Ev::Lands { pid, from, tag, piece, slot, lane }) = self.queue.remove(&k) {
                 if let Some(w) = self.in_flight.get_mut(&slot) {
                     w.retain(|x| *x != (from, tag, piece));
                 }
+                if end {
+                    self.at(1, Ev::WriteEnded { pid, lane, ok: false });
+                }
             }
         }
-    }
-
-    /// Carries out what the receiver asks (a landed piece's scatter comes back through here).
-    fn after_input(&mut self, now: Instant) {
-        self.drain_rx();
-        let _ = now;
     }
 
     fn piece_note(&mut self, from: Proc, frame: Frame) {
@@ -451,24 +592,26 @@ impl StagingSim {
 
     fn next_time(&self) -> Option<Instant> {
         let q = self.queue.keys().next().map(|k| k.0);
-        q.into_iter().chain(self.rx.poll_timeout()).min()
+        let tx = self.procs.iter().filter(|p| !p.dead).filter_map(|p| p.tx.poll_timeout());
+        q.into_iter().chain(self.rx.poll_timeout()).chain(tx).min()
     }
 
     fn run(mut self) -> Self {
-        // The schedule: posts, losses, returns and stops at random times.
+        // The schedule: posts, losses, returns, stops and cancels at random times.
         let senders = self.inc.len();
         for _ in 0..self.rng.between(1, 12) {
             let (t, peer, pieces) =
                 (self.rng.between(0, 20_000), self.rng.below(senders as u64) as usize, self.rng.between(1, 6) as u32);
             self.at(t, Ev::Post { peer, pieces });
         }
-        for _ in 0..self.rng.between(0, 3) {
+        for _ in 0..self.rng.between(0, 4) {
             let (t, peer) = (self.rng.between(0, 25_000), self.rng.below(senders as u64) as usize);
-            let (fenced, nth) = (self.rng.coin(), self.rng.below(4));
-            match self.rng.below(3) {
+            let (fenced, nth, restart) = (self.rng.coin(), self.rng.below(4), self.rng.coin());
+            match self.rng.below(4) {
                 0 => self.at(t, Ev::Lose { peer, fenced }),
-                1 => self.at(t, Ev::Return { peer }),
-                _ => self.at(t, Ev::Stop { peer, nth }),
+                1 => self.at(t, Ev::Return { peer, restart }),
+                2 => self.at(t, Ev::Stop { peer, nth }),
+                _ => self.at(t, Ev::Cancel { peer, nth }),
             }
         }
         while let Some(t) = self.next_time() {
@@ -490,6 +633,12 @@ impl StagingSim {
                 _ => {
                     self.rx.handle_timeout(self.now);
                     self.drain_rx();
+                    for pid in 0..self.procs.len() {
+                        if !self.procs[pid].dead {
+                            self.procs[pid].tx.handle_timeout(self.now);
+                            self.drain_tx(pid);
+                        }
+                    }
                 }
             }
         }
@@ -498,15 +647,31 @@ impl StagingSim {
     }
 
     fn check_quiescent(&self) {
-        assert!(!self.rx.busy(), "seed {}: the receiver still tracks transfers: {:?}", self.seed, self.rx);
-        assert!(self.rx.slots().iter().all(|s| *s == Slot::Free), "seed {}: {:?}", self.seed, self.rx.slots());
-        for (p, m) in &self.out {
-            for (tag, o) in m {
-                // A live process's transfers all ended (done, or failed and cancelled).
-                if self.current(*p) {
-                    assert!(o.ended, "seed {}: {p:?}/{tag} never ended: {o:?}", self.seed);
-                }
+        let seed = self.seed;
+        assert!(!self.rx.busy(), "seed {seed}: the receiver still tracks transfers: {:?}", self.rx);
+        assert!(self.rx.slots().iter().all(|s| *s == Slot::Free), "seed {seed}: {:?}", self.rx.slots());
+        for p in self.procs.iter().filter(|p| !p.dead) {
+            // Every transfer of a live process ended with one outcome, and nothing is held.
+            for (tag, (conn, outcome)) in &p.posted {
+                assert!(outcome.is_some(), "seed {seed}: {}/{conn}/{tag} never ended: {:?}", p.peer, p.tx);
             }
+            assert!(!p.tx.busy() && p.tx.lanes_in_use() == 0, "seed {seed}: a sender still holds: {:?}", p.tx);
+            assert!(p.lanes.iter().all(|l| matches!(l, LaneO::Idle | LaneO::Holds(..))), "seed {seed}: {p:?}");
+        }
+    }
+}
+
+impl SProc {
+    fn new(peer: usize, conn: u32, lanes: usize) -> SProc {
+        SProc {
+            peer,
+            conn,
+            tx: Sender::new(SendConfig { lanes, stall_timeout_us: STALL_US }),
+            dead: false,
+            lost_heard: false,
+            lanes: vec![LaneO::Idle; lanes],
+            next_tag: 0,
+            posted: BTreeMap::new(),
         }
     }
 }
@@ -524,15 +689,23 @@ fn random_staging_schedules_keep_every_invariant() {
     // The schedules reach what the invariants are about (so they cannot pass vacuously).
     for what in [
         "grant",
+        "gather",
+        "write",
         "landed",
         "scatter",
         "delivered",
         "lost fenced",
         "lost unfenced",
-        "returned",
+        "restarted",
+        "reconnected",
         "stopped",
+        "sender cancel",
+        "cancel sent",
+        "cancelled lost",
+        "notification lost",
         "late notification",
-        "sender cancelled",
+        "sender done",
+        "sender failed",
         "piece not scattered",
     ] {
         assert!(total.get(what).copied().unwrap_or(0) > 0, "no {what} in any schedule: {total:?}");
