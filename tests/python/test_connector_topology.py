@@ -244,7 +244,10 @@ def test_d_hands_the_engine_p_s_published_ranks_and_pp_size() -> None:
     matched = s.get_num_new_matched_tokens(req, 0)
     blocks = NS(get_unhashed_block_ids_all_groups=lambda: [[7, 8, 9]])
     s.update_state_after_alloc(req, blocks, matched[0])
-    dropped = NS(request_id="r2", prompt_token_ids=list(range(40)), kv_transfer_params=dict(params), status=None)
+    # Its own transfer: a request naming a transfer another request registered is vLLM's rejection
+    # stand-in, not a drop (test_connector_lifecycle.py).
+    own = {**params, "transfer_id": "t2"}
+    dropped = NS(request_id="r2", prompt_token_ids=list(range(40)), kv_transfer_params=own, status=None)
     s.get_num_new_matched_tokens(dropped, 0)
     s.request_finished(dropped, ([],))
     meta = s.build_connector_meta(NS(scheduled_new_reqs=[], num_scheduled_tokens={}))
