@@ -68,6 +68,18 @@ struct Args {
     /// Sleep this long before each post, as a writer that waits for the next layer does.
     #[arg(long, default_value_t = 0)]
     gap_us: u64,
+    /// Spend the gap spinning instead of asleep: a cold CPU (idle states, caches) against a driver
+    /// or device that went idle.
+    #[arg(long)]
+    spin: bool,
+    /// With --spin: ask P's agent for notifications (a UCX progress) every this many µs of the gap,
+    /// as a writer that keeps polling its transport between layers does (0: never).
+    #[arg(long, default_value_t = 0)]
+    progress_us: u64,
+    /// With --spin and --memory cuda: keep the GPU busy during the gap (8 MiB host-to-device copies
+    /// back to back), as a prefill computing the next layer does.
+    #[arg(long)]
+    busy_gpu: bool,
     /// D's agent in this process too (without it D runs in a child process, as kvpush's peers do).
     #[arg(long)]
     one_process: bool,
@@ -339,11 +351,12 @@ fn run(args: &Args) -> Result<(), String> {
         return Err(format!("--pool {} is less than twice the largest count {max_count}", args.pool));
     }
     println!(
-        "memory {:?}, pool {} units, {} iterations per case, {} µs asleep before each post, {}",
+        "memory {:?}, pool {} units, {} iterations per case, {} µs {} before each post, {}",
         args.memory,
         args.pool,
         args.iters,
         args.gap_us,
+        if args.spin { "spinning" } else { "asleep" },
         if !args.one_process { "D in a child process" } else { "one process" }
     );
     println!("| unit | descriptors | way | make µs p50 / p90 | post µs p50 / p90 | complete µs p50 | release µs p50 |");
@@ -393,6 +406,14 @@ fn run(args: &Args) -> Result<(), String> {
             .prepare_xfer_dlist("bench-d", &units(remote_region)?, Some(&pa))
             .map_err(|e| format!("prep remote: {e}"))?;
         let mut b = Bench { p: &p, d: peer, remote_region, len, local, remote, notifs: 0 };
+        let busy = match (args.busy_gpu, args.memory) {
+            (true, Memory::Cuda) => {
+                let dev = CudaDevice::open(args.gpu).map_err(|e| e.to_string())?;
+                Some(dev.alloc_cuda(8 << 20).map_err(|e| e.to_string())?)
+            }
+            _ => None,
+        };
+        let zeros = vec![0u8; 8 << 20];
         // Warm-up: connections, remote keys, cuda_ipc mappings.
         for iter in 0..4 {
             let idx = b.indices(max_count, iter, args.pool);
@@ -408,7 +429,21 @@ fn run(args: &Args) -> Result<(), String> {
                 let idx = b.indices(count, iter, args.pool);
                 for (w, c) in calls.iter_mut().enumerate() {
                     let a = b.args(b"note")?;
-                    if args.gap_us > 0 {
+                    if args.gap_us > 0 && args.spin {
+                        let until = Instant::now() + Duration::from_micros(args.gap_us);
+                        let mut next = Instant::now();
+                        while Instant::now() < until {
+                            if args.progress_us > 0 && Instant::now() >= next {
+                                let mut map = nixl_sys::NotificationMap::new().map_err(|e| e.to_string())?;
+                                b.p.agent.get_notifications(&mut map, None).map_err(|e| format!("getNotifs: {e}"))?;
+                                next = Instant::now() + Duration::from_micros(args.progress_us);
+                            }
+                            if let Some(buf) = &busy {
+                                buf.write_at(0, &zeros).map_err(|e| e.to_string())?;
+                            }
+                            std::hint::spin_loop();
+                        }
+                    } else if args.gap_us > 0 {
                         std::thread::sleep(Duration::from_micros(args.gap_us));
                     }
                     let t0 = Instant::now();
