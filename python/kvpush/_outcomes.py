@@ -42,6 +42,10 @@ class OutcomeMatcher:
         (attempt ``attempt``) gives back; ``None`` for one this worker does not hold."""
         return self._quarantined.pop((transfer_id, int(attempt)), None)
 
+    def expects(self, role: str) -> bool:
+        """Whether some transfer handed to the engine as ``role`` has no outcome yet."""
+        return any(r == role for _, r in self._by_transfer.values())
+
     @property
     def quarantined(self) -> int:
         """Requests whose blocks are held for a quarantine now."""

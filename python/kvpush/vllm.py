@@ -97,6 +97,9 @@ DEFAULTS: dict[str, Any] = {
     # Push layer by layer from save_kv_layer (docs/vllm.md): "off" (the whole request after its last
     # layer), "on", or "auto" (the engine sends requests below 512 tokens whole).
     "layerwise": "off",
+    # D: on a step with nothing to compute while requests wait for their KV, the worker waits up to
+    # this long for a transfer to end instead of returning at once (docs/vllm.md, "Idle steps"); 0: off.
+    "idle_wait_ms": 4.0,
 }
 
 LAYERWISE = ("auto", "on", "off")
@@ -126,6 +129,8 @@ class KVPushConfig:
     memory_offer: str | None = None
     # ``layerwise``: one of LAYERWISE.
     layerwise: str = "off"
+    # ``idle_wait_ms``: D's wait for a transfer's end on a step that computes nothing.
+    idle_wait_ms: float = 4.0
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> KVPushConfig:
@@ -158,6 +163,9 @@ class KVPushConfig:
             raise ValueError(
                 f"kvpush: kv_buffer_device {buffer!r} is not one it knows; known: {', '.join(KV_BUFFER_DEVICES)}"
             )
+        idle_wait = values["idle_wait_ms"]
+        if isinstance(idle_wait, bool) or not isinstance(idle_wait, (int, float)) or not 0 <= idle_wait <= 100:
+            raise ValueError(f"kvpush: idle_wait_ms must be a number of milliseconds from 0 to 100, got {idle_wait!r}")
         offer = values["memory_offer"]
         if offer is not None and not isinstance(offer, str):
             raise ValueError(f"kvpush: memory_offer must be a string such as 'neuron,device=none', got {offer!r}")
@@ -179,6 +187,7 @@ class KVPushConfig:
             staging=str(values["staging"]).lower(),
             kv_buffer_device=buffer,
             layerwise=layerwise.lower(),
+            idle_wait_ms=float(idle_wait),
         )
 
 
@@ -259,6 +268,9 @@ class KVPushMetadata(KVConnectorMetadata):
     aborts: list[Abort] = field(default_factory=list)
     dropped: list[ToProducer] = field(default_factory=list)
     holds: list[ToProducer] = field(default_factory=list)
+    # The step computes nothing (vLLM steps only to learn whether a transfer ended): the worker may
+    # wait for one (``idle_wait_ms``).
+    idle: bool = False
 
 
 def _dial_allow(value: Any) -> str | None:
@@ -696,6 +708,7 @@ class _Scheduler:
             self._release_prefilled(scheduler_output, meta)
         if self.queued:
             self._holds(meta)
+        meta.idle = getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0
         self.timeline.step(scheduler_output)
         return meta
 
@@ -1226,6 +1239,23 @@ class _Worker:
             torch.cuda.current_stream().synchronize()
         self._release(meta.prefilled)
 
+    def idle_wait(self, meta: KVPushMetadata | None) -> bool:
+        """D, on a step that computes nothing while this worker waits for KV: blocks until the engine
+        has an outcome or ``idle_wait_ms`` has passed (GIL released). vLLM's engine steps about once
+        a millisecond while requests wait for remote KV, each step only to call ``get_finished``; on
+        its CPU build each is a round trip to this worker process, whose reader spins between steps.
+        Waiting here makes such a step cost one sleep, and the step after a landing come at once.
+        Returns whether it waited."""
+        if meta is None or not meta.idle or self.native is None or self.cfg.idle_wait_ms <= 0:
+            return False
+        if self._pending_failed or not self.outcomes.expects("d"):
+            return False
+        with self._lock:
+            if self._pending_sent:
+                return False
+        self.native.wait(self.cfg.idle_wait_ms / 1000.0)
+        return True
+
     def get_finished(self) -> tuple[set[str], set[str]]:
         with self._lock:
             sending: set[str] = set(self._pending_sent)
@@ -1429,8 +1459,14 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, KVPushMetadata)
         self._worker.wait_for_save(meta)
 
+    def _bound_meta(self) -> KVPushMetadata | None:
+        # vLLM binds it around every step that reaches get_finished; None where nothing is bound.
+        meta = getattr(self, "_connector_metadata", None)
+        return meta if isinstance(meta, KVPushMetadata) else None
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
+        self._worker.idle_wait(self._bound_meta())
         sending, recving = self._worker.get_finished()
         return sending or None, recving or None
 
@@ -1440,6 +1476,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
         assert self._worker is not None
+        self._worker.idle_wait(self._bound_meta())
         sending, recving = self._worker.get_finished()
         failed = self._worker.take_failed()
         return KVConnectorTransferResults(

@@ -10,7 +10,8 @@
 //! sharded by transfer id, each shard has its own rendezvous ([`crate::proto::rendezvous`]),
 //! completion counter ([`crate::proto::completion`]) and planner. They post transfers, poll the
 //! transport (or sleep until its waker rings), expire leases and hand results back through an
-//! [`Outbox`]. An idle engine's writers sleep on their queue: no thread spins.
+//! outbox (`outcomes`; [`Engine::wait`] blocks on it for a caller with nothing else to do). An
+//! idle engine's writers sleep on their queue: no thread spins.
 //!
 //! A worker can produce (P: [`Engine::request_finished`]), consume (D: [`Engine::blocks_allocated`]
 //! in push mode, [`Engine::start_pull`] in pull mode), or both. Peers are added with
@@ -24,7 +25,7 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{unbounded, Sender};
 
 use crate::device::{Device, DeviceError, DeviceKind, MemRegion};
-use crate::pool::handoff::{Inbox, Outbox, WakeFlag};
+use crate::pool::handoff::{Inbox, WakeFlag};
 use crate::proto::bounce::{self, MemoryKind, MemoryOffer, Refusal, Route};
 use crate::proto::codec::{self, DecodeError, PROTOCOL_VERSION};
 use crate::proto::compat::{self, compat_hash, Incompatible};
@@ -42,6 +43,7 @@ use budget::{ControlBudget, Credit};
 pub mod budget;
 pub mod dial;
 pub mod link;
+mod outcomes;
 mod sched;
 pub mod side;
 pub mod stats;
@@ -508,7 +510,7 @@ pub(crate) struct Shared {
     pub(crate) layout: Arc<KvLayout>,
     pub(crate) peers: RwLock<Peers>,
     pub(crate) shards: Vec<ShardHandle>,
-    pub(crate) outbox: Outbox<Finished>,
+    pub(crate) outbox: outcomes::Outcomes<Finished>,
     pub(crate) transport: Arc<dyn Transport>,
     /// The data-path trust wrapper (under staging): which agents' notifications count.
     pub(crate) trusted: Arc<Trusted>,
@@ -898,7 +900,7 @@ impl Engine {
             layout: Arc::new(layout),
             peers: RwLock::new(Peers::default()),
             shards,
-            outbox: Outbox::new(),
+            outbox: outcomes::Outcomes::new(),
             transport,
             trusted,
             staged,
@@ -1130,6 +1132,14 @@ impl Engine {
     /// Moves finished results into `out`; returns how many. Costs one atomic load when there are none.
     pub fn poll(&self, out: &mut Vec<Finished>) -> usize {
         self.shared.outbox.drain_into(out)
+    }
+
+    /// Blocks until [`Engine::poll`] has something to return or `timeout` has passed; returns
+    /// whether it has. For a caller with nothing else to do until a transfer ends (vLLM's decode
+    /// engine while its only requests wait for their KV): it wakes as soon as a result comes, and
+    /// costs no CPU until then. Returns at once when a result is already there.
+    pub fn wait(&self, timeout: std::time::Duration) -> bool {
+        self.shared.outbox.wait(timeout)
     }
 
     /// Whether some worker of engine `engine_id` is handshaken with this worker now (peers that were

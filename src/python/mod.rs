@@ -567,6 +567,19 @@ impl Worker {
         py.detach(|| self.inner.engine.abort(key)).map_err(py_err)
     }
 
+    /// Blocks (without the GIL) until `poll()` has an outcome to return or `timeout_s` seconds
+    /// have passed; returns whether it has. At once when one is already there.
+    fn wait(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
+        if !timeout_s.is_finite() || timeout_s < 0.0 {
+            return Err(ConfigError::new_err(format!("wait: timeout_s must be a finite number >= 0, got {timeout_s}")));
+        }
+        if !lock(&self.inner.local).is_empty() {
+            return Ok(true);
+        }
+        let timeout = std::time::Duration::from_secs_f64(timeout_s);
+        Ok(py.detach(|| self.inner.engine.engine().wait(timeout)))
+    }
+
     /// Finished outcomes since the last call: a list of `(kind, transfer_id, attempt, message,
     /// invalid_block_ids)` with kind one of `sent` (producer: blocks may be freed), `received`
     /// (consumer: the KV landed), `failed` (consumer: it will not; `invalid_block_ids` per group),
