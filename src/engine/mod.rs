@@ -1003,20 +1003,10 @@ impl Engine {
     /// registration is there; otherwise everything final goes in one batch when it comes), or the
     /// request goes whole once every layer this worker holds is final. Until [`Finished::Sent`]
     /// the caller must not write the blocks (of the layers already reported or not).
+    ///
+    /// `consumer`: as in [`Engine::request_finished_for`] (only that engine's workers receive
+    /// `key`'s KV; `None`: the first engine to register); the first call's counts.
     pub fn layers_ready(
-        &self,
-        key: Key,
-        block_ids: Vec<Vec<u32>>,
-        num_tokens: u64,
-        layers: std::ops::Range<u32>,
-    ) -> Result<(), EngineError> {
-        self.layers_ready_for(key, block_ids, num_tokens, layers, None)
-    }
-
-    /// As [`Engine::layers_ready`], for consumer engine `consumer` (as in
-    /// [`Engine::request_finished_for`]: only that engine's workers receive `key`'s KV). The first
-    /// call's `consumer` counts.
-    pub fn layers_ready_for(
         &self,
         key: Key,
         block_ids: Vec<Vec<u32>>,
