@@ -70,7 +70,7 @@ use kvpush::proto::{Key, Mode};
 use kvpush::transport::nixl::{NixlConfig, NixlTransport};
 use kvpush::transport::staged::{PathChoice, StagingConfig};
 use kvpush::transport::{Desc, Op, Transport, Units, XferId, XferState};
-use kvpush_cuda::unitpack::{self as unitpack, PackPlan, Piece, Side, UnitSpace};
+use kvpush_cuda::unitpack::{self as unitpack, Pack, PackPlan, Piece, Side, UnitSpace};
 use kvpush_cuda::{Event, Kernels, Stream, UnitTable};
 use kvpush_testkit::child::{self, Channel, Child, Incoming};
 use kvpush_testkit::rng::Rng;
@@ -367,15 +367,6 @@ impl EngineCounts {
 // ---------------------------------------------------------------------------------------------
 // The P and D processes.
 
-/// Which way [`Memory::start_pack`] moves a piece between the KV cache and its staging slot.
-#[derive(Clone, Copy, Debug)]
-enum Pack {
-    /// Cache to slot (P).
-    Gather,
-    /// Slot to cache (D).
-    Scatter,
-}
-
 /// A side's memory: the KV cache and the staging slots, on the GPU or in host memory.
 enum Memory {
     Cuda {
@@ -455,17 +446,13 @@ impl Memory {
         match self {
             Memory::Cuda { kernels, stream, table, slots, events, .. } => {
                 let (first, units, slot) = (piece.first_unit, piece.units, slots[piece.slot as usize].mem());
-                match pack {
-                    // SAFETY: the units are this process's KV cache blocks of a ready request (not
-                    // written while in flight); the slot is not read until its event completes, and not
-                    // written by NIXL since its previous WRITE completed (the caller's slot state).
-                    Pack::Gather => unsafe { kernels.gather(stream, table, first, units, slot, 0) },
-                    // SAFETY: the slot holds the landed piece (its notification arrived after the data)
-                    // and is not written again before we credit it; the destination blocks are
-                    // registered for this request and nothing reads them before it is received.
-                    Pack::Scatter => unsafe { kernels.scatter(stream, table, first, units, slot, 0) },
-                }
-                .map_err(|e| e.to_string())?;
+                // SAFETY: gather: the units are this process's KV cache blocks of a ready request (not
+                // written while in flight); the slot is not read until its event completes, and not
+                // written by NIXL since its previous WRITE completed (the caller's slot state).
+                // Scatter: the slot holds the landed piece (its notification arrived after the data)
+                // and is not written again before we credit it; the destination blocks are registered
+                // for this request and nothing reads them before it is received.
+                unsafe { kernels.pack(pack, stream, table, first, units, slot, 0) }.map_err(|e| e.to_string())?;
                 events[piece.slot as usize].record(stream).map_err(|e| e.to_string())
             }
             Memory::Host { cache, slots } => {

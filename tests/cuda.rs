@@ -9,6 +9,7 @@
 
 use std::collections::HashSet;
 
+use kvpush::device::cuda::{CudaBuffer, CudaDevice};
 use kvpush::device::{select, BadEntry, Buffer, Device, DeviceError, DeviceKind, StageEntry, Stager};
 use kvpush_cuda::pointer::{validate, MemoryType, PointerQueries};
 use kvpush_cuda::unitpack::{self as unitpack, PackError, Piece, Side, UnitSpace};
@@ -515,6 +516,34 @@ fn wait_lane(st: &mut dyn Stager, lane: usize) {
     }
 }
 
+/// Device 0 (or `None`, the test skipped) with a 16 MiB cache and a 4 MiB staging slot: the
+/// stager tests' memory.
+fn gpu_cache_and_slot() -> Option<(CudaDevice, CudaBuffer, CudaBuffer)> {
+    let dev = gpu_or_skip()?;
+    let cache = dev.alloc_cuda(CACHE_LEN).expect("a 16 MiB cache");
+    let slot = dev.alloc_cuda(SLOT_LEN).expect("a 4 MiB slot");
+    Some((dev, cache, slot))
+}
+
+/// Bytes of [`gpu_cache_and_slot`]'s cache and slot.
+const CACHE_LEN: u64 = 16 << 20;
+const SLOT_LEN: u64 = 4 << 20;
+
+/// Every byte of `buf` (a synchronous copy).
+fn contents(buf: &dyn Buffer) -> Vec<u8> {
+    let mut got = vec![0u8; buf.region().len as usize];
+    buf.read_at(0, &mut got).expect("reads back");
+    got
+}
+
+/// Panics at the first byte of `what` where `got` differs from `want`, saying `why` it should not.
+fn assert_same_bytes(what: &str, got: &[u8], want: &[u8], why: &str) {
+    assert_eq!(got.len(), want.len(), "{what}'s length");
+    if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
+        panic!("{what} byte {i} is {:#x}, expected {:#x}{why}", got[i], want[i]);
+    }
+}
+
 /// A byte pattern in which every 4-byte word differs from its neighbours and from other offsets.
 fn word_pattern(len: usize, seed: u64) -> Vec<u8> {
     (0..len / 4).flat_map(|w| (unitpack::mix64(seed ^ w as u64) as u32).to_le_bytes()).collect()
@@ -558,10 +587,8 @@ fn random_entries(cache_len: u64, slot_len: u64, mut s: u64) -> Vec<(u64, u32, u
 
 #[test]
 fn cuda_stager_gathers_and_scatters_every_byte() {
-    let Some(dev) = gpu_or_skip() else { return };
-    let (cache_len, slot_len) = (16u64 << 20, 4u64 << 20);
-    let cache = dev.alloc_cuda(cache_len).unwrap();
-    let slot = dev.alloc_cuda(slot_len).unwrap();
+    let Some((dev, cache, slot)) = gpu_cache_and_slot() else { return };
+    let (cache_len, slot_len) = (CACHE_LEN, SLOT_LEN);
     let cache2 = dev.alloc_cuda(cache_len).unwrap();
     let mut host = word_pattern(cache_len as usize, 0x5eed);
     cache.write_at(0, &host).unwrap();
@@ -587,15 +614,11 @@ fn cuda_stager_gathers_and_scatters_every_byte() {
     // outlive the operation, which is waited for before anything else touches them.
     unsafe { st.gather(0, &gather, s) }.unwrap();
     wait_lane(st.as_mut(), 0);
-    let mut got = vec![0u8; slot_len as usize];
-    slot.read_at(0, &mut got).unwrap();
     let mut want = vec![0u8; slot_len as usize];
     for &(at, off, len) in &picks {
         want[off as usize..(off + len) as usize].copy_from_slice(&host[at as usize..(at + u64::from(len)) as usize]);
     }
-    if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
-        panic!("slot byte {i} is {:#x}, expected {:#x} (gaps between entries stay zero)", got[i], want[i]);
-    }
+    assert_same_bytes("slot", &contents(&slot), &want, " (gaps between entries stay zero)");
     // The stager's own read sees the same bytes.
     let mut head = vec![0u8; 4096];
     // SAFETY: the first 4 KiB of `slot`, which no operation is writing.
@@ -606,16 +629,12 @@ fn cuda_stager_gathers_and_scatters_every_byte() {
     // SAFETY: sources lie in `slot`, destinations in `cache2`, disjoint from each other; waited for.
     unsafe { st.scatter(1, &scatter, s) }.unwrap();
     wait_lane(st.as_mut(), 1);
-    let mut got = vec![0u8; cache_len as usize];
-    cache2.read_at(0, &mut got).unwrap();
     let mut want = vec![0u8; cache_len as usize];
     for &(at, _, len) in &picks {
         let r = at as usize..(at + u64::from(len)) as usize;
         want[r.clone()].copy_from_slice(&host[r]);
     }
-    if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
-        panic!("cache byte {i} is {:#x}, expected {:#x} (bytes outside the entries stay zero)", got[i], want[i]);
-    }
+    assert_same_bytes("cache", &contents(&cache2), &want, " (bytes outside the entries stay zero)");
     assert!(st.is_done(0).unwrap() && st.is_done(1).unwrap() && st.is_done(2).unwrap());
 }
 
@@ -670,10 +689,8 @@ fn cuda_stager_refuses_misaligned_entries_and_unknown_lanes() {
 /// changes nothing.
 #[test]
 fn cuda_stager_scatters_a_checked_snapshot_of_a_device_table() {
-    let Some(dev) = gpu_or_skip() else { return };
-    let (cache_len, slot_len) = (16u64 << 20, 4u64 << 20);
-    let slot = dev.alloc_cuda(slot_len).unwrap();
-    let cache = dev.alloc_cuda(cache_len).unwrap();
+    let Some((dev, cache, slot)) = gpu_cache_and_slot() else { return };
+    let (cache_len, slot_len) = (CACHE_LEN, SLOT_LEN);
     let table = std::sync::Arc::new(dev.alloc_cuda(1024 * 16).unwrap());
     let data = word_pattern(slot_len as usize, 0xab5e);
     slot.write_at(0, &data).unwrap();
@@ -727,15 +744,11 @@ fn cuda_stager_scatters_a_checked_snapshot_of_a_device_table() {
     }
     .unwrap();
     wait_lane(st.as_mut(), 1);
-    let mut got = vec![0u8; cache_len as usize];
-    cache.read_at(0, &mut got).unwrap();
     let mut want = vec![0u8; cache_len as usize];
     for &(at, off, len) in picks {
         want[at as usize..(at + u64::from(len)) as usize].copy_from_slice(&data[off as usize..(off + len) as usize]);
     }
-    if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
-        panic!("cache byte {i} is {:#x}, expected {:#x}", got[i], want[i]);
-    }
+    assert_same_bytes("cache", &contents(&cache), &want, "");
 }
 
 // ---- GPU memory in one process: the loopback transport and the demo (need a GPU, as above) ----
@@ -778,8 +791,7 @@ fn loopback_copies_gpu_memory_through_the_device() {
         assert!(std::time::Instant::now() < deadline, "transfer never completed");
         std::thread::sleep(std::time::Duration::from_micros(200));
     }
-    let mut got = vec![0u8; len];
-    dst.read_at(0, &mut got).unwrap();
+    let got = contents(&*dst);
     for i in 0..1024 {
         let (g, w) = ((1023 - i) * 4096, i * 4096);
         assert!(got[g..g + 4096] == data[w..w + 4096], "block {i} arrived wrong");
@@ -822,8 +834,7 @@ fn host_bounce_moves_gpu_memory_through_host_slots() {
         let descs = bounce::scattered(&rs, &rd, 300, 512);
         let seen = bounce::push(&p, &d, &descs, b"bounced", std::time::Duration::from_secs(30));
         assert_eq!(seen[0].msg, b"bounced");
-        let mut got = vec![0u8; len];
-        dst.read_at(0, &mut got).unwrap();
+        let got = contents(&*dst);
         for dsc in &descs {
             let (l, r) = ((dsc.local - rs.addr) as usize, (dsc.remote - rd.addr) as usize);
             assert!(got[r..r + 4096] == data[l..l + 4096], "round {round}: descriptor {dsc:?}");

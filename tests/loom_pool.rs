@@ -9,6 +9,30 @@ use loom::sync::atomic::{AtomicUsize, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 
+/// The pushers of a model: a thread per list of `items`, pushing its items in order with `push`, and
+/// the count of the pushes that returned true (a doorbell rung, a list started).
+fn pushers<T: Send + Sync + 'static, V: Send + 'static>(
+    shared: &Arc<T>,
+    items: Vec<Vec<V>>,
+    push: fn(&T, V) -> bool,
+) -> (Vec<thread::JoinHandle<()>>, Arc<AtomicUsize>) {
+    let trues = Arc::new(AtomicUsize::new(0));
+    let threads = items
+        .into_iter()
+        .map(|list| {
+            let (shared, trues) = (Arc::clone(shared), Arc::clone(&trues));
+            thread::spawn(move || {
+                for v in list {
+                    if push(&shared, v) {
+                        trues.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    (threads, trues)
+}
+
 /// Two producers push while the consumer drains concurrently: every item is delivered exactly once.
 #[test]
 fn outbox_delivers_every_item_exactly_once() {
@@ -71,19 +95,13 @@ fn wake_flag_never_loses_a_ring() {
 fn inbox_push_racing_sleep_is_seen_or_rung() {
     loom::model(|| {
         let inbox = Arc::new(Inbox::new());
-        let rung = Arc::new(AtomicUsize::new(0));
-        let engine = {
-            let (inbox, rung) = (Arc::clone(&inbox), Arc::clone(&rung));
-            thread::spawn(move || {
-                if inbox.push(7u32) {
-                    rung.fetch_add(1, Ordering::Relaxed);
-                }
-            })
-        };
+        let (engine, rung) = pushers(&inbox, vec![vec![7u32]], |i, v| i.push(v));
         let mut got = Vec::new();
         inbox.drain_into(&mut got);
         let blocks = got.is_empty() && inbox.prepare_sleep();
-        engine.join().expect("engine");
+        for e in engine {
+            e.join().expect("engine");
+        }
         if blocks {
             // The writer blocks: the item must have rung it awake.
             assert_eq!(rung.load(Ordering::Relaxed), 1, "item stranded with the writer asleep");
@@ -101,19 +119,8 @@ fn inbox_push_racing_sleep_is_seen_or_rung() {
 fn pile_takes_every_item_exactly_once_in_push_order() {
     loom::model(|| {
         let pile = Arc::new(Pile::new());
-        let firsts = Arc::new(AtomicUsize::new(0));
-        let pushers: Vec<_> = (0..2u32)
-            .map(|p| {
-                let (pile, firsts) = (Arc::clone(&pile), Arc::clone(&firsts));
-                thread::spawn(move || {
-                    for i in 0..2 - p {
-                        if pile.push(p * 10 + i) {
-                            firsts.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                })
-            })
-            .collect();
+        // Pusher 0 pushes 0 then 1, pusher 1 pushes 10.
+        let (pushers, firsts) = pushers(&pile, vec![vec![0u32, 1], vec![10]], |p, v| p.push(v));
         let mut takes = Vec::new();
         let mut got = Vec::new();
         takes.push(pile.take_into(&mut got));
@@ -142,17 +149,7 @@ fn pile_takes_every_item_exactly_once_in_push_order() {
 fn inbox_two_pushers_racing_sleep_never_strand_an_item() {
     loom::model(|| {
         let inbox = Arc::new(Inbox::new());
-        let rung = Arc::new(AtomicUsize::new(0));
-        let pushers: Vec<_> = (0..2u32)
-            .map(|v| {
-                let (inbox, rung) = (Arc::clone(&inbox), Arc::clone(&rung));
-                thread::spawn(move || {
-                    if inbox.push(v) {
-                        rung.fetch_add(1, Ordering::Relaxed);
-                    }
-                })
-            })
-            .collect();
+        let (pushers, rung) = pushers(&inbox, vec![vec![0u32], vec![1]], |i, v| i.push(v));
         let mut got = Vec::new();
         inbox.drain_into(&mut got);
         let parks = got.len() < 2 && inbox.prepare_sleep();

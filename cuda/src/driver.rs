@@ -412,35 +412,50 @@ impl Drop for PinnedHost {
     }
 }
 
-/// A non-blocking stream of one device.
-pub struct Stream {
-    gpu: Arc<Gpu>,
-    raw: sys::CUstream,
+/// A driver object of one device's primary context — a stream or an event: the struct of the
+/// device and the raw handle, `Send` and `Sync`, a `Debug` naming the device, and `new`, which makes
+/// the context current and creates the handle with `$create` (driver call `$call`). What each does
+/// with its handle, and how it is destroyed, stays with the type.
+macro_rules! context_object {
+    ($(#[$doc:meta])* $name:ident($raw:ty), $(#[$new_doc:meta])* new: $call:literal, $create:expr) => {
+        $(#[$doc])*
+        pub struct $name {
+            gpu: Arc<Gpu>,
+            raw: $raw,
+        }
+
+        // SAFETY: stream and event handles may be used from any thread; the driver serializes the
+        // work queued on a stream.
+        unsafe impl Send for $name {}
+        // SAFETY: as above.
+        unsafe impl Sync for $name {}
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.debug_struct(stringify!($name)).field("device", &self.gpu.ordinal).finish_non_exhaustive()
+            }
+        }
+
+        impl $name {
+            $(#[$new_doc])*
+            pub fn new(gpu: &Arc<Gpu>) -> Result<$name, CudaError> {
+                gpu.make_current()?;
+                let raw = $create.map_err(drv($call, Some(gpu.ordinal), ""))?;
+                Ok($name { gpu: Arc::clone(gpu), raw })
+            }
+        }
+    };
 }
 
-// SAFETY: stream handles may be used from any thread; the driver serializes work on a stream.
-unsafe impl Send for Stream {}
-// SAFETY: as above.
-unsafe impl Sync for Stream {}
-
-impl fmt::Debug for Stream {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Stream").field("device", &self.gpu.ordinal).finish_non_exhaustive()
-    }
-}
+context_object!(
+    /// A non-blocking stream of one device.
+    Stream(sys::CUstream),
+    /// Creates a stream that does not synchronize with the legacy default stream.
+    new: "cuStreamCreate",
+    result::stream::create(result::stream::StreamKind::NonBlocking)
+);
 
 impl Stream {
-    /// Creates a stream that does not synchronize with the legacy default stream.
-    pub fn new(gpu: &Arc<Gpu>) -> Result<Stream, CudaError> {
-        gpu.make_current()?;
-        let raw = result::stream::create(result::stream::StreamKind::NonBlocking).map_err(drv(
-            "cuStreamCreate",
-            Some(gpu.ordinal),
-            "",
-        ))?;
-        Ok(Stream { gpu: Arc::clone(gpu), raw })
-    }
-
     /// Waits for all work queued on this stream.
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.gpu.make_current()?;
@@ -582,35 +597,15 @@ impl Drop for Stream {
     }
 }
 
-/// An event without timing, to learn when queued work finished without blocking.
-pub struct Event {
-    gpu: Arc<Gpu>,
-    raw: sys::CUevent,
-}
-
-// SAFETY: event handles may be used from any thread.
-unsafe impl Send for Event {}
-// SAFETY: as above.
-unsafe impl Sync for Event {}
-
-impl fmt::Debug for Event {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Event").field("device", &self.gpu.ordinal).finish_non_exhaustive()
-    }
-}
+context_object!(
+    /// An event without timing, to learn when queued work finished without blocking.
+    Event(sys::CUevent),
+    /// Creates an event (`CU_EVENT_DISABLE_TIMING`).
+    new: "cuEventCreate",
+    result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+);
 
 impl Event {
-    /// Creates an event (`CU_EVENT_DISABLE_TIMING`).
-    pub fn new(gpu: &Arc<Gpu>) -> Result<Event, CudaError> {
-        gpu.make_current()?;
-        let raw = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(drv(
-            "cuEventCreate",
-            Some(gpu.ordinal),
-            "",
-        ))?;
-        Ok(Event { gpu: Arc::clone(gpu), raw })
-    }
-
     /// Records the event after the work queued so far on `stream`.
     pub fn record(&self, stream: &Stream) -> Result<(), CudaError> {
         self.gpu.make_current()?;

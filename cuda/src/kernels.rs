@@ -22,7 +22,7 @@ use cudarc::nvrtc::result as nvrtc;
 
 use crate::driver::{drv, nvrtc_available, DeviceMem, Gpu, Stream};
 use crate::error::CudaError;
-use crate::unitpack::{Side, UnitSpace, ALIGN};
+use crate::unitpack::{Pack, Side, UnitSpace, ALIGN};
 
 /// CUDA C source of the kernels. The pattern functions must stay identical to
 /// [`crate::unitpack::mix64`], [`crate::unitpack::unit_seed`] and [`crate::unitpack::pattern_word`].
@@ -319,7 +319,23 @@ impl Kernels {
             .map_err(drv("cuLaunchKernel", Some(self.gpu.ordinal()), format!("{name} over {units} units")))
     }
 
-    fn check_piece(
+    /// Queues the gather ([`Pack::Gather`]) of units `first_unit..first_unit + units` of `table` into
+    /// `staging` at `offset`, packed, or their scatter ([`Pack::Scatter`]) from there to their places
+    /// in `table`'s loaded side. The gather and the scatter kernels take the same parameters.
+    ///
+    /// # Safety
+    ///
+    /// 1. Every unit address of `table`'s loaded side is device memory of this device, valid for
+    ///    `unit_bytes` of reads (gather) or writes (scatter) until the kernel finished;
+    /// 2. gather: nothing writes those units or that part of `staging` while the kernel runs, and
+    ///    nothing reads that part of `staging` before it finished (wait on an event recorded after
+    ///    it); scatter: that part of `staging` holds the landed piece and is not written while the
+    ///    kernel runs, and nothing else accesses the destination units meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn pack(
+        &self,
+        pack: Pack,
+        stream: &Stream,
         table: &UnitTable,
         first_unit: u64,
         units: u64,
@@ -342,95 +358,37 @@ impl Kernels {
                 ),
             });
         }
-        Ok(())
+        let (name, func) = match pack {
+            Pack::Gather => ("kvp_gather", self.gather),
+            Pack::Scatter => ("kvp_scatter", self.scatter),
+        };
+        // The calling contract covers the units and the staging piece (checked to fit above).
+        self.launch_units(name, func, table, [first_unit, units, staging.ptr() + offset], units, stream)
     }
 
-    /// Queues the gather of units `first_unit..first_unit + units` of `table` into `staging` at
-    /// `offset`, packed.
-    ///
-    /// # Safety
-    ///
-    /// 1. Every unit address of `table`'s loaded side is device memory of this device, valid for reads
-    ///    of `unit_bytes` until the kernel finished;
-    /// 2. nothing writes those units or that part of `staging` while the kernel runs, and nothing
-    ///    reads that part of `staging` before it finished (wait on an event recorded after it).
-    pub unsafe fn gather(
-        &self,
-        stream: &Stream,
-        table: &UnitTable,
-        first_unit: u64,
-        units: u64,
-        staging: &DeviceMem,
-        offset: u64,
-    ) -> Result<(), CudaError> {
-        // SAFETY: forwarded from this function's contract (the units are readable device memory,
-        // the staging piece is not accessed until the kernel finished).
-        unsafe { self.move_units("kvp_gather", self.gather, stream, table, first_unit, units, staging, offset) }
-    }
-
-    /// Queues the scatter of units `first_unit..first_unit + units` from `staging` at `offset` to their
-    /// places in `table`'s loaded side.
-    ///
-    /// # Safety
-    ///
-    /// 1. Every unit address of `table`'s loaded side is device memory of this device, valid for writes
-    ///    of `unit_bytes` until the kernel finished;
-    /// 2. that part of `staging` holds the landed piece and is not written while the kernel runs, and
-    ///    nothing else accesses the destination units meanwhile.
-    pub unsafe fn scatter(
-        &self,
-        stream: &Stream,
-        table: &UnitTable,
-        first_unit: u64,
-        units: u64,
-        staging: &DeviceMem,
-        offset: u64,
-    ) -> Result<(), CudaError> {
-        // SAFETY: forwarded from this function's contract (the units are writable device memory,
-        // the staging piece holds the landed bytes and nothing else touches either meanwhile).
-        unsafe { self.move_units("kvp_scatter", self.scatter, stream, table, first_unit, units, staging, offset) }
-    }
-
-    /// Checks the piece and launches `func` (the gather or the scatter kernel, which take the same
-    /// parameters) over units `first_unit..first_unit + units` and the staging bytes at `offset`.
-    ///
-    /// # Safety
-    ///
-    /// The calling `gather` or `scatter`'s contract.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn move_units(
+    /// Launches `func`, a kernel whose parameters are `table`'s unit addressing (`bases, ids, blocks,
+    /// stride, unit_bytes`, as the kernels of [`SOURCE`] take them) followed by the `u64`s of `rest`,
+    /// over `units` units.
+    fn launch_units<const N: usize>(
         &self,
         name: &'static str,
         func: sys::CUfunction,
-        stream: &Stream,
         table: &UnitTable,
-        first_unit: u64,
+        mut rest: [u64; N],
         units: u64,
-        staging: &DeviceMem,
-        offset: u64,
+        stream: &Stream,
     ) -> Result<(), CudaError> {
-        Self::check_piece(table, first_unit, units, staging, offset)?;
         let sp = table.space;
-        let (mut bases, mut ids, mut blocks, mut stride, mut ub, mut first, mut n, mut piece) = (
-            table.bases.ptr(),
-            table.ids.ptr(),
-            sp.blocks,
-            table.stride,
-            sp.unit_bytes,
-            first_unit,
-            units,
-            staging.ptr() + offset,
-        );
-        let mut params = [
+        let (mut bases, mut ids, mut blocks, mut stride, mut ub) =
+            (table.bases.ptr(), table.ids.ptr(), sp.blocks, table.stride, sp.unit_bytes);
+        let mut params = vec![
             &mut bases as *mut u64 as *mut c_void,
             &mut ids as *mut u64 as *mut c_void,
             &mut blocks as *mut u32 as *mut c_void,
             &mut stride as *mut u64 as *mut c_void,
             &mut ub as *mut u64 as *mut c_void,
-            &mut first as *mut u64 as *mut c_void,
-            &mut n as *mut u64 as *mut c_void,
-            &mut piece as *mut u64 as *mut c_void,
         ];
+        params.extend(rest.iter_mut().map(|v| v as *mut u64 as *mut c_void));
         self.launch(name, func, units, stream, &mut params)
     }
 
@@ -528,18 +486,8 @@ impl Kernels {
         if sp.units() == 0 {
             return Err(CudaError::Bounds { what: "kvp_fill", detail: "no unit table loaded".into() });
         }
-        let (mut bases, mut ids, mut blocks, mut stride, mut ub, mut n, mut s) =
-            (table.bases.ptr(), table.ids.ptr(), sp.blocks, table.stride, sp.unit_bytes, sp.units(), seed);
-        let mut params = [
-            &mut bases as *mut u64 as *mut c_void,
-            &mut ids as *mut u64 as *mut c_void,
-            &mut blocks as *mut u32 as *mut c_void,
-            &mut stride as *mut u64 as *mut c_void,
-            &mut ub as *mut u64 as *mut c_void,
-            &mut n as *mut u64 as *mut c_void,
-            &mut s as *mut u64 as *mut c_void,
-        ];
-        self.launch("kvp_fill", self.fill, sp.units(), stream, &mut params)
+        // The calling contract covers every unit of the loaded side.
+        self.launch_units("kvp_fill", self.fill, table, [sp.units(), seed], sp.units(), stream)
     }
 }
 

@@ -103,6 +103,16 @@ impl UnitSpace {
     }
 }
 
+/// Which way a piece moves between the units and its staging slot ([`gather`], [`scatter`],
+/// [`crate::Kernels::pack`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pack {
+    /// Units to slot, packed (the sender).
+    Gather,
+    /// Slot to the units' places (the receiver).
+    Scatter,
+}
+
 /// One WRITE of a staged request: units `first_unit..first_unit + units`, packed from offset 0 of
 /// slot `slot` on both sides.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

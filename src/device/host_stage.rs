@@ -19,7 +19,7 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{unbounded, Sender};
 
-use super::stage::{check_entries, check_table, BadEntry, HostStager, StageEntry, Stager, TableCheck, ENTRY_BYTES};
+use super::stage::{check_entries, check_table, HostStager, StageEntry, Stager, ENTRY_BYTES};
 use super::{DeviceError, DeviceKind};
 
 /// Which way a job copies.
@@ -170,35 +170,16 @@ impl Stager for CopyThread {
         self.queue(lane, Dir::Scatter, Self::to_table(entries), slot)
     }
 
-    unsafe fn gather_with_table(
-        &mut self,
-        lane: usize,
-        local: &[u8],
-        slot: u64,
-        table_to: u64,
-        table: &[u8],
-    ) -> Result<(), DeviceError> {
-        check_table(self.kind, local, self.max_entries)?;
-        // SAFETY: the caller's contract for `write` (the table area is ours alone until done).
-        unsafe { self.write(table_to, table) }?;
-        self.queue(lane, Dir::Gather, local.to_vec(), slot)
+    /// Queues the table as it is: the copy thread reads table form.
+    unsafe fn gather_table(&mut self, lane: usize, table: &[u8], slot: u64) -> Result<(), DeviceError> {
+        check_table(self.kind, table, self.max_entries)?;
+        self.queue(lane, Dir::Gather, table.to_vec(), slot)
     }
 
-    unsafe fn scatter_table(
-        &mut self,
-        lane: usize,
-        table_at: u64,
-        n: usize,
-        slot: u64,
-        mut check: TableCheck,
-    ) -> Result<(), DeviceError> {
-        let mut snapshot = vec![0u8; n * ENTRY_BYTES];
-        // SAFETY: the caller guarantees the table's bytes are readable host memory.
-        unsafe { self.read(table_at, &mut snapshot) }?;
+    /// Queues the snapshot itself: the copy thread reads this private copy, never the table area
+    /// again.
+    unsafe fn scatter_snapshot(&mut self, lane: usize, snapshot: Vec<u8>, slot: u64) -> Result<(), DeviceError> {
         check_table(self.kind, &snapshot, self.max_entries)?;
-        let bad = |e: BadEntry| DeviceError::Copy { device: self.kind, offset: 0, len: 0, reason: e.to_string() };
-        check(&snapshot).map_err(bad)?;
-        // The copy thread reads this private snapshot, never the table area again.
         self.queue(lane, Dir::Scatter, snapshot, slot)
     }
 
@@ -232,6 +213,7 @@ impl Drop for CopyThread {
 mod tests {
     use super::*;
     use crate::device::host::HostDevice;
+    use crate::device::stage::{packed_entries, BadEntry};
 
     fn wait(st: &mut CopyThread, lane: usize) {
         let t = std::time::Instant::now();
@@ -258,15 +240,7 @@ mod tests {
         );
         // Two neighbours on both sides (one copy), one out of order, one after a gap.
         let picks = [(4096u64, 4096u32), (8192, 4096), (0, 64), (32768, 1024)];
-        let mut off = 0;
-        let gather: Vec<StageEntry> = picks
-            .iter()
-            .map(|&(at, len)| {
-                let e = StageEntry { addr: src_at + at, off, len };
-                off += len;
-                e
-            })
-            .collect();
+        let gather = packed_entries(src_at, &picks);
         let mut st = CopyThread::new(DeviceKind::Host, 4, 8).unwrap();
         let local: Vec<u8> = gather.iter().flat_map(|e| e.to_bytes()).collect();
         let remote: Vec<u8> = gather

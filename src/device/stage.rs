@@ -115,8 +115,18 @@ pub trait Stager: Send + fmt::Debug {
         // SAFETY: forwarded from this function's contract.
         unsafe {
             self.write(table_to, table)?;
-            self.gather(lane, &parse_table(local), slot)
+            self.gather_table(lane, local, slot)
         }
+    }
+    /// [`Stager::gather`] of the entries of `table` (table form) on `lane`. The default decodes
+    /// them; a backend that copies straight from table form takes them as they are.
+    ///
+    /// # Safety
+    ///
+    /// The contract of [`Stager::gather`] for `table`'s entries.
+    unsafe fn gather_table(&mut self, lane: usize, table: &[u8], slot: u64) -> Result<(), DeviceError> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.gather(lane, &parse_table(table), slot) }
     }
     /// Takes a snapshot of the `n`-entry table at `table_at` (this device's memory, e.g. a slot's
     /// table area that a peer wrote), hands it to `check` in table form, and only if `check` accepts
@@ -148,9 +158,19 @@ pub trait Stager: Send + fmt::Debug {
             len: 0,
             reason: e.to_string(),
         })?;
-        let entries = parse_table(&table);
         // SAFETY: `check` accepted every entry of this private copy; the caller's contract covers them.
-        unsafe { self.scatter(lane, &entries, slot) }
+        unsafe { self.scatter_snapshot(lane, table, slot) }
+    }
+    /// [`Stager::scatter`] of the entries of `snapshot` (table form: a private copy that
+    /// [`Stager::scatter_table`] read and its check accepted) on `lane`. The default decodes them; a
+    /// backend that copies straight from table form keeps the snapshot as it is.
+    ///
+    /// # Safety
+    ///
+    /// The contract of [`Stager::scatter`] for `snapshot`'s entries.
+    unsafe fn scatter_snapshot(&mut self, lane: usize, snapshot: Vec<u8>, slot: u64) -> Result<(), DeviceError> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.scatter(lane, &parse_table(&snapshot), slot) }
     }
     /// Whether the lane's last operation finished (an error if it failed).
     fn is_done(&mut self, lane: usize) -> Result<bool, DeviceError>;
@@ -281,6 +301,21 @@ impl Stager for HostStager {
     }
 }
 
+/// Test support: the entries that gather `picks` (offset, length) of the memory at `base` into a
+/// slot one after another, from its start.
+#[cfg(test)]
+pub(crate) fn packed_entries(base: u64, picks: &[(u64, u32)]) -> Vec<StageEntry> {
+    let mut off = 0;
+    picks
+        .iter()
+        .map(|&(at, len)| {
+            let e = StageEntry { addr: base + at, off, len };
+            off += len;
+            e
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -309,15 +344,7 @@ mod tests {
             dst.as_mut_slice().as_mut_ptr() as u64,
         );
         let picks = [(1024u64, 64u32), (16, 32), (3008, 48)];
-        let mut off = 0;
-        let g: Vec<StageEntry> = picks
-            .iter()
-            .map(|&(at, len)| {
-                let e = StageEntry { addr: src_at + at, off, len };
-                off += len;
-                e
-            })
-            .collect();
+        let g = packed_entries(src_at, &picks);
         let s: Vec<StageEntry> =
             g.iter().zip(picks).map(|(e, (at, _))| StageEntry { addr: dst_at + at, ..*e }).collect();
         let mut st = HostStager::new(DeviceKind::Host, 8);

@@ -791,7 +791,7 @@ impl FfiEngine {
         if layers.start > layers.end {
             return Err(FfiError::invalid("layers", format!("{}..{} ends before it starts", layers.start, layers.end)));
         }
-        Ok(self.engine.layers_ready_for(key, block_ids, num_tokens, layers, consumer)?)
+        Ok(self.engine.layers_ready(key, block_ids, num_tokens, layers, consumer)?)
     }
 
     /// See [`Engine::blocks_allocated`].

@@ -987,8 +987,7 @@ impl Engine {
         num_tokens: u64,
         consumer: Option<&str>,
     ) -> Result<(), EngineError> {
-        check_block_lists(&block_ids, num_tokens, &self.shared.layout)
-            .map_err(|source| EngineError::Blocks { key, source })?;
+        self.check_blocks(key, &block_ids, num_tokens)?;
         check_consumer(key, consumer)?;
         let blocks = SourceBlocks { block_ids, num_tokens };
         self.shared.send_local(key, Cmd::BlocksReady { key, blocks, consumer: consumer.map(str::to_owned) })
@@ -1005,20 +1004,10 @@ impl Engine {
     /// registration is there; otherwise everything final goes in one batch when it comes), or the
     /// request goes whole once every layer this worker holds is final. Until [`Finished::Sent`]
     /// the caller must not write the blocks (of the layers already reported or not).
+    ///
+    /// `consumer`: as in [`Engine::request_finished_for`] (only that engine's workers receive
+    /// `key`'s KV; `None`: the first engine to register); the first call's counts.
     pub fn layers_ready(
-        &self,
-        key: Key,
-        block_ids: Vec<Vec<u32>>,
-        num_tokens: u64,
-        layers: std::ops::Range<u32>,
-    ) -> Result<(), EngineError> {
-        self.layers_ready_for(key, block_ids, num_tokens, layers, None)
-    }
-
-    /// As [`Engine::layers_ready`], for consumer engine `consumer` (as in
-    /// [`Engine::request_finished_for`]: only that engine's workers receive `key`'s KV). The first
-    /// call's `consumer` counts.
-    pub fn layers_ready_for(
         &self,
         key: Key,
         block_ids: Vec<Vec<u32>>,
@@ -1026,11 +1015,8 @@ impl Engine {
         layers: std::ops::Range<u32>,
         consumer: Option<&str>,
     ) -> Result<(), EngineError> {
-        if self.shared.config.mode != Mode::Push {
-            return Err(EngineError::WrongMode { call: "layers_ready", mode: self.shared.config.mode });
-        }
-        check_block_lists(&block_ids, num_tokens, &self.shared.layout)
-            .map_err(|source| EngineError::Blocks { key, source })?;
+        self.check_mode("layers_ready", Mode::Push)?;
+        self.check_blocks(key, &block_ids, num_tokens)?;
         check_consumer(key, consumer)?;
         let layerwise = self.shared.config.layerwise.applies(num_tokens);
         let blocks = SourceBlocks { block_ids, num_tokens };
@@ -1048,11 +1034,8 @@ impl Engine {
         block_ids: Vec<Vec<u32>>,
         num_tokens: u64,
     ) -> Result<(), EngineError> {
-        if self.shared.config.mode != Mode::Push {
-            return Err(EngineError::WrongMode { call: "blocks_allocated", mode: self.shared.config.mode });
-        }
-        check_block_lists(&block_ids, num_tokens, &self.shared.layout)
-            .map_err(|source| EngineError::Blocks { key, source })?;
+        self.check_mode("blocks_allocated", Mode::Push)?;
+        self.check_blocks(key, &block_ids, num_tokens)?;
         self.shared.send_local(key, Cmd::Register { key, producer: producer.to_owned(), block_ids, num_tokens })
     }
 
@@ -1096,11 +1079,8 @@ impl Engine {
         local_blocks: Vec<Vec<u32>>,
         num_tokens: u64,
     ) -> Result<(), EngineError> {
-        if self.shared.config.mode != Mode::Pull {
-            return Err(EngineError::WrongMode { call: "start_pull", mode: self.shared.config.mode });
-        }
-        check_block_lists(&local_blocks, num_tokens, &self.shared.layout)
-            .map_err(|source| EngineError::Blocks { key, source })?;
+        self.check_mode("start_pull", Mode::Pull)?;
+        self.check_blocks(key, &local_blocks, num_tokens)?;
         let producer = producer.to_owned();
         let cmd = Cmd::Pull { key, producer, remote_blocks, remote_block_tokens, local_blocks, num_tokens };
         self.shared.send_local(key, cmd)
@@ -1109,6 +1089,20 @@ impl Engine {
     /// Aborts `key` on this worker, in whatever state it is; peers are told.
     pub fn abort(&self, key: Key) -> Result<(), EngineError> {
         self.shared.send_local(key, Cmd::Abort { key })
+    }
+
+    /// Refuses a call made for the other mode (`call` names it in the error).
+    fn check_mode(&self, call: &'static str, mode: Mode) -> Result<(), EngineError> {
+        if self.shared.config.mode != mode {
+            return Err(EngineError::WrongMode { call, mode: self.shared.config.mode });
+        }
+        Ok(())
+    }
+
+    /// Checks `key`'s block lists against this worker's layout for `num_tokens` tokens.
+    fn check_blocks(&self, key: Key, block_ids: &[Vec<u32>], num_tokens: u64) -> Result<(), EngineError> {
+        check_block_lists(block_ids, num_tokens, &self.shared.layout)
+            .map_err(|source| EngineError::Blocks { key, source })
     }
 
     /// Consumer: `key` ended here before this worker registered (push) or read (pull) anything for

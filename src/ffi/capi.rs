@@ -510,6 +510,23 @@ unsafe fn block_lists(
         .collect()
 }
 
+/// The engine behind `engine` and its block lists `groups` (per KV group), for the producer calls
+/// that take one set of blocks.
+///
+/// # Safety
+///
+/// 1. `groups` is null or points to `num_groups` lists, each with `ids` valid for `len` elements.
+unsafe fn engine_and_blocks(
+    engine: *const kvpush_engine,
+    groups: *const kvpush_block_list,
+    num_groups: usize,
+) -> Result<(EngineRef, Vec<Vec<u32>>), FfiError> {
+    let e = engine_of(engine)?;
+    // SAFETY: the caller's contract (1).
+    let blocks = unsafe { block_lists("groups", groups, num_groups) }?;
+    Ok((e, blocks))
+}
+
 /// # Safety
 ///
 /// 1. Every pointer in `l` is null or valid for the number of elements its count field says.
@@ -936,9 +953,8 @@ pub unsafe extern "C" fn kvpush_request_finished(
     num_tokens: u64,
 ) -> c_int {
     guard("kvpush_request_finished", || {
-        let e = engine_of(engine)?;
         // SAFETY: the caller's contract (1).
-        let blocks = unsafe { block_lists("groups", groups, num_groups) }?;
+        let (e, blocks) = unsafe { engine_and_blocks(engine, groups, num_groups) }?;
         e.request_finished(key.key(), blocks, num_tokens, None)
     })
 }
@@ -961,10 +977,9 @@ pub unsafe extern "C" fn kvpush_request_finished_for(
     consumer: *const c_char,
 ) -> c_int {
     guard("kvpush_request_finished_for", || {
-        let e = engine_of(engine)?;
         // SAFETY: the caller's contracts (1) and (2).
-        let (blocks, consumer) =
-            unsafe { (block_lists("groups", groups, num_groups)?, optional_str("consumer", consumer)?) };
+        let ((e, blocks), consumer) =
+            unsafe { (engine_and_blocks(engine, groups, num_groups)?, optional_str("consumer", consumer)?) };
         e.request_finished(key.key(), blocks, num_tokens, consumer.as_deref())
     })
 }
@@ -989,9 +1004,8 @@ pub unsafe extern "C" fn kvpush_layers_ready(
     end_layer: u32,
 ) -> c_int {
     guard("kvpush_layers_ready", || {
-        let e = engine_of(engine)?;
         // SAFETY: the caller's contract (1).
-        let blocks = unsafe { block_lists("groups", groups, num_groups) }?;
+        let (e, blocks) = unsafe { engine_and_blocks(engine, groups, num_groups) }?;
         e.layers_ready(key.key(), blocks, num_tokens, first_layer..end_layer, None)
     })
 }

@@ -604,6 +604,16 @@ mod tests {
         }
     }
 
+    /// Two layers, one head: layer 0 in a full-attention group, layer 1 in a sliding window of
+    /// `window_tokens` tokens.
+    fn full_and_window(window_tokens: u32) -> ModelShape {
+        let groups = vec![
+            KvGroup { kind: GroupKind::Full, layers: vec![0] },
+            KvGroup { kind: GroupKind::SlidingWindow { window_tokens }, layers: vec![1] },
+        ];
+        model(2, 1, groups)
+    }
+
     fn full(layers: u32) -> Vec<KvGroup> {
         vec![KvGroup { kind: GroupKind::Full, layers: (0..layers).collect() }]
     }
@@ -701,11 +711,7 @@ mod tests {
 
     #[test]
     fn sliding_window_moves_only_the_window() {
-        let groups = vec![
-            KvGroup { kind: GroupKind::Full, layers: vec![0] },
-            KvGroup { kind: GroupKind::SlidingWindow { window_tokens: 20 }, layers: vec![1] },
-        ];
-        let m = model(2, 1, groups);
+        let m = full_and_window(20);
         let (s, d) = single_rank(&m, (16, 16), BlockOrder::Hnd, (KvPlacement::Separate, KvPlacement::Separate));
         let ids: Vec<u32> = (0..4).collect();
         let input = PlanInput {
@@ -725,11 +731,7 @@ mod tests {
 
     #[test]
     fn window_counts_back_from_the_exact_count_and_moves_whole_blocks() {
-        let groups = vec![
-            KvGroup { kind: GroupKind::Full, layers: vec![0] },
-            KvGroup { kind: GroupKind::SlidingWindow { window_tokens: 20 }, layers: vec![1] },
-        ];
-        let m = model(2, 1, groups);
+        let m = full_and_window(20);
         let elem = 8;
         let plan = |bts: (u32, u32), n: u64| {
             let (s, d) = single_rank(&m, bts, BlockOrder::Hnd, (KvPlacement::Separate, KvPlacement::Separate));

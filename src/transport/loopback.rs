@@ -1228,6 +1228,25 @@ mod tests {
         (a, b)
     }
 
+    /// The endpoints of [`registered_pair`] and a write (notification `n`) of all of `src` to
+    /// `dst` that a's fabric holds back by `delay`: the test changes b before the copy runs.
+    ///
+    /// # Safety
+    ///
+    /// As for [`registered_pair`].
+    unsafe fn delayed_write(
+        fabric: &Fabric,
+        src: &mut [u8],
+        dst: &mut [u8],
+        delay: Duration,
+    ) -> (LoopbackTransport, LoopbackTransport, XferId) {
+        // SAFETY: this function's contract is `registered_pair`'s.
+        let (a, b) = unsafe { registered_pair(fabric, src, dst) };
+        a.inject_once(Fault::Delay(delay));
+        let id = a.post(Op::Write, "b", &[whole(src, dst)], Some(b"n")).unwrap();
+        (a, b, id)
+    }
+
     #[test]
     fn metadata_round_trips() {
         let md = Metadata { pid: 7, fabric: 9, endpoint: 11, name: "p0/rank1" };
@@ -1334,9 +1353,7 @@ mod tests {
         let fabric = Fabric::new();
         let (mut src, mut dst) = (vec![7u8; 4096], vec![0u8; 4096]);
         // SAFETY: both buffers are this test's, declared before the endpoints and so dropped after them.
-        let (a, b) = unsafe { registered_pair(&fabric, &mut src, &mut dst) };
-        a.inject_once(Fault::Delay(Duration::from_millis(100)));
-        let id = a.post(Op::Write, "b", &[whole(&mut src, &mut dst)], Some(b"n")).unwrap();
+        let (a, b, id) = unsafe { delayed_write(&fabric, &mut src, &mut dst, Duration::from_millis(100)) };
         b.deregister(&region(&mut dst)).unwrap();
         match wait(&a, id) {
             Err(TransportError::Failed { status, detail, .. }) => {
@@ -1356,9 +1373,7 @@ mod tests {
         let fabric = Fabric::new();
         let (mut src, mut dst) = (vec![7u8; 4096], vec![0u8; 4096]);
         // SAFETY: both buffers are this test's, declared before the endpoints and so dropped after them.
-        let (a, b) = unsafe { registered_pair(&fabric, &mut src, &mut dst) };
-        a.inject_once(Fault::Delay(Duration::from_millis(50)));
-        let id = a.post(Op::Write, "b", &[whole(&mut src, &mut dst)], Some(b"n")).unwrap();
+        let (a, b, id) = unsafe { delayed_write(&fabric, &mut src, &mut dst, Duration::from_millis(50)) };
         drop(b);
         match wait(&a, id) {
             Err(TransportError::Failed { status, .. }) => assert_eq!(status, STATUS_REMOTE_DISCONNECT),

@@ -651,7 +651,7 @@ fn an_intruder_registering_first_gets_nothing_when_p_names_the_consumer() {
     // An empty consumer id is refused at the call, not taken for "no consumer".
     let other = Key::new(0x8_0002, 1);
     assert!(c.p[0].engine.request_finished_for(other, vec![vec![3, 4]], 32, Some("")).is_err());
-    assert!(c.p[0].engine.layers_ready_for(other, vec![vec![3, 4]], 32, 0..1, Some("")).is_err());
+    assert!(c.p[0].engine.layers_ready(other, vec![vec![3, 4]], 32, 0..1, Some("")).is_err());
 }
 
 /// As above, with P reporting the request layer by layer (issue 21: the vLLM connector's
@@ -660,8 +660,8 @@ fn an_intruder_registering_first_gets_nothing_when_p_names_the_consumer() {
 #[test]
 fn an_intruder_registering_first_gets_nothing_when_p_names_the_consumer_layer_by_layer() {
     intruder_gets_nothing(|p, key, blocks, tokens| {
-        p.layers_ready_for(key, blocks.clone(), tokens, 0..1, Some(D_ENGINE)).expect("layer 0");
-        p.layers_ready_for(key, blocks, tokens, 1..u32::MAX, Some(D_ENGINE)).expect("the other layers");
+        p.layers_ready(key, blocks.clone(), tokens, 0..1, Some(D_ENGINE)).expect("layer 0");
+        p.layers_ready(key, blocks, tokens, 1..u32::MAX, Some(D_ENGINE)).expect("the other layers");
     });
 }
 

@@ -123,7 +123,7 @@ fn posts_follow_the_layers_as_they_become_final() {
     let (p, d) = pair(tokens);
     let (src, dst) = (vec![vec![0, 1, 2, 3]], vec![vec![9, 10, 11, 12]]);
     // Layers 0..3 final before the registration: held.
-    p.engine.layers_ready(key, src.clone(), tokens, 0..3).expect("layers 0..3");
+    p.engine.layers_ready(key, src.clone(), tokens, 0..3, None).expect("layers 0..3");
     std::thread::sleep(Duration::from_millis(20));
     assert_eq!(posts(&p), 0, "nothing is posted before the registration");
     // The registration: layers 0..3 go in one WRITE.
@@ -134,7 +134,7 @@ fn posts_follow_the_layers_as_they_become_final() {
         let mut out = Vec::new();
         d.engine.poll(&mut out);
         assert!(out.is_empty(), "D finished before layer {layer} was final: {out:?}");
-        p.engine.layers_ready(key, src.clone(), tokens, layer..layer + 1).expect("layer");
+        p.engine.layers_ready(key, src.clone(), tokens, layer..layer + 1, None).expect("layer");
         let want = u64::from(layer) - 1;
         poll_until(&format!("the WRITE of layer {layer}"), LIMIT, || posts(&p), |&n| n >= want);
     }
@@ -154,13 +154,13 @@ fn an_abort_between_layers_ends_the_push_and_releases_both_sides() {
     let (src, dst) = (vec![vec![0, 1, 2, 3]], vec![vec![9, 10, 11, 12]]);
     d.engine.blocks_allocated(key, "prefill", dst, tokens).expect("register");
     poll_until("P got the registration", LIMIT, || p.engine.stats().counters.registrations, |&n| n == 1);
-    p.engine.layers_ready(key, src.clone(), tokens, 0..2).expect("layers 0..2");
+    p.engine.layers_ready(key, src.clone(), tokens, 0..2, None).expect("layers 0..2");
     poll_until("the WRITE of layers 0..2", LIMIT, || posts(&p), |&n| n == 1);
     // D gives up mid-prefill: P posts nothing more and releases its blocks; D ends the request.
     d.engine.abort(key).expect("abort");
     wait_for(&d.engine, "ended", LIMIT, |f| matches!(f, Finished::Ended { key: k } if *k == key));
     wait_for(&p.engine, "released", LIMIT, |f| matches!(f, Finished::Sent { key: k, .. } if *k == key));
-    p.engine.layers_ready(key, src, tokens, 2..8).expect("late layers are accepted and dropped");
+    p.engine.layers_ready(key, src, tokens, 2..8, None).expect("late layers are accepted and dropped");
     std::thread::sleep(Duration::from_millis(20));
     assert_eq!(posts(&p), 1, "nothing posted after the abort");
 }
@@ -172,22 +172,22 @@ fn whole_mode_collects_layers_and_an_abort_before_the_last_releases_at_once() {
     // Off: layers are collected; nothing goes before the last, then the request goes whole.
     d.engine.blocks_allocated(key, "prefill", vec![vec![9, 10, 11, 12]], tokens).expect("register");
     poll_until("P got the registration", LIMIT, || p.engine.stats().counters.registrations, |&n| n == 1);
-    p.engine.layers_ready(key, src.clone(), tokens, 0..7).expect("layers 0..7");
+    p.engine.layers_ready(key, src.clone(), tokens, 0..7, None).expect("layers 0..7");
     std::thread::sleep(Duration::from_millis(20));
     assert_eq!(posts(&p), 0, "off: nothing before the last layer");
-    p.engine.layers_ready(key, src.clone(), tokens, 7..8).expect("layer 7");
+    p.engine.layers_ready(key, src.clone(), tokens, 7..8, None).expect("layer 7");
     wait_for(&d.engine, "received", LIMIT, |f| matches!(f, Finished::Received { key: k } if *k == key));
     assert_eq!(posts(&p), 1, "off: one WRITE for the whole request");
     // Aborted before its last layer: the blocks never reached the rendezvous and come back at once.
     let other = Key::new(0x24, 1);
-    p.engine.layers_ready(other, src, tokens, 0..3).expect("layers 0..3");
+    p.engine.layers_ready(other, src, tokens, 0..3, None).expect("layers 0..3");
     p.engine.abort(other).expect("abort");
     let f = wait_for(&p.engine, "released", LIMIT, |f| matches!(f, Finished::Sent { key: k, .. } if *k == other));
     assert!(matches!(f, Finished::Sent { reason: ReleaseReason::Aborted, .. }), "{f:?}");
     // A newer attempt supersedes one still collecting its layers: the older blocks come back.
     let (old, new) = (Key::new(0x25, 1), Key::new(0x25, 2));
-    p.engine.layers_ready(old, vec![vec![20, 21, 22, 23]], tokens, 0..4).expect("old layers 0..4");
-    p.engine.layers_ready(new, vec![vec![30, 31, 32, 33]], tokens, 0..2).expect("new layers 0..2");
+    p.engine.layers_ready(old, vec![vec![20, 21, 22, 23]], tokens, 0..4, None).expect("old layers 0..4");
+    p.engine.layers_ready(new, vec![vec![30, 31, 32, 33]], tokens, 0..2, None).expect("new layers 0..2");
     let f = wait_for(&p.engine, "superseded", LIMIT, |f| matches!(f, Finished::Sent { key: k, .. } if *k == old));
     assert!(matches!(f, Finished::Sent { reason: ReleaseReason::Superseded, .. }), "{f:?}");
     p.engine.abort(new).expect("abort the newer attempt");
@@ -208,7 +208,7 @@ fn whole_mode_collecting_past_the_lease_releases_the_blocks() {
     // request mid-prefill without aborting it). The blocks are not the engine's forever: the
     // producer lease, counted from the first report, gives them back.
     let key = Key::new(0x26, 1);
-    p.engine.layers_ready(key, vec![vec![0, 1, 2, 3]], 60, 0..5).expect("layers 0..5");
+    p.engine.layers_ready(key, vec![vec![0, 1, 2, 3]], 60, 0..5, None).expect("layers 0..5");
     let f = wait_for(
         &p.engine,
         "released",

@@ -36,6 +36,34 @@ fn pair() -> (Fabric, LoopbackTransport, LoopbackTransport) {
     (fabric, p, d)
 }
 
+/// Registers `src` with `p` and `dst` with `d`: the memory most tests move bytes between.
+///
+/// # Safety
+///
+/// 1. Both buffers are live and outlive the endpoints' use of them, and the test reads or writes
+///    them only while no transfer on them is in flight (the `register` contract).
+unsafe fn register_both(p: &LoopbackTransport, d: &LoopbackTransport, src: &mut [u8], dst: &mut [u8]) {
+    // SAFETY: the caller's contract (1), for `src`.
+    unsafe { p.register(&region(src)) }.unwrap();
+    // SAFETY: the caller's contract (1), for `dst`.
+    unsafe { d.register(&region(dst)) }.unwrap();
+}
+
+/// [`pair`] with `len` bytes of [`pattern`]`(len, seed)` registered at P and `len` zero bytes at D.
+///
+/// # Safety
+///
+/// 1. The caller keeps both buffers (their heap memory, which stays where it is when they move)
+///    until no transfer on them is in flight, and reads or writes them only meanwhile.
+#[allow(clippy::type_complexity)]
+unsafe fn registered_pair(len: usize, seed: u8) -> (Fabric, LoopbackTransport, LoopbackTransport, Vec<u8>, Vec<u8>) {
+    let (fabric, p, d) = pair();
+    let (mut src, mut dst) = (pattern(len, seed), vec![0u8; len]);
+    // SAFETY: the caller's contract (1).
+    unsafe { register_both(&p, &d, &mut src, &mut dst) };
+    (fabric, p, d, src, dst)
+}
+
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
 }
@@ -65,14 +93,9 @@ fn scattered(local: u64, remote: u64, block: u64, count: u64) -> Vec<Desc> {
 
 #[test]
 fn write_many_descriptors_lands_every_byte() {
-    let (_fabric, p, d) = pair();
     let (block, count) = (4096u64, 257u64);
-    let mut src = pattern((block * count) as usize, 3);
-    let mut dst = vec![0u8; src.len()];
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { p.register(&region(&mut src)) }.unwrap();
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { d.register(&region(&mut dst)) }.unwrap();
+    // SAFETY: the buffers live to the end of the test, after every transfer on them ended.
+    let (_fabric, p, d, mut src, mut dst) = unsafe { registered_pair((block * count) as usize, 3) };
     let descs = scattered(addr(&mut src), addr(&mut dst), block, count);
     let id = p.post(Op::Write, "decode", &descs, Some(b"done")).unwrap();
     assert_eq!(wait(&p, id), Ok(XferState::Done));
@@ -93,14 +116,9 @@ fn write_many_descriptors_lands_every_byte() {
 
 #[test]
 fn read_many_descriptors_and_the_peer_is_notified() {
-    let (_fabric, p, d) = pair();
     let (block, count) = (1000u64, 64u64);
-    let mut theirs = pattern((block * count) as usize, 9);
-    let mut mine = vec![0u8; theirs.len()];
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { p.register(&region(&mut theirs)) }.unwrap();
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { d.register(&region(&mut mine)) }.unwrap();
+    // SAFETY: the buffers live to the end of the test, after every transfer on them ended.
+    let (_fabric, p, d, mut theirs, mut mine) = unsafe { registered_pair((block * count) as usize, 9) };
     // D pulls from P: local is D's memory, remote is P's.
     let descs: Vec<Desc> = (0..count)
         .map(|i| Desc { local: addr(&mut mine) + i * block, remote: addr(&mut theirs) + i * block, len: block })
@@ -121,10 +139,8 @@ fn the_target_sees_the_data_when_it_sees_the_notification() {
     let len = (block * count) as usize;
     let mut src = vec![0u8; len];
     let mut dst = vec![0u8; len];
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { p.register(&region(&mut src)) }.unwrap();
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { d.register(&region(&mut dst)) }.unwrap();
+    // SAFETY: both are live buffers of this test that outlive the endpoints' use of them.
+    unsafe { register_both(&p, &d, &mut src, &mut dst) };
     let (src_addr, dst_addr) = (addr(&mut src), addr(&mut dst));
     let (wake_tx, wake_rx) = crossbeam_channel::unbounded::<()>();
     d.set_waker(Arc::new(move || {
@@ -166,12 +182,8 @@ fn the_target_sees_the_data_when_it_sees_the_notification() {
 
 #[test]
 fn wakers_signal_completion_and_notification() {
-    let (_fabric, p, d) = pair();
-    let (mut src, mut dst) = (pattern(8192, 1), vec![0u8; 8192]);
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { p.register(&region(&mut src)) }.unwrap();
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { d.register(&region(&mut dst)) }.unwrap();
+    // SAFETY: the buffers live to the end of the test, after every transfer on them ended.
+    let (_fabric, p, d, mut src, mut dst) = unsafe { registered_pair(8192, 1) };
     let (p_tx, p_rx) = crossbeam_channel::unbounded::<()>();
     let (d_tx, d_rx) = crossbeam_channel::unbounded::<()>();
     p.set_waker(Arc::new(move || {
@@ -201,12 +213,8 @@ fn wakers_signal_completion_and_notification() {
 
 #[test]
 fn descriptors_outside_registered_memory_are_rejected_and_copy_nothing() {
-    let (_fabric, p, d) = pair();
-    let (mut src, mut dst) = (pattern(4096, 5), vec![0u8; 4096]);
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { p.register(&region(&mut src)) }.unwrap();
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { d.register(&region(&mut dst)) }.unwrap();
+    // SAFETY: the buffers live to the end of the test, after every transfer on them ended.
+    let (_fabric, p, d, mut src, mut dst) = unsafe { registered_pair(4096, 5) };
     let (s, t) = (addr(&mut src), addr(&mut dst));
     let mut descs: Vec<Desc> = (0..8).map(|i| Desc { local: s + i * 512, remote: t + i * 512, len: 512 }).collect();
 
@@ -254,10 +262,8 @@ fn descriptors_outside_registered_memory_are_rejected_and_copy_nothing() {
 fn unknown_peers_and_bad_metadata() {
     let (_fabric, p, d) = pair();
     let (mut src, mut dst) = (vec![1u8; 64], vec![0u8; 64]);
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { p.register(&region(&mut src)) }.unwrap();
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { d.register(&region(&mut dst)) }.unwrap();
+    // SAFETY: both are live buffers of this test that outlive the endpoints' use of them.
+    unsafe { register_both(&p, &d, &mut src, &mut dst) };
     let desc = Desc { local: addr(&mut src), remote: addr(&mut dst), len: 64 };
     assert_eq!(p.post(Op::Write, "nobody", &[desc], None), Err(TransportError::UnknownPeer("nobody".into())));
     assert_eq!(p.send_notification("nobody", b"x"), Err(TransportError::UnknownPeer("nobody".into())));
@@ -282,12 +288,8 @@ fn unknown_peers_and_bad_metadata() {
 
 #[test]
 fn injected_post_error_copies_nothing_and_is_consumed() {
-    let (_fabric, p, d) = pair();
-    let (mut src, mut dst) = (pattern(4096, 2), vec![0u8; 4096]);
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { p.register(&region(&mut src)) }.unwrap();
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { d.register(&region(&mut dst)) }.unwrap();
+    // SAFETY: the buffers live to the end of the test, after every transfer on them ended.
+    let (_fabric, p, d, mut src, mut dst) = unsafe { registered_pair(4096, 2) };
     let desc = Desc { local: addr(&mut src), remote: addr(&mut dst), len: 4096 };
     p.inject_once(Fault::PostError);
     match p.post(Op::Write, "decode", &[desc], Some(b"n")) {
@@ -311,12 +313,8 @@ fn injected_post_error_copies_nothing_and_is_consumed() {
 
 #[test]
 fn injected_lost_notification_lands_the_data_but_never_notifies() {
-    let (_fabric, p, d) = pair();
-    let (mut src, mut dst) = (pattern(4096, 4), vec![0u8; 4096]);
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { p.register(&region(&mut src)) }.unwrap();
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { d.register(&region(&mut dst)) }.unwrap();
+    // SAFETY: the buffers live to the end of the test, after every transfer on them ended.
+    let (_fabric, p, d, mut src, mut dst) = unsafe { registered_pair(4096, 4) };
     let desc = Desc { local: addr(&mut src), remote: addr(&mut dst), len: 4096 };
     p.inject_once(Fault::LoseNotification);
     let id = p.post(Op::Write, "decode", &[desc], Some(b"lost")).unwrap();
@@ -335,10 +333,8 @@ fn injected_lost_notification_lands_the_data_but_never_notifies() {
 fn injected_partial_copies_a_prefix_and_fails() {
     let (_fabric, p, d) = pair();
     let (mut src, mut dst) = (pattern(8 * 1024, 6), vec![0u8; 8 * 1024]);
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { p.register(&region(&mut src)) }.unwrap();
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { d.register(&region(&mut dst)) }.unwrap();
+    // SAFETY: both are live buffers of this test that outlive the endpoints' use of them.
+    unsafe { register_both(&p, &d, &mut src, &mut dst) };
     let descs: Vec<Desc> = (0..8)
         .map(|i| Desc { local: addr(&mut src) + i * 1024, remote: addr(&mut dst) + i * 1024, len: 1024 })
         .collect();
@@ -368,12 +364,8 @@ fn injected_partial_copies_a_prefix_and_fails() {
 
 #[test]
 fn injected_delay_completes_late_but_completes() {
-    let (_fabric, p, d) = pair();
-    let (mut src, mut dst) = (pattern(4096, 8), vec![0u8; 4096]);
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { p.register(&region(&mut src)) }.unwrap();
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { d.register(&region(&mut dst)) }.unwrap();
+    // SAFETY: the buffers live to the end of the test, after every transfer on them ended.
+    let (_fabric, p, d, mut src, mut dst) = unsafe { registered_pair(4096, 8) };
     let desc = Desc { local: addr(&mut src), remote: addr(&mut dst), len: 4096 };
     let delay = Duration::from_millis(200);
     p.inject_once(Fault::Delay(delay));
@@ -398,12 +390,8 @@ enum Outcome {
 }
 
 fn outcomes(seed: u64) -> Vec<Outcome> {
-    let (_fabric, p, d) = pair();
-    let (mut src, mut dst) = (pattern(4096, 1), vec![0u8; 4096]);
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { p.register(&region(&mut src)) }.unwrap();
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { d.register(&region(&mut dst)) }.unwrap();
+    // SAFETY: the buffers live to the end of the test, after every transfer on them ended.
+    let (_fabric, p, d, mut src, mut dst) = unsafe { registered_pair(4096, 1) };
     p.set_fault_rates(FaultRates { post_error: 0.2, lose_notification: 0.2, partial: 0.2, seed });
     let descs: Vec<Desc> = (0..4)
         .map(|i| Desc { local: addr(&mut src) + i * 1024, remote: addr(&mut dst) + i * 1024, len: 1024 })
@@ -520,10 +508,8 @@ fn dropping_the_fabric_and_its_endpoints_stops_the_worker() {
     let (fabric, p, d) = pair();
     assert!(!fabric.worker_watch().is_running(), "the worker starts lazily");
     let (mut src, mut dst) = (pattern(1024, 1), vec![0u8; 1024]);
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { p.register(&region(&mut src)) }.unwrap();
-    // SAFETY: the region is a live buffer of this test that outlives the endpoint's use of it.
-    unsafe { d.register(&region(&mut dst)) }.unwrap();
+    // SAFETY: both are live buffers of this test that outlive the endpoints' use of them.
+    unsafe { register_both(&p, &d, &mut src, &mut dst) };
     let desc = Desc { local: addr(&mut src), remote: addr(&mut dst), len: 1024 };
     let id = p.post(Op::Write, "decode", &[desc], None).unwrap();
     assert_eq!(wait(&p, id), Ok(XferState::Done));

@@ -618,6 +618,18 @@ mod tests {
         std::iter::from_fn(|| s.poll_action()).collect()
     }
 
+    /// A one-lane sender whose request (tag 1, `pieces` pieces, to "d") had its first piece granted
+    /// and gathered, so that its WRITE is under way; and the actions it asked for until then.
+    fn writing_the_first_piece(pieces: u32) -> (Sender, Vec<Action>) {
+        let mut s = Sender::new(SendConfig { lanes: 1, stall_timeout_us: 1_000 });
+        s.handle_post(Instant(0), 1, "d", pieces);
+        s.handle_frame(Instant(1), "d", Frame::Grant { tag: 1, piece: 0, slot: 0, addr: 0 });
+        let mut actions = drain(&mut s);
+        s.handle_gathered(Instant(2), 0, Ok(()));
+        actions.extend(drain(&mut s));
+        (s, actions)
+    }
+
     #[test]
     fn a_granted_piece_is_gathered_then_written_then_done() {
         let mut s = Sender::new(SendConfig { lanes: 2, stall_timeout_us: 1_000 });
@@ -641,12 +653,9 @@ mod tests {
 
     #[test]
     fn a_fail_cancels_only_after_the_write_in_flight_ended() {
-        let mut s = Sender::new(SendConfig { lanes: 1, stall_timeout_us: 1_000 });
-        s.handle_post(Instant(0), 1, "d", 2);
-        s.handle_frame(Instant(1), "d", Frame::Grant { tag: 1, piece: 0, slot: 0, addr: 0 });
-        assert_eq!(drain(&mut s), [Action::Gather { tag: 1, piece: 0, lane: 0, ahead: false }]);
-        s.handle_gathered(Instant(2), 0, Ok(()));
-        assert!(matches!(drain(&mut s)[..], [Action::Write { lane: 0, .. }]));
+        let (mut s, actions) = writing_the_first_piece(2);
+        assert_eq!(actions[0], Action::Gather { tag: 1, piece: 0, lane: 0, ahead: false });
+        assert!(matches!(actions[1..], [Action::Write { lane: 0, .. }]), "{actions:?}");
         s.handle_frame(Instant(3), "d", Frame::Fail { tag: 1, detail: "stop".into() });
         assert_eq!(drain(&mut s), [], "no CANCEL while the WRITE can still land");
         s.handle_written(Instant(4), 0, Ok(()));
@@ -659,10 +668,7 @@ mod tests {
 
     #[test]
     fn a_lost_peer_fails_at_once_but_keeps_the_lane_until_the_write_ended() {
-        let mut s = Sender::new(SendConfig { lanes: 1, stall_timeout_us: 1_000 });
-        s.handle_post(Instant(0), 1, "d", 1);
-        s.handle_frame(Instant(1), "d", Frame::Grant { tag: 1, piece: 0, slot: 0, addr: 0 });
-        s.handle_gathered(Instant(2), 0, Ok(()));
+        let (mut s, _) = writing_the_first_piece(1);
         s.handle_peer_lost(Instant(3), "d");
         assert!(matches!(s.handle_report(Instant(3), 1), Report::Finished(Err(_))));
         s.handle_post(Instant(4), 2, "e", 1);

@@ -1767,7 +1767,7 @@ impl WorkerState {
         for (w, ids) in self.workers.iter().zip(lists) {
             let (call, result) = match layer {
                 None => ("request_finished", w.engine.request_finished(r.key, ids, tokens)),
-                Some(l) => ("layers_ready", w.engine.layers_ready(r.key, ids, tokens, l..l + 1)),
+                Some(l) => ("layers_ready", w.engine.layers_ready(r.key, ids, tokens, l..l + 1, None)),
             };
             if let Err(e) = result {
                 err = Some(format!("request {req}: {call}: {e}"));
