@@ -199,7 +199,7 @@ impl StagingSim {
             drop_pct: if rng.percent(70) { 0 } else { rng.between(1, 10) as u8 },
             net_us: (net, net + rng.between(0, 800)),
             write_us: (rng.between(1, 200), rng.between(200, 3_000)),
-            turn_us: if rng.coin() { (1, 100) } else { (100, rng.between(200, 4_000)) },
+            turn_us: if rng.coin() { (20, 300) } else { (300, rng.between(400, 4_000)) },
             content: vec![None; slots],
             in_flight: HashMap::new(),
             granted: vec![None; slots],
