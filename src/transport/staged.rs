@@ -54,7 +54,7 @@
 //! the receive slot geometry, then the inner transport's metadata; a peer without the prefix never
 //! receives staged transfers.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -66,7 +66,10 @@ use crate::device::{Buffer, Device, MemRegion, RegionSet};
 use crate::proto::path::{Path, PathChooser, Shape};
 use crate::proto::plan::Grid;
 use crate::proto::staging::frame::Reader;
-use crate::proto::staging::{Frame, Landed, Output, PieceNote, Receiver, RecvConfig, Slot};
+use crate::proto::staging::send::Phase as SendPhase;
+use crate::proto::staging::{
+    Action, Frame, Landed, Output, Piece, PieceNote, Receiver, RecvConfig, Report, SendConfig, Sender, Slot,
+};
 use crate::proto::Instant as ProtoInstant;
 use crate::sync::lock;
 
@@ -256,8 +259,9 @@ struct PeerCaps {
 }
 
 /// One piece of an outgoing transfer: where it starts in the transfer's descriptors and how much it
-/// holds. Its table is built only when its turn comes ([`Staged::fill`]), so a large transfer's first
-/// piece goes out while the rest are still descriptors.
+/// holds (where it stands is [`Sender`]'s). Its table is built only when its turn comes
+/// ([`Staged::fill`]), so a large transfer's first piece goes out while the rest are still
+/// descriptors.
 #[derive(Clone, Copy, Debug)]
 struct OutPiece {
     /// Descriptor the piece starts in...
@@ -268,12 +272,11 @@ struct OutPiece {
     entries: u32,
     /// Data bytes.
     bytes: u64,
-    state: PieceState,
 }
 
 impl OutPiece {
     fn starting(first: usize, skip: u64) -> OutPiece {
-        OutPiece { first, skip, entries: 0, bytes: 0, state: PieceState::Waiting }
+        OutPiece { first, skip, entries: 0, bytes: 0 }
     }
 }
 
@@ -288,23 +291,6 @@ struct Cut {
     max_entries: usize,
     chunk: u64,
     remote_table: u64,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum PieceState {
-    /// Waiting for a grant.
-    Waiting,
-    /// Granted receive slot and its address, waiting for a send slot.
-    Granted { slot: u32, addr: u64 },
-    /// Being gathered in send slot `lane`; with its grant (receive slot and address), or gathered
-    /// ahead of it (a transfer's first piece, while its REQUEST travels).
-    Gathering { lane: usize, grant: Option<(u32, u64)> },
-    /// Gathered ahead of its grant in send slot `lane`.
-    Gathered { lane: usize },
-    /// Being written from send slot `lane`.
-    Writing { lane: usize, inner: XferId },
-    /// Written.
-    Written,
 }
 
 /// What an outgoing transfer moves: descriptors, or a planner's grid, which is expanded only piece
@@ -385,33 +371,19 @@ impl Cutter {
     }
 }
 
+/// What an outgoing transfer moves and how it is cut; where its pieces stand is [`Sender`]'s.
 #[derive(Debug)]
-struct Outgoing {
-    peer: String,
+struct Payload {
     src: Source,
     cut: Cut,
     pieces: Vec<OutPiece>,
-    written: usize,
-    /// Why it failed (the handle reports it once the receiver confirmed the cancel).
-    failed: Option<String>,
-    /// CANCEL sent; waiting for CANCELLED.
-    cancel_sent: bool,
-    /// The receiver scattered every piece and delivered the notification.
-    done: bool,
-    /// Finished: Ok or the failure, reported by the next poll.
-    outcome: Option<Result<(), String>>,
-    /// The outcome was reported; the record stays only while slots are still in use.
-    reported: bool,
-    /// Last progress (a grant, a gather or WRITE started or ended, the cancel sent).
-    moved: Instant,
 }
 
-impl Outgoing {
-    fn busy_pieces(&self) -> bool {
-        self.pieces.iter().any(|p| {
-            matches!(p.state, PieceState::Gathering { .. } | PieceState::Gathered { .. } | PieceState::Writing { .. })
-        })
-    }
+/// What the carrier started in a send slot and polls for its end.
+#[derive(Clone, Copy, Debug)]
+enum LaneWork {
+    Gather,
+    Write(XferId),
 }
 
 struct State {
@@ -421,15 +393,12 @@ struct State {
     /// never locked while taking `state`.
     regions: Arc<Mutex<RegionSet>>,
     peers: HashMap<String, PeerCaps>,
-    out: HashMap<u64, Outgoing>,
-    /// Outgoing tags in post order (gathers are served in this order).
-    out_order: VecDeque<u64>,
-    send_free: Vec<bool>,
-    /// Send slots taken by a piece gathered ahead of its grant (meaningful while not free).
-    lane_ahead: Vec<bool>,
-    /// Pieces the current pump may still gather ahead of their grants: one per pump, so the writer
-    /// looks at its notifications (a grant is answered by a WRITE) between such gathers.
-    ahead_budget: usize,
+    /// Outgoing transfers' sources and pieces, while [`Sender`] tracks them.
+    out: HashMap<u64, Payload>,
+    /// The sending side: pieces, send slots, outcomes (`proto::staging::send`).
+    tx: Sender,
+    /// Per send slot, the gather or WRITE started in it and not yet seen to end.
+    lanes: Vec<Option<LaneWork>>,
     /// The receiving side: receive slots, grants, incoming transfers (`proto::staging::recv`).
     rx: Receiver,
     /// When the receiver's clock started ([`State::now`]).
@@ -464,17 +433,12 @@ impl State {
     fn now(&self) -> ProtoInstant {
         ProtoInstant(self.epoch.elapsed().as_micros().min(u128::from(u64::MAX)) as u64)
     }
-
-    /// Send slots held by pieces gathered ahead of their grant.
-    fn held_ahead(&self) -> usize {
-        self.lane_ahead.iter().zip(&self.send_free).filter(|&(&ahead, &free)| ahead && !free).count()
-    }
 }
 
 /// A piece's two tables (ours for the gather, the receiver's), built before its grant or send slot.
 struct Prefilled {
     tag: u64,
-    piece: usize,
+    piece: u32,
     gather: Vec<u8>,
     table: Vec<u8>,
 }
@@ -505,22 +469,6 @@ fn grid_position(grid: &Grid, mut k: usize) -> (usize, usize, usize) {
         k -= g.copies();
     }
     (grid.groups.len(), 0, 0)
-}
-
-/// A failed transfer's pieces that have nothing in flight are done with: those waiting for a grant
-/// or a send slot, and those gathered ahead of a grant (their send slot is free again). Pieces being
-/// gathered or written keep their send slots until that ends (the next pumps).
-fn abandon(pieces: &mut [OutPiece], send_free: &mut [bool]) {
-    for p in pieces {
-        match p.state {
-            PieceState::Waiting | PieceState::Granted { .. } => p.state = PieceState::Written,
-            PieceState::Gathered { lane } => {
-                send_free[lane] = true;
-                p.state = PieceState::Written;
-            }
-            _ => {}
-        }
-    }
 }
 
 fn micros(d: Duration) -> u64 {
@@ -563,10 +511,8 @@ impl Staged {
             regions: Arc::default(),
             peers: HashMap::new(),
             out: HashMap::new(),
-            out_order: VecDeque::new(),
-            send_free: vec![true; cfg.slots],
-            lane_ahead: vec![false; cfg.slots],
-            ahead_budget: 0,
+            tx: Sender::new(SendConfig { lanes: cfg.slots, stall_timeout_us: micros(cfg.stall_timeout) }),
+            lanes: vec![None; cfg.slots],
             rx: Receiver::new(RecvConfig {
                 slots: cfg.slots,
                 slot_bytes: cfg.slot_bytes,
@@ -590,15 +536,14 @@ impl Staged {
     /// What has been staged so far.
     pub fn counts(&self) -> StagingCounts {
         let st = lock(&self.state);
-        let send_busy = st.send_free.iter().filter(|&&free| !free).count();
-        let rx = st.rx.counts();
+        let (rx, tx) = (st.rx.counts(), st.tx.counts());
         StagingCounts {
-            open: st.out.values().filter(|o| !o.reported).count() as u64,
+            open: st.tx.open() as u64,
             incoming: rx.incoming,
-            slots_in_use: send_busy as u64 + rx.slots_in_use,
+            slots_in_use: st.tx.lanes_in_use() as u64 + rx.slots_in_use,
             received: rx.received,
-            failed: st.counts.failed + rx.failed,
-            malformed: st.counts.malformed + rx.malformed,
+            failed: tx.failed + rx.failed,
+            malformed: st.counts.malformed + tx.malformed + rx.malformed,
             slots_quarantined: rx.slots_quarantined,
             ..st.counts
         }
@@ -852,44 +797,26 @@ impl Staged {
         st.counts.transfers += 1;
         st.counts.grids += u64::from(matches!(src, Source::Grid(_)));
         st.counts.bytes += src.bytes();
-        let o = Outgoing {
-            peer: peer.to_owned(),
-            src,
-            cut,
-            pieces,
-            written: 0,
-            failed: None,
-            cancel_sent: false,
-            done: false,
-            outcome: None,
-            reported: false,
-            moved: Instant::now(),
-        };
-        st.out.insert(tag, o);
-        st.out_order.push_back(tag);
+        let now = st.now();
+        st.tx.handle_post(now, tag, peer, pieces.len() as u32);
+        st.out.insert(tag, Payload { src, cut, pieces });
         Ok(XferId(STAGED_BIT | tag))
     }
 
     // ---- Sender. ----
 
-    /// Advances every outgoing transfer: finished WRITEs, granted pieces into free send slots,
-    /// gathered pieces onto the wire, failures into cancels.
+    /// The sender's turn: carries out what [`Sender`] decided (gathers, WRITEs, frames) and feeds
+    /// it the gathers and WRITEs that ended; then forgets what it forgot.
     fn pump_out(&self, st: &mut State) -> bool {
-        let mut any = false;
-        st.ahead_budget = 1;
-        let tags: Vec<u64> = st.out_order.iter().copied().collect();
-        for tag in tags {
-            any |= self.pump_one(st, tag);
-        }
-        // Reported transfers whose last slot came free are gone.
-        st.out.retain(|_, o| !o.reported || o.busy_pieces());
-        st.out_order.retain(|t| st.out.contains_key(t));
+        let now = st.now();
+        st.tx.handle_turn(now);
+        let any = self.step_out(st);
+        self.forget_out(st);
         // Tables built ahead for pieces that will never be gathered go back to the spares.
-        let State { prefilled, out, spare, .. } = st;
+        let State { prefilled, tx, spare, .. } = st;
         prefilled.retain_mut(|f| {
-            let waiting = |p: &OutPiece| matches!(p.state, PieceState::Waiting | PieceState::Granted { .. });
-            let keep =
-                out.get(&f.tag).is_some_and(|o| o.failed.is_none() && o.pieces.get(f.piece).is_some_and(waiting));
+            let keep = tx.phase(f.tag) == Some(&SendPhase::Sending)
+                && matches!(tx.piece(f.tag, f.piece), Some(Piece::Waiting | Piece::Granted { .. }));
             if !keep {
                 spare.push((std::mem::take(&mut f.gather), std::mem::take(&mut f.table)));
             }
@@ -909,249 +836,160 @@ impl Staged {
         if st.prefilled.len() >= self.cfg.slots {
             return;
         }
-        for tag in &st.out_order {
-            let Some(o) = st.out.get(tag).filter(|o| o.failed.is_none() && o.outcome.is_none()) else { continue };
-            let next = o.pieces.iter().enumerate().find(|&(i, p)| {
-                matches!(p.state, PieceState::Waiting | PieceState::Granted { .. })
-                    && !st.prefilled.iter().any(|f| f.tag == *tag && f.piece == i)
-            });
-            if let Some((i, p)) = next {
-                let (mut gather, mut table) = st.spare.pop().unwrap_or_default();
-                Self::fill(o.cut, &o.src, p, &mut gather, &mut table);
-                st.prefilled.push(Prefilled { tag: *tag, piece: i, gather, table });
-                return;
-            }
-        }
+        let next =
+            st.tx.upcoming().find(|&(tag, piece)| !st.prefilled.iter().any(|f| f.tag == tag && f.piece == piece));
+        let Some((tag, piece)) = next else { return };
+        let Some(o) = st.out.get(&tag) else { return };
+        let Some(p) = o.pieces.get(piece as usize) else { return };
+        let (mut gather, mut table) = st.spare.pop().unwrap_or_default();
+        Self::fill(o.cut, &o.src, p, &mut gather, &mut table);
+        st.prefilled.push(Prefilled { tag, piece, gather, table });
     }
 
-    fn pump_one(&self, st: &mut State, tag: u64) -> bool {
+    /// Carries out the sender's actions and reports the gathers and WRITEs that ended, a few rounds
+    /// (a host gather is done when it returns, so its WRITE follows in the same step).
+    fn step_out(&self, st: &mut State) -> bool {
         let mut any = false;
-        let Some(mut o) = st.out.remove(&tag) else { return false };
-        for i in 0..o.pieces.len() {
-            // A piece may take several steps in one pump (a host gather is done when it returns).
-            for _ in 0..3 {
-                let before = o.pieces[i].state;
-                match o.pieces[i].state {
-                    PieceState::Writing { lane, inner } => match self.inner.poll(inner) {
-                        Ok(XferState::Pending) => {}
-                        Ok(XferState::Done) => {
-                            any = true;
-                            st.send_free[lane] = true;
-                            o.pieces[i].state = PieceState::Written;
-                            o.written += 1;
-                            st.counts.pieces += 1;
-                            tracing::trace!(tag, piece = i, "staging: WRITE done");
-                        }
-                        Err(e) => {
-                            any = true;
-                            st.send_free[lane] = true;
-                            o.pieces[i].state = PieceState::Written;
-                            o.failed.get_or_insert(format!("WRITE of piece {i}: {e}"));
-                        }
-                    },
-                    PieceState::Gathering { lane, grant } => match st.stager.is_done(lane) {
-                        Ok(false) => {}
-                        Ok(true) if o.failed.is_some() => {
-                            any = true;
-                            st.send_free[lane] = true;
-                            o.pieces[i].state = PieceState::Written;
-                        }
-                        Ok(true) if grant.is_none() => {
-                            any = true;
-                            tracing::trace!(tag, piece = i, lane, "staging: gathered, waiting for a grant");
-                            o.pieces[i].state = PieceState::Gathered { lane };
-                        }
-                        Ok(true) => {
-                            let (slot, addr) = grant.unwrap_or_default();
-                            any = true;
-                            tracing::trace!(tag, piece = i, lane, "staging: gathered");
-                            let p = &o.pieces[i];
-                            let base = self.send_slot(lane);
-                            let descs = [
-                                Desc { local: base, remote: addr, len: u64::from(p.entries) * ENTRY_BYTES as u64 },
-                                Desc {
-                                    local: base + self.cfg.table_bytes(),
-                                    remote: addr + o.cut.remote_table,
-                                    len: p.bytes,
-                                },
-                            ];
-                            let note = Frame::Piece { tag, piece: i as u32, slot, entries: p.entries, bytes: p.bytes }
-                                .encode();
-                            let posting = Instant::now();
-                            match self.inner.post(Op::Write, &o.peer, &descs, Some(&note)) {
-                                Ok(inner) => {
-                                    o.pieces[i].state = PieceState::Writing { lane, inner };
-                                    let us = posting.elapsed().as_micros() as u64;
-                                    tracing::trace!(tag, piece = i, us, "staging: WRITE posted");
-                                }
-                                Err(e) => {
-                                    st.send_free[lane] = true;
-                                    o.pieces[i].state = PieceState::Written;
-                                    o.failed.get_or_insert(format!("post of piece {i}: {e}"));
-                                }
+        for _ in 0..4 {
+            let mut moved = self.carry_out_tx(st);
+            let now = st.now();
+            for lane in 0..self.cfg.slots {
+                let Some(work) = st.lanes[lane] else { continue };
+                let piece = st.tx.lanes()[lane].map_or(0, |(_, p)| p);
+                match work {
+                    LaneWork::Gather => {
+                        let done = match st.stager.is_done(lane) {
+                            Ok(false) => continue,
+                            Ok(true) => {
+                                tracing::trace!(piece, lane, "staging: gathered");
+                                Ok(())
                             }
-                        }
-                        Err(e) => {
-                            any = true;
-                            st.send_free[lane] = true;
-                            o.pieces[i].state = PieceState::Written;
-                            o.failed.get_or_insert(format!("gather of piece {i}: {e}"));
-                        }
-                    },
-                    PieceState::Gathered { lane } if o.failed.is_some() => {
-                        any = true;
-                        st.send_free[lane] = true;
-                        o.pieces[i].state = PieceState::Written;
+                            Err(e) => Err(format!("gather of piece {piece}: {e}")),
+                        };
+                        st.lanes[lane] = None;
+                        st.tx.handle_gathered(now, lane, done);
                     }
-                    // Granted pieces take any free send slot. A waiting piece is gathered ahead of
-                    // its grant (so the grant finds it ready to write) only while, after it, at least
-                    // one send slot is not held by a piece waiting for a grant: granted pieces always
-                    // find a slot (a free one, or one whose WRITE ends), so no send slot can be held
-                    // up by every receiver at once.
-                    state @ (PieceState::Granted { .. } | PieceState::Waiting) if o.failed.is_none() => {
-                        let grant = match state {
-                            PieceState::Granted { slot, addr } => Some((slot, addr)),
-                            _ if st.ahead_budget > 0 && st.held_ahead() + 1 < self.cfg.slots => None,
-                            _ => break,
+                    LaneWork::Write(inner) => {
+                        let done = match self.inner.poll(inner) {
+                            Ok(XferState::Pending) => continue,
+                            Ok(XferState::Done) => {
+                                st.counts.pieces += 1;
+                                tracing::trace!(piece, lane, "staging: WRITE done");
+                                Ok(())
+                            }
+                            Err(e) => Err(format!("WRITE of piece {piece}: {e}")),
                         };
-                        let Some(lane) = st.send_free.iter().position(|&f| f) else { break };
-                        any = true;
-                        let base = self.send_slot(lane);
-                        let filling = Instant::now();
-                        let (gather, table) = match st.prefilled.iter().position(|f| f.tag == tag && f.piece == i) {
-                            Some(k) => {
-                                let f = st.prefilled.swap_remove(k);
-                                st.counts.prefilled += 1;
-                                (f.gather, f.table)
-                            }
-                            None => {
-                                let (mut gather, mut table) = st.spare.pop().unwrap_or_default();
-                                Self::fill(o.cut, &o.src, &o.pieces[i], &mut gather, &mut table);
-                                (gather, table)
-                            }
-                        };
-                        let filled = filling.elapsed();
-                        // SAFETY: the send slot `lane` is free (no transfer or gather uses it) and lies in
-                        // `send_buf`, which this wrapper owns; the table fits its table area (at most
-                        // max_entries entries, checked when cutting) and the data its data area; the
-                        // gather's sources are registered KV memory of this device (checked in
-                        // `qualifies`), which the engine does not write while the transfer is in flight.
-                        let started = unsafe {
-                            st.stager.gather_with_table(lane, &gather, base + self.cfg.table_bytes(), base, &table)
-                        };
-                        st.counts.entries += (gather.len() / ENTRY_BYTES) as u64;
-                        st.spare.push((gather, table));
-                        match started {
-                            Ok(()) => {
-                                st.send_free[lane] = false;
-                                st.lane_ahead[lane] = grant.is_none();
-                                st.ahead_budget -= usize::from(grant.is_none());
-                                o.pieces[i].state = PieceState::Gathering { lane, grant };
-                                st.counts.ahead += u64::from(grant.is_none());
-                                tracing::trace!(
-                                    tag,
-                                    piece = i,
-                                    lane,
-                                    ahead = grant.is_none(),
-                                    fill_us = filled.as_micros() as u64,
-                                    us = filling.elapsed().as_micros() as u64,
-                                    "staging: gather queued"
-                                );
-                            }
-                            Err(e) => {
-                                o.pieces[i].state = PieceState::Written;
-                                o.failed.get_or_insert(format!("gather of piece {i}: {e}"));
-                            }
-                        }
+                        st.lanes[lane] = None;
+                        st.tx.handle_written(now, lane, done);
                     }
-                    _ => {}
                 }
-                if o.pieces[i].state == before {
-                    break;
-                }
-                o.moved = Instant::now();
+                moved = true;
+            }
+            any |= moved;
+            if !moved {
+                break;
             }
         }
-        if o.outcome.is_none() && o.cancel_sent && o.moved.elapsed() > self.cfg.stall_timeout {
-            // The receiver never confirmed the cancel: it is unresponsive; give up on it. (Waiting
-            // for grants has no time limit here: grants queue behind other transfers, and a receiver
-            // that went away is dropped by the side channel; a lost piece is the receiver's timeout.)
-            let why = o.failed.clone().unwrap_or_default();
-            o.outcome = Some(Err(format!("{why}; {} never confirmed the cancel", o.peer)));
-            st.counts.failed += 1;
-            any = true;
-        }
-        if o.outcome.is_none() {
-            if o.failed.is_none() && o.written == o.pieces.len() && o.done {
-                o.outcome = Some(Ok(()));
-                any = true;
-            } else if o.failed.is_some() && !o.busy_pieces() && !o.cancel_sent {
-                // Nothing of ours is in flight any more: let the receiver drain and free its slots.
-                self.send(&o.peer, &Frame::Cancel { tag });
-                o.cancel_sent = true;
-                o.moved = Instant::now();
-                any = true;
-            }
-        }
-        st.out.insert(tag, o);
         any
     }
 
-    fn on_sender_frame(&self, st: &mut State, from: &str, f: Frame) {
-        let tag = match &f {
-            Frame::Grant { tag, .. } | Frame::Fail { tag, .. } | Frame::Cancelled { tag } | Frame::Done { tag } => *tag,
-            _ => return,
-        };
-        let Some(o) = st.out.get_mut(&tag).filter(|o| o.peer == from && !o.reported) else {
-            match f {
-                // A transfer we finished and forgot (its last notification was lost, say): nothing of
-                // it is in flight here, so the receiver may free its slots.
-                Frame::Fail { .. } => self.send(from, &Frame::Cancel { tag }),
-                Frame::Cancelled { .. } => {}
-                _ => st.counts.malformed += 1,
-            }
-            return;
-        };
-        o.moved = Instant::now();
-        match f {
-            Frame::Grant { piece, slot, addr, .. } => {
-                tracing::trace!(tag, piece, slot, "staging: grant received");
-                match o.pieces.get_mut(piece as usize) {
-                    Some(p) if p.state == PieceState::Waiting => {
-                        if o.failed.is_some() {
-                            p.state = PieceState::Written;
-                        } else {
-                            p.state = PieceState::Granted { slot, addr };
+    /// Forgets the sources of transfers the sender forgot.
+    fn forget_out(&self, st: &mut State) {
+        let State { out, tx, .. } = st;
+        out.retain(|tag, _| tx.phase(*tag).is_some());
+    }
+
+    /// Carries out what the sender decided: gathers into send slots, WRITEs, frames to send.
+    fn carry_out_tx(&self, st: &mut State) -> bool {
+        let mut any = false;
+        while let Some(a) = st.tx.poll_action() {
+            any = true;
+            match a {
+                Action::Send { peer, frame } => self.send(&peer, &frame),
+                Action::Gather { tag, piece, lane, ahead } => {
+                    let started = self.start_gather(st, tag, piece, lane);
+                    match started {
+                        Ok(()) => {
+                            st.lanes[lane] = Some(LaneWork::Gather);
+                            st.counts.ahead += u64::from(ahead);
+                        }
+                        Err(e) => {
+                            let now = st.now();
+                            st.tx.handle_gathered(now, lane, Err(format!("gather of piece {piece}: {e}")));
                         }
                     }
-                    // Gathered ahead: the next pump writes it (a failed one frees its slot there).
-                    Some(p) => match p.state {
-                        PieceState::Gathering { lane, grant: None } | PieceState::Gathered { lane } => {
-                            p.state = PieceState::Gathering { lane, grant: Some((slot, addr)) };
-                            st.lane_ahead[lane] = false;
+                }
+                Action::Write { peer, tag, piece, lane, slot, addr } => {
+                    let Some(p) = st.out.get(&tag).and_then(|o| o.pieces.get(piece as usize).map(|p| (o.cut, *p)))
+                    else {
+                        let now = st.now();
+                        st.tx.handle_written(now, lane, Err(format!("piece {piece} of {tag} unknown")));
+                        continue;
+                    };
+                    let (cut, p) = p;
+                    let base = self.send_slot(lane);
+                    let descs = [
+                        Desc { local: base, remote: addr, len: u64::from(p.entries) * ENTRY_BYTES as u64 },
+                        Desc { local: base + self.cfg.table_bytes(), remote: addr + cut.remote_table, len: p.bytes },
+                    ];
+                    let note = Frame::Piece { tag, piece, slot, entries: p.entries, bytes: p.bytes }.encode();
+                    let posting = Instant::now();
+                    match self.inner.post(Op::Write, &peer, &descs, Some(&note)) {
+                        Ok(inner) => {
+                            st.lanes[lane] = Some(LaneWork::Write(inner));
+                            let us = posting.elapsed().as_micros() as u64;
+                            tracing::trace!(tag, piece, us, "staging: WRITE posted");
                         }
-                        _ => st.counts.malformed += 1,
-                    },
-                    None => st.counts.malformed += 1,
+                        Err(e) => {
+                            let now = st.now();
+                            st.tx.handle_written(now, lane, Err(format!("post of piece {piece}: {e}")));
+                        }
+                    }
                 }
             }
-            Frame::Fail { detail, .. } => {
-                o.failed.get_or_insert(format!("{from} failed the staged transfer: {detail}"));
-                abandon(&mut o.pieces, &mut st.send_free);
-            }
-            // (It may overtake the completion of our last WRITE: the outcome waits for both.)
-            Frame::Done { .. } => o.done = true,
-            Frame::Cancelled { .. } => {
-                if o.cancel_sent && o.outcome.is_none() {
-                    let why = o.failed.clone().unwrap_or_else(|| "cancelled".into());
-                    o.outcome = Some(Err(why));
-                    st.counts.failed += 1;
-                } else {
-                    st.counts.malformed += 1;
-                }
-            }
-            _ => {}
         }
+        any
+    }
+
+    /// Fills piece `piece` of `tag`'s tables (or takes those built ahead) and starts its gather
+    /// into send slot `lane`.
+    fn start_gather(&self, st: &mut State, tag: u64, piece: u32, lane: usize) -> Result<(), String> {
+        let base = self.send_slot(lane);
+        let filling = Instant::now();
+        let (gather, table) = match st.prefilled.iter().position(|f| f.tag == tag && f.piece == piece) {
+            Some(k) => {
+                let f = st.prefilled.swap_remove(k);
+                st.counts.prefilled += 1;
+                (f.gather, f.table)
+            }
+            None => {
+                let o = st.out.get(&tag).ok_or_else(|| format!("transfer {tag} unknown"))?;
+                let p = o.pieces.get(piece as usize).ok_or_else(|| format!("piece {piece} unknown"))?;
+                let (mut gather, mut table) = st.spare.pop().unwrap_or_default();
+                Self::fill(o.cut, &o.src, p, &mut gather, &mut table);
+                (gather, table)
+            }
+        };
+        let filled = filling.elapsed();
+        // SAFETY: the send slot `lane` is free (`Sender` hands a lane out only after the gather into
+        // it and the WRITE out of it ended) and lies in `send_buf`, which this wrapper owns; the
+        // table fits its table area (at most max_entries entries, checked when cutting) and the data
+        // its data area; the gather's sources are registered KV memory of this device (checked in
+        // `qualifies`), which the engine does not write while the transfer is in flight.
+        let started =
+            unsafe { st.stager.gather_with_table(lane, &gather, base + self.cfg.table_bytes(), base, &table) };
+        st.counts.entries += (gather.len() / ENTRY_BYTES) as u64;
+        st.spare.push((gather, table));
+        tracing::trace!(
+            tag,
+            piece,
+            lane,
+            fill_us = filled.as_micros() as u64,
+            us = filling.elapsed().as_micros() as u64,
+            ok = started.is_ok(),
+            "staging: gather queued"
+        );
+        started.map_err(|e| e.to_string())
     }
 
     // ---- Receiver. ----
@@ -1271,7 +1109,11 @@ impl Staged {
                     st.counts.malformed += 1;
                     tracing::warn!(peer = %note.from, error = %e, "malformed staging frame");
                 }
-                Some(Ok(f)) if f.to_sender() => self.on_sender_frame(st, &note.from, f),
+                Some(Ok(f)) if f.to_sender() => {
+                    tracing::trace!(tag = f.tag(), frame = ?std::mem::discriminant(&f), "staging: frame for the sender");
+                    let now = st.now();
+                    st.tx.handle_frame(now, &note.from, f);
+                }
                 Some(Ok(f)) => self.on_receiver_frame(st, &note.from, f),
             }
         }
@@ -1352,15 +1194,12 @@ impl Transport for Staged {
             st.served_until.remove(peer);
             // Outgoing: fails at once (the receiver is gone). Pieces being gathered or written keep
             // their send slots until those end (the next pumps).
-            for o in st.out.values_mut().filter(|o| o.peer == peer && o.outcome.is_none()) {
-                o.failed.get_or_insert(format!("peer {peer} lost"));
-                o.outcome = Some(Err(format!("peer {peer} lost during a staged transfer")));
-                abandon(&mut o.pieces, &mut st.send_free);
-            }
+            let now = st.now();
+            st.tx.handle_peer_lost(now, peer);
+            self.carry_out_tx(st);
             // Incoming: its granted slots may still receive its WRITE unless the inner transport
             // confirmed that the peer's access is cut; then they are quarantined, not granted again
             // (issue 16, window 2). Slots being scattered free themselves when done.
-            let now = st.now();
             let before = st.rx.counts().slots_quarantined;
             st.rx.handle_peer_lost(now, peer);
             let quarantined = st.rx.counts().slots_quarantined - before;
@@ -1445,13 +1284,13 @@ impl Transport for Staged {
         }
         let mut guard = lock(&self.state);
         let st = &mut *guard;
-        if let Some(o) = st.out.get_mut(&(id.0 & !STAGED_BIT)).filter(|o| o.outcome.is_none() && o.failed.is_none()) {
-            // The usual failure path from here: nothing more is gathered or written, the receiver
-            // is told to drop what it holds (CANCEL once our WRITEs ended), then the handle fails.
-            o.failed = Some("cancelled: the consumer gave up on the request".into());
-            abandon(&mut o.pieces, &mut st.send_free);
+        // The usual failure path from here: nothing more is gathered or written, the receiver is
+        // told to drop what it holds (CANCEL once our WRITEs ended), then the handle fails.
+        let now = st.now();
+        if st.tx.handle_cancel(now, id.0 & !STAGED_BIT) {
             st.counts.cancelled += 1;
         }
+        self.carry_out_tx(st);
     }
 
     fn poll(&self, id: XferId) -> Result<XferState, TransportError> {
@@ -1463,19 +1302,25 @@ impl Transport for Staged {
             return r;
         }
         let tag = id.0 & !STAGED_BIT;
-        let mut st = lock(&self.state);
-        if st.out.get(&tag).is_some_and(|o| o.outcome.is_none()) {
-            self.pump_one(&mut st, tag);
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
+        if matches!(
+            st.tx.phase(tag),
+            Some(SendPhase::Sending | SendPhase::Failed { .. } | SendPhase::Cancelling { .. })
+        ) {
+            self.step_out(st);
         }
-        let o = st.out.get_mut(&tag).filter(|o| !o.reported).ok_or(TransportError::UnknownXfer(id))?;
-        let Some(outcome) = o.outcome.clone() else { return Ok(XferState::Pending) };
-        o.reported = true;
-        let peer = o.peer.clone();
-        if !o.busy_pieces() {
+        let peer = st.tx.peer(tag).unwrap_or_default().to_owned();
+        let now = st.now();
+        let outcome = match st.tx.handle_report(now, tag) {
+            Report::Unknown => return Err(TransportError::UnknownXfer(id)),
+            Report::Pending => return Ok(XferState::Pending),
+            Report::Finished(outcome) => outcome,
+        };
+        if st.tx.phase(tag).is_none() {
             st.out.remove(&tag);
-            st.out_order.retain(|t| *t != tag);
         }
-        self.timed_end(&mut st, id, outcome.is_ok());
+        self.timed_end(st, id, outcome.is_ok());
         match outcome {
             Ok(()) => Ok(XferState::Done),
             Err(why) => Err(failed(id, &peer, why)),
@@ -1504,7 +1349,7 @@ impl Transport for Staged {
 
     fn busy(&self) -> bool {
         let st = lock(&self.state);
-        !st.out.is_empty() || st.rx.busy()
+        st.tx.busy() || st.rx.busy()
     }
 }
 

@@ -21,7 +21,12 @@
 //! * a scatter reads what landed: the slot holds the piece its notification names;
 //! * **fail closed**: nothing of a transfer is granted or scattered after the consumer stopped
 //!   waiting for it (`handle_stop`), or after it was delivered;
-//! * delivered once, with every piece scattered; at quiescence nothing is held on either side.
+//! * delivered once, with every piece scattered; at quiescence nothing is held on either side;
+//! * pieces gathered ahead of their grants (the carrier's turns, frequent or rare, allow one each)
+//!   never hold every lane of a sender;
+//! * **liveness**: in a schedule without faults (a quarter of them: nothing lost, late or failed,
+//!   every delay inside the stall bound) every transfer is delivered, however long it queued for
+//!   its grant.
 //!
 //! Pull grants (one producer, three consumers): **no READ runs on a source after its grant ended**
 //! ([`GrantEvent::Ended`] is what releases the sources), except at the quarantine bound (where
@@ -39,7 +44,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use kvpush::proto::grants::{Cause, Event as GrantEvent, GrantConfig, Grants};
 use kvpush::proto::msg::FailureKind;
 use kvpush::proto::staging::{
-    Action, Frame, Landed, Output, PieceNote, Receiver, RecvConfig, Report, SendConfig, Sender, Slot,
+    Action, Frame, Landed, Output, Piece, PieceNote, Receiver, RecvConfig, Report, SendConfig, Sender, Slot,
 };
 use kvpush::proto::{Instant, Key};
 use kvpush_testkit::rng::Rng;
@@ -79,6 +84,8 @@ struct SProc {
     /// It heard that the receiver was lost (its transfers fail at once).
     lost_heard: bool,
     lanes: Vec<LaneO>,
+    /// A [`Ev::Turn`] of it is queued.
+    turn_queued: bool,
     next_tag: u64,
     /// Per tag: the connection it was posted on, and its outcome once reported.
     posted: BTreeMap<u64, (u32, Option<bool>)>,
@@ -96,6 +103,9 @@ enum Ev {
     WriteEnded { pid: usize, lane: usize, ok: bool },
     /// Process `pid`'s gather into `lane` ends.
     GatherDone { pid: usize, lane: usize },
+    /// Process `pid`'s carrier takes its turn (`transport::staged` does on every pump of its
+    /// notifications): the sender may gather a piece ahead of its grant.
+    Turn { pid: usize },
     /// A scatter of `slot` ends.
     ScatterDone { slot: usize },
     /// A sender posts a new transfer of `pieces` pieces.
@@ -115,6 +125,8 @@ enum Ev {
 #[derive(Debug)]
 struct StagingSim {
     seed: u64,
+    /// No faults (losses, stops, cancels, failures, lost or late frames): everything is delivered.
+    clean: bool,
     rng: Rng,
     now: Instant,
     queue: BTreeMap<(Instant, u64), Ev>,
@@ -134,6 +146,8 @@ struct StagingSim {
     drop_pct: u8,
     net_us: (u64, u64),
     write_us: (u64, u64),
+    /// Time between a sender's turns: often, or rare (a loaded host).
+    turn_us: (u64, u64),
     // ---- oracle ----
     /// Per slot: the piece whose data it holds (landed last).
     content: Vec<Option<(Proc, u64, u32)>>,
@@ -168,8 +182,9 @@ impl StagingSim {
                 SProc::new(peer, 0, lanes)
             })
             .collect();
-        StagingSim {
+        let mut sim = StagingSim {
             seed,
+            clean: false,
             now: Instant(0),
             queue: BTreeMap::new(),
             seq: 0,
@@ -184,6 +199,7 @@ impl StagingSim {
             drop_pct: if rng.percent(70) { 0 } else { rng.between(1, 10) as u8 },
             net_us: (net, net + rng.between(0, 800)),
             write_us: (rng.between(1, 200), rng.between(200, 3_000)),
+            turn_us: if rng.coin() { (20, 300) } else { (300, rng.between(400, 4_000)) },
             content: vec![None; slots],
             in_flight: HashMap::new(),
             granted: vec![None; slots],
@@ -193,7 +209,16 @@ impl StagingSim {
             steps: 0,
             stats: BTreeMap::new(),
             rng,
+        };
+        if sim.rng.percent(25) {
+            // Nothing lost, late or failed, and every delay well inside the stall bound: every
+            // transfer must be delivered, however the senders' turns fall.
+            sim.clean = true;
+            (sim.late_pct, sim.drop_pct) = (0, 0);
+            sim.net_us = (sim.net_us.0.min(300), sim.net_us.0.min(300) + 100);
+            sim.write_us = (sim.write_us.0, sim.write_us.0 + 300);
         }
+        sim
     }
 
     fn at(&mut self, after_us: u64, ev: Ev) {
@@ -288,7 +313,7 @@ impl StagingSim {
                     }
                     self.send(|| Ev::ToRecv { from, frame: frame.clone() });
                 }
-                Action::Gather { tag, piece, lane, .. } => {
+                Action::Gather { tag, piece, lane, ahead } => {
                     let l = self.procs[pid].lanes[lane];
                     assert!(
                         matches!(l, LaneO::Idle | LaneO::Holds(..)),
@@ -297,7 +322,7 @@ impl StagingSim {
                     self.procs[pid].lanes[lane] = LaneO::Gathering(tag, piece);
                     let d = self.rng.between(1, 300);
                     self.at(d, Ev::GatherDone { pid, lane });
-                    self.count("gather");
+                    self.count(if ahead { "gather ahead" } else { "gather" });
                 }
                 Action::Write { tag, piece, lane, slot, .. } => {
                     let l = self.procs[pid].lanes[lane];
@@ -322,6 +347,25 @@ impl StagingSim {
         self.report(pid);
         let (kept, fresh) = self.procs[pid].tx.tallies();
         assert_eq!(kept, fresh, "seed {}: the sender's tallies drifted: {:?}", self.seed, self.procs[pid].tx);
+        // Pieces gathered ahead of their grants never hold every lane: a granted piece always
+        // finds one (a free one, or one whose WRITE ends on its own).
+        let tx = &self.procs[pid].tx;
+        let ahead = tx
+            .lanes()
+            .iter()
+            .flatten()
+            .filter(|&&(tag, piece)| {
+                matches!(tx.piece(tag, piece), Some(Piece::Gathering { grant: None, .. } | Piece::Gathered { .. }))
+            })
+            .count();
+        assert!(ahead < tx.lanes().len(), "seed {}: every lane is held ahead of a grant: {tx:?}", self.seed);
+        // The carrier takes turns while the sender has something to do.
+        let p = &self.procs[pid];
+        if !p.dead && !p.turn_queued && p.tx.busy() {
+            self.procs[pid].turn_queued = true;
+            let d = self.rng.between(self.turn_us.0, self.turn_us.1);
+            self.at(d, Ev::Turn { pid });
+        }
     }
 
     /// Asks process `pid` for the outcome of every transfer not reported yet (as the engine polls
@@ -337,6 +381,9 @@ impl StagingSim {
             let ok = match r {
                 Report::Pending => continue,
                 Report::Unknown => panic!("seed {seed}: {from:?}/{tag} unknown before its outcome"),
+                Report::Finished(Err(why)) if self.clean => {
+                    panic!("seed {seed}: {from:?}/{tag} failed in a schedule without faults: {why}; {:?}", self.rx)
+                }
                 Report::Finished(r) => r.is_ok(),
             };
             if ok {
@@ -449,15 +496,24 @@ impl StagingSim {
                 let LaneO::Gathering(tag, piece) = self.procs[pid].lanes[lane] else {
                     panic!("seed {}: a gather ended in lane {lane} ({:?})", self.seed, self.procs[pid].lanes[lane])
                 };
-                let fail = self.rng.percent(2);
+                let fail = !self.clean && self.rng.percent(2);
                 self.procs[pid].lanes[lane] = if fail { LaneO::Idle } else { LaneO::Holds(tag, piece) };
                 self.procs[pid].tx.handle_gathered(now, lane, if fail { Err("injected".into()) } else { Ok(()) });
+                self.drain_tx(pid);
+            }
+            Ev::Turn { pid } => {
+                self.procs[pid].turn_queued = false;
+                if self.procs[pid].dead {
+                    return;
+                }
+                self.procs[pid].tx.handle_turn(now);
+                self.count("turn");
                 self.drain_tx(pid);
             }
             Ev::ScatterDone { slot } => {
                 let c = self.content[slot].expect("a scatter of a landed piece");
                 self.scattered.entry((c.0, c.1)).or_default().insert(c.2);
-                let fail = self.rng.percent(2);
+                let fail = !self.clean && self.rng.percent(2);
                 self.rx.handle_scatter_done(now, slot, if fail { Err("injected".into()) } else { Ok(()) });
             }
             Ev::Lose { peer, fenced } => {
@@ -577,7 +633,7 @@ impl StagingSim {
                     "seed {}: {from:?}/{tag} scattered after the consumer stopped waiting for it",
                     self.seed
                 );
-                let refused = self.rng.percent(2);
+                let refused = !self.clean && self.rng.percent(2);
                 self.rx.handle_scatter_started(self.now, s, if refused { Err("bad table".into()) } else { Ok(()) });
                 if !refused {
                     let d = self.rng.between(1, 300);
@@ -604,7 +660,7 @@ impl StagingSim {
                 (self.rng.between(0, 20_000), self.rng.below(senders as u64) as usize, self.rng.between(1, 6) as u32);
             self.at(t, Ev::Post { peer, pieces });
         }
-        for _ in 0..self.rng.between(0, 4) {
+        for _ in 0..if self.clean { 0 } else { self.rng.between(0, 4) } {
             let (t, peer) = (self.rng.between(0, 25_000), self.rng.below(senders as u64) as usize);
             let (fenced, nth, restart) = (self.rng.coin(), self.rng.below(4), self.rng.coin());
             match self.rng.below(4) {
@@ -670,6 +726,7 @@ impl SProc {
             dead: false,
             lost_heard: false,
             lanes: vec![LaneO::Idle; lanes],
+            turn_queued: false,
             next_tag: 0,
             posted: BTreeMap::new(),
         }
@@ -690,6 +747,8 @@ fn random_staging_schedules_keep_every_invariant() {
     for what in [
         "grant",
         "gather",
+        "gather ahead",
+        "turn",
         "write",
         "landed",
         "scatter",

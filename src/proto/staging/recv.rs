@@ -78,7 +78,9 @@ struct Incoming {
     granted: u32,
     scattered: u32,
     phase: Phase,
-    /// Last progress (a piece landed or was scattered, or it failed).
+    /// Last progress (it arrived, a slot was granted to it, a piece landed or was scattered, or it
+    /// failed). The stall bound runs from here: a transfer that queued for its grant longer than
+    /// the bound is not failed the moment it is granted.
     moved: Instant,
 }
 
@@ -491,9 +493,46 @@ impl Receiver {
             let Some(i) = self.incoming.get_mut(&xfer) else { break };
             let piece = i.granted;
             i.granted += 1;
+            i.moved = now;
             self.slots[s] = Slot::Granted { xfer, piece };
             let (peer, tag) = (i.peer.clone(), i.tag);
             self.send(&peer, Frame::Grant { tag, piece, slot: s as u32, addr: 0 });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frames(r: &mut Receiver) -> Vec<Frame> {
+        std::iter::from_fn(|| r.poll_output())
+            .filter_map(|o| match o {
+                Output::Send { frame, .. } => Some(frame),
+                Output::Deliver { .. } => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_stall_bound_runs_from_the_grant_not_from_the_request() {
+        let cfg =
+            RecvConfig { slots: 1, slot_bytes: 4096, max_entries: 4, stall_timeout_us: 1_000, quarantine_us: 10_000 };
+        let mut r = Receiver::new(cfg);
+        let request = |tag| Frame::Request { tag, pieces: 1, notif: vec![] };
+        r.handle_frame(Instant(0), "a", request(1));
+        r.handle_frame(Instant(0), "b", request(2));
+        assert_eq!(frames(&mut r), [Frame::Grant { tag: 1, piece: 0, slot: 0, addr: 0 }]);
+        // a's piece holds the only slot far past the bound; b queues for it, landing nothing.
+        let note = PieceNote { tag: 1, piece: 0, slot: 0, entries: 1, bytes: 4096 };
+        assert!(matches!(r.handle_piece(Instant(100), "a", note), Landed::Scatter { slot: 0, .. }));
+        r.handle_scatter_started(Instant(100), 0, Ok(()));
+        r.handle_scatter_done(Instant(5_000), 0, Ok(()));
+        assert_eq!(frames(&mut r), [Frame::Done { tag: 1 }, Frame::Grant { tag: 2, piece: 0, slot: 0, addr: 0 }]);
+        // Just granted: b's sender has the whole bound to write it.
+        r.handle_timeout(Instant(5_100));
+        assert_eq!(frames(&mut r), [], "failed the moment it was granted");
+        r.handle_timeout(Instant(6_001));
+        assert!(matches!(&frames(&mut r)[..], [Frame::Fail { tag: 2, .. }]), "the bound still holds");
     }
 }
