@@ -6,10 +6,10 @@
 //! needs ([`SideChannel::connect`], called off the engine loop). A connection starts like this:
 //!
 //! ```text
-//! both send   greeting: "KVPSIDE2" | version u16 | role (0 dialer, 1 listener) | auth (1 psk, 0 none)
+//! both send   greeting: "KVPSIDE2" | version u16 (3) | role (0 dialer, 1 listener) | auth (1 psk, 0 none)
 //!             | rank tp u16 | rank pp u16 | engine id length u16 | engine id   (cleartext, little-endian)
-//! Noise       Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s (Noise_NN_… in insecure mode), prologue =
-//!             "kvpush side channel v2" | dialer's greeting | listener's greeting;
+//! Noise       Noise_NNpsk0_25519_AESGCM_BLAKE2s (Noise_NN_… in insecure mode), prologue =
+//!             "kvpush side channel v3" | dialer's greeting | listener's greeting;
 //!             dialer → "psk, e" ; listener → "e, ee"
 //! dialer      → hello: 16-byte incarnation | 32-byte data-path key | Handshake frame (agent
 //!               metadata, layout)                                                      (encrypted)
@@ -70,14 +70,20 @@ use crate::proto::Rank;
 use crate::sync::lock;
 use crate::transport::trust::DataKeys;
 
+/// The greeting's magic. It stays `KVPSIDE2` across versions, so that a build of another version
+/// reads the version field after it and names both versions, instead of "bad greeting".
 const MAGIC: &[u8; 8] = b"KVPSIDE2";
-/// Version of the side channel's framing (not the proto codec's, which the handshake checks).
-const SIDE_VERSION: u16 = 2;
-const PROLOGUE_LABEL: &[u8] = b"kvpush side channel v2";
+/// Version of the side channel's framing and cipher (not the proto codec's, which the handshake
+/// checks). 3: AES-256-GCM (2 was ChaCha20-Poly1305, with the same greeting and records); a build
+/// of version 2 and one of 3 refuse each other at the greeting, each naming both versions.
+pub const SIDE_VERSION: u16 = 3;
+const PROLOGUE_LABEL: &[u8] = b"kvpush side channel v3";
 /// The Noise protocol of a channel with a secret (public so that `benches/side_channel.rs` measures
-/// the channel's own cipher; docs/security.md says why these primitives).
-pub const NOISE_PSK: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
-const NOISE_INSECURE: &str = "Noise_NN_25519_ChaChaPoly_BLAKE2s";
+/// the channel's own cipher; docs/security.md says why these primitives: AES-GCM, AES-NI and
+/// CLMUL picked at run time, where the CPU has them).
+pub const NOISE_PSK: &str = "Noise_NNpsk0_25519_AESGCM_BLAKE2s";
+/// The same without the secret (insecure mode): the same cipher, so that the two modes cost alike.
+pub const NOISE_INSECURE: &str = "Noise_NN_25519_AESGCM_BLAKE2s";
 const PSK_LABEL: &[u8] = b"kvpush side-channel psk v1\0";
 /// The greeting's fixed part: magic, version, role, auth, rank, engine id length.
 const GREETING_FIXED: usize = 8 + 2 + 1 + 1 + 4 + 2;

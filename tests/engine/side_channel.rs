@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvpush::device::{host::HostDevice, Device};
-use kvpush::engine::side::{SideChannel, SideConfig, SideError, SideLimits, SideStats};
+use kvpush::engine::side::{self, SideChannel, SideConfig, SideError, SideLimits, SideStats};
 use kvpush::engine::{Config, Engine, Finished};
 use kvpush::proto::layout::Parallel;
 use kvpush::proto::{Key, Mode};
@@ -197,10 +197,15 @@ fn stats_of(w: &Worker) -> impl Fn() -> String + '_ {
     move || format!("{:?}", w.side.stats())
 }
 
-/// A greeting as the docs lay it out: magic, version 2, role, auth, rank, engine id.
+/// A greeting as the docs lay it out: magic, this build's version, role, auth, rank, engine id.
 fn greeting(role: u8, auth: u8, id: &[u8], id_len: u16) -> Vec<u8> {
+    greeting_of(side::SIDE_VERSION, role, auth, id, id_len)
+}
+
+/// A greeting of side-channel version `version`.
+fn greeting_of(version: u16, role: u8, auth: u8, id: &[u8], id_len: u16) -> Vec<u8> {
     let mut g = b"KVPSIDE2".to_vec();
-    g.extend_from_slice(&2u16.to_le_bytes());
+    g.extend_from_slice(&version.to_le_bytes());
     g.extend_from_slice(&[role, auth, 0, 0, 0, 0]);
     g.extend_from_slice(&id_len.to_le_bytes());
     g.extend_from_slice(id);
@@ -632,10 +637,10 @@ fn a_peer_of_the_previous_protocol_version_is_refused_at_the_hello_and_told_why(
     let mine = greeting(0, 0, b"decode", 6);
     s.write_all(&mine).expect("greeting");
     let theirs = read_greeting(&mut s).expect("P's greeting");
-    let mut prologue = b"kvpush side channel v2".to_vec();
+    let mut prologue = b"kvpush side channel v3".to_vec();
     prologue.extend_from_slice(&mine);
     prologue.extend_from_slice(&theirs);
-    let params: snow::params::NoiseParams = "Noise_NN_25519_ChaChaPoly_BLAKE2s".parse().expect("params");
+    let params: snow::params::NoiseParams = side::NOISE_INSECURE.parse().expect("params");
     let mut noise =
         snow::Builder::new(params).prologue(&prologue).expect("prologue").build_initiator().expect("initiator");
     let (mut buf, mut plain) = ([0u8; 65_600], [0u8; 65_600]);
@@ -673,6 +678,42 @@ fn a_peer_of_the_previous_protocol_version_is_refused_at_the_hello_and_told_why(
     s.write_all(&buf[..n]).expect("record");
     until("P counted the refusal", || p.side.stats().refused == 1, stats_of(&p));
     assert!(p.side.peers().is_empty());
+}
+
+/// Builds of side-channel version 2 (ChaCha20-Poly1305) and this one (3, AES-256-GCM) cannot share
+/// a session: each must refuse the other at the greeting, before any Noise message, with an error
+/// that names both versions, never a cipher failure later or a hang.
+#[test]
+fn a_peer_of_the_previous_side_channel_version_is_refused_at_the_greeting_with_both_versions() {
+    assert_eq!(side::SIDE_VERSION, 3);
+    let fabric = Fabric::new();
+    // This build dials a version-2 listener (spoken by hand: its greeting, then nothing).
+    let old = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = old.local_addr().expect("addr");
+    let listener = std::thread::spawn(move || {
+        let (mut s, _) = old.accept().expect("accept");
+        s.write_all(&greeting_of(2, 1, 1, b"prefill", 7)).expect("greeting");
+        s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        let theirs = read_greeting(&mut s).expect("the dialer's greeting");
+        let (rest, closed) = drain(&mut s, Duration::from_secs(5));
+        (theirs, rest, closed.is_some())
+    });
+    let d = worker("decode", Mode::Push, &fabric, Some(SECRET));
+    let e = d.side.connect(addr).expect_err("a version-2 listener");
+    assert!(e.to_string().contains("side-channel version 2, this side speaks 3"), "{e}");
+    let (theirs, rest, closed) = listener.join().expect("listener");
+    assert_eq!(u16::from_le_bytes([theirs[8], theirs[9]]), 3, "the dialer announced its version");
+    assert!(rest.is_empty() && closed, "the dialer sent {} bytes after its greeting", rest.len());
+    // A version-2 dialer: P answers with its greeting only (version 3, which a version-2 build
+    // refuses with "side-channel version 3, this side speaks 2"), then closes.
+    let p = worker("prefill", Mode::Push, &fabric, Some(SECRET));
+    let mut s = TcpStream::connect(p.side.local_addr()).expect("tcp");
+    s.write_all(&greeting_of(2, 0, 1, b"decode", 6)).expect("greeting");
+    let (got, closed) = drain(&mut s, Duration::from_secs(8));
+    assert!(closed.is_some(), "P kept a version-2 peer's connection open");
+    assert_eq!(got, greeting(1, 1, b"prefill", 7), "P sent a version-2 peer more than its greeting");
+    assert!(p.side.peers().is_empty());
+    assert_eq!(p.side.stats().handshakes, 0);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -152,10 +152,11 @@ fn parse_keys(s: &str) -> Result<Vec<Key>, String> {
         .collect()
 }
 
-/// A dialer's greeting (docs/security.md): magic, version, role 0, auth 1 (psk), rank, engine id.
+/// A dialer's greeting (docs/security.md): magic, this build's version (so that an attack gets past
+/// the version check to what it attacks), role 0, auth 1 (psk), rank, engine id.
 fn greeting(engine_id: &str, role: u8) -> Vec<u8> {
     let mut g = b"KVPSIDE2".to_vec();
-    g.extend_from_slice(&2u16.to_le_bytes());
+    g.extend_from_slice(&kvpush::engine::side::SIDE_VERSION.to_le_bytes());
     g.push(role);
     g.push(1);
     g.extend_from_slice(&0u16.to_le_bytes());
