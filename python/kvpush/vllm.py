@@ -1459,15 +1459,17 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, KVPushMetadata)
         self._worker.wait_for_save(meta)
 
-    def _bound_meta(self) -> KVPushMetadata | None:
-        # vLLM binds it around every step that reaches get_finished; None where nothing is bound.
+    def _finished(self) -> tuple[set[str], set[str]]:
+        """The worker's finished transfers, after its wait on an idle step (``_Worker.idle_wait``)."""
+        assert self._worker is not None
+        # vLLM binds the metadata around every step that reaches here; None where nothing is bound.
         meta = getattr(self, "_connector_metadata", None)
-        return meta if isinstance(meta, KVPushMetadata) else None
+        self._worker.idle_wait(meta if isinstance(meta, KVPushMetadata) else None)
+        return self._worker.get_finished()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        self._worker.idle_wait(self._bound_meta())
-        sending, recving = self._worker.get_finished()
+        sending, recving = self._finished()
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
@@ -1476,8 +1478,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
         assert self._worker is not None
-        self._worker.idle_wait(self._bound_meta())
-        sending, recving = self._worker.get_finished()
+        sending, recving = self._finished()
         failed = self._worker.take_failed()
         return KVConnectorTransferResults(
             finished_sending=sending, finished_recving=recving | failed, failed_recving=failed
