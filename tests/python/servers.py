@@ -397,6 +397,17 @@ RUN_SECRET = os.environ.get("KVPUSH_SECRET") or secrets.token_hex(32)
 KvConfig = Union[dict[str, Any], Callable[[int], dict[str, Any]]]
 
 
+# vLLM's executors for start_vllm, as (environment, arguments): "mp", vLLM's default on CPU (the worker in
+# a process of its own, one shared-memory round trip per step, whose reader spins between steps), and
+# "uni" (the worker inside the engine-core process; vLLM's CPU platform allows it only with V1
+# multiprocessing off). A D waiting for its KV steps about once a millisecond: under "mp" that keeps
+# more than a core busy (benches/vllm_idle.py, docs/benchmarks.md).
+EXECUTORS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    "mp": ({}, ()),
+    "uni": ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, ("--distributed-executor-backend", "uni")),
+}
+
+
 def start_vllm(
     name: str,
     model_dir: Path | str,
