@@ -214,6 +214,12 @@ struct DemoArgs {
     /// The engine's layer-wise setting in the layer-wise pass of --layerwise compare.
     #[arg(long, value_enum, default_value = "auto")]
     layerwise_engine: kvpush_testkit::demo::LayerwiseFlag,
+    /// P keeps its GPU busy for the whole run (back-to-back 8 MiB host-to-device copies on a thread of
+    /// its own), as a real prefill's next layer does while the last one is posted; the simulated
+    /// per-layer compute is a sleep that leaves the GPU idle. Needs --processes 2 and
+    /// KVPUSH_DEVICE=cuda:N.
+    #[arg(long)]
+    prefill_gpu_busy: bool,
     /// Write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -358,6 +364,9 @@ fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             .into());
     }
     let compare = a.layerwise == LayerwiseArg::Compare;
+    if a.prefill_gpu_busy && processes != 2 {
+        return Err("--prefill-gpu-busy runs in P's child process: add --transport nixl --processes 2".into());
+    }
     if compare && a.mode != ModeArg::Push {
         return Err("--layerwise compare runs push only: add --mode push".into());
     }
@@ -394,6 +403,7 @@ fn demo_cmd(a: DemoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             opts.references = !compare;
             // ...and it reports where the exposed time goes (the engines' timelines).
             opts.stages = compare.then(std::env::temp_dir);
+            opts.prefill_gpu_busy = a.prefill_gpu_busy;
             let b = bar.clone();
             opts.log = Some(std::sync::Arc::new(move |line: &str| b.suspend(|| eprintln!("{line}"))));
             demo::procs::run(&topo, work, &modes, &opts, &|| bar.inc(1))?

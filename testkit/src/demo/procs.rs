@@ -206,6 +206,10 @@ pub struct WorkerSpec {
     /// Scribbler), so that a transfer still reading them delivers other bytes, which D's check sees.
     #[arg(long)]
     pub scribble: bool,
+    /// P keeps its GPU busy for its whole life ([`GpuBusy`]), as a real prefill's next layer would
+    /// while the writer posts the last one; the demo's per-layer compute is a sleep.
+    #[arg(long)]
+    pub gpu_busy: bool,
 }
 
 impl WorkerSpec {
@@ -249,6 +253,7 @@ impl WorkerSpec {
             backend: "UCX".into(),
             engine_id: None,
             scribble: false,
+            gpu_busy: false,
         }
     }
 
@@ -333,6 +338,9 @@ impl WorkerSpec {
         }
         if self.scribble {
             v.push("--scribble".into());
+        }
+        if self.gpu_busy {
+            v.push("--gpu-busy".into());
         }
         v
     }
@@ -882,6 +890,8 @@ pub struct Options {
     /// one (removed once read), and report each mode's stage split ([`ModeReport::stages`],
     /// [`super::stages`]).
     pub stages: Option<PathBuf>,
+    /// P's child keeps its GPU busy ([`WorkerSpec::gpu_busy`]).
+    pub prefill_gpu_busy: bool,
 }
 
 impl std::fmt::Debug for Options {
@@ -895,13 +905,13 @@ impl Options {
     pub fn new() -> Result<Self, ProcsError> {
         let exe = std::env::current_exe()
             .map_err(|e| DemoError::Config(format!("cannot find this executable to start the workers: {e}")))?;
-        Ok(Self { exe, backend: "UCX".into(), log: None, references: true, stages: None })
+        Ok(Self { exe, backend: "UCX".into(), log: None, references: true, stages: None, prefill_gpu_busy: false })
     }
 
     /// `exe` over UCX with its children's log lines to `log`, without the references or the stage
     /// split: for harnesses that drive a pair of children themselves.
     pub fn bare(exe: PathBuf, log: Option<LogFn>) -> Self {
-        Self { exe, backend: "UCX".into(), log, references: false, stages: None }
+        Self { exe, backend: "UCX".into(), log, references: false, stages: None, prefill_gpu_busy: false }
     }
 }
 
@@ -991,7 +1001,8 @@ pub(crate) fn start_with(
 
 fn run_mode(t: &Topology, w: &Workload, mode: Mode, opts: &Options, tick: &dyn Fn()) -> Result<ModeReport, ProcsError> {
     let timeline = opts.stages.as_deref().map(|base| timeline_dir(base, mode));
-    let mut pair = start_with(t, mode, opts, &|_| {}, timeline.as_deref()).map(|(pair, ..)| pair)?;
+    let busy = |s: &mut WorkerSpec| s.gpu_busy = opts.prefill_gpu_busy && s.role == Role::Prefill;
+    let mut pair = start_with(t, mode, opts, &busy, timeline.as_deref()).map(|(pair, ..)| pair)?;
     let mut report = driver::play(&mut pair, t, w, mode, tick)?;
     if let Some(dir) = &timeline {
         report.stages = Some(stage_split(dir, &pair, &report));
@@ -1322,6 +1333,8 @@ pub(super) struct WorkerState {
     helper: Option<JoinHandle<()>>,
     finished: Vec<Finished>,
     ceiling: Option<Ceiling>,
+    /// P (`--gpu-busy`): the thread keeping the GPU busy.
+    busy: Option<GpuBusy>,
     out: Out,
 }
 
@@ -1370,12 +1383,73 @@ pub fn worker_main(spec: &WorkerSpec) -> i32 {
             return 1;
         }
     };
+    if spec.gpu_busy {
+        match GpuBusy::start(&state.dev) {
+            Ok(b) => state.busy = Some(b),
+            Err(message) => {
+                tracing::error!(role = %spec.role, "{message}");
+                out.emit(&Event::Error { message });
+                return 1;
+            }
+        }
+    }
     state.out = Out::Line(out);
     let ports = state.workers.iter().filter_map(|w| w.side.as_ref()).map(|s| s.local_addr().port()).collect();
     state.out.emit(&Event::Hello { role: spec.role, pid: std::process::id(), ports, num_blocks: spec.num_blocks });
     state.serve(&cmd_rx);
     state.shutdown();
     0
+}
+
+/// P (`--gpu-busy`): a thread that copies 8 MiB from host to GPU memory back to back until dropped,
+/// so that the device and its driver are never idle. The demo's per-layer compute is a sleep, which
+/// leaves the GPU idle between layers; a real prefill keeps it busy with the next layer while the
+/// writer posts the last one, and a post after the device sat idle for milliseconds costs several
+/// times more (docs/benchmarks.md, "The fixed cost of one NIXL post").
+struct GpuBusy {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<JoinHandle<Result<u64, String>>>,
+}
+
+impl GpuBusy {
+    const BYTES: usize = 8 << 20;
+
+    fn start(dev: &Arc<dyn Device>) -> Result<Self, String> {
+        if dev.kind() != device::DeviceKind::Cuda {
+            return Err(format!(
+                "--gpu-busy keeps a GPU busy: it needs GPU memory (KVPUSH_DEVICE=cuda:N), not {}",
+                dev.kind()
+            ));
+        }
+        let buf = dev.alloc(Self::BYTES as u64).map_err(|e| format!("--gpu-busy: {e}"))?;
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let until = Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("kvpush-gpu-busy".into())
+            .spawn(move || {
+                let src = vec![0u8; Self::BYTES];
+                let mut copies = 0u64;
+                while !until.load(std::sync::atomic::Ordering::Relaxed) {
+                    buf.write_at(0, &src).map_err(|e| format!("--gpu-busy: copy {copies}: {e}"))?;
+                    copies += 1;
+                }
+                Ok(copies)
+            })
+            .map_err(|e| format!("--gpu-busy: cannot start its thread: {e}"))?;
+        Ok(Self { stop, thread: Some(thread) })
+    }
+}
+
+impl Drop for GpuBusy {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        match self.thread.take().map(JoinHandle::join) {
+            Some(Ok(Ok(copies))) => tracing::info!(copies, "--gpu-busy: stopped"),
+            Some(Ok(Err(e))) => tracing::error!("{e}"),
+            Some(Err(_)) => tracing::error!("--gpu-busy: its thread panicked"),
+            None => {}
+        }
+    }
 }
 
 /// Writes zeros over `buffers` so their pages are resident before anything is timed.
@@ -1513,6 +1587,7 @@ impl WorkerState {
             helper: Some(helper),
             finished: Vec::new(),
             ceiling: None,
+            busy: None,
             out: Out::Queue(VecDeque::new()),
         })
     }
@@ -2139,6 +2214,7 @@ impl WorkerState {
 
     /// Stops the helper thread and the engines.
     pub(super) fn shutdown(mut self) {
+        drop(self.busy.take());
         if let Some(c) = self.ceiling.take() {
             let _ = c.transport.deregister(&c.region);
         }
