@@ -96,6 +96,11 @@ pub struct RouterArgs {
     /// (docs/router.md, "The first token from P") [default: true].
     #[arg(long, value_name = "BOOL")]
     pub first_token_from_prefill: Option<bool>,
+    /// Push: where the client's first token comes from P's answer, send D its leg only once P answered
+    /// (P's blocks wait for D's registration), so that D's admission does not compete with P's prefill
+    /// for the CPUs they share (docs/router.md, "D's leg after P's answer") [default: false].
+    #[arg(long, value_name = "BOOL")]
+    pub push_decode_after_prefill: Option<bool>,
     /// Longest time a client may take to send its request head or body, in seconds; past it the client
     /// gets 408 (a slow body) or its connection is closed (a slow head), and no leg is sent [default: 30].
     #[arg(long, value_name = "SECONDS")]
@@ -256,6 +261,7 @@ struct FileConfig {
     stream_idle_timeout_s: Option<f64>,
     max_body_bytes: Option<usize>,
     first_token_from_prefill: Option<bool>,
+    push_decode_after_prefill: Option<bool>,
     body_timeout_s: Option<f64>,
     max_connections: Option<usize>,
     connect_retries: Option<u32>,
@@ -303,6 +309,8 @@ pub struct Config {
     pub max_body_bytes: usize,
     /// A streamed greedy completion's first token comes from P's answer.
     pub first_token_from_prefill: bool,
+    /// Push: D's leg leaves once P answered, where P's answer is the client's first token.
+    pub push_decode_after_prefill: bool,
     /// Longest time a client may take to send its request head or its body.
     #[serde(serialize_with = "secs")]
     pub body_timeout: Duration,
@@ -334,6 +342,7 @@ impl Config {
             stream_idle_timeout: Duration::from_secs(600),
             max_body_bytes: 64 << 20,
             first_token_from_prefill: true,
+            push_decode_after_prefill: false,
             body_timeout: Duration::from_secs(30),
             max_connections: 1024,
             connect_retries: 2,
@@ -392,6 +401,9 @@ impl Config {
         }
         if let Some(b) = args.first_token_from_prefill.or(file.first_token_from_prefill) {
             c.first_token_from_prefill = b;
+        }
+        if let Some(b) = args.push_decode_after_prefill.or(file.push_decode_after_prefill) {
+            c.push_decode_after_prefill = b;
         }
         c.body_timeout = dur("body_timeout_s", args.body_timeout_s, file.body_timeout_s, c.body_timeout)?;
         if let Some(n) = args.max_connections.or(file.max_connections) {

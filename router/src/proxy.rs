@@ -397,6 +397,11 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
     let first = first_from_prefill(shared, proxied, tid);
     let p_body = to_bytes(&prefill_body(request, tid, consumer.as_deref(), !matches!(first, First::FromDecode)));
     let d_body = to_bytes(&push_decode_body(request, path, tid, &target));
+    if shared.config.push_decode_after_prefill {
+        if let First::Eligible(resend) = first {
+            return push_after_prefill(shared, proxied, tid, p_lease, d_lease, p_body, d_body, resend).await;
+        }
+    }
     let d_inst = Arc::clone(d_lease.instance());
 
     // Both legs leave now: P on its own task, D right here.
@@ -457,6 +462,75 @@ async fn push(shared: &Arc<Shared>, proxied: Proxied<'_>, tid: &str) -> Outcome 
             Outcome::Response(relay(shared, resp, head, d_lease))
         }
     }
+}
+
+/// Push with D's leg sent once P answered (`push_decode_after_prefill`): P's answer is the client's first
+/// token at once, then D's stream of the client's request relayed with its first token checked against
+/// P's (`First::Sent`: a different token makes D continue from P's). P's blocks wait for D's
+/// registration under P's lease; D's admission no longer competes with P's prefill for shared CPUs. An
+/// answer that cannot stand for the first token sends D's leg then, relayed as D sends it.
+#[allow(clippy::too_many_arguments)]
+async fn push_after_prefill(
+    shared: &Arc<Shared>,
+    proxied: Proxied<'_>,
+    tid: &str,
+    p_lease: Lease,
+    d_lease: Lease,
+    p_body: Bytes,
+    d_body: Bytes,
+    resend: Box<Resend>,
+) -> Outcome {
+    let Proxied { path, headers, request, received } = proxied;
+    // Run inline: a client that goes away drops this future, and with it P's request.
+    let p_json = match prefill_leg(Arc::clone(shared), p_lease, path, headers.clone(), tid.to_owned(), p_body).await {
+        Ok(v) => v,
+        Err(e) if e.is_connect() => return Outcome::Retry(Leg::Prefill, e),
+        Err(e) => return Outcome::Response(leg_error_response(Leg::Prefill, &e)),
+    };
+    let Some(pre) = first_token::from_prefill(&p_json, request) else {
+        let decode_sent = Instant::now();
+        let d_leg = LegRequest { method: Method::POST, path, headers, request_id: tid, body: d_body };
+        timeline::record("router_d_sent", tid);
+        return match upstream::send(&shared.client, d_lease.instance(), d_leg, shared.config.decode_timeout).await {
+            Ok(resp) => {
+                timeline::record("router_d_head", tid);
+                if !resp.status().is_success() {
+                    shared.metrics.error(ErrorKind::DecodeStatus);
+                }
+                let head =
+                    RelayHead { tid, received, decode_sent, prefill: None, first: First::FromDecode, answered: None };
+                Outcome::Response(relay(shared, resp, head, d_lease))
+            }
+            Err(e) => {
+                shared.metrics.error(leg_error_kind(Leg::Decode, &e));
+                Outcome::Response(leg_error_response(Leg::Decode, &e))
+            }
+        };
+    };
+    let (shared2, headers, tid2) = (Arc::clone(shared), headers.clone(), tid.to_owned());
+    let first = First::Sent(pre.sent, Some((resend, pre.continuation)));
+    let decode = async move {
+        let timeline_id = timeline::enabled().then(|| tid2.clone());
+        let decode_sent = Instant::now();
+        let d_leg = LegRequest { method: Method::POST, path, headers: &headers, request_id: &tid2, body: d_body };
+        timeline::record("router_d_sent", &tid2);
+        let sent = upstream::send(&shared2.client, d_lease.instance(), d_leg, shared2.config.decode_timeout).await;
+        if let Ok(resp) = &sent {
+            timeline::record("router_d_head", &tid2);
+            if !resp.status().is_success() {
+                shared2.metrics.error(ErrorKind::DecodeStatus);
+            }
+        }
+        let (body, lease, decode_sent) = event_stream(&shared2, path, sent.map(|r| (r, d_lease, decode_sent))).await?;
+        let mut relay = Relay::new(shared2, body, true, received, decode_sent, None, lease, true, first, None);
+        relay.timeline_id = timeline_id;
+        Ok(relay)
+    };
+    let tl_id = timeline::enabled().then(|| tid.to_owned());
+    let early = Early::new(Arc::clone(shared), received, pre.event, Box::pin(decode), tl_id);
+    let mut out = Response::new(ProxyBody::early(early));
+    out.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream; charset=utf-8"));
+    Outcome::Response(out)
 }
 
 /// Whether the client's first token may come from P's answer (`first_token`).
@@ -576,9 +650,29 @@ pub(crate) async fn decode_stream(
     let (resp, lease, decode_sent) = match pull_decode(&shared, path, &headers, &tid, d_body).await {
         Ok(r) => r,
         Err(DecodeFailed::Reject(r)) => return Err(error_event(&r.message, r.kind.as_str())),
-        Err(DecodeFailed::Leg(e)) => {
-            let (_, message) = leg_error_message(Leg::Decode, &e);
-            return Err(error_event(&message, leg_error_kind(Leg::Decode, &e).as_str()));
+        Err(DecodeFailed::Leg(e)) => return Err(decode_error_event(&e)),
+    };
+    event_stream(&shared, path, Ok((resp, lease, decode_sent))).await
+}
+
+/// The error event that ends a client's stream begun already, for D's failed leg.
+fn decode_error_event(e: &LegError) -> Bytes {
+    let (_, message) = leg_error_message(Leg::Decode, e);
+    error_event(&message, leg_error_kind(Leg::Decode, e).as_str())
+}
+
+/// D's answer on a stream begun already: its event-stream body, lease and when it was sent; a failed
+/// leg, an error status or a body that is not an event stream is the error event that ends the stream.
+async fn event_stream(
+    shared: &Shared,
+    path: &'static str,
+    sent: Result<(Response<Incoming>, Lease, Instant), LegError>,
+) -> DecodeStream {
+    let (resp, lease, decode_sent) = match sent {
+        Ok(r) => r,
+        Err(e) => {
+            shared.metrics.error(leg_error_kind(Leg::Decode, &e));
+            return Err(decode_error_event(&e));
         }
     };
     let (parts, body) = resp.into_parts();

@@ -389,6 +389,114 @@ async fn a_decode_first_token_unlike_prefill_s_is_replaced_by_d_s_continuation_o
     assert_eq!(metric(&m, "kvpush_router_errors_total{kind=\"first_token_mismatch\"}"), 0.0);
 }
 
+/// A push pair whose P answers " the" (token 5) only once `p_go` is notified and whose D streams
+/// `d_events` at once, behind a router with `push_decode_after_prefill` on.
+async fn after_prefill_pair(
+    p_go: Arc<Notify>,
+    d_events: Vec<Bytes>,
+    cont_events: Vec<Bytes>,
+) -> (Fake, Fake, RouterHandle, String) {
+    let p = Fake::start(
+        None,
+        handler(move |_s: Seen| {
+            let p_go = p_go.clone();
+            async move {
+                p_go.notified().await;
+                json_reply(200, &p_token_answer(" the", 5))
+            }
+        }),
+    )
+    .await;
+    let d = Fake::start(
+        None,
+        handler(move |s: Seen| {
+            let events = if s.json["prompt"] == json!([1, 2, 3, 5]) { cont_events.clone() } else { d_events.clone() };
+            async move {
+                let (reply, tx) = sse_reply();
+                tokio::spawn(async move {
+                    for e in events {
+                        tx.send(e).await.unwrap();
+                    }
+                    tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await.unwrap();
+                });
+                reply
+            }
+        }),
+    )
+    .await;
+    let mut c = config(TransferMode::Push, &[&p], &[&d]);
+    c.push_decode_after_prefill = true;
+    let (r, base) = start(c).await;
+    (p, d, r, base)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_after_prefill_sends_d_its_leg_only_once_p_answered() {
+    let d_events = vec![
+        d_token_event(" the", &[5], Value::Null),
+        d_token_event(" cat", &[9], Value::Null),
+        d_token_event(" sat", &[4], json!("length")),
+    ];
+    let p_go = Arc::new(Notify::new());
+    let (p, d, _r, base) = after_prefill_pair(p_go.clone(), d_events.clone(), d_events[1..].to_vec()).await;
+    let url = format!("{base}/v1/completions");
+    let sent = tokio::spawn(async move { post(&client(), &url, greedy_stream()).await });
+    within(5.0, "P's leg", async {
+        while p.count() == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(d.count(), 0, "D's leg waits for P's answer");
+    p_go.notify_one();
+    let resp = within(10.0, "the head", sent).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let all = within(5.0, "the stream", resp.into_body().collect()).await.unwrap().to_bytes();
+    let all = String::from_utf8_lossy(&all).into_owned();
+    let (text, toks, errors) = sse_tokens(&all);
+    assert_eq!(text, " the cat sat", "P's token once, then D's without its first: {all}");
+    assert_eq!(toks, ["token_id:5", "token_id:9", "token_id:4"]);
+    assert!(errors.is_empty() && all.ends_with("data: [DONE]\n\n"), "{all}");
+    assert_eq!(d.count(), 1);
+    let d_leg = &d.requests()[0].json;
+    // D's leg is the client's request, pushed into: P's coordinates, the whole prompt, every token.
+    assert_eq!((&d_leg["prompt"], &d_leg["max_tokens"]), (&json!([1, 2, 3]), &json!(3)), "{d_leg}");
+    assert_eq!(d_leg["kv_transfer_params"]["do_remote_prefill"], true, "{d_leg}");
+    assert_eq!(tid(&d.requests()[0]), tid(&p.requests()[0]), "one transfer id on both legs");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_after_prefill_recovers_a_decode_token_unlike_p_s_and_leaves_sampled_requests_alone() {
+    // D's first token differs from P's: its continuation of P's token replaces it, as in push at once.
+    let d_events = vec![d_token_event(" a", &[6], Value::Null), d_token_event(" cat", &[9], Value::Null)];
+    let cont_events = vec![d_token_event(" cat", &[9], Value::Null), d_token_event(" sat", &[4], json!("length"))];
+    let p_go = Arc::new(Notify::new());
+    p_go.notify_one();
+    let (p, d, _r, base) = after_prefill_pair(p_go.clone(), d_events, cont_events).await;
+    let resp = within(10.0, "the head", post(&client(), &format!("{base}/v1/completions"), greedy_stream())).await;
+    let all = within(5.0, "the stream", resp.into_body().collect()).await.unwrap().to_bytes();
+    let all = String::from_utf8_lossy(&all).into_owned();
+    let (text, _, errors) = sse_tokens(&all);
+    assert_eq!((text.as_str(), errors.len()), (" the cat sat", 0), "{all}");
+    assert_eq!(d.count(), 2, "D's leg, then its continuation");
+    // A sampled request's first token is D's: both legs leave at once, P still held.
+    let sampled =
+        json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 3, "stream": true, "temperature": 1.0}).to_string();
+    let url = format!("{base}/v1/completions");
+    let sent = tokio::spawn(async move { post(&client(), &url, sampled).await });
+    within(5.0, "D's leg while P is held", async {
+        while d.count() < 3 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    assert_eq!(p.count(), 2);
+    p_go.notify_one();
+    let resp = within(10.0, "the head", sent).await.unwrap();
+    assert_eq!(resp.status(), 200);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pull_sends_p_token_before_d_answers_and_a_failing_d_ends_the_stream_with_its_error() {
     for d_fails in [false, true] {
