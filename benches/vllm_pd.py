@@ -40,8 +40,9 @@ kvpush.timeline``) of each P/D setup; the plot has TTFT per prompt and the media
 
     python benches/vllm_pd.py --ttft                         # ttft-<UTC time>.json and .png
 
-``--ttft-setups`` picks the P/D setups beside the engine alone: ``push``, ``pull`` and ``push-layerwise``
-(push with P's ``layerwise: on``, issue 21: each layer's KV leaves P as its forward computes it), e.g.
+``--ttft-setups`` picks the P/D setups beside the engine alone: ``push``, ``pull``, ``push-layerwise``
+(push with P's ``layerwise: on``, issue 21: each layer's KV leaves P as its forward computes it) and
+``push-after-prefill`` (push behind a router that sends D its leg once P answered), e.g.
 whole-request and layer-wise push side by side:
 
     python benches/vllm_pd.py --ttft --ttft-setups push,push-layerwise
@@ -335,7 +336,12 @@ TTFT_SETUPS: dict[str, tuple[str, dict[str, Any], float]] = {
     "push": ("push", {}, 1.1),
     "pull": ("pull", {}, 1.2),
     "push-layerwise": ("push", {"layerwise": "on"}, 1.1),
+    "push-after-prefill": ("push", {}, 1.1),
 }
+# More flags of a setup's router: ``push-after-prefill`` sends D its leg only once P answered
+# (``--push-decode-after-prefill``: D's admission then does not compete with P's prefill for the cores
+# they share).
+TTFT_ROUTER_ARGS: dict[str, list[str]] = {"push-after-prefill": ["--push-decode-after-prefill", "true"]}
 
 
 # --ttft-decode-first: a second router beside each pair's, on the same P and D, that leaves the first
@@ -350,32 +356,36 @@ def _ttft_setup(name: str) -> tuple[str, dict[str, Any], float]:
 
 
 def _ttft_targets(
-    model_dir: Path, extra: dict[str, Any], timeline_dir: Path, names: list[str], decode_first: bool
+    model_dir: Path, extra: dict[str, Any], timeline_dir: Path, names: list[str], decode_first: bool,
+    executor: str = "mp",
 ) -> tuple[dict[str, str], list[srv.Server]]:
     """Starts the engine alone and the P/D pairs ``names`` (TTFT_SETUPS), each pair behind its router
     (every P/D process writes its timeline under ``timeline_dir/<name>``), and with ``decode_first`` a
     second router per pair (DECODE_FIRST; its own timeline under ``timeline_dir/<name>-decode-first``).
-    Returns each setup's URL and the servers."""
+    Every vLLM server, the engine alone too, runs ``executor`` (servers.EXECUTORS). Returns each setup's
+    URL and the servers."""
     started: list[srv.Server] = []
+    ex_env, ex_args = srv.EXECUTORS[executor]
     ports = srv.free_ports(2 * len(names))
 
     def pair(name: str, p_port: int, d_port: int) -> tuple[srv.Server, srv.Server]:
         mode, p_extra = TTFT_SETUPS[name][:2]
-        env = {"KVPUSH_TIMELINE": str(timeline_dir / name)}
+        env = {"KVPUSH_TIMELINE": str(timeline_dir / name), **ex_env}
         cfg = {r: kvpush_config(r, mode, f"ttft-{name}-{r}", extra) for r in ("prefill", "decode")}
         cfg["prefill"]["kv_connector_extra_config"].update(p_extra, side_channel_port=p_port)
         cfg["decode"]["kv_connector_extra_config"]["side_channel_port"] = d_port
         p = srv.start_vllm(f"ttft-{name}-P", model_dir, kv_transfer_config=cfg["prefill"], extra_env=env,
-                           side_channel_port=p_port)  # fmt: skip
+                           side_channel_port=p_port, extra_args=ex_args)  # fmt: skip
         started.append(p)
         d = srv.start_vllm(f"ttft-{name}-D", model_dir, kv_transfer_config=cfg["decode"], extra_env=env,
-                           side_channel_port=d_port)  # fmt: skip
+                           side_channel_port=d_port, extra_args=ex_args)  # fmt: skip
         started.append(d)
         return p, d
 
     try:
         with ThreadPoolExecutor(1 + len(names)) as pool:
-            alone_f = pool.submit(srv.start_vllm, "ttft-alone", model_dir, prefix_caching=False)
+            alone_f = pool.submit(srv.start_vllm, "ttft-alone", model_dir, prefix_caching=False, extra_env=ex_env,
+                                  extra_args=ex_args)  # fmt: skip
             pair_f = {n: pool.submit(pair, n, ports[2 * i], ports[2 * i + 1]) for i, n in enumerate(names)}
             alone = alone_f.result()
             started.append(alone)
@@ -384,7 +394,8 @@ def _ttft_targets(
                 p, d = f.result()
                 env = {"KVPUSH_TIMELINE": str(timeline_dir / name)}
                 router = srv.start_router(TTFT_SETUPS[name][0], [p], [d], name=f"ttft-{name}-router",
-                                          extra_args=["--first-token-from-prefill", "true"], extra_env=env)  # fmt: skip
+                                          extra_args=["--first-token-from-prefill", "true",
+                                                      *TTFT_ROUTER_ARGS.get(name, [])], extra_env=env)  # fmt: skip
                 started.append(router)
                 urls[name] = router.url
                 if decode_first:
@@ -424,7 +435,7 @@ def run_ttft(args: argparse.Namespace) -> int:
         "params": {"lengths": lengths, "rounds": args.ttft_rounds, "max_tokens": args.max_tokens,
                    "pause_s": args.ttft_pause_s, "setups": {n: _ttft_setup(n) for n in pd_setups},
                    "rate_qps": args.ttft_rate, "streaming": True, "greedy": True,
-                   "kvpush_extra": json.loads(args.kvpush_extra),
+                   "kvpush_extra": json.loads(args.kvpush_extra), "executor": args.ttft_executor,
                    "model": json.loads((model_dir / "params.json").read_text())},  # fmt: skip
         "versions": versions(),
         "machine": machine(),
@@ -432,7 +443,7 @@ def run_ttft(args: argparse.Namespace) -> int:
         "timeline_dir": str(timeline_dir),
     }
     urls, started = _ttft_targets(model_dir, json.loads(args.kvpush_extra), timeline_dir, pairs_,
-                                  args.ttft_decode_first)  # fmt: skip
+                                  args.ttft_decode_first, args.ttft_executor)  # fmt: skip
     try:
         sessions = {k: requests.Session() for k in setups_}
         for w in tiny_model.make_prompts([64, 300, 64, 300], seed=999):
@@ -648,6 +659,8 @@ def main() -> int:
                     help="--ttft: also each pair behind a router that leaves the first token to D (-decode-first)")
     ap.add_argument("--ttft-rate", type=float, default=0.0, help="--ttft: then this many QPS per setup (0: none)")
     ap.add_argument("--timeline-dir", default=None, help="--ttft: where the timelines go (default under /tmp)")
+    ap.add_argument("--ttft-executor", choices=sorted(srv.EXECUTORS), default="mp",
+                    help="--ttft: vLLM's executor on every server (uni: the worker in the engine-core process)")
     ap.add_argument("--ttft-setups", default="push,pull",
                     help=f"--ttft: P/D setups beside the engine alone, of {', '.join(TTFT_SETUPS)}")
     ap.add_argument("--ttft-pause-s", type=float, default=1.5,
