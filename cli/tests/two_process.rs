@@ -574,3 +574,25 @@ fn no_orphans_when_a_worker_fails_or_the_parent_dies() {
     let took = wait_gone(&marker, Duration::from_secs(15));
     eprintln!("parent killed: children {children:?} gone {took:?} later");
 }
+
+/// `--prefill-gpu-busy` keeps a GPU busy: refused in one process, and by P's child on host memory,
+/// each with a message that says what it needs (never a run that silently measures an idle device).
+#[test]
+fn prefill_gpu_busy_refuses_one_process_and_host_memory() {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(EXE)
+            .args(["demo", "--quiet", "--requests", "2", "--prefill-gpu-busy"])
+            .args(SMALL)
+            .args(args)
+            .env("KVPUSH_DEVICE", "host")
+            .output()
+            .expect("run kvpush demo");
+        assert!(!out.status.success(), "kvpush demo {args:?} must fail");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let one = run(&[]);
+    assert!(one.contains("--prefill-gpu-busy runs in P's child process"), "{one}");
+    let Some(_serial) = nixl_or_skip("prefill_gpu_busy_refuses_one_process_and_host_memory") else { return };
+    let two = run(&["--transport", "nixl", "--processes", "2", "--prefill-us-per-layer", "100", "--layerwise", "on"]);
+    assert!(two.contains("needs GPU memory (KVPUSH_DEVICE=cuda:N), not host"), "{two}");
+}
