@@ -389,6 +389,18 @@ async fn a_decode_first_token_unlike_prefill_s_is_replaced_by_d_s_continuation_o
     assert_eq!(metric(&m, "kvpush_router_errors_total{kind=\"first_token_mismatch\"}"), 0.0);
 }
 
+/// An event stream that sends `events`, then `[DONE]`.
+fn sse_events(events: Vec<Bytes>) -> Reply {
+    let (reply, tx) = sse_reply();
+    tokio::spawn(async move {
+        for e in events {
+            tx.send(e).await.unwrap();
+        }
+        tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await.unwrap();
+    });
+    reply
+}
+
 /// A push pair whose P answers " the" (token 5) only once `p_go` is notified and whose D streams
 /// `d_events` at once, behind a router with `push_decode_after_prefill` on.
 async fn after_prefill_pair(
@@ -411,16 +423,7 @@ async fn after_prefill_pair(
         None,
         handler(move |s: Seen| {
             let events = if s.json["prompt"] == json!([1, 2, 3, 5]) { cont_events.clone() } else { d_events.clone() };
-            async move {
-                let (reply, tx) = sse_reply();
-                tokio::spawn(async move {
-                    for e in events {
-                        tx.send(e).await.unwrap();
-                    }
-                    tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await.unwrap();
-                });
-                reply
-            }
+            async move { sse_events(events) }
         }),
     )
     .await;
@@ -513,14 +516,7 @@ async fn pull_sends_p_token_before_d_answers_and_a_failing_d_ends_the_stream_wit
                     if d_fails {
                         return json_reply(503, &json!({"error": {"message": "D is full", "code": 503}}));
                     }
-                    let (reply, tx) = sse_reply();
-                    tokio::spawn(async move {
-                        for e in [d_token_event(" cat", &[9], Value::Null), d_token_event("", &[], json!("length"))] {
-                            tx.send(e).await.unwrap();
-                        }
-                        tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await.unwrap();
-                    });
-                    reply
+                    sse_events(vec![d_token_event(" cat", &[9], Value::Null), d_token_event("", &[], json!("length"))])
                 }
             }),
         )
