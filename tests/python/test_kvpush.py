@@ -14,6 +14,8 @@ differently by a few 1e-6):
   - both: every streamed one gets its first token from P's answer (the router's default) and the rest
     from D's continuation of it (pull: D's prompt is P's plus P's token, one more prompt token on D than
     sent), with the one engine's usage;
+  - push behind a router that sends D's leg once P answered (``--push-decode-after-prefill``): equal,
+    D computing none of the prompt;
   - the push pair runs with the request timeline on (``KVPUSH_TIMELINE``): one request's timeline has
     every event of the router, both connectors and both engines, in causal order;
   - a mode mismatch (P pull, D push) is refused at the handshake with proto's message on D, and both
@@ -97,6 +99,26 @@ def test_push_matches_single_engine_and_d_computes_nothing(push_pair, reference)
     srv.check_transfer_counted(d, before, LENGTHS)
     recovered = requests.get(router.url + "/metrics", timeout=10).text
     print("  " + next(ln for ln in recovered.splitlines() if ln.startswith("kvpush_router_first_token_recoveries")))
+
+
+def test_push_with_d_leg_after_p_answer_matches_single_engine(servers: "object", push_pair, reference) -> None:
+    """``kvpush router --push-decode-after-prefill true`` on the same pair: a streamed greedy request's D
+    leg leaves only once P answered (P's blocks wait for D's registration), and the client still gets
+    the one engine's tokens, logprobs and usage, D computing none of the prompt."""
+    p, d, _ = push_pair
+    router = servers.router("push", [p], [d], name="router-kvp-push-after",
+                            extra_args=["--push-decode-after-prefill", "true"])  # fmt: skip
+    try:
+        picked = list(range(1, len(LENGTHS), 3))
+        before = d.prompt_tokens_by_source()
+        for i in picked:
+            got = srv.complete(router.url, PROMPTS[i], MAX_TOKENS, stream=True)
+            srv.assert_same_output(got, reference[i], f"push, D's leg after P's answer, {LENGTHS[i]}-token prompt")
+            check_usage(got, LENGTHS[i], True)
+        srv.check_transfer_counted(d, before, [LENGTHS[i] for i in picked])
+        print(f"\n  D's leg after P's answer: {len(picked)} streamed completions equal to the engine alone's")
+    finally:
+        servers.stop(router)
 
 
 def check_usage(got: srv.Completion, n: int, streamed: bool) -> None:
