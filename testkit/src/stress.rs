@@ -74,6 +74,8 @@ pub struct Setup {
     pub margin: Duration,
     /// Staging of P's WRITEs.
     pub staging: Staging,
+    /// How long an engine's shutdown waits for its quarantined blocks (`Config::shutdown_wait_us`).
+    pub shutdown_wait: Duration,
 }
 
 impl Setup {
@@ -93,6 +95,7 @@ impl Setup {
             drain_timeout: Duration::from_micros(CompletionConfig::default().drain_timeout_us),
             margin: Duration::from_secs(3),
             staging: Staging::Off,
+            shutdown_wait: Duration::from_micros(Config::new("", mode).shutdown_wait_us),
         }
     }
 
@@ -111,6 +114,7 @@ impl Setup {
         };
         c.pull_read_timeout_us = self.pull_read_timeout.as_micros() as u64;
         c.staging = self.staging;
+        c.shutdown_wait_us = self.shutdown_wait.as_micros() as u64;
         c
     }
 }
