@@ -329,6 +329,20 @@ fn an_unfenceable_lost_peer_gets_its_requests_failed_in_time_and_their_blocks_qu
     wait_for(&d.engine, "the blocks released", LIMIT, |f| matches!(f, Finished::Released { key: k } if *k == key));
 }
 
+/// A P and a D worker ([`pair`] of `setup`), D's data path unable to fence: D registers `key`, P's
+/// WRITE into it is held 3 s in the data path, and the side channel is cut, so D reports `key`
+/// quarantined (checked).
+fn quarantined_at_the_cut(setup: Setup, key: Key) -> (Worker, Worker, Arc<LocalHub>, Fabric) {
+    let (p, d, hub, fabric) = pair(setup);
+    d.transport.set_unfenceable(true);
+    let tokens = 2 * u64::from(BLOCK_TOKENS);
+    write_held(&p, &d, key, &[vec![5, 6]], tokens, Duration::from_secs(3));
+    cut(&p.engine, P_INC, &d.engine, D_INC);
+    let out = wait_for(&d.engine, "an outcome", LIMIT, |f| f.key() == key);
+    assert!(matches!(out, Finished::Quarantined { .. }), "a lost, unfenced peer's blocks: {out:?}");
+    (p, d, hub, fabric)
+}
+
 /// Issue 16, shutdown with quarantined blocks: D's request is quarantined (P lost without a fence
 /// while its WRITE is held in the data path: over UCX shared memory, CMA, no deregistration stops
 /// a peer process that still runs). `shutdown` must not return, saying the memory may be freed,
@@ -337,15 +351,7 @@ fn an_unfenceable_lost_peer_gets_its_requests_failed_in_time_and_their_blocks_qu
 /// shutdown returned at once, deregistered, and the C API told the caller to free the memory.)
 #[test]
 fn shutdown_waits_for_quarantined_blocks_to_be_released() {
-    let (p, d, _hub, _fabric) = pair(Setup::new(Mode::Push, 1, 1));
-    d.transport.set_unfenceable(true);
-    let key = Key::new(0x16_0901, 1);
-    let blocks = vec![vec![5, 6]];
-    let tokens = 2 * u64::from(BLOCK_TOKENS);
-    write_held(&p, &d, key, &blocks, tokens, Duration::from_secs(3));
-    cut(&p.engine, P_INC, &d.engine, D_INC);
-    let out = wait_for(&d.engine, "an outcome", LIMIT, |f| f.key() == key);
-    assert!(matches!(out, Finished::Quarantined { .. }), "a lost, unfenced peer's blocks: {out:?}");
+    let (p, d, _hub, _fabric) = quarantined_at_the_cut(Setup::new(Mode::Push, 1, 1), Key::new(0x16_0901, 1));
     // P comes back as a new process while D shuts down (as `connect_as` does on D's side).
     let d_side = d.engine.endpoint().upgrade().expect("D's endpoint");
     let p_handshake = p.engine.handshake().expect("handshake");
@@ -373,15 +379,8 @@ fn shutdown_waits_for_quarantined_blocks_to_be_released() {
 fn shutdown_reports_the_blocks_a_lost_peer_may_still_write() {
     let mut setup = Setup::new(Mode::Push, 1, 1);
     setup.shutdown_wait = Duration::from_millis(300);
-    let (p, d, _hub, _fabric) = pair(setup);
-    d.transport.set_unfenceable(true);
     let key = Key::new(0x16_0902, 1);
-    let blocks = vec![vec![5, 6]];
-    let tokens = 2 * u64::from(BLOCK_TOKENS);
-    write_held(&p, &d, key, &blocks, tokens, Duration::from_secs(2));
-    cut(&p.engine, P_INC, &d.engine, D_INC);
-    let out = wait_for(&d.engine, "an outcome", LIMIT, |f| f.key() == key);
-    assert!(matches!(out, Finished::Quarantined { .. }), "a lost, unfenced peer's blocks: {out:?}");
+    let (p, d, _hub, _fabric) = quarantined_at_the_cut(setup, key);
     let Worker { engine, transport, buffers } = d;
     let started = std::time::Instant::now();
     let report = engine.shutdown();
