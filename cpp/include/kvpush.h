@@ -47,7 +47,8 @@ typedef enum kvpush_status {
   KVPUSH_ERR_DECODE = 11,           /* bytes from a peer could not be decoded */
   KVPUSH_ERR_BUFFER_TOO_SMALL = 12, /* the needed size was written to *len */
   KVPUSH_ERR_CLOSED = 13,           /* the engine has shut down */
-  KVPUSH_ERR_PANIC = 14             /* internal error, caught at the boundary */
+  KVPUSH_ERR_PANIC = 14,            /* internal error, caught at the boundary */
+  KVPUSH_ERR_UNFENCED = 15          /* destroy: destroyed, but the memory may still be touched */
 } kvpush_status;
 
 typedef enum kvpush_mode { KVPUSH_MODE_PUSH = 0, KVPUSH_MODE_PULL = 1 } kvpush_mode;
@@ -249,14 +250,21 @@ int kvpush_hub_destroy(kvpush_hub *hub);
 
 /* Creates an engine worker: validates the layout, checks its regions with the device, registers
  * them with the transport and starts the writer threads (NIXL: also the agent and the side-channel
- * listener). Memory contract: every region stays valid until kvpush_engine_destroy returns; a
+ * listener). Memory contract: every region stays valid until kvpush_engine_destroy returns (where it
+ * returned KVPUSH_ERR_UNFENCED: until the peers it names are gone); a
  * producer does not write a request's blocks from kvpush_request_finished until its SENT outcome; a
  * consumer does not read or reuse a request's blocks from kvpush_blocks_allocated /
  * kvpush_start_pull until its outcome (RECEIVED, FAILED or ENDED), or after QUARANTINED until RELEASED. */
 int kvpush_engine_create(const kvpush_engine_config *config, const kvpush_layout *layout,
                          kvpush_engine **out);
-/* Waits for calls in progress on the engine, stops it and deregisters its memory; in-flight
- * transfers are abandoned. The memory may be freed once this returns. */
+/* Waits for calls in progress on the engine and stops it: waits up to 5 s for quarantined blocks
+ * (QUARANTINED without RELEASED yet) to be released, ends every transfer it posted (cancelled, then
+ * waited for up to 5 s), joins its threads and deregisters its memory. The handle is gone in every
+ * case. KVPUSH_OK: nothing can touch the memory any more; it may be freed. KVPUSH_ERR_UNFENCED: a
+ * transfer did not end, or blocks stayed quarantined for a peer lost without a fence, which may
+ * still write into them (NIXL over UCX shared memory / CMA: a peer process that still runs writes
+ * into this process whatever was deregistered); kvpush_last_error names the requests. Then keep the
+ * regions allocated and their blocks unused until those peers are known to be gone. */
 int kvpush_engine_destroy(kvpush_engine *engine);
 
 /* The worker's encoded handshake. With buf NULL or cap too small, only *len is written and

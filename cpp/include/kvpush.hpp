@@ -154,8 +154,12 @@ class Hub {
   std::unique_ptr<Impl> impl_;
 };
 
-// One engine worker (a producer, a consumer, or both). Destroying it waits for its writer threads
-// and deregisters its memory.
+// One engine worker (a producer, a consumer, or both). Destroying it stops it as
+// kvpush_engine_destroy does (up to 5 s for quarantined blocks, up to 5 s for its own transfers,
+// then its threads joined and its memory deregistered), but a destructor cannot report: what it
+// could not fence (KVPUSH_ERR_UNFENCED in C) is logged at error level only. A caller that may have
+// blocks quarantined (an Outcome::Quarantined without its Outcome::Released) when it destroys the
+// Engine keeps the regions allocated until the lost peer is known to be gone.
 //
 // Memory contract (as kvpush_engine_create): every region of the layout stays valid until the
 // Engine is destroyed; a producer does not write a request's blocks from request_finished until its

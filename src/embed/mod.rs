@@ -22,7 +22,9 @@ use std::time::Duration;
 use crate::device::{self, DeviceError};
 use crate::engine::dial::DialPolicy;
 use crate::engine::side::{SideChannel, SideConfig, SideError};
-use crate::engine::{Config, Engine, EngineError, Finished, Layerwise, LocalHub, Staging, StatsSnapshot};
+use crate::engine::{
+    Config, Engine, EngineError, Finished, Layerwise, LocalHub, ShutdownReport, Staging, StatsSnapshot,
+};
 use crate::proto::codec::{self, DecodeError, EncodeError};
 use crate::proto::layout::{
     BlockOrder, DType, GroupKind, KvGroup, KvKind, KvLayout, KvPlacement, LayoutError, ModelShape, Parallel,
@@ -67,6 +69,10 @@ pub mod status {
     pub const CLOSED: i32 = 13;
     /// An internal error: a Rust panic was caught at the boundary.
     pub const PANIC: i32 = 14;
+    /// The engine was destroyed, but its memory may still be touched (a transfer it posted did not
+    /// end, or blocks stayed quarantined for a peer lost without a fence): keep the regions
+    /// allocated until those peers are gone.
+    pub const UNFENCED: i32 = 15;
 
     /// The name of a status code, as `kvpush.h` spells it.
     pub fn name(code: i32) -> &'static str {
@@ -86,6 +92,7 @@ pub mod status {
             BUFFER_TOO_SMALL => "KVPUSH_ERR_BUFFER_TOO_SMALL",
             CLOSED => "KVPUSH_ERR_CLOSED",
             PANIC => "KVPUSH_ERR_PANIC",
+            UNFENCED => "KVPUSH_ERR_UNFENCED",
             _ => "unknown status",
         }
     }
@@ -154,6 +161,9 @@ pub enum FfiError {
     /// A panic was caught at the boundary.
     #[error("internal error (panic): {0}")]
     Panic(String),
+    /// The engine stopped, but its memory may still be touched ([`ShutdownReport::fenced`]).
+    #[error("the engine stopped, but its memory may still be touched: {0}; keep its regions allocated until those peers are gone")]
+    Unfenced(ShutdownReport),
 }
 
 impl From<LayoutError> for FfiError {
@@ -190,6 +200,7 @@ impl FfiError {
             FfiError::Decode(_) | FfiError::Encode(_) => status::DECODE,
             FfiError::BufferTooSmall { .. } => status::BUFFER_TOO_SMALL,
             FfiError::Panic(_) => status::PANIC,
+            FfiError::Unfenced(_) => status::UNFENCED,
         }
     }
 
@@ -866,6 +877,17 @@ impl FfiEngine {
     /// See [`Engine::stats`].
     pub fn stats(&self) -> StatsSnapshot {
         self.engine.stats()
+    }
+
+    /// Stops the engine ([`Engine::shutdown`]): `Err(FfiError::Unfenced)` where its memory may still
+    /// be touched afterwards. Dropping it then does nothing more to the engine.
+    pub fn stop(&mut self) -> Result<(), FfiError> {
+        let report = self.engine.stop();
+        if report.fenced() {
+            Ok(())
+        } else {
+            Err(FfiError::Unfenced(report))
+        }
     }
 }
 

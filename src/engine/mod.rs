@@ -81,6 +81,11 @@ pub struct Config {
     /// ([`crate::transport::bounce`], the staging setting's geometry or the default); its peer must
     /// stage too (a D: staging on; a P writing into a bouncing D: [`crate::transport::bounce::bounce_geometry`]).
     pub memory: Option<MemoryOffer>,
+    /// How long [`Engine::shutdown`] (and the drop) waits for quarantined blocks to be released
+    /// before it stops the writers (µs): a lost peer's final word, its return as a new process, or
+    /// the quarantine's bound may come within it. What is still quarantined then is reported
+    /// ([`ShutdownReport::quarantined`]).
+    pub shutdown_wait_us: u64,
 }
 
 /// Whether a producer pushes a request layer by layer ([`Engine::layers_ready`]) or whole.
@@ -203,6 +208,7 @@ impl Config {
             control: ControlLimits::default(),
             layerwise: Layerwise::AUTO,
             memory: None,
+            shutdown_wait_us: 5_000_000,
         }
     }
 }
@@ -492,6 +498,10 @@ pub(crate) struct ShardHandle {
     pub(crate) inbox: Arc<Inbox<Cmd>>,
     pub(crate) wake: Arc<WakeFlag>,
     pub(crate) stats: Arc<Mutex<Stats>>,
+    /// Requests whose blocks this shard holds quarantined now: a peer lost without a fence (or, in
+    /// pull mode, a consumer whose grant expired) may still write into them or read them. The
+    /// writer keeps it current; [`Engine::shutdown`] waits for it to empty and reports what is left.
+    pub(crate) held: Arc<Mutex<Vec<Key>>>,
 }
 
 impl ShardHandle {
@@ -891,6 +901,7 @@ impl Engine {
                 inbox: Arc::new(Inbox::new()),
                 wake: Arc::new(WakeFlag::new()),
                 stats: Arc::new(Mutex::new(Stats::default())),
+                held: Arc::new(Mutex::new(Vec::new())),
             });
         }
         let config_control = config.control;
@@ -1174,16 +1185,40 @@ impl Engine {
         total.snapshot()
     }
 
-    /// Stops the writer threads and waits for them. In-flight transfers are abandoned; call it once
-    /// [`Engine::poll`] has reported everything you waited for.
-    pub fn shutdown(mut self) {
-        self.stop();
+    /// Stops the engine and says what it could not fence. In order:
+    ///
+    /// 1. It waits, at most [`Config::shutdown_wait_us`], until no blocks are quarantined any more
+    ///    (a lost producer's final word, its return as a new process, or the bound releases them;
+    ///    the writers keep serving meanwhile, so a `Released` that comes is queued, though no one
+    ///    polls it any more).
+    /// 2. Each writer ends every transfer it posted: cancelled where the transport can cut it short,
+    ///    then polled until it ends, at most 5 s; one still pending is counted
+    ///    (`failures.shutdown_unfenced`) and logged.
+    /// 3. The writers stop and the memory leaves the transport.
+    ///
+    /// After it returns, nothing this engine posted touches the memory. What a *peer* posted is
+    /// another matter: a peer lost without a fence (NIXL over UCX: its remote keys stay valid until
+    /// the memory is deregistered, and over shared memory (CMA) not even that stops a peer process
+    /// that still runs) may still write into the blocks of [`ShutdownReport::quarantined`] requests
+    /// (consumer) or read them (producer, pull). While that list is not empty, keep the memory of
+    /// those blocks allocated and unused (in practice: do not free the regions) until the peers
+    /// concerned are known to be gone; [`ShutdownReport::fenced`] says whether the regions may be
+    /// freed at once.
+    pub fn shutdown(mut self) -> ShutdownReport {
+        self.stop()
     }
 
-    fn stop(&mut self) {
+    /// [`Engine::shutdown`] in place (for an owner that cannot give the engine up, the C API's
+    /// destroy); a second call finds it stopped and reports nothing.
+    pub(crate) fn stop(&mut self) -> ShutdownReport {
         if self.threads.is_empty() {
             // Stopped already (`shutdown`, then `drop`): the regions left the transport then.
-            return;
+            return ShutdownReport::default();
+        }
+        let wait = std::time::Duration::from_micros(self.shared.config.shutdown_wait_us);
+        let deadline = std::time::Instant::now() + wait;
+        while self.quarantined().next().is_some() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
         }
         for s in &self.shared.shards {
             let _ = s.tx.send(Cmd::Stop);
@@ -1198,12 +1233,56 @@ impl Engine {
                 tracing::error!(worker = %self.shared.me, region = ?r, error = %e, "cannot deregister KV memory at shutdown");
             }
         }
+        let mut quarantined: Vec<Key> = self.quarantined().collect();
+        quarantined.sort();
+        quarantined.dedup();
+        let report = ShutdownReport { unfenced_transfers: self.stats().failures.shutdown_unfenced, quarantined };
+        if !report.quarantined.is_empty() {
+            tracing::error!(worker = %self.shared.me, keys = ?report.quarantined, "stopped with blocks still quarantined: a lost peer may still touch them; keep their memory");
+        }
+        report
+    }
+
+    /// The requests whose blocks some writer holds quarantined now.
+    fn quarantined(&self) -> impl Iterator<Item = Key> + '_ {
+        self.shared.shards.iter().flat_map(|s| crate::sync::lock(&s.held).clone())
+    }
+}
+
+/// What [`Engine::shutdown`] could not fence: where it is not [`ShutdownReport::fenced`], memory of
+/// the engine may still be touched after the engine stopped.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShutdownReport {
+    /// Transfers this engine posted that had not ended when its fence gave up
+    /// (`failures.shutdown_unfenced`; each logged with its request and peer).
+    pub unfenced_transfers: u64,
+    /// Requests whose blocks were still quarantined when the wait ended: a peer lost without a
+    /// fence may still write into them (consumer) or read them (producer, pull).
+    pub quarantined: Vec<Key>,
+}
+
+impl ShutdownReport {
+    /// Whether nothing can touch the engine's memory any more: it may be freed.
+    pub fn fenced(&self) -> bool {
+        self.unfenced_transfers == 0 && self.quarantined.is_empty()
+    }
+}
+
+impl std::fmt::Display for ShutdownReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} transfer(s) it posted had not ended, and the blocks of {} request(s) stayed quarantined ({:?})",
+            self.unfenced_transfers,
+            self.quarantined.len(),
+            self.quarantined
+        )
     }
 }
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        self.stop();
+        let _ = self.stop();
     }
 }
 

@@ -159,6 +159,9 @@ pub(super) struct Writer {
     /// The process each peer worker was last lost as: only another process of it coming back says
     /// the lost one is gone ([`Writer::peer_added`]); the same one reconnecting says nothing.
     lost_as: HashMap<PeerAddr, Incarnation>,
+    /// Whether what this shard holds quarantined changed since it was last published in its
+    /// `ShardHandle::held` ([`Writer::publish_held`]).
+    held_changed: bool,
     poll_interval: Duration,
     /// When this writer last did work (for lingering).
     last_active: StdInstant,
@@ -245,6 +248,7 @@ impl Writer {
             abort_heard: HashSet::new(),
             quarantined: HashMap::new(),
             lost_as: HashMap::new(),
+            held_changed: false,
             poll_interval: POLL_MIN,
             last_active: StdInstant::now(),
             batch: false,
@@ -315,6 +319,7 @@ impl Writer {
             while let Some(cmd) = next {
                 if matches!(cmd, Cmd::Stop) {
                     self.fence();
+                    self.publish_held();
                     return;
                 }
                 progressed |= !matches!(cmd, Cmd::Wake);
@@ -337,6 +342,9 @@ impl Writer {
             self.expire_unstarted(now);
             self.drain_grants(now);
             self.drain_outputs();
+            if self.held_changed {
+                self.publish_held();
+            }
             self.poll_interval = if progressed { POLL_MIN } else { (self.poll_interval * 2).min(POLL_WAITING_MAX) };
             if progressed {
                 self.last_active = StdInstant::now();
@@ -435,6 +443,7 @@ impl Writer {
                 match cmd {
                     Cmd::Stop => {
                         self.fence();
+                        self.publish_held();
                         return;
                     }
                     Cmd::BlocksReady { key, .. } => owed.push(Finished::Sent { key, reason: ReleaseReason::Failed }),
@@ -497,6 +506,16 @@ impl Writer {
         }
         let left = self.inflight.len() as u64;
         self.stats().failures.shutdown_unfenced += left;
+    }
+
+    /// Publishes the requests whose blocks this shard holds quarantined (consumer: a producer lost
+    /// unfenced or silent past the drain may still write into them; producer, pull: a consumer lost
+    /// unfenced, or whose grant expired, may still read them) for [`super::Engine::shutdown`].
+    fn publish_held(&mut self) {
+        self.held_changed = false;
+        let mut keys: Vec<Key> = self.quarantined.keys().copied().collect();
+        keys.extend(self.grants.held_keys());
+        *crate::sync::lock(&self.shared.shards[self.index].held) = keys;
     }
 
     /// Producer: tells every consumer worker that registered `key` that it will not arrive.
@@ -1174,6 +1193,7 @@ impl Writer {
         while let Some(event) = self.grants.poll_event() {
             match event {
                 GrantEvent::Ended { key, consumer, result, cause } => {
+                    self.held_changed = true;
                     match cause {
                         GrantCause::Expired => {
                             self.stats().failures.quarantine_expired += 1;
@@ -1188,6 +1208,7 @@ impl Writer {
                     self.rdv.handle_transfer_done(now, key, &target_of(&consumer), result);
                 }
                 GrantEvent::Expired { key, consumer } => {
+                    self.publish_held();
                     // The consumer fails the request and cancels its READ; the sources stay held
                     // until it says the READ ended (its notification or its failure).
                     self.stats().failures.timeout += 1;
@@ -1199,6 +1220,7 @@ impl Writer {
                     );
                 }
                 GrantEvent::Quarantined { key, consumer } => {
+                    self.publish_held();
                     self.stats().counters.quarantined += 1;
                     tracing::warn!(worker = %self.shared.me, %key, %consumer, "a lost consumer may still read: its sources stay quarantined");
                 }
@@ -1686,6 +1708,9 @@ impl Writer {
                         // blocks stay held until `Released`.
                         let producer = self.producers.remove(&key).unwrap_or_default();
                         self.quarantined.insert(key, producer.clone());
+                        // Published before the outcome goes out: a shutdown that follows the
+                        // outcome waits for these blocks.
+                        self.publish_held();
                         let failed = matches!(*ended, Event::Failed { .. });
                         let cause = match why {
                             QuarantineCause::LostUnfenced(rank) => {
@@ -1722,6 +1747,7 @@ impl Writer {
                     }
                     Event::Released { key, expired } => {
                         self.quarantined.remove(&key);
+                        self.held_changed = true;
                         if expired {
                             self.stats().failures.quarantine_expired += 1;
                             tracing::error!(worker = %self.shared.me, %key, "quarantined blocks released by the time bound, without a fence");

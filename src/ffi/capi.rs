@@ -653,6 +653,7 @@ fn status_cstr(code: c_int) -> &'static CStr {
         status::BUFFER_TOO_SMALL => c"KVPUSH_ERR_BUFFER_TOO_SMALL",
         status::CLOSED => c"KVPUSH_ERR_CLOSED",
         status::PANIC => c"KVPUSH_ERR_PANIC",
+        status::UNFENCED => c"KVPUSH_ERR_UNFENCED",
         _ => c"unknown status",
     }
 }
@@ -820,17 +821,28 @@ pub unsafe extern "C" fn kvpush_engine_create(
     })
 }
 
-/// Destroys an engine: unregisters the handle, waits for calls in progress on it, stops the writer
-/// threads and deregisters the memory. In-flight transfers are abandoned.
+/// Destroys an engine: unregisters the handle, waits for calls in progress on it, stops it
+/// ([`crate::engine::Engine::shutdown`]: a bounded wait for quarantined blocks, its own transfers
+/// ended, the writer threads joined, the memory deregistered). `KVPUSH_ERR_UNFENCED` (the handle is
+/// gone all the same) where the memory may still be touched afterwards; the last error names why.
 ///
 /// # Safety
 ///
 /// None beyond the handle's being any value: unknown handles are answered with an error.
 #[no_mangle]
 pub unsafe extern "C" fn kvpush_engine_destroy(engine: *mut kvpush_engine) -> c_int {
-    // The engine stops here, after the calls in progress on it ended: its memory is no longer used
-    // once this returns.
-    destroy("kvpush_engine_destroy", "engine", engine as usize, KIND_ENGINE)
+    guard("kvpush_engine_destroy", || {
+        if engine.is_null() {
+            return Err(FfiError::Null("engine"));
+        }
+        // The engine stops here, after the calls in progress on it ended (`remove` waits for them);
+        // the handle is gone whatever the stop reports. `KVPUSH_ERR_UNFENCED`: a transfer or a lost
+        // peer may still touch the memory.
+        match remove(engine as usize, KIND_ENGINE)? {
+            Item::Engine(mut e) => e.stop(),
+            Item::Hub(_) => Ok(()),
+        }
+    })
 }
 
 /// Writes this worker's encoded handshake into `buf` (`cap` bytes) and its length into `*len`. With

@@ -146,6 +146,15 @@ impl<C: Clone + Eq + Hash> Grants<C> {
         self.grants.values().filter(|g| matches!(g, Grant::Quarantined { .. })).count()
     }
 
+    /// The requests of the grants whose consumer may still be reading without our word to come
+    /// first: quarantined ones, and expired ones (the consumer was told, its READ may still run).
+    pub fn held_keys(&self) -> impl Iterator<Item = Key> + '_ {
+        self.grants
+            .iter()
+            .filter(|(_, g)| matches!(g, Grant::Expired { .. } | Grant::Quarantined { .. }))
+            .map(|((key, _), _)| *key)
+    }
+
     /// The earliest deadline.
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.grants

@@ -33,27 +33,31 @@ macro_rules! cases {
     };
 }
 
-/// Plays `n` requests on a driver of `setup` for at most `limit`, request `i` as `plan` writes it
-/// from the PRNG seeded with `seed`; checks every outcome and prints the summary under `what`.
+/// Plays `n` requests on a driver of `setup` within `bound`, request `i` as `plan` writes it from
+/// the PRNG seeded with `seed`; checks every outcome and prints the summary under `what`.
 fn play(
     setup: Setup,
     n: usize,
     seed: u64,
-    limit: Duration,
+    bound: Bound,
     what: &str,
     mut plan: impl FnMut(&mut Rng, usize) -> Req,
 ) -> Driver {
     let mut rng = Rng(seed);
     let mut d = Driver::new(setup);
     let reqs = (0..n).map(|i| plan(&mut rng, i)).collect();
-    d.run(reqs, limit);
+    d.run_bounded(reqs, bound);
     d.check();
     eprintln!("{what}: {}", d.summary());
     d
 }
 
 fn stress(setup: Setup, requests: usize, seed: u64) -> Driver {
-    play(setup, requests, seed, Duration::from_secs(90), "stress", |rng, i| {
+    stress_within(setup, requests, seed, Bound::Total(Duration::from_secs(90)))
+}
+
+fn stress_within(setup: Setup, requests: usize, seed: u64, bound: Bound) -> Driver {
+    play(setup, requests, seed, bound, "stress", |rng, i| {
         let registration_first = rng.coin();
         let steps = legs(rng, 1, registration_first, 20);
         Req::new("normal", rng.id(i), rng.tokens(), steps, vec![(1, OK)])
@@ -84,7 +88,7 @@ fn pull_concurrent_requests_p2_d2() {
     s.writers = 2;
     s.num_blocks = 8192;
     // Pull: D reads after the router relayed P's block ids, so P always finishes first.
-    play(s, 300, 0x9011, Duration::from_secs(30), "pull", |rng, i| {
+    play(s, 300, 0x9011, Bound::Total(Duration::from_secs(30)), "pull", |rng, i| {
         let steps = legs(rng, 1, false, 10);
         Req::new("pull", rng.id(i), rng.tokens(), steps, vec![(1, OK)])
     });
@@ -197,17 +201,29 @@ fn abort_plan(rng: &mut Rng, i: usize, mode: Mode) -> Req {
 
 fn aborts(setup: Setup, requests: usize, seed: u64) -> Driver {
     let mode = setup.mode;
-    play(setup, requests, seed, Duration::from_secs(40), "aborts", |rng, i| abort_plan(rng, i, mode))
+    // Lease expiries (8 s) are the longest quiet stretches of a healthy run.
+    let bound = Bound::Stalled(Duration::from_secs(30));
+    play(setup, requests, seed, bound, "aborts", |rng, i| abort_plan(rng, i, mode))
 }
 
+/// The abort tests' engines. What they check of an abort's latency (the driver's `margin`: P
+/// releases an aborted request's blocks, and D reports a request it aborted, within it) is that the
+/// abort path answered, not a timeout that would also have ended the request: the drain timeout (D
+/// waiting for a producer's final word), staging's stall bound (P waiting for a CANCEL's answer) and
+/// D's completion timeout. So those are set well above the margin (the drain and the stall bound
+/// 60 s, the completion timeout 20 s), and the margin (10 s, not 3 s) leaves a loaded host room:
+/// at a load average near 20 on 2 cores, 3 s was outrun by the driver's own polling. The lease
+/// (8 s) leaves the driver, which fills P's blocks itself, room to give a request's second leg late.
 fn abort_setup(mode: Mode, p_tp: u16, d_tp: u16, writers: usize) -> Setup {
     let mut s = Setup::new(mode, p_tp, d_tp);
     s.writers = writers;
     s.num_blocks = 8192;
-    s.lease = Duration::from_secs(4);
+    s.lease = Duration::from_secs(8);
     s.registration_timeout = Duration::from_secs(10);
     s.completion_timeout = Duration::from_secs(20);
     s.pull_read_timeout = Duration::from_secs(20);
+    s.drain_timeout = Duration::from_secs(60);
+    s.margin = Duration::from_secs(10);
     s
 }
 
@@ -759,6 +775,16 @@ pub(crate) fn staged(mut s: Setup) -> Setup {
     s
 }
 
+/// [`staged`] for the abort tests: a stalled piece is failed after 60 s, far above the abort
+/// tests' margin, so an abort answered only by that bound fails them ([`abort_setup`]).
+fn staged_aborts(s: Setup) -> Setup {
+    let mut s = staged(s);
+    if let Staging::On(c) = &mut s.staging {
+        c.stall_timeout = Duration::from_secs(60);
+    }
+    s
+}
+
 /// Every P worker staged transfers in pieces, every D worker received staged transfers, and no
 /// staging frame was malformed.
 fn assert_staged(d: &Driver, ctx: &str) {
@@ -780,11 +806,19 @@ fn assert_staged(d: &Driver, ctx: &str) {
 
 /// [`stress`] with staging on, P TP `p_tp` and D TP `d_tp`, `writers` per worker; then
 /// [`assert_staged`].
+///
+/// Every request is registered within 40 ms of the start and then queues for 2 receive slots of
+/// 8 KiB, each piece a chain of thread wake-ups: the last request waits for all the others, so how
+/// long that takes is the host's load, not the protocol (at a load average near 20 on 2 cores, 600
+/// requests took 50 to 65 s). Hence D's completion timeout grows with the queue, 1 s a request
+/// (about 10 times what one costs at that load), and the run is bounded by progress: it fails once
+/// 30 s pass without any outcome, which a stuck transfer (or a lost wake-up) makes happen.
 fn staged_stress(p_tp: u16, d_tp: u16, writers: usize, requests: usize, seed: u64) -> Driver {
     let mut s = staged(Setup::new(Mode::Push, p_tp, d_tp));
     s.writers = writers;
     s.num_blocks = 30_000;
-    let d = stress(s, requests, seed);
+    s.completion_timeout = s.completion_timeout.max(Duration::from_secs(requests as u64));
+    let d = stress_within(s, requests, seed, Bound::Stalled(Duration::from_secs(30)));
     assert_staged(&d, &format!("P TP {p_tp}, D TP {d_tp}"));
     d
 }
@@ -820,7 +854,7 @@ cases! {
 
 #[test]
 fn staged_push_aborts_at_every_stage_p2_d2() {
-    let d = aborts(staged(abort_setup(Mode::Push, 2, 2, 2)), 300, 0x5ab3);
+    let d = aborts(staged_aborts(abort_setup(Mode::Push, 2, 2, 2)), 300, 0x5ab3);
     // Aborts that reached P while its staged WRITE was in flight cut the transfer short.
     let cancelled: u64 = d.c.p.iter().map(|w| w.engine.staging_counts().expect("on").cancelled).sum();
     assert!(cancelled > 0, "no staged transfer was cancelled by an abort");

@@ -11,6 +11,7 @@ use kvpush::proto::codec;
 use kvpush::proto::msg::{Completion, Message};
 use kvpush::proto::{Key, Mode};
 use kvpush::transport::loopback::{Fabric, Fault, LoopbackStats};
+use kvpush::transport::trust::DataKeys;
 use kvpush_testkit::demo::pattern;
 use kvpush_testkit::engines::{connect_as, connect_over, cut, cut_over, poll_until, wait_for, Worker};
 use kvpush_testkit::stress::{build_side, outcome_key, Cluster, Setup, BLOCK_TOKENS, D_ENGINE, P_ENGINE};
@@ -204,7 +205,9 @@ fn logged_by(f: impl FnOnce()) -> String {
 fn shutdown_deregisters_each_region_once() {
     let mut c = Cluster::new(Setup::new(Mode::Push, 1, 1));
     let kvpush_testkit::engines::Worker { engine, transport, buffers } = c.p.remove(0);
-    let logs = logged_by(|| engine.shutdown());
+    let logs = logged_by(|| {
+        engine.shutdown();
+    });
     assert!(!logs.contains("cannot deregister"), "{logs}");
     drop((transport, buffers));
 }
@@ -324,6 +327,69 @@ fn an_unfenceable_lost_peer_gets_its_requests_failed_in_time_and_their_blocks_qu
     // P comes back as a new process: the old one is gone, the blocks are free again.
     connect_as(&p.engine, Incarnation(0xa), &d.engine, D_INC);
     wait_for(&d.engine, "the blocks released", LIMIT, |f| matches!(f, Finished::Released { key: k } if *k == key));
+}
+
+/// A P and a D worker ([`pair`] of `setup`), D's data path unable to fence: D registers `key`, P's
+/// WRITE into it is held 3 s in the data path, and the side channel is cut, so D reports `key`
+/// quarantined (checked).
+fn quarantined_at_the_cut(setup: Setup, key: Key) -> (Worker, Worker, Arc<LocalHub>, Fabric) {
+    let (p, d, hub, fabric) = pair(setup);
+    d.transport.set_unfenceable(true);
+    let tokens = 2 * u64::from(BLOCK_TOKENS);
+    write_held(&p, &d, key, &[vec![5, 6]], tokens, Duration::from_secs(3));
+    cut(&p.engine, P_INC, &d.engine, D_INC);
+    let out = wait_for(&d.engine, "an outcome", LIMIT, |f| f.key() == key);
+    assert!(matches!(out, Finished::Quarantined { .. }), "a lost, unfenced peer's blocks: {out:?}");
+    (p, d, hub, fabric)
+}
+
+/// Issue 16, shutdown with quarantined blocks: D's request is quarantined (P lost without a fence
+/// while its WRITE is held in the data path: over UCX shared memory, CMA, no deregistration stops
+/// a peer process that still runs). `shutdown` must not return, saying the memory may be freed,
+/// while that WRITE can land: it waits (up to `Config::shutdown_wait_us`) for the quarantine to
+/// end, here P returning as a new process 300 ms in, and then reports everything fenced. (Before,
+/// shutdown returned at once, deregistered, and the C API told the caller to free the memory.)
+#[test]
+fn shutdown_waits_for_quarantined_blocks_to_be_released() {
+    let (p, d, _hub, _fabric) = quarantined_at_the_cut(Setup::new(Mode::Push, 1, 1), Key::new(0x16_0901, 1));
+    // P comes back as a new process while D shuts down (as `connect_as` does on D's side).
+    let d_side = d.engine.endpoint().upgrade().expect("D's endpoint");
+    let p_handshake = p.engine.handshake().expect("handshake");
+    let returns = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        let keys = DataKeys { send: [0xa5; 32], recv: [0xb5; 32] };
+        d_side.add_peer(&p_handshake, Incarnation(0xa), ConnId(0), keys).expect("P's new process accepted");
+    });
+    let Worker { engine, transport, buffers } = d;
+    let started = std::time::Instant::now();
+    let report = engine.shutdown();
+    let waited = started.elapsed();
+    returns.join().expect("P returned");
+    assert!(report.fenced(), "the quarantine ended within the wait: {report:?}");
+    assert!(waited >= Duration::from_millis(250), "shutdown returned after {waited:?}, before the quarantine ended");
+    assert!(!one_ended(&p.transport.stats()), "P's WRITE ended meanwhile: the test proved nothing");
+    drop((transport, buffers));
+}
+
+/// The same quarantine, P never returning within the wait (300 ms here): `shutdown` gives up at
+/// the wait's end and reports the request whose blocks the lost peer may still write
+/// (`ShutdownReport::quarantined`; the C API's destroy answers `KVPUSH_ERR_UNFENCED`), so the
+/// caller keeps that memory. (Before, nothing was reported.)
+#[test]
+fn shutdown_reports_the_blocks_a_lost_peer_may_still_write() {
+    let mut setup = Setup::new(Mode::Push, 1, 1);
+    setup.shutdown_wait = Duration::from_millis(300);
+    let key = Key::new(0x16_0902, 1);
+    let (p, d, _hub, _fabric) = quarantined_at_the_cut(setup, key);
+    let Worker { engine, transport, buffers } = d;
+    let started = std::time::Instant::now();
+    let report = engine.shutdown();
+    let waited = started.elapsed();
+    assert_eq!(report.quarantined, vec![key], "{report:?}");
+    assert!(!report.fenced(), "{report:?}");
+    assert!(waited >= Duration::from_millis(300), "shutdown gave up after {waited:?}, before its wait");
+    assert!(!one_ended(&p.transport.stats()), "P's WRITE ended meanwhile: the test proved nothing");
+    drop((transport, buffers));
 }
 
 /// Issue 17 (P TP 1 → D TP 2 over vLLM): D's first side-channel connection to P closed right
