@@ -786,6 +786,7 @@ impl SideChannel {
         let listener = TcpListener::bind(&config.listen).map_err(io(format!("listening on {}", config.listen)))?;
         let local = listener.local_addr().map_err(io("reading the listening address"))?;
         let auth = Auth::resolve(&config, local)?;
+        cipher::warn_if_software_aes();
         let dial = match &config.dial_allow {
             Some(p) => p.clone(),
             None => DialPolicy::from_env()
