@@ -477,7 +477,9 @@ impl Auth {
                     .psk(0, key)
                     .map_err(noise_err)?
             }
-            Auth::Insecure => snow::Builder::with_resolver(NOISE_INSECURE.parse().map_err(noise_err)?, cipher::resolver()),
+            Auth::Insecure => {
+                snow::Builder::with_resolver(NOISE_INSECURE.parse().map_err(noise_err)?, cipher::resolver())
+            }
         }
         .prologue(prologue)
         .map_err(noise_err)?;
