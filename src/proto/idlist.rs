@@ -513,11 +513,14 @@ mod tests {
         out
     }
 
+    /// A list read, or why not, and the bytes after it.
+    type ListRead<'a> = (Result<Vec<u32>, ListError>, &'a [u8]);
+
     /// A runs-form list as read before the one-word fast path (session 12): one run at a time,
     /// every field through the general varint reader, sums in i128; `None` for a deltas-form list
     /// (its reader did not change). The reference [`Reader::list`] is checked against, error for
     /// error, with the bytes left after a list.
-    fn runs_one_at_a_time(bytes: &[u8], left: u64) -> Option<(Result<Vec<u32>, ListError>, &[u8])> {
+    fn runs_one_at_a_time(bytes: &[u8], left: u64) -> Option<ListRead<'_>> {
         let mut r = Reader::new(bytes);
         let head = match r.u64("a block list's head") {
             Ok(head) if head & 1 == 1 => return None,
