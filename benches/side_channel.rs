@@ -12,7 +12,7 @@
 //!
 //! `cargo bench --bench side_channel` (needs `. scripts/nixl.sh` for the build only). Besides
 //! criterion's estimate it prints p50/p99 of individually timed round trips, and the p50 of each
-//! stage of one on its own: encode, seal (in memory, the same Noise parameters), the `write` of the
+//! stage of one on its own: encode, seal (in memory, the same Noise parameters and cipher), the `write` of the
 //! sealed record and the `read` of it on a loopback TCP pair, open, decode. What a round trip spends
 //! beyond their sum is the channel's buffers and bookkeeping.
 //! Target: p50 ≤ 5 µs (issue #19); results in docs/benchmarks.md.
@@ -24,6 +24,7 @@ use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
 
 use criterion::{criterion_group, criterion_main, Criterion};
+use kvpush::engine::cipher;
 use kvpush::engine::side::{self, LoopbackSession};
 use kvpush::proto::codec;
 use kvpush::proto::layout::{KvLayout, Parallel};
@@ -82,11 +83,12 @@ fn round_trip(s: &mut LoopbackSession, msg: &Message, l: &KvLayout, frame: &mut 
     codec::decode(got, Some(l)).expect("decodes")
 }
 
-/// A Noise transport pair with the side channel's parameters, handshaken in memory.
-fn noise_pair() -> (snow::TransportState, snow::TransportState) {
+/// A Noise transport pair with the side channel's parameters, handshaken in memory, its primitives
+/// from `resolver` (the channel's: [`cipher::resolver`]).
+fn noise_pair(resolver: fn() -> snow::resolvers::BoxedCryptoResolver) -> (snow::TransportState, snow::TransportState) {
     let params: snow::params::NoiseParams = side::NOISE_PSK.parse().expect("params");
     let psk = [7u8; 32];
-    let build = || snow::Builder::new(params.clone()).psk(0, &psk).expect("psk");
+    let build = || snow::Builder::with_resolver(params.clone(), resolver()).psk(0, &psk).expect("psk");
     let mut i = build().build_initiator().expect("initiator");
     let mut r = build().build_responder().expect("responder");
     let (mut m, mut p) = ([0u8; 128], [0u8; 128]);
@@ -95,6 +97,32 @@ fn noise_pair() -> (snow::TransportState, snow::TransportState) {
     let n = r.write_message(&[], &mut m).expect("msg 2");
     i.read_message(&m[..n], &mut p).expect("msg 2");
     (i.into_transport_mode().expect("transport"), r.into_transport_mode().expect("transport"))
+}
+
+/// snow's own primitives (its AES-GCM builds the cipher again for every record).
+fn snows_own() -> snow::resolvers::BoxedCryptoResolver {
+    Box::new(snow::resolvers::DefaultResolver)
+}
+
+/// The p50 in ns of sealing `plain` as one record, and of opening it, with `resolver`'s cipher.
+fn seal_open(plain: &[u8], n: usize, resolver: fn() -> snow::resolvers::BoxedCryptoResolver) -> (u64, u64) {
+    let (mut tx, _) = noise_pair(resolver);
+    let mut sealed = vec![0u8; plain.len() + 16];
+    let mut opened = vec![0u8; plain.len()];
+    let seal = p50_of(n, || {
+        black_box(tx.write_message(black_box(plain), &mut sealed).expect("seals"));
+    });
+    // Open what was sealed, in order (each open needs the next nonce: seal one, time the open), on
+    // a fresh pair (the sealing above used up the sender's nonces).
+    let (mut tx, mut rx) = noise_pair(resolver);
+    let mut ns = Vec::with_capacity(n);
+    for _ in 0..n {
+        let len = tx.write_message(plain, &mut sealed).expect("seals");
+        let t = Instant::now();
+        black_box(rx.read_message(black_box(&sealed[..len]), &mut opened).expect("opens"));
+        ns.push(t.elapsed().as_nanos() as u64);
+    }
+    (seal, pct(&mut ns, 0.5))
 }
 
 /// p50 in ns of `f` over `n` individually timed calls.
@@ -135,23 +163,9 @@ fn breakdown(msg: &Message, l: &KvLayout, n: usize) -> String {
     // One record: the continuation flag and the frame, as the channel seals it.
     let mut plain = vec![0u8];
     plain.extend_from_slice(&frame);
-    let (mut tx, _) = noise_pair();
-    let mut sealed = vec![0u8; plain.len() + 16];
-    let mut opened = vec![0u8; plain.len()];
-    let seal = p50_of(n, || {
-        black_box(tx.write_message(black_box(&plain), &mut sealed).expect("seals"));
-    });
-    // Open what was sealed, in order (each open needs the next nonce: seal one, time the open), on
-    // a fresh pair (the sealing above used up the sender's nonces).
-    let (mut tx, mut rx) = noise_pair();
-    let mut ns = Vec::with_capacity(n);
-    for _ in 0..n {
-        let len = tx.write_message(&plain, &mut sealed).expect("seals");
-        let t = Instant::now();
-        black_box(rx.read_message(black_box(&sealed[..len]), &mut opened).expect("opens"));
-        ns.push(t.elapsed().as_nanos() as u64);
-    }
-    let open = pct(&mut ns, 0.5);
+    let (seal, open) = seal_open(&plain, n, cipher::resolver);
+    let (snow_seal, snow_open) = seal_open(&plain, n, snows_own);
+    let sealed = vec![0u8; plain.len() + 16];
     // The sealed record's bytes through a socket: one `write`, then one `read` of what arrived
     // (timed apart; the write has returned, so the read finds the bytes there).
     let record = &sealed[..];
@@ -172,14 +186,16 @@ fn breakdown(msg: &Message, l: &KvLayout, n: usize) -> String {
     let (write, read) = (pct(&mut w, 0.5), pct(&mut r, 0.5));
     let us = |ns: u64| ns as f64 / 1e3;
     format!(
-        "encode {:.2} µs, seal {:.2} µs, write {:.2} µs, read {:.2} µs, open {:.2} µs, decode {:.2} µs (stages p50; sum {:.2} µs)",
+        "encode {:.2} µs, seal {:.2} µs, write {:.2} µs, read {:.2} µs, open {:.2} µs, decode {:.2} µs (stages p50; sum {:.2} µs); snow's own AES-GCM: seal {:.2} µs, open {:.2} µs",
         us(encode),
         us(seal),
         us(write),
         us(read),
         us(open),
         us(decode),
-        us(encode + seal + write + read + open + decode)
+        us(encode + seal + write + read + open + decode),
+        us(snow_seal),
+        us(snow_open)
     )
 }
 

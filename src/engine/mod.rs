@@ -41,6 +41,7 @@ use crate::transport::{Transport, TransportError, Units};
 use budget::{ControlBudget, Credit};
 
 pub mod budget;
+pub mod cipher;
 pub mod dial;
 pub mod link;
 mod outcomes;

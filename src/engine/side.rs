@@ -60,6 +60,7 @@ use std::time::{Duration, Instant};
 use sha2::{Digest, Sha256};
 use snow::{HandshakeState, TransportState};
 
+use super::cipher;
 use super::dial::{self, DialPolicy};
 use super::link::{ControlLink, LinkError, PeerAddr};
 use super::EngineError;
@@ -472,9 +473,13 @@ impl Auth {
         let noise_err = |e: snow::Error| SideError::Protocol { peer: peer.clone(), detail: format!("noise: {e}") };
         let builder = match self {
             Auth::Psk { key, .. } => {
-                snow::Builder::new(NOISE_PSK.parse().map_err(noise_err)?).psk(0, key).map_err(noise_err)?
+                snow::Builder::with_resolver(NOISE_PSK.parse().map_err(noise_err)?, cipher::resolver())
+                    .psk(0, key)
+                    .map_err(noise_err)?
             }
-            Auth::Insecure => snow::Builder::new(NOISE_INSECURE.parse().map_err(noise_err)?),
+            Auth::Insecure => {
+                snow::Builder::with_resolver(NOISE_INSECURE.parse().map_err(noise_err)?, cipher::resolver())
+            }
         }
         .prologue(prologue)
         .map_err(noise_err)?;
@@ -783,6 +788,7 @@ impl SideChannel {
         let listener = TcpListener::bind(&config.listen).map_err(io(format!("listening on {}", config.listen)))?;
         let local = listener.local_addr().map_err(io("reading the listening address"))?;
         let auth = Auth::resolve(&config, local)?;
+        cipher::warn_if_software_aes();
         let dial = match &config.dial_allow {
             Some(p) => p.clone(),
             None => DialPolicy::from_env()

@@ -170,43 +170,93 @@ impl<'a> Reader<'a> {
             }
             return Ok(ids);
         }
-        // Room for a short run's whole block of lanes past the last id, cut off at the end.
+        // Room for a run's last block of lanes past the last id, cut off at the end.
         let mut ids = vec![0u32; count + SHORT_RUN];
-        let mut prev: i128 = 0;
-        let mut got = 0usize;
+        let (mut prev, mut got) = (0u32, 0usize);
         while got < count {
-            let first = id(prev + i128::from(self.zigzag("a run's first id")?))?;
-            let lens = self.u64("a run's length")?;
-            let (len, descending) = ((lens >> 1) + 1, lens & 1 == 1);
-            let left = (count - got) as u64;
-            if len > left {
-                return Err(ListError::RunPastCount { len, over: len - left });
-            }
-            // A run's length is at most the count's, a usize.
-            let len = len as usize;
-            let span = (len - 1) as i128;
-            let last = id(if descending { i128::from(first) - span } else { i128::from(first) + span })?;
-            // Every id from `first` to `last` is in u32 (checked above), so `k < len <= 2^32` gives
-            // the run's ids exactly. A short run (a reused pool's are a few ids) is written as a
-            // whole block of lanes, the same stores whatever its length (the lanes past it are
-            // overwritten by the next run or cut off at the end): no branch on the length to miss.
+            let left = count - got;
+            // Nearly every run of a reused pool's list is a one- or two-byte jump and a one-byte
+            // length: read without a branch on those lengths; anything else (a longer field, an
+            // error, the list's last bytes) takes the general reader from the same place.
+            let (first, len, descending) = match self.short_run(prev, left) {
+                Some(run) => run,
+                None => self.run(prev, left)?,
+            };
+            // Every id from `first` to the run's last is in u32 (checked by either reader), so
+            // `k < len <= 2^32` gives the run's ids exactly. A run is written as whole blocks of
+            // lanes, the same stores whatever its length (the lanes past it are overwritten by the
+            // next run or cut off at the end): no branch on the length but the loop's, taken once
+            // for a run of at most 16 ids.
             let step = if descending { u32::MAX } else { 1 };
-            let at = |k: usize| first.wrapping_add((k as u32).wrapping_mul(step));
-            if let Some(lanes) = ids[got..].first_chunk_mut::<SHORT_RUN>().filter(|_| len <= SHORT_RUN) {
-                for (k, slot) in lanes.iter_mut().enumerate() {
-                    *slot = at(k);
-                }
-            } else {
-                for (k, slot) in ids[got..got + len].iter_mut().enumerate() {
-                    *slot = at(k);
+            for start in (0..len).step_by(SHORT_RUN) {
+                // `got + start < count`, so the block ends within `count + SHORT_RUN`.
+                if let Some(lanes) = ids.get_mut(got + start..).and_then(|s| s.first_chunk_mut::<SHORT_RUN>()) {
+                    for (k, slot) in lanes.iter_mut().enumerate() {
+                        *slot = first.wrapping_add(((start + k) as u32).wrapping_mul(step));
+                    }
                 }
             }
-            prev = last.into();
+            prev = run_last(first, len, descending);
             got += len;
         }
         ids.truncate(count);
         Ok(ids)
     }
+
+    /// The next run of a runs body, `(first, len, descending)`, when its two fields are one or two
+    /// bytes each and at least 8 bytes are left: read from one 8-byte word, the fields' lengths
+    /// taken from their continuation bits without a branch. `None` (nothing consumed) when that
+    /// does not hold, or when the run is not valid (its ids leave u32, it passes `left`): then
+    /// [`Reader::run`] reads it, and names the error.
+    #[inline(always)]
+    fn short_run(&mut self, prev: u32, left: usize) -> Option<(u32, usize, bool)> {
+        let w = u64::from_le_bytes(*self.bytes.first_chunk::<8>()?);
+        let (jump, jump_bytes, jump_long) = two_byte_varint(w);
+        let (lens, lens_bytes, lens_long) = two_byte_varint(w >> (8 * jump_bytes));
+        if jump_long | lens_long {
+            return None;
+        }
+        // Under 2^14 each: the sums below are far from i64's ends.
+        let delta = (jump >> 1) as i64 ^ -((jump & 1) as i64);
+        let first = u32::try_from(i64::from(prev) + delta).ok()?;
+        let (len, descending) = ((lens >> 1) as usize + 1, lens & 1 == 1);
+        let span = (len - 1) as i64;
+        let last = i64::from(first) + if descending { -span } else { span };
+        if len > left || u32::try_from(last).is_err() {
+            return None;
+        }
+        self.bytes = &self.bytes[(jump_bytes + lens_bytes) as usize..];
+        Some((first, len, descending))
+    }
+
+    /// The next run of a runs body, `(first, len, descending)`, any varint lengths, every field
+    /// checked: ids within u32, at most `left` ids.
+    fn run(&mut self, prev: u32, left: usize) -> Result<(u32, usize, bool), ListError> {
+        let id = |v: i128| u32::try_from(v).map_err(|_| ListError::IdOutOfU32(v));
+        // Sums in i128: a delta is any i64, so none of this overflows.
+        let first = id(i128::from(prev) + i128::from(self.zigzag("a run's first id")?))?;
+        let lens = self.u64("a run's length")?;
+        let (len, descending) = ((lens >> 1) + 1, lens & 1 == 1);
+        let left = left as u64;
+        if len > left {
+            return Err(ListError::RunPastCount { len, over: len - left });
+        }
+        let span = i128::from(len - 1);
+        id(if descending { i128::from(first) - span } else { i128::from(first) + span })?;
+        // At most `left`, a usize.
+        Ok((first, len as usize, descending))
+    }
+}
+
+/// The varint at the low end of `w` if it is one or two bytes: `(value, bytes, longer)`, where
+/// `longer` says it is three bytes or more (and the other two are then meaningless). No branch.
+#[inline(always)]
+fn two_byte_varint(w: u64) -> (u64, u64, bool) {
+    let more = (w >> 7) & 1;
+    let longer = (w >> 15) & more == 1;
+    // The second byte's 7 bits, at bits 7..14, kept only when the first byte continues.
+    let v = (w & 0x7f) | ((w >> 1) & 0x3f80 & more.wrapping_neg());
+    (v, 1 + more, longer)
 }
 
 /// The lanes a run of at most this many ids is read into at once.
@@ -277,10 +327,18 @@ fn run_from(ids: &[u32], step: u32) -> usize {
 /// Not found with one vector compare of the next 16 ids and a bit count: without AVX2 at compile
 /// time that compare builds its mask from SSE2 shuffles, and a reused pool's list took 5.4 µs to
 /// write instead of 1.5 µs (measured, docs/benchmarks.md).
+///
+/// One branch on the direction: the step from the first id to the second is +1 or −1 (`u32::MAX`)
+/// or no run starts there. A step that wraps (`u32::MAX` then 0, or 0 then `u32::MAX`) finds no
+/// room in [`run_from`]: a run of one, not descending.
 fn next_run(ids: &[u32]) -> (usize, bool) {
-    match (ids.first(), ids.get(1)) {
-        (Some(&a), Some(&b)) if a.checked_add(1) == Some(b) => (run_from(ids, 1), false),
-        (Some(&a), Some(&b)) if a.checked_sub(1) == Some(b) => (run_from(ids, u32::MAX), true),
+    match ids {
+        // `step + 1` is 2 for +1 and 0 for −1.
+        [a, b, ..] if b.wrapping_sub(*a).wrapping_add(1) & !2 == 0 => {
+            let step = b.wrapping_sub(*a);
+            let len = run_from(ids, step);
+            (len, step == u32::MAX && len > 1)
+        }
         _ => (1, false),
     }
 }
@@ -309,7 +367,20 @@ fn write_deltas(out: &mut Vec<u8>, ids: &[u32]) {
 const LANES: usize = 16;
 
 /// Writes `v` as a varint at `buf[at..]`, which has room for it; returns the index after it.
+///
+/// A value under 2^14 (a reused pool's jumps and run lengths) is written as two bytes without a
+/// branch on its length: the second is 0 when the varint is one byte, and is overwritten by the
+/// next field or cut off with the room after the last one.
+#[inline(always)]
 fn put(buf: &mut [u8], mut at: usize, mut v: u64) -> usize {
+    if v < 1 << 14 {
+        if let Some(two) = buf.get_mut(at..at + 2) {
+            let more = u8::from(v >= 0x80);
+            two[0] = (v as u8 & 0x7f) | (more << 7);
+            two[1] = (v >> 7) as u8;
+            return at + 1 + usize::from(more);
+        }
+    }
     while v >= 0x80 {
         buf[at] = v as u8 | 0x80;
         v >>= 7;
@@ -438,6 +509,72 @@ mod tests {
             varint(&mut out, zigzag(i64::from(first) - prev));
             varint(&mut out, run_len(len, descending));
             prev = run_last(first, len, descending).into();
+        }
+        out
+    }
+
+    /// A list read, or why not, and the bytes after it.
+    type ListRead<'a> = (Result<Vec<u32>, ListError>, &'a [u8]);
+
+    /// A runs-form list as read before the one-word fast path (session 12): one run at a time,
+    /// every field through the general varint reader, sums in i128; `None` for a deltas-form list
+    /// (its reader did not change). The reference [`Reader::list`] is checked against, error for
+    /// error, with the bytes left after a list.
+    fn runs_one_at_a_time(bytes: &[u8], left: u64) -> Option<ListRead<'_>> {
+        let mut r = Reader::new(bytes);
+        let head = match r.u64("a block list's head") {
+            Ok(head) if head & 1 == 1 => return None,
+            Ok(head) => head,
+            Err(e) => return Some((Err(e), r.rest())),
+        };
+        let count = head >> 1;
+        if count > left {
+            return Some((Err(ListError::OverBudget { count, left }), r.rest()));
+        }
+        let id = |v: i128| u32::try_from(v).map_err(|_| ListError::IdOutOfU32(v));
+        let mut body = || {
+            let (mut ids, mut prev) = (Vec::new(), 0i128);
+            while (ids.len() as u64) < count {
+                let first = id(prev + i128::from(r.zigzag("a run's first id")?))?;
+                let lens = r.u64("a run's length")?;
+                let (len, descending) = ((lens >> 1) + 1, lens & 1 == 1);
+                let left = count - ids.len() as u64;
+                if len > left {
+                    return Err(ListError::RunPastCount { len, over: len - left });
+                }
+                let span = i128::from(len - 1);
+                let last = id(if descending { i128::from(first) - span } else { i128::from(first) + span })?;
+                for k in 0..len as u32 {
+                    ids.push(if descending { first - k } else { first + k });
+                }
+                prev = last.into();
+            }
+            Ok(ids)
+        };
+        let ids = body();
+        Some((ids, r.rest()))
+    }
+
+    /// [`Reader::list`] reads what [`runs_one_at_a_time`] reads.
+    fn reads_as_before(bytes: &[u8], left: u64) -> Result<(), TestCaseError> {
+        let Some((want, want_rest)) = runs_one_at_a_time(bytes, left) else { return Ok(()) };
+        let mut r = Reader::new(bytes);
+        let got = r.list(left);
+        prop_assert_eq!(&got, &want, "{:02x?}", bytes);
+        if got.is_ok() {
+            prop_assert_eq!(r.rest(), want_rest);
+        }
+        Ok(())
+    }
+
+    /// A runs body of `(jump, length field)` pairs written as raw varints, for the fast path's
+    /// edges: fields of one, two and three or more bytes, errors at every place.
+    fn runs_body(count: u64, fields: &[(u64, u64)]) -> Vec<u8> {
+        let mut out = Vec::new();
+        varint(&mut out, count << 1);
+        for &(jump, lens) in fields {
+            varint(&mut out, jump);
+            varint(&mut out, lens);
         }
         out
     }
@@ -597,6 +734,62 @@ mod tests {
             }
         }
 
+    }
+
+    /// A varint field for [`runs_body`]: one byte, two, either side of the two-byte limit (2^14),
+    /// or anything.
+    fn field() -> impl Strategy<Value = u64> {
+        prop_oneof![0u64..0x80, 0x80u64..0x4000, 0x3ff0u64..0x4010, any::<u64>(), Just(u64::MAX)]
+    }
+
+    #[test]
+    fn the_fast_path_reads_fields_at_the_two_byte_limit_and_the_end_of_the_bytes() {
+        // Jumps and lengths of 1, 2 and 3 bytes, with the list ending at once (fewer than 8 bytes
+        // after a run: the general reader) or followed by padding (the one-word reader).
+        for jump in [0u64, 0x7e, 0x7f, 0x80, 0x3ffe, 0x3fff, 0x4000, 0x4001] {
+            for lens in [0u64, 1, 0x7f, 0x80, 0x3fff, 0x4000] {
+                for pad in [0usize, 1, 7, 8, 16] {
+                    let mut bytes = runs_body((lens >> 1) + 1, &[(jump, lens)]);
+                    bytes.resize(bytes.len() + pad, 0);
+                    let run = runs_one_at_a_time(&bytes, u64::MAX);
+                    let (want, want_rest) = run.expect("a runs-form list");
+                    let mut r = Reader::new(&bytes);
+                    let got = r.list(u64::MAX);
+                    assert_eq!(got, want, "{jump:#x} {lens:#x} +{pad}");
+                    if got.is_ok() {
+                        assert_eq!(r.rest(), want_rest);
+                    }
+                }
+            }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn runs_bodies_read_as_one_run_at_a_time_did(
+            count in prop_oneof![0u64..64, 0u64..5000],
+            fields in prop::collection::vec((field(), field()), 0..40),
+            cut in any::<prop::sample::Index>(),
+            pad in 0usize..12,
+            left in prop_oneof![0u64..64, 0u64..5000, Just(u64::MAX)],
+        ) {
+            // The body as written, cut anywhere, and with bytes after it (the fast path reads 8 at a
+            // time): the same ids, or the same error, as the general reader.
+            let body = runs_body(count, &fields);
+            let cut = cut.index(body.len() + 1);
+            reads_as_before(&body[..cut], left)?;
+            let mut padded = body.clone();
+            padded.resize(body.len() + pad, 0x80);
+            reads_as_before(&padded, left)?;
+        }
+
+        #[test]
+        fn fifo_like_lists_read_as_one_run_at_a_time_did(ids in fifo_like(), pad in 0usize..12) {
+            let mut bytes = enc(&ids);
+            reads_as_before(&bytes, u64::MAX)?;
+            bytes.resize(bytes.len() + pad, 0xff);
+            reads_as_before(&bytes, ids.len() as u64)?;
+        }
     }
 
     proptest! {
