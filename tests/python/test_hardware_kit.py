@@ -534,9 +534,13 @@ def test_sweep_against_fakes(fakes: dict) -> None:
 def test_ctrl_c_stops_everything(fakes: dict) -> None:
     out_json = fakes["tmp"] / "results" / "run.json"
     # A long cell (200 requests at 2/s) so the client is measuring when the signal comes.
+    # Ctrl-C at a terminal reaches a shell whose SIGINT is not ignored; a test run started in the
+    # background of a non-interactive shell inherits it ignored, and bash cannot trap a signal ignored
+    # on entry. The kit is started as a terminal would start it.
     proc = subprocess.Popen(["bash", str(KIT / "sweep.sh"), *fakes["args"], "--setups", "kvpush-push", "--lengths",
                              "16", "--rates", "2", "--requests", "200", "--max-tokens", "2", "--out", str(out_json)],
-                            cwd=REPO, env=fakes["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                            cwd=REPO, env=fakes["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         if out_json.exists() and json.loads(out_json.read_text())["setups"][0].get("cells") is not None:
