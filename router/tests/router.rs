@@ -408,13 +408,24 @@ async fn after_prefill_pair(
     d_events: Vec<Bytes>,
     cont_events: Vec<Bytes>,
 ) -> (Fake, Fake, RouterHandle, String) {
+    after_prefill_pair_answering(p_go, p_token_answer(" the", 5), d_events, cont_events, false).await
+}
+
+/// `after_prefill_pair` with P's `answer`, and a D that answers 503 when `d_fails`.
+async fn after_prefill_pair_answering(
+    p_go: Arc<Notify>,
+    answer: Value,
+    d_events: Vec<Bytes>,
+    cont_events: Vec<Bytes>,
+    d_fails: bool,
+) -> (Fake, Fake, RouterHandle, String) {
     let p = Fake::start(
         None,
         handler(move |_s: Seen| {
-            let p_go = p_go.clone();
+            let (p_go, answer) = (p_go.clone(), answer.clone());
             async move {
                 p_go.notified().await;
-                json_reply(200, &p_token_answer(" the", 5))
+                json_reply(200, &answer)
             }
         }),
     )
@@ -423,7 +434,12 @@ async fn after_prefill_pair(
         None,
         handler(move |s: Seen| {
             let events = if s.json["prompt"] == json!([1, 2, 3, 5]) { cont_events.clone() } else { d_events.clone() };
-            async move { sse_events(events) }
+            async move {
+                if d_fails {
+                    return json_reply(503, &json!({"error": {"message": "D is full", "code": 503}}));
+                }
+                sse_events(events)
+            }
         }),
     )
     .await;
@@ -467,6 +483,37 @@ async fn push_after_prefill_sends_d_its_leg_only_once_p_answered() {
     assert_eq!((&d_leg["prompt"], &d_leg["max_tokens"]), (&json!([1, 2, 3]), &json!(3)), "{d_leg}");
     assert_eq!(d_leg["kv_transfer_params"]["do_remote_prefill"], true, "{d_leg}");
     assert_eq!(tid(&d.requests()[0]), tid(&p.requests()[0]), "one transfer id on both legs");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_after_prefill_relays_d_as_sent_when_p_stopped_and_ends_the_stream_when_d_fails() {
+    // P's token is a stop: it cannot stand for the first token, so D's leg leaves then and its stream
+    // goes through untouched (D's own first token included).
+    let mut stopped = p_token_answer(" the", 5);
+    stopped["choices"][0]["finish_reason"] = json!("stop");
+    let d_events = vec![d_token_event(" the", &[5], json!("stop"))];
+    let p_go = Arc::new(Notify::new());
+    p_go.notify_one();
+    let (p, d, _r, base) = after_prefill_pair_answering(p_go, stopped, d_events, vec![], false).await;
+    let resp = within(10.0, "the head", post(&client(), &format!("{base}/v1/completions"), greedy_stream())).await;
+    assert_eq!(resp.status(), 200);
+    let all = within(5.0, "D's stream", resp.into_body().collect()).await.unwrap().to_bytes();
+    let all = String::from_utf8_lossy(&all).into_owned();
+    assert_eq!(sse_tokens(&all).0, " the", "D's stream as D sent it: {all}");
+    assert_eq!((p.count(), d.count()), (1, 1));
+    // D refuses after P's token went out: the stream (200, P's event) ends with D's error event.
+    let p_go = Arc::new(Notify::new());
+    p_go.notify_one();
+    let (_p, d, _r, base) = after_prefill_pair_answering(p_go, p_token_answer(" the", 5), vec![], vec![], true).await;
+    let resp = within(10.0, "the head", post(&client(), &format!("{base}/v1/completions"), greedy_stream())).await;
+    assert_eq!(resp.status(), 200, "the stream began with P's token");
+    let all = within(5.0, "the stream", resp.into_body().collect()).await.unwrap().to_bytes();
+    let all = String::from_utf8_lossy(&all).into_owned();
+    let (text, _, errors) = sse_tokens(&all);
+    assert_eq!(text, " the", "P's token only: {all}");
+    assert_eq!(errors.len(), 1, "D's failure as one error event: {all}");
+    assert!(all.contains("D is full"), "D's message reaches the client: {all}");
+    assert_eq!(d.count(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
