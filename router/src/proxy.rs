@@ -27,7 +27,7 @@ use super::config::TransferMode;
 use super::first_token;
 use super::metrics::{Endpoint, ErrorKind};
 use super::timeline;
-use super::upstream::{self, Lease, LegError, LegRequest, PushTarget, MAX_UPSTREAM_JSON};
+use super::upstream::{self, Instance, Lease, LegError, LegRequest, PushTarget, MAX_UPSTREAM_JSON};
 use super::Shared;
 
 /// Which leg failed.
@@ -489,22 +489,13 @@ async fn push_after_prefill(
     };
     let Some(pre) = first_token::from_prefill(&p_json, request) else {
         let decode_sent = Instant::now();
-        let d_leg = LegRequest { method: Method::POST, path, headers, request_id: tid, body: d_body };
-        timeline::record("router_d_sent", tid);
-        return match upstream::send(&shared.client, d_lease.instance(), d_leg, shared.config.decode_timeout).await {
+        return match send_decode(shared, d_lease.instance(), path, headers, tid, d_body).await {
             Ok(resp) => {
-                timeline::record("router_d_head", tid);
-                if !resp.status().is_success() {
-                    shared.metrics.error(ErrorKind::DecodeStatus);
-                }
                 let head =
                     RelayHead { tid, received, decode_sent, prefill: None, first: First::FromDecode, answered: None };
                 Outcome::Response(relay(shared, resp, head, d_lease))
             }
-            Err(e) => {
-                shared.metrics.error(leg_error_kind(Leg::Decode, &e));
-                Outcome::Response(leg_error_response(Leg::Decode, &e))
-            }
+            Err(e) => Outcome::Response(leg_error_response(Leg::Decode, &e)),
         };
     };
     let (shared2, headers, tid2) = (Arc::clone(shared), headers.clone(), tid.to_owned());
@@ -512,16 +503,8 @@ async fn push_after_prefill(
     let decode = async move {
         let timeline_id = timeline::enabled().then(|| tid2.clone());
         let decode_sent = Instant::now();
-        let d_leg = LegRequest { method: Method::POST, path, headers: &headers, request_id: &tid2, body: d_body };
-        timeline::record("router_d_sent", &tid2);
-        let sent = upstream::send(&shared2.client, d_lease.instance(), d_leg, shared2.config.decode_timeout).await;
-        if let Ok(resp) = &sent {
-            timeline::record("router_d_head", &tid2);
-            if !resp.status().is_success() {
-                shared2.metrics.error(ErrorKind::DecodeStatus);
-            }
-        }
-        let (body, lease, decode_sent) = event_stream(&shared2, path, sent.map(|r| (r, d_lease, decode_sent))).await?;
+        let sent = send_decode(&shared2, d_lease.instance(), path, &headers, &tid2, d_body).await;
+        let (body, lease, decode_sent) = event_stream(path, sent.map(|r| (r, d_lease, decode_sent))).await?;
         let mut relay = Relay::new(shared2, body, true, received, decode_sent, None, lease, true, first, None);
         relay.timeline_id = timeline_id;
         Ok(relay)
@@ -531,6 +514,30 @@ async fn push_after_prefill(
     let mut out = Response::new(ProxyBody::early(early));
     out.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream; charset=utf-8"));
     Outcome::Response(out)
+}
+
+/// Sends D's leg to `inst` with the timeline's marks; an error status or a failed leg is counted.
+async fn send_decode(
+    shared: &Shared,
+    inst: &Instance,
+    path: &'static str,
+    headers: &HeaderMap,
+    tid: &str,
+    body: Bytes,
+) -> Result<Response<Incoming>, LegError> {
+    let d_leg = LegRequest { method: Method::POST, path, headers, request_id: tid, body };
+    timeline::record("router_d_sent", tid);
+    let sent = upstream::send(&shared.client, inst, d_leg, shared.config.decode_timeout).await;
+    match &sent {
+        Ok(resp) => {
+            timeline::record("router_d_head", tid);
+            if !resp.status().is_success() {
+                shared.metrics.error(ErrorKind::DecodeStatus);
+            }
+        }
+        Err(e) => shared.metrics.error(leg_error_kind(Leg::Decode, e)),
+    }
+    sent
 }
 
 /// Whether the client's first token may come from P's answer (`first_token`).
@@ -613,19 +620,9 @@ async fn pull_decode(
         let d_lease = pick(shared, Leg::Decode).map_err(DecodeFailed::Reject)?;
         let d_inst = Arc::clone(d_lease.instance());
         let decode_sent = Instant::now();
-        let timeout = shared.config.decode_timeout;
-        let d_leg = LegRequest { method: Method::POST, path, headers, request_id: tid, body: d_body.clone() };
-        timeline::record("router_d_sent", tid);
-        match upstream::send(&shared.client, &d_inst, d_leg, timeout).await {
-            Ok(resp) => {
-                timeline::record("router_d_head", tid);
-                if !resp.status().is_success() {
-                    shared.metrics.error(ErrorKind::DecodeStatus);
-                }
-                return Ok((resp, d_lease, decode_sent));
-            }
+        match send_decode(shared, &d_inst, path, headers, tid, d_body.clone()).await {
+            Ok(resp) => return Ok((resp, d_lease, decode_sent)),
             Err(e) => {
-                shared.metrics.error(leg_error_kind(Leg::Decode, &e));
                 if e.is_connect() && tries < shared.config.connect_retries {
                     tries += 1;
                     shared.metrics.retry();
@@ -652,7 +649,7 @@ pub(crate) async fn decode_stream(
         Err(DecodeFailed::Reject(r)) => return Err(error_event(&r.message, r.kind.as_str())),
         Err(DecodeFailed::Leg(e)) => return Err(decode_error_event(&e)),
     };
-    event_stream(&shared, path, Ok((resp, lease, decode_sent))).await
+    event_stream(path, Ok((resp, lease, decode_sent))).await
 }
 
 /// The error event that ends a client's stream begun already, for D's failed leg.
@@ -664,16 +661,12 @@ fn decode_error_event(e: &LegError) -> Bytes {
 /// D's answer on a stream begun already: its event-stream body, lease and when it was sent; a failed
 /// leg, an error status or a body that is not an event stream is the error event that ends the stream.
 async fn event_stream(
-    shared: &Shared,
     path: &'static str,
     sent: Result<(Response<Incoming>, Lease, Instant), LegError>,
 ) -> DecodeStream {
     let (resp, lease, decode_sent) = match sent {
         Ok(r) => r,
-        Err(e) => {
-            shared.metrics.error(leg_error_kind(Leg::Decode, &e));
-            return Err(decode_error_event(&e));
-        }
+        Err(e) => return Err(decode_error_event(&e)),
     };
     let (parts, body) = resp.into_parts();
     if !parts.status.is_success() || !is_sse(&parts.headers) {
